@@ -1,0 +1,445 @@
+//! Plugin configuration: the `plugin_configuration` JSON shared by the HTTP
+//! filter and the singleton report service.
+//!
+//! Parsing is strict (`deny_unknown_fields`) and [`Config::parse`] validates
+//! every rule after deserialisation, so a typo or an out-of-range value makes
+//! Envoy refuse the plugin with a message that names the field and the rule.
+//! Defaults are the ones of the design: weights cache 0.60, load 0.20,
+//! queue 0.10, health 0.05, adapter 0.05; `maxQueue` 20; health exclusion
+//! below 0.3; 64-byte text blocks, 16-token blocks; at most 256 blocks hashed
+//! per request; reports pulled every 2000 ms.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+
+use serde::Deserialize;
+
+/// Most pods one router can track: pod sets are 64-bit masks in the index
+/// and the shared-data snapshot.
+pub const MAX_PODS: usize = 64;
+
+/// Tolerance on "weights sum to 1.0".
+const WEIGHT_SUM_TOLERANCE: f64 = 1e-6;
+
+/// A configuration error: the JSON path of the offending field and the rule
+/// it breaks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub rule: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid kvroute configuration: `{}` {}", self.field, self.rule)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn invalid(field: impl Into<String>, rule: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        rule: rule.into(),
+    }
+}
+
+/// Weights of the five built-in scoring factors.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct Weights {
+    pub cache: f64,
+    pub load: f64,
+    pub queue: f64,
+    pub health: f64,
+    pub adapter: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            cache: 0.60,
+            load: 0.20,
+            queue: 0.10,
+            health: 0.05,
+            adapter: 0.05,
+        }
+    }
+}
+
+/// Which way a numeric pod attribute is preferred.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum Preference {
+    Lower,
+    Higher,
+}
+
+/// A config-declared scorer over a numeric pod attribute (for example
+/// `costPerHour`, preferring lower). The attribute is min-max normalised
+/// across the candidates of one decision. With `cacheMatchWindow` set, only
+/// candidates whose cache match is within that distance of the best
+/// candidate's match earn the score ("prefer the cheap pod when its cache
+/// match is within 20 points of the best": `cacheMatchWindow: 0.2`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AttributeScorerConfig {
+    pub name: String,
+    pub weight: f64,
+    pub attribute: String,
+    pub prefer: Preference,
+    #[serde(default)]
+    pub cache_match_window: Option<f64>,
+}
+
+/// One upstream inference pod.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PodConfig {
+    pub id: String,
+    /// `host:port` the request is sent to, and where its report is pulled.
+    pub address: String,
+    /// Numeric attributes for attribute scorers (e.g. `costPerHour`).
+    #[serde(default)]
+    pub attributes: BTreeMap<String, f64>,
+}
+
+/// What a client-facing model name (an InferenceModel) needs from a pod.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ModelTarget {
+    pub base_model: String,
+    #[serde(default)]
+    pub adapter: Option<String>,
+}
+
+/// Where block residency comes from.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum IndexMode {
+    /// Pods report the blocks they store and evict (report protocol v1).
+    #[default]
+    Precise,
+    /// No block reports: the router records its own decisions as "this pod
+    /// now holds these blocks", bounded by a per-pod LRU.
+    Approximate,
+}
+
+/// What to do with a request the router cannot understand.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum BadRequestPolicy {
+    /// Route by load alone (cache score 0).
+    #[default]
+    Route,
+    /// Answer with an OpenAI-style JSON error.
+    Reject,
+}
+
+/// What to do when every pod is excluded.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum NoPodPolicy {
+    /// 503 with `retry-after`.
+    #[default]
+    Reject,
+    /// Send to `fallbackPod` anyway.
+    Fallback,
+}
+
+/// Log verbosity of the plugin.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default, PartialOrd, Ord)]
+#[serde(rename_all = "camelCase")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    #[default]
+    Info,
+    Debug,
+    Trace,
+}
+
+/// Optional pod discovery: a URL (through an Envoy cluster) answering
+/// `{"pods": [{"id": .., "address": .., "attributes": {..}}]}`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DiscoveryConfig {
+    pub cluster: String,
+    pub path: String,
+    #[serde(default)]
+    pub authority: Option<String>,
+}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct Config {
+    pub weights: Weights,
+    pub attribute_scorers: Vec<AttributeScorerConfig>,
+    pub max_queue: u32,
+    pub health_exclusion_threshold: f64,
+    pub block_size_bytes: usize,
+    pub block_size_tokens: usize,
+    pub max_prefix_blocks: usize,
+    /// Secret mixed into the first block's seed so outsiders cannot predict
+    /// block hashes. Pods must hash with the same value.
+    pub hash_seed: String,
+    pub mode: IndexMode,
+    /// Bound of the router's prefix index (least-recently-used eviction).
+    pub max_index_blocks: usize,
+    /// Per-pod bound in approximate mode (the pod's KV capacity in blocks).
+    pub pod_capacity_blocks: usize,
+    pub pod_report_interval_ms: u64,
+    /// A report older than this many intervals starts decaying the pod's health.
+    pub report_timeout_ms: u64,
+    pub pods: Vec<PodConfig>,
+    pub models: BTreeMap<String, ModelTarget>,
+    /// Request paths kvroute routes; others pass through untouched.
+    pub route_paths: Vec<String>,
+    pub max_body_bytes: usize,
+    pub on_bad_request: BadRequestPolicy,
+    pub on_unknown_model: BadRequestPolicy,
+    pub on_no_eligible_pod: NoPodPolicy,
+    pub fallback_pod: Option<String>,
+    pub retry_after_seconds: u32,
+    /// Adds `x-kvroute-pod`, `x-kvroute-score`, `x-kvroute-cache-match`.
+    pub decision_headers: bool,
+    pub log_level: LogLevel,
+    /// Envoy cluster the service reaches pods through (report and metrics).
+    pub report_cluster: String,
+    pub report_path: String,
+    /// vLLM Prometheus endpoint to scrape each tick; `None` disables it.
+    pub metrics_path: Option<String>,
+    pub discovery: Option<DiscoveryConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            weights: Weights::default(),
+            attribute_scorers: Vec::new(),
+            max_queue: 20,
+            health_exclusion_threshold: 0.3,
+            block_size_bytes: 64,
+            block_size_tokens: 16,
+            max_prefix_blocks: 256,
+            hash_seed: String::new(),
+            mode: IndexMode::Precise,
+            max_index_blocks: 1_000_000,
+            pod_capacity_blocks: 32_768,
+            pod_report_interval_ms: 2000,
+            report_timeout_ms: 1000,
+            pods: Vec::new(),
+            models: BTreeMap::new(),
+            route_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            max_body_bytes: 8 * 1024 * 1024,
+            on_bad_request: BadRequestPolicy::Route,
+            on_unknown_model: BadRequestPolicy::Route,
+            on_no_eligible_pod: NoPodPolicy::Reject,
+            fallback_pod: None,
+            retry_after_seconds: 1,
+            decision_headers: false,
+            log_level: LogLevel::Info,
+            report_cluster: "kvroute_reports".into(),
+            report_path: "/kvroute/v1/report".into(),
+            metrics_path: None,
+            discovery: None,
+        }
+    }
+}
+
+impl Config {
+    /// Parses and validates a `plugin_configuration` value. Empty input means
+    /// all defaults (which still needs pods or discovery to be useful).
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let text = std::str::from_utf8(bytes)
+            .map_err(|_| invalid("<configuration>", "is not valid UTF-8"))?;
+        let config: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_json::from_str(text).map_err(|e| serde_error(&e))?
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every rule serde cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let w = &self.weights;
+        let named = [
+            ("weights.cache", w.cache),
+            ("weights.load", w.load),
+            ("weights.queue", w.queue),
+            ("weights.health", w.health),
+            ("weights.adapter", w.adapter),
+        ];
+        let mut sum = 0.0;
+        for (field, value) in named {
+            check_unit(field, value)?;
+            sum += value;
+        }
+        let mut scorer_names = HashSet::new();
+        for (i, s) in self.attribute_scorers.iter().enumerate() {
+            let at = |f: &str| format!("attributeScorers[{i}].{f}");
+            check_unit(&at("weight"), s.weight)?;
+            if s.name.is_empty() || !scorer_names.insert(s.name.as_str()) {
+                return Err(invalid(at("name"), "must be non-empty and unique"));
+            }
+            if s.attribute.is_empty() {
+                return Err(invalid(at("attribute"), "must be non-empty"));
+            }
+            if let Some(window) = s.cache_match_window {
+                check_unit(&at("cacheMatchWindow"), window)?;
+            }
+            sum += s.weight;
+        }
+        if (sum - 1.0).abs() > WEIGHT_SUM_TOLERANCE {
+            return Err(invalid(
+                "weights",
+                format!("must sum to 1.0 together with attributeScorers weights (got {sum:.6})"),
+            ));
+        }
+        if self.max_queue < 1 {
+            return Err(invalid("maxQueue", "must be >= 1"));
+        }
+        check_unit("healthExclusionThreshold", self.health_exclusion_threshold)?;
+        positive("blockSizeBytes", self.block_size_bytes as u64)?;
+        positive("blockSizeTokens", self.block_size_tokens as u64)?;
+        positive("maxPrefixBlocks", self.max_prefix_blocks as u64)?;
+        positive("podReportIntervalMs", self.pod_report_interval_ms)?;
+        positive("reportTimeoutMs", self.report_timeout_ms)?;
+        positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;
+        positive("maxBodyBytes", self.max_body_bytes as u64)?;
+        if self.max_index_blocks < self.max_prefix_blocks {
+            return Err(invalid(
+                "maxIndexBlocks",
+                "must be >= maxPrefixBlocks (the index must hold at least one whole prompt)",
+            ));
+        }
+        if self.pods.len() > MAX_PODS {
+            return Err(invalid("pods", format!("must list at most {MAX_PODS} pods")));
+        }
+        let mut ids = HashSet::new();
+        let mut addresses = HashSet::new();
+        for (i, pod) in self.pods.iter().enumerate() {
+            if pod.id.is_empty() || pod.id.len() > 255 {
+                return Err(invalid(format!("pods[{i}].id"), "must be 1 to 255 bytes"));
+            }
+            if !ids.insert(pod.id.as_str()) {
+                return Err(invalid(format!("pods[{i}].id"), format!("duplicates pod id {:?}", pod.id)));
+            }
+            validate_address(&pod.address).map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
+            if !addresses.insert(pod.address.as_str()) {
+                return Err(invalid(
+                    format!("pods[{i}].address"),
+                    format!("duplicates address {:?}", pod.address),
+                ));
+            }
+        }
+        if self.pods.is_empty() && self.discovery.is_none() {
+            return Err(invalid("pods", "must list at least one pod (or configure discovery)"));
+        }
+        for (name, target) in &self.models {
+            if target.base_model.is_empty() {
+                return Err(invalid(format!("models.{name}.baseModel"), "must be non-empty"));
+            }
+        }
+        for (i, path) in self.route_paths.iter().enumerate() {
+            if !path.starts_with('/') {
+                return Err(invalid(format!("routePaths[{i}]"), "must start with '/'"));
+            }
+        }
+        match (&self.on_no_eligible_pod, &self.fallback_pod) {
+            (NoPodPolicy::Fallback, None) => {
+                return Err(invalid("fallbackPod", "is required when onNoEligiblePod is \"fallback\""))
+            }
+            (_, Some(id)) if !self.pods.is_empty() && !self.pods.iter().any(|p| &p.id == id) => {
+                return Err(invalid("fallbackPod", format!("names unknown pod {id:?}")))
+            }
+            _ => {}
+        }
+        if self.report_cluster.is_empty() {
+            return Err(invalid("reportCluster", "must be non-empty"));
+        }
+        if !self.report_path.starts_with('/') {
+            return Err(invalid("reportPath", "must start with '/'"));
+        }
+        if let Some(path) = &self.metrics_path {
+            if !path.starts_with('/') {
+                return Err(invalid("metricsPath", "must start with '/'"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The base model and adapter a client-facing model name needs, or
+    /// `None` when models are configured and this one is not among them.
+    /// With no `models` configured every name is its own base model.
+    pub fn resolve_model(&self, requested: &str) -> Option<ModelTarget> {
+        if self.models.is_empty() {
+            return Some(ModelTarget {
+                base_model: requested.to_string(),
+                adapter: None,
+            });
+        }
+        self.models.get(requested).cloned()
+    }
+
+    /// Number of shared-data buckets the published index is spread over:
+    /// about 16 blocks per bucket at full index, a power of two.
+    pub fn snapshot_buckets(&self) -> u32 {
+        ((self.max_index_blocks / 16).max(1) as u32).next_power_of_two()
+    }
+}
+
+fn check_unit(field: &str, value: f64) -> Result<(), ConfigError> {
+    if value.is_finite() && (0.0..=1.0).contains(&value) {
+        Ok(())
+    } else {
+        Err(invalid(field, format!("must be in [0, 1] (got {value})")))
+    }
+}
+
+fn positive(field: &str, value: u64) -> Result<(), ConfigError> {
+    if value > 0 {
+        Ok(())
+    } else {
+        Err(invalid(field, "must be > 0"))
+    }
+}
+
+/// A valid `host:port`: non-empty host of DNS or IPv4 characters (or a
+/// bracketed IPv6 literal) and a port in 1..=65535.
+pub fn validate_address(address: &str) -> Result<(), String> {
+    let (host, port) = address
+        .rsplit_once(':')
+        .ok_or_else(|| format!("must be host:port (got {address:?})"))?;
+    let port_ok = port.parse::<u16>().map(|p| p > 0).unwrap_or(false);
+    if !port_ok {
+        return Err(format!("must end in a port 1-65535 (got {address:?})"));
+    }
+    let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        inner.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+    };
+    if host_ok {
+        Ok(())
+    } else {
+        Err(format!("must have a valid host (got {address:?})"))
+    }
+}
+
+/// Turns serde's message into a field-naming error. serde_json reports
+/// unknown fields as "unknown field `x`, expected one of ..." and type errors
+/// with a position; the field is pulled out of the message where present.
+fn serde_error(e: &serde_json::Error) -> ConfigError {
+    let message = e.to_string();
+    let field = message
+        .split('`')
+        .nth(1)
+        .filter(|_| message.contains("field"))
+        .unwrap_or("<configuration>")
+        .to_string();
+    invalid(field, format!("is rejected: {message}"))
+}

@@ -1,0 +1,129 @@
+//! [`DecisionRecorder`]: the approximate mode's index.
+//!
+//! Without pod reports the router assumes a pod caches what it was sent:
+//! each decision (pod, chain) is inserted into a [`PrefixTree`], and each pod
+//! keeps an LRU of its blocks bounded by `podCapacityBlocks` (its KV cache
+//! size), evicting through [`PrefixTree::remove_blocks`]. Blocks are touched
+//! leaf first, so a pod's shared prefixes (system prompts) are always more
+//! recent than the conversations under them and are evicted last.
+//!
+//! The per-pod LRU is lazy: a map hash → last-use stamp plus a FIFO of
+//! (hash, stamp); a FIFO entry whose stamp is stale is skipped. The FIFO is
+//! compacted when it grows past twice the map. O(1) amortised per block.
+
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+
+use super::{PrefixLookup, PrefixMatch, PrefixTree};
+use crate::config::MAX_PODS;
+
+#[derive(Debug, Clone, Default)]
+struct PodLru {
+    stamps: HashMap<u64, u64>,
+    order: VecDeque<(u64, u64)>,
+}
+
+impl PodLru {
+    fn touch(&mut self, hash: u64, stamp: u64) {
+        self.stamps.insert(hash, stamp);
+        self.order.push_back((hash, stamp));
+        if self.order.len() > 2 * self.stamps.len() + 64 {
+            let stamps = &self.stamps;
+            self.order.retain(|(h, s)| stamps.get(h) == Some(s));
+        }
+    }
+
+    fn pop_oldest(&mut self) -> Option<u64> {
+        while let Some((hash, stamp)) = self.order.pop_front() {
+            if self.stamps.get(&hash) == Some(&stamp) {
+                self.stamps.remove(&hash);
+                return Some(hash);
+            }
+        }
+        None
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug, Clone)]
+pub struct DecisionRecorder {
+    tree: PrefixTree,
+    pods: Vec<PodLru>,
+    pod_capacity: usize,
+    clock: u64,
+}
+
+impl DecisionRecorder {
+    pub fn new(tree: PrefixTree, pod_capacity: usize) -> DecisionRecorder {
+        DecisionRecorder {
+            tree,
+            pods: vec![PodLru::default(); MAX_PODS],
+            pod_capacity: pod_capacity.max(1),
+            clock: 0,
+        }
+    }
+
+    /// Records that `pod` was sent a request whose prompt is `chain`.
+    pub fn record(&mut self, pod: usize, chain: &[u64]) {
+        let stored = self.tree.insert_chain(pod, None, chain).stored;
+        let lru = &mut self.pods[pod];
+        for &hash in chain[..stored].iter().rev() {
+            self.clock += 1;
+            lru.touch(hash, self.clock);
+        }
+        while lru.stamps.len() > self.pod_capacity {
+            match lru.pop_oldest() {
+                Some(hash) => self.tree.remove_blocks(pod, &[hash]),
+                None => break,
+            }
+        }
+    }
+
+    /// Forgets a pod (it left the pod list).
+    pub fn drop_pod(&mut self, pod: usize) {
+        self.tree.drop_pod(pod);
+        self.pods[pod] = PodLru::default();
+    }
+
+    pub fn tree(&self) -> &PrefixTree {
+        &self.tree
+    }
+
+    pub fn tree_mut(&mut self) -> &mut PrefixTree {
+        &mut self.tree
+    }
+}
+
+impl PrefixLookup for DecisionRecorder {
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        self.tree.lookup(chain)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_pod_capacity_evicts_old_conversations_not_the_shared_prefix() {
+        let mut recorder = DecisionRecorder::new(PrefixTree::new(1000), 4);
+        recorder.record(0, &[1, 2, 10]);
+        recorder.record(0, &[1, 2, 20]);
+        recorder.record(0, &[1, 2, 30]); // 5 blocks > 4: conversation 10 goes
+        assert_eq!(recorder.lookup(&[1, 2, 10]).blocks(0), 2);
+        assert_eq!(recorder.lookup(&[1, 2, 30]).blocks(0), 3);
+        assert_eq!(recorder.tree().pod_block_count(0), 4);
+    }
+
+    #[test]
+    fn pods_are_bounded_independently() {
+        let mut recorder = DecisionRecorder::new(PrefixTree::new(1000), 2);
+        recorder.record(0, &[1, 2]);
+        recorder.record(1, &[1, 2]);
+        recorder.record(1, &[3, 4]);
+        assert_eq!(recorder.lookup(&[1, 2]).blocks(0), 2);
+        assert_eq!(recorder.lookup(&[1, 2]).blocks(1), 0);
+        assert_eq!(recorder.lookup(&[3, 4]).blocks(1), 2);
+    }
+}

@@ -1,0 +1,484 @@
+//! [`PrefixTree`]: chained block hash → pods holding it, as a tree.
+//!
+//! Nodes live in a slab (`Vec<Node>`, 40 bytes each) found through a
+//! `hashbrown::HashTable<u32>` keyed by the block hash itself (already a
+//! uniform 64-bit hash, so no re-hashing). Each node keeps its parent, an
+//! intrusive child list and intrusive LRU links.
+//!
+//! Invariant: a pod is in a node's mask only if it is in its parent's mask.
+//! - insert: a pod's blocks attach under a parent the pod holds (or at the
+//!   root); blocks whose parent the pod does not hold are refused as orphans.
+//! - remove (a pod evicted block `h`): the pod leaves `h`'s whole subtree,
+//!   and nodes no pod holds any more are freed.
+//! - bound: past `max_nodes` the least-recently-stored *leaf* is evicted
+//!   (an interior node at the LRU tail gets a second chance), like an
+//!   engine's prefix cache, which frees leaves before their prefixes.
+//!
+//! Costs: lookup O(n) probes for an n-block chain; insert O(n) amortised;
+//! remove O(size of the pruned subtree); memory ≈ 40 B/node + the table.
+
+use hashbrown::HashTable;
+
+use super::{pod_bit, PodMask, PrefixLookup, PrefixMatch};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct Node {
+    hash: u64,
+    mask: PodMask,
+    parent: u32,
+    first_child: u32,
+    /// Sibling links; `next_sibling` doubles as the free-list link.
+    next_sibling: u32,
+    prev_sibling: u32,
+    /// Towards the most recently used end.
+    lru_newer: u32,
+    /// Towards the least recently used end.
+    lru_older: u32,
+}
+
+/// Result of [`PrefixTree::insert_chain`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InsertOutcome {
+    /// Blocks the pod now holds (new or refreshed).
+    pub stored: usize,
+    /// Blocks refused because the pod does not hold their parent, or because
+    /// the index could not make room.
+    pub orphaned: usize,
+}
+
+/// See the module documentation.
+#[derive(Debug, Clone)]
+pub struct PrefixTree {
+    nodes: Vec<Node>,
+    table: HashTable<u32>,
+    free_head: u32,
+    len: usize,
+    max_nodes: usize,
+    /// Most recently used node.
+    lru_newest: u32,
+    /// Least recently used node.
+    lru_oldest: u32,
+    evictions: u64,
+    /// (hash, new mask) of every mask change since the last
+    /// [`PrefixTree::take_changes`], when change tracking is on.
+    changes: Option<Vec<(u64, PodMask)>>,
+}
+
+impl PrefixTree {
+    /// An empty tree holding at most `max_nodes` blocks.
+    pub fn new(max_nodes: usize) -> PrefixTree {
+        PrefixTree {
+            nodes: Vec::new(),
+            table: HashTable::new(),
+            free_head: NIL,
+            len: 0,
+            max_nodes: max_nodes.max(1),
+            lru_newest: NIL,
+            lru_oldest: NIL,
+            evictions: 0,
+            changes: None,
+        }
+    }
+
+    /// Like [`PrefixTree::new`], also logging every mask change for a
+    /// publisher to drain with [`PrefixTree::take_changes`].
+    pub fn with_change_log(max_nodes: usize) -> PrefixTree {
+        PrefixTree {
+            changes: Some(Vec::new()),
+            ..PrefixTree::new(max_nodes)
+        }
+    }
+
+    /// Blocks (nodes) in the index.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Blocks evicted by the global bound so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Heap bytes held by the index.
+    pub fn memory_bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.table.allocation_size()
+            + self.changes.as_ref().map_or(0, |c| c.capacity() * 16)
+    }
+
+    /// The pods holding block `hash`, if indexed.
+    pub fn mask(&self, hash: u64) -> Option<PodMask> {
+        self.find(hash).map(|slot| self.nodes[slot as usize].mask)
+    }
+
+    /// The parent block of `hash`, if indexed and not a root.
+    pub fn parent(&self, hash: u64) -> Option<u64> {
+        let slot = self.find(hash)?;
+        let parent = self.nodes[slot as usize].parent;
+        (parent != NIL).then(|| self.nodes[parent as usize].hash)
+    }
+
+    /// Mask changes since the last call (empty unless built with
+    /// [`PrefixTree::with_change_log`]). A mask of 0 means "gone".
+    pub fn take_changes(&mut self) -> Vec<(u64, PodMask)> {
+        self.changes.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Records that `pod` stores the chain `hashes`, continuing `parent`
+    /// (`None`: the chain starts at the first block of a prompt).
+    pub fn insert_chain(&mut self, pod: usize, parent: Option<u64>, hashes: &[u64]) -> InsertOutcome {
+        let bit = pod_bit(pod);
+        let mut parent_slot = match parent {
+            None => NIL,
+            Some(hash) => match self.find(hash) {
+                Some(slot) if self.nodes[slot as usize].mask & bit != 0 => slot,
+                _ => {
+                    return InsertOutcome {
+                        stored: 0,
+                        orphaned: hashes.len(),
+                    }
+                }
+            },
+        };
+        if parent_slot != NIL {
+            self.touch(parent_slot);
+        }
+        for (i, &hash) in hashes.iter().enumerate() {
+            let slot = match self.find(hash) {
+                Some(slot) => slot,
+                None => match self.create(hash, parent_slot) {
+                    Some(slot) => slot,
+                    None => {
+                        return InsertOutcome {
+                            stored: i,
+                            orphaned: hashes.len() - i,
+                        }
+                    }
+                },
+            };
+            self.set_mask(slot, self.nodes[slot as usize].mask | bit);
+            self.touch(slot);
+            parent_slot = slot;
+        }
+        InsertOutcome {
+            stored: hashes.len(),
+            orphaned: 0,
+        }
+    }
+
+    /// Records that `pod` evicted `hashes`: it leaves each one's subtree.
+    pub fn remove_blocks(&mut self, pod: usize, hashes: &[u64]) {
+        for &hash in hashes {
+            if let Some(slot) = self.find(hash) {
+                self.clear_subtree(slot, pod_bit(pod));
+            }
+        }
+    }
+
+    /// Forgets every block of `pod` (restart, removal, full resync). O(nodes).
+    pub fn drop_pod(&mut self, pod: usize) {
+        let bit = pod_bit(pod);
+        let roots: Vec<u32> = (0..self.nodes.len() as u32)
+            .filter(|&slot| {
+                let node = &self.nodes[slot as usize];
+                node.parent == NIL && node.mask & bit != 0
+            })
+            .collect();
+        for root in roots {
+            self.clear_subtree(root, bit);
+        }
+    }
+
+    /// Blocks `pod` holds (O(nodes); for tests and diagnostics). Free slots
+    /// always have an empty mask.
+    pub fn pod_block_count(&self, pod: usize) -> usize {
+        let bit = pod_bit(pod);
+        (0..self.nodes.len() as u32)
+            .filter(|&slot| self.nodes[slot as usize].mask & bit != 0)
+            .count()
+    }
+
+    fn find(&self, hash: u64) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.table.find(hash, |&slot| nodes[slot as usize].hash == hash).copied()
+    }
+
+    fn set_mask(&mut self, slot: u32, mask: PodMask) {
+        let node = &mut self.nodes[slot as usize];
+        if node.mask != mask {
+            node.mask = mask;
+            if let Some(changes) = &mut self.changes {
+                changes.push((node.hash, mask));
+            }
+        }
+    }
+
+    /// A new empty leaf under `parent`, evicting a leaf first when full.
+    /// `None` when nothing can be evicted (every node is `parent` or one of
+    /// its ancestors).
+    fn create(&mut self, hash: u64, parent: u32) -> Option<u32> {
+        if self.len >= self.max_nodes && !self.evict_one(parent) {
+            return None;
+        }
+        let node = Node {
+            hash,
+            mask: 0,
+            parent,
+            first_child: NIL,
+            next_sibling: NIL,
+            prev_sibling: NIL,
+            lru_newer: NIL,
+            lru_older: NIL,
+        };
+        let slot = if self.free_head != NIL {
+            let slot = self.free_head;
+            self.free_head = self.nodes[slot as usize].next_sibling;
+            self.nodes[slot as usize] = node;
+            slot
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        };
+        let nodes = &self.nodes;
+        self.table.insert_unique(hash, slot, |&s| nodes[s as usize].hash);
+        if parent != NIL {
+            let old_first = self.nodes[parent as usize].first_child;
+            self.nodes[slot as usize].next_sibling = old_first;
+            if old_first != NIL {
+                self.nodes[old_first as usize].prev_sibling = slot;
+            }
+            self.nodes[parent as usize].first_child = slot;
+        }
+        self.lru_push_newest(slot);
+        self.len += 1;
+        Some(slot)
+    }
+
+    /// Evicts the least recently used leaf other than `protect`.
+    fn evict_one(&mut self, protect: u32) -> bool {
+        for _ in 0..self.len {
+            let oldest = self.lru_oldest;
+            if oldest == NIL {
+                return false;
+            }
+            if oldest == protect || self.nodes[oldest as usize].first_child != NIL {
+                self.touch(oldest);
+                continue;
+            }
+            self.set_mask(oldest, 0);
+            self.free_node(oldest);
+            self.evictions += 1;
+            return true;
+        }
+        false
+    }
+
+    /// Clears `bit` from `root`'s subtree, freeing nodes left with no pod.
+    fn clear_subtree(&mut self, root: u32, bit: PodMask) {
+        let mut stack = vec![root];
+        while let Some(slot) = stack.pop() {
+            let node = &self.nodes[slot as usize];
+            if node.mask & bit == 0 {
+                continue; // by the invariant, nothing below holds it either
+            }
+            let mask = node.mask & !bit;
+            self.set_mask(slot, mask);
+            if mask == 0 {
+                self.free_subtree(slot);
+            } else {
+                let mut child = self.nodes[slot as usize].first_child;
+                while child != NIL {
+                    stack.push(child);
+                    child = self.nodes[child as usize].next_sibling;
+                }
+            }
+        }
+    }
+
+    /// Frees `root` and everything below it (all of which hold no pod).
+    fn free_subtree(&mut self, root: u32) {
+        let mut stack = vec![root];
+        while let Some(slot) = stack.pop() {
+            let mut child = self.nodes[slot as usize].first_child;
+            while child != NIL {
+                stack.push(child);
+                child = self.nodes[child as usize].next_sibling;
+            }
+            self.nodes[slot as usize].first_child = NIL;
+            self.set_mask(slot, 0);
+            self.free_node(slot);
+        }
+    }
+
+    /// Unlinks a node with no children from its parent, the LRU list and
+    /// the table, and puts it on the free list.
+    fn free_node(&mut self, slot: u32) {
+        let Node {
+            hash,
+            parent,
+            next_sibling,
+            prev_sibling,
+            ..
+        } = self.nodes[slot as usize];
+        if prev_sibling != NIL {
+            self.nodes[prev_sibling as usize].next_sibling = next_sibling;
+        } else if parent != NIL && self.nodes[parent as usize].first_child == slot {
+            self.nodes[parent as usize].first_child = next_sibling;
+        }
+        if next_sibling != NIL {
+            self.nodes[next_sibling as usize].prev_sibling = prev_sibling;
+        }
+        self.lru_unlink(slot);
+        let nodes = &self.nodes;
+        if let Ok(entry) = self.table.find_entry(hash, |&s| nodes[s as usize].hash == hash) {
+            entry.remove();
+        }
+        let node = &mut self.nodes[slot as usize];
+        node.parent = NIL;
+        node.prev_sibling = NIL;
+        node.next_sibling = self.free_head;
+        self.free_head = slot;
+        self.len -= 1;
+    }
+
+    fn touch(&mut self, slot: u32) {
+        if self.lru_newest != slot {
+            self.lru_unlink(slot);
+            self.lru_push_newest(slot);
+        }
+    }
+
+    fn lru_push_newest(&mut self, slot: u32) {
+        let old_newest = self.lru_newest;
+        let node = &mut self.nodes[slot as usize];
+        node.lru_older = old_newest;
+        node.lru_newer = NIL;
+        if old_newest != NIL {
+            self.nodes[old_newest as usize].lru_newer = slot;
+        } else {
+            self.lru_oldest = slot;
+        }
+        self.lru_newest = slot;
+    }
+
+    fn lru_unlink(&mut self, slot: u32) {
+        let Node {
+            lru_newer, lru_older, ..
+        } = self.nodes[slot as usize];
+        if lru_newer != NIL {
+            self.nodes[lru_newer as usize].lru_older = lru_older;
+        } else {
+            self.lru_newest = lru_older;
+        }
+        if lru_older != NIL {
+            self.nodes[lru_older as usize].lru_newer = lru_newer;
+        } else {
+            self.lru_oldest = lru_newer;
+        }
+        let node = &mut self.nodes[slot as usize];
+        node.lru_newer = NIL;
+        node.lru_older = NIL;
+    }
+}
+
+impl PrefixLookup for PrefixTree {
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        let mut result = PrefixMatch::default();
+        let mut running = !0u64;
+        for (i, &hash) in chain.iter().enumerate() {
+            let next = self.mask(hash).unwrap_or(0) & running;
+            result.set_all(running & !next, i as u32);
+            running = next;
+            if running == 0 {
+                return result;
+            }
+        }
+        result.set_all(running, chain.len() as u32);
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_counts_consecutive_blocks_per_pod() {
+        let mut tree = PrefixTree::new(100);
+        tree.insert_chain(0, None, &[1, 2, 3, 4]);
+        tree.insert_chain(1, None, &[1, 2]);
+        tree.insert_chain(1, Some(2), &[5]);
+        let m = tree.lookup(&[1, 2, 3, 4, 9]);
+        assert_eq!((m.blocks(0), m.blocks(1), m.blocks(2)), (4, 2, 0));
+        let m = tree.lookup(&[1, 2, 5]);
+        assert_eq!((m.blocks(0), m.blocks(1)), (2, 3));
+        assert_eq!(tree.len(), 5);
+    }
+
+    #[test]
+    fn orphans_are_refused() {
+        let mut tree = PrefixTree::new(100);
+        tree.insert_chain(0, None, &[1]);
+        let outcome = tree.insert_chain(1, Some(1), &[2, 3]);
+        assert_eq!(outcome, InsertOutcome { stored: 0, orphaned: 2 });
+        assert_eq!(tree.lookup(&[1, 2]).blocks(1), 0);
+    }
+
+    #[test]
+    fn removal_prunes_exactly_the_pods_subtree() {
+        let mut tree = PrefixTree::with_change_log(100);
+        tree.insert_chain(0, None, &[1, 2, 3]);
+        tree.insert_chain(1, None, &[1, 2]);
+        tree.take_changes();
+        tree.remove_blocks(0, &[2]);
+        assert_eq!(tree.mask(1), Some(0b11));
+        assert_eq!(tree.mask(2), Some(0b10));
+        assert_eq!(tree.mask(3), None, "no pod holds block 3 any more");
+        assert_eq!(tree.len(), 2);
+        let mut changes = tree.take_changes();
+        changes.sort();
+        assert_eq!(changes, vec![(2, 0b10), (3, 0)]);
+        // A re-store of block 2 by pod 0 does not resurrect block 3.
+        tree.insert_chain(0, Some(1), &[2]);
+        assert_eq!(tree.lookup(&[1, 2, 3]).blocks(0), 2);
+    }
+
+    #[test]
+    fn drop_pod_forgets_everything_it_held() {
+        let mut tree = PrefixTree::new(100);
+        tree.insert_chain(0, None, &[1, 2, 3]);
+        tree.insert_chain(1, None, &[1, 7]);
+        tree.drop_pod(0);
+        assert_eq!(tree.pod_block_count(0), 0);
+        assert_eq!(tree.len(), 2);
+        assert_eq!(tree.lookup(&[1, 7]).blocks(1), 2);
+    }
+
+    #[test]
+    fn eviction_takes_least_recent_leaves_first() {
+        let mut tree = PrefixTree::new(4);
+        tree.insert_chain(0, None, &[1, 2, 3]); // system prompt 1-2, conversation 3
+        tree.insert_chain(0, Some(2), &[4]); // second conversation
+        tree.insert_chain(0, Some(2), &[5]); // third: evicts leaf 3, not root 1
+        assert_eq!(tree.len(), 4);
+        assert_eq!(tree.mask(3), None);
+        assert_eq!(tree.lookup(&[1, 2, 5]).blocks(0), 3);
+        assert_eq!(tree.evictions(), 1);
+    }
+
+    #[test]
+    fn a_chain_longer_than_the_bound_is_truncated_not_corrupted() {
+        let mut tree = PrefixTree::new(2);
+        let outcome = tree.insert_chain(0, None, &[1, 2, 3, 4]);
+        assert!(outcome.stored >= 1 && outcome.stored + outcome.orphaned == 4);
+        assert!(tree.len() <= 2);
+        let m = tree.lookup(&[1, 2, 3, 4]);
+        assert!(m.blocks(0) as usize <= tree.len());
+    }
+}

@@ -1,0 +1,268 @@
+//! Pod reports: kvroute's report protocol v1 and vLLM's Prometheus metrics.
+//!
+//! Protocol v1 (the contract with pods; `GET {reportPath}?since=SEQ&epoch=E`):
+//!
+//! ```json
+//! {"version": 1, "podId": "pod-a", "epoch": "3f9c...", "seq": 42, "since": 40, "full": false,
+//!  "stored":  [{"parent": "9a1b2c3d4e5f6071" | null, "hashes": ["0123456789abcdef", ...]}],
+//!  "removed": ["fedcba9876543210", ...],
+//!  "queueDepth": 3, "running": 4, "gpuUtilization": 0.55, "health": 1.0,
+//!  "adapters": ["billing-lora"]}
+//! ```
+//!
+//! - Block hashes are 16 lowercase hex digits (JSON numbers cannot carry
+//!   64 bits), computed with kvroute's chained hashing of the same config.
+//! - `epoch` identifies the pod process; `seq` counts its cache events.
+//!   A delta (`full: false`) carries the events after `since`, which must
+//!   equal the router's last `seq` of the same epoch; otherwise the router
+//!   drops the pod's blocks and asks for `since=0`, which pods answer with
+//!   `full: true`: all blocks they hold, as chains in parent-first order.
+//! - `stored` segments are chains: each hash's parent is the previous hash,
+//!   the first one's is `parent` (null: the prompt's first block).
+//! - `queueDepth` (waiting requests), `gpuUtilization` and `health` in
+//!   [0, 1]; `running` and `adapters` optional.
+
+use serde::Deserialize;
+
+/// One chain segment of stored blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredChain {
+    pub parent: Option<u64>,
+    pub hashes: Vec<u64>,
+}
+
+/// A validated pod report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodReport {
+    pub pod_id: String,
+    pub epoch: String,
+    pub seq: u64,
+    pub since: u64,
+    pub full: bool,
+    pub stored: Vec<StoredChain>,
+    pub removed: Vec<u64>,
+    pub queue_depth: u32,
+    pub running: u32,
+    pub gpu_utilization: f64,
+    pub health: f64,
+    pub adapters: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireChain {
+    parent: Option<String>,
+    hashes: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireReport {
+    version: u32,
+    pod_id: String,
+    epoch: String,
+    seq: u64,
+    #[serde(default)]
+    since: u64,
+    full: bool,
+    #[serde(default)]
+    stored: Vec<WireChain>,
+    #[serde(default)]
+    removed: Vec<String>,
+    queue_depth: u32,
+    #[serde(default)]
+    running: u32,
+    gpu_utilization: f64,
+    health: f64,
+    #[serde(default)]
+    adapters: Vec<String>,
+}
+
+/// Formats a block hash the way reports carry it.
+pub fn hash_to_hex(hash: u64) -> String {
+    format!("{hash:016x}")
+}
+
+fn parse_hash(text: &str, field: &str) -> Result<u64, String> {
+    if text.len() != 16 {
+        return Err(format!("`{field}` hash {text:?} must be 16 hex digits"));
+    }
+    u64::from_str_radix(text, 16).map_err(|_| format!("`{field}` hash {text:?} is not hex"))
+}
+
+fn unit_field(value: f64, field: &str) -> Result<f64, String> {
+    if value.is_finite() && (0.0..=1.0).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!("`{field}` must be in [0, 1] (got {value})"))
+    }
+}
+
+/// Parses and validates a protocol v1 report; the error names the field.
+pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
+    let wire: WireReport = serde_json::from_slice(body).map_err(|e| format!("malformed report: {e}"))?;
+    if wire.version != 1 {
+        return Err(format!("`version` {} is not supported (expected 1)", wire.version));
+    }
+    let stored = wire
+        .stored
+        .iter()
+        .map(|chain| {
+            Ok(StoredChain {
+                parent: chain.parent.as_deref().map(|p| parse_hash(p, "stored.parent")).transpose()?,
+                hashes: chain
+                    .hashes
+                    .iter()
+                    .map(|h| parse_hash(h, "stored.hashes"))
+                    .collect::<Result<_, _>>()?,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let removed = wire
+        .removed
+        .iter()
+        .map(|h| parse_hash(h, "removed"))
+        .collect::<Result<_, _>>()?;
+    Ok(PodReport {
+        pod_id: wire.pod_id,
+        epoch: wire.epoch,
+        seq: wire.seq,
+        since: wire.since,
+        full: wire.full,
+        stored,
+        removed,
+        queue_depth: wire.queue_depth,
+        running: wire.running,
+        gpu_utilization: unit_field(wire.gpu_utilization, "gpuUtilization")?,
+        health: unit_field(wire.health, "health")?,
+        adapters: wire.adapters,
+    })
+}
+
+/// What kvroute reads from vLLM's `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct VllmMetrics {
+    /// `vllm:num_requests_waiting`, summed over label sets.
+    pub waiting: Option<f64>,
+    /// `vllm:num_requests_running`.
+    pub running: Option<f64>,
+    /// `vllm:kv_cache_usage_perc` (a fraction in [0, 1] despite its name).
+    pub kv_cache_usage: Option<f64>,
+    /// `running_lora_adapters` of the newest `vllm:lora_requests_info` sample.
+    pub running_adapters: Option<Vec<String>>,
+    /// `max_lora` of the same sample.
+    pub max_lora: Option<u32>,
+}
+
+/// Parses the Prometheus text exposition format for the metrics above.
+/// Unknown lines are ignored; a malformed value line of a wanted metric is an
+/// error naming the line.
+pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
+    let mut metrics = VllmMetrics::default();
+    let mut newest_lora = f64::NEG_INFINITY;
+    for (number, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, labels, rest) = match line.find('{') {
+            Some(open) => {
+                let close = line
+                    .rfind('}')
+                    .ok_or_else(|| format!("metrics line {}: unclosed label set", number + 1))?;
+                (&line[..open], &line[open + 1..close], &line[close + 1..])
+            }
+            None => match line.split_once(' ') {
+                Some((name, rest)) => (name, "", rest),
+                None => continue,
+            },
+        };
+        let target = match name {
+            "vllm:num_requests_waiting" => &mut metrics.waiting,
+            "vllm:num_requests_running" => &mut metrics.running,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut metrics.kv_cache_usage,
+            "vllm:lora_requests_info" => {
+                let value = sample_value(rest, number)?;
+                if value >= newest_lora {
+                    newest_lora = value;
+                    let adapters = label(labels, "running_lora_adapters").unwrap_or_default();
+                    metrics.running_adapters = Some(
+                        adapters
+                            .split(',')
+                            .filter(|a| !a.is_empty())
+                            .map(str::to_string)
+                            .collect(),
+                    );
+                    metrics.max_lora = label(labels, "max_lora").and_then(|m| m.parse().ok());
+                }
+                continue;
+            }
+            _ => continue,
+        };
+        let value = sample_value(rest, number)?;
+        *target = Some(target.unwrap_or(0.0) + value);
+    }
+    Ok(metrics)
+}
+
+fn sample_value(rest: &str, number: usize) -> Result<f64, String> {
+    let text = rest.split_whitespace().next().unwrap_or("");
+    text.parse::<f64>()
+        .map_err(|_| format!("metrics line {}: value {text:?} is not a number", number + 1))
+}
+
+/// The value of `key="..."` in a Prometheus label set.
+fn label(labels: &str, key: &str) -> Option<String> {
+    let start = labels.find(&format!("{key}=\""))? + key.len() + 2;
+    let end = labels[start..].find('"')? + start;
+    Some(labels[start..end].to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_delta_report() {
+        let body = br#"{"version":1,"podId":"pod-a","epoch":"e1","seq":42,"since":40,"full":false,
+            "stored":[{"parent":null,"hashes":["0000000000000001","00000000000000ff"]}],
+            "removed":["0000000000000010"],"queueDepth":3,"gpuUtilization":0.5,"health":1.0,
+            "adapters":["billing"]}"#;
+        let r = parse_report(body).unwrap();
+        assert_eq!(r.stored[0].hashes, vec![1, 255]);
+        assert_eq!(r.removed, vec![16]);
+        assert_eq!((r.seq, r.since, r.queue_depth), (42, 40, 3));
+        assert_eq!(r.adapters, vec!["billing".to_string()]);
+    }
+
+    #[test]
+    fn report_errors_name_the_field() {
+        let base = r#"{"version":1,"podId":"p","epoch":"e","seq":1,"full":true,"queueDepth":0,"gpuUtilization":0.1,"health":HEALTH,"removed":[REMOVED]}"#;
+        let bad_health = base.replace("HEALTH", "1.5").replace("REMOVED", "");
+        assert!(parse_report(bad_health.as_bytes()).unwrap_err().contains("health"));
+        let bad_hash = base.replace("HEALTH", "1").replace("REMOVED", "\"xyz\"");
+        assert!(parse_report(bad_hash.as_bytes()).unwrap_err().contains("removed"));
+        assert!(parse_report(b"{").unwrap_err().contains("malformed"));
+        assert!(parse_report(br#"{"version":1}"#).unwrap_err().contains("podId"));
+    }
+
+    #[test]
+    fn parses_vllm_metrics() {
+        let text = "# HELP vllm:num_requests_waiting Number of requests waiting.\n\
+            vllm:num_requests_waiting{model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{model_name=\"m\"} 2.0\n\
+            vllm:kv_cache_usage_perc{model_name=\"m\"} 0.42\n\
+            vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"old\",waiting_lora_adapters=\"\"} 1.0e9\n\
+            vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"\"} 1.7e9\n\
+            vllm:prompt_tokens_total{model_name=\"m\"} 1234\n";
+        let m = parse_vllm_metrics(text).unwrap();
+        assert_eq!(m.waiting, Some(3.0));
+        assert_eq!(m.running, Some(2.0));
+        assert_eq!(m.kv_cache_usage, Some(0.42));
+        assert_eq!(m.running_adapters, Some(vec!["a".into(), "b".into()]));
+        assert_eq!(m.max_lora, Some(4));
+        assert!(parse_vllm_metrics("vllm:num_requests_waiting{a=\"b\"} x\n")
+            .unwrap_err()
+            .contains("line 1"));
+    }
+}

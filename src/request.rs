@@ -1,0 +1,203 @@
+//! OpenAI-style request bodies → what routing needs: the model name and the
+//! prompt in canonical form.
+//!
+//! Canonical form (shared with the simulated pods, which hash the same way):
+//! - `/v1/completions`: `prompt` as a string → its UTF-8 bytes (text mode);
+//!   a list of strings → the first string (a batch is routed as one);
+//!   a list of token IDs → those IDs (token mode); a list of token lists →
+//!   the first list.
+//! - `/v1/chat/completions`: for each message in order, its `role`, the byte
+//!   0x1F, the text of its content (a string, or the `text` of each
+//!   `{"type": "text"}` part in order, parts separated by 0x1F), then 0x1E.
+//!   Non-text parts (images, audio) do not contribute.
+
+use serde_json::Value;
+
+/// A prompt ready to be hashed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    Text(Vec<u8>),
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// Prompt length in its own unit (bytes or tokens).
+    pub fn len(&self) -> usize {
+        match self {
+            Prompt::Text(bytes) => bytes.len(),
+            Prompt::Tokens(tokens) => tokens.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The routing-relevant content of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    pub stream: bool,
+}
+
+/// Why a body could not be used for cache-aware routing. The message is
+/// returned to clients in reject mode, so it names the offending field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestError(pub String);
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+const UNIT_SEPARATOR: u8 = 0x1f;
+const RECORD_SEPARATOR: u8 = 0x1e;
+
+/// Parses a request body. `chat` selects the `messages` form.
+pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestError> {
+    if body.is_empty() {
+        return Err(RequestError("request body is empty".into()));
+    }
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| RequestError(format!("request body is not valid JSON: {e}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| RequestError("request body must be a JSON object".into()))?;
+    let model = match object.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(_) => return Err(RequestError("`model` must be a non-empty string".into())),
+        None => return Err(RequestError("`model` is missing".into())),
+    };
+    let stream = match object.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(RequestError("`stream` must be a boolean".into())),
+    };
+    let prompt = if chat {
+        canonical_messages(object.get("messages"))?
+    } else {
+        canonical_prompt(object.get("prompt"))?
+    };
+    Ok(ParsedRequest { model, prompt, stream })
+}
+
+fn canonical_prompt(prompt: Option<&Value>) -> Result<Prompt, RequestError> {
+    match prompt {
+        None => Err(RequestError("`prompt` is missing".into())),
+        Some(Value::String(text)) => Ok(Prompt::Text(text.as_bytes().to_vec())),
+        Some(Value::Array(items)) => match items.first() {
+            None => Err(RequestError("`prompt` is an empty list".into())),
+            Some(Value::String(text)) => Ok(Prompt::Text(text.as_bytes().to_vec())),
+            Some(Value::Number(_)) => token_ids(items).map(Prompt::Tokens),
+            Some(Value::Array(first)) => token_ids(first).map(Prompt::Tokens),
+            Some(_) => Err(RequestError(
+                "`prompt` must be a string, a list of strings or a list of token IDs".into(),
+            )),
+        },
+        Some(_) => Err(RequestError(
+            "`prompt` must be a string, a list of strings or a list of token IDs".into(),
+        )),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, RequestError> {
+    items
+        .iter()
+        .map(|item| {
+            item.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| RequestError("`prompt` token IDs must be integers in 0..2^32".into()))
+        })
+        .collect()
+}
+
+fn canonical_messages(messages: Option<&Value>) -> Result<Prompt, RequestError> {
+    let messages = match messages {
+        None => return Err(RequestError("`messages` is missing".into())),
+        Some(Value::Array(list)) if !list.is_empty() => list,
+        Some(_) => return Err(RequestError("`messages` must be a non-empty list".into())),
+    };
+    let mut text = Vec::new();
+    for (i, message) in messages.iter().enumerate() {
+        let role = message
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| RequestError(format!("`messages[{i}].role` must be a string")))?;
+        text.extend_from_slice(role.as_bytes());
+        text.push(UNIT_SEPARATOR);
+        match message.get("content") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(content)) => text.extend_from_slice(content.as_bytes()),
+            Some(Value::Array(parts)) => {
+                let texts = parts
+                    .iter()
+                    .filter(|part| part.get("type").and_then(Value::as_str) == Some("text"))
+                    .filter_map(|part| part.get("text").and_then(Value::as_str));
+                for (j, part) in texts.enumerate() {
+                    if j > 0 {
+                        text.push(UNIT_SEPARATOR);
+                    }
+                    text.extend_from_slice(part.as_bytes());
+                }
+            }
+            Some(_) => {
+                return Err(RequestError(format!(
+                    "`messages[{i}].content` must be a string or a list of parts"
+                )))
+            }
+        }
+        text.push(RECORD_SEPARATOR);
+    }
+    Ok(Prompt::Text(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completions_forms() {
+        let r = parse_request(br#"{"model":"m","prompt":"hello"}"#, false).unwrap();
+        assert_eq!(r.prompt, Prompt::Text(b"hello".to_vec()));
+        assert!(!r.stream);
+        let r = parse_request(br#"{"model":"m","prompt":["a","b"],"stream":true}"#, false).unwrap();
+        assert_eq!(r.prompt, Prompt::Text(b"a".to_vec()));
+        assert!(r.stream);
+        let r = parse_request(br#"{"model":"m","prompt":[1,2,3]}"#, false).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        let r = parse_request(br#"{"model":"m","prompt":[[4,5],[6]]}"#, false).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![4, 5]));
+    }
+
+    #[test]
+    fn chat_canonical_form() {
+        let body = br#"{"model":"m","messages":[
+            {"role":"system","content":"be brief"},
+            {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"there"}]}
+        ]}"#;
+        let r = parse_request(body, true).unwrap();
+        assert_eq!(r.prompt, Prompt::Text(b"system\x1fbe brief\x1euser\x1fhi\x1fthere\x1e".to_vec()));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: [(&[u8], bool, &str); 9] = [
+            (b"", false, "empty"),
+            (b"\xff\x00binary", false, "not valid JSON"),
+            (b"[1]", false, "JSON object"),
+            (br#"{"prompt":"x"}"#, false, "`model` is missing"),
+            (br#"{"model":3,"prompt":"x"}"#, false, "`model`"),
+            (br#"{"model":"m"}"#, false, "`prompt` is missing"),
+            (br#"{"model":"m","prompt":[-1]}"#, false, "token IDs"),
+            (br#"{"model":"m","messages":[{"content":"x"}]}"#, true, "messages[0].role"),
+            (br#"{"model":"m","prompt":"x","stream":"yes"}"#, false, "`stream`"),
+        ];
+        for (body, chat, needle) in cases {
+            let err = parse_request(body, chat).unwrap_err();
+            assert!(err.0.contains(needle), "{:?} → {}", String::from_utf8_lossy(body), err);
+        }
+    }
+}

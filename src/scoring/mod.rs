@@ -1,0 +1,268 @@
+//! Scoring: pick one pod for a request.
+//!
+//! Every pod that is not excluded gets a composite score
+//!
+//! ```text
+//! composite = Σ weight_s · score_s(pod)      each score_s ∈ [0, 1], Σ weight_s = 1
+//! default:    0.60·cache + 0.20·(1−load) + 0.10·(1−min(queue/maxQueue, 1))
+//!           + 0.05·health + 0.05·adapterLoaded
+//! ```
+//!
+//! Exclusions: `health < healthExclusionThreshold` (default 0.3) or
+//! `queue ≥ maxQueue` (default 20). The highest composite wins; exact ties
+//! (within 1e-9) go to the higher load score, then the higher queue score,
+//! then rotate by a caller-supplied tie breaker so equal pods share traffic
+//! evenly. With no cache anywhere the cache term is 0 for all and the load
+//! and queue terms decide: a cold start goes to the least-loaded pod.
+//!
+//! Each factor is a [`Scorer`] (one per file: [`factors`], [`attribute`]);
+//! compiled-in scorers implement the same trait. Cost: O(pods × scorers).
+
+pub mod attribute;
+pub mod factors;
+
+use std::collections::BTreeMap;
+
+use crate::config::{Config, ConfigError};
+
+const TIE_EPSILON: f64 = 1e-9;
+
+/// What the router knows of one pod when deciding.
+#[derive(Debug, Clone)]
+pub struct Candidate<'a> {
+    /// Pod slot (index in the pod table).
+    pub slot: usize,
+    pub id: &'a str,
+    /// Consecutive matched blocks / blocks in the request, in [0, 1].
+    pub cache_match: f64,
+    /// Utilisation in [0, 1].
+    pub load: f64,
+    /// Requests waiting (reported plus routed since the report).
+    pub queue: u32,
+    /// Health in [0, 1].
+    pub health: f64,
+    /// The request's LoRA adapter is loaded on the pod.
+    pub adapter_loaded: bool,
+    pub attributes: &'a BTreeMap<String, f64>,
+}
+
+/// Facts about the whole decision a scorer may need.
+#[derive(Debug, Clone, Copy)]
+pub struct DecisionContext<'a> {
+    pub candidates: &'a [Candidate<'a>],
+    /// The request asks for a LoRA adapter.
+    pub needs_adapter: bool,
+    /// Best cache match among the candidates.
+    pub best_cache_match: f64,
+}
+
+/// One term of the composite score.
+pub trait Scorer: std::fmt::Debug + Send + Sync {
+    fn name(&self) -> &str;
+    fn weight(&self) -> f64;
+    /// The pod's score in [0, 1] (values outside are clamped).
+    fn score(&self, candidate: &Candidate<'_>, context: &DecisionContext<'_>) -> f64;
+}
+
+/// Why a pod was not a candidate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Exclusion {
+    Unhealthy { health: f64 },
+    QueueFull { queue: u32 },
+}
+
+impl std::fmt::Display for Exclusion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Exclusion::Unhealthy { health } => write!(f, "health {health:.2} below threshold"),
+            Exclusion::QueueFull { queue } => write!(f, "queue {queue} at maxQueue"),
+        }
+    }
+}
+
+/// A candidate's per-scorer values and composite.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredPod {
+    /// Index into the candidates given to [`ScoringPolicy::decide`].
+    pub index: usize,
+    /// One value per scorer, in [`ScoringPolicy::scorer_names`] order.
+    pub factors: Vec<f64>,
+    pub composite: f64,
+}
+
+/// A decision and its explanation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Index of the chosen candidate, `None` when every pod was excluded.
+    pub chosen: Option<usize>,
+    pub scored: Vec<ScoredPod>,
+    pub excluded: Vec<(usize, Exclusion)>,
+}
+
+impl Decision {
+    /// The chosen pod's scores.
+    pub fn winner(&self) -> Option<&ScoredPod> {
+        let chosen = self.chosen?;
+        self.scored.iter().find(|s| s.index == chosen)
+    }
+}
+
+/// The configured scorers, weights and exclusion rules.
+#[derive(Debug)]
+pub struct ScoringPolicy {
+    scorers: Vec<Box<dyn Scorer>>,
+    max_queue: u32,
+    health_threshold: f64,
+}
+
+impl ScoringPolicy {
+    /// The five built-in factors and the configured attribute scorers.
+    /// Weights were validated with the configuration.
+    pub fn from_config(config: &Config) -> ScoringPolicy {
+        let w = &config.weights;
+        let mut scorers: Vec<Box<dyn Scorer>> = vec![
+            Box::new(factors::CacheScorer { weight: w.cache }),
+            Box::new(factors::LoadScorer { weight: w.load }),
+            Box::new(factors::QueueScorer {
+                weight: w.queue,
+                max_queue: config.max_queue,
+            }),
+            Box::new(factors::HealthScorer { weight: w.health }),
+            Box::new(factors::AdapterScorer { weight: w.adapter }),
+        ];
+        for scorer in &config.attribute_scorers {
+            scorers.push(Box::new(attribute::AttributeScorer::from_config(scorer)));
+        }
+        ScoringPolicy {
+            scorers,
+            max_queue: config.max_queue,
+            health_threshold: config.health_exclusion_threshold,
+        }
+    }
+
+    /// A policy with compiled-in scorers; their weights must sum to 1.0.
+    pub fn with_scorers(
+        scorers: Vec<Box<dyn Scorer>>,
+        max_queue: u32,
+        health_threshold: f64,
+    ) -> Result<ScoringPolicy, ConfigError> {
+        let sum: f64 = scorers.iter().map(|s| s.weight()).sum();
+        if (sum - 1.0).abs() > 1e-6 || scorers.iter().any(|s| !(0.0..=1.0).contains(&s.weight())) {
+            return Err(ConfigError {
+                field: "scorers".into(),
+                rule: format!("weights must each be in [0, 1] and sum to 1.0 (got {sum:.6})"),
+            });
+        }
+        Ok(ScoringPolicy {
+            scorers,
+            max_queue,
+            health_threshold,
+        })
+    }
+
+    pub fn scorer_names(&self) -> Vec<&str> {
+        self.scorers.iter().map(|s| s.name()).collect()
+    }
+
+    pub fn max_queue(&self) -> u32 {
+        self.max_queue
+    }
+
+    /// Why `candidate` cannot take requests, if it cannot.
+    pub fn exclusion(&self, candidate: &Candidate<'_>) -> Option<Exclusion> {
+        if !(candidate.health >= self.health_threshold) {
+            Some(Exclusion::Unhealthy {
+                health: candidate.health,
+            })
+        } else if candidate.queue >= self.max_queue {
+            Some(Exclusion::QueueFull {
+                queue: candidate.queue,
+            })
+        } else {
+            None
+        }
+    }
+
+    /// Scores `pods` and picks one. `tie_breaker` (any per-request varying
+    /// number, e.g. a counter) spreads exact ties evenly.
+    pub fn decide(&self, pods: &[Candidate<'_>], needs_adapter: bool, tie_breaker: u64) -> Decision {
+        let mut excluded = Vec::new();
+        let mut eligible = Vec::with_capacity(pods.len());
+        for (index, pod) in pods.iter().enumerate() {
+            match self.exclusion(pod) {
+                Some(reason) => excluded.push((index, reason)),
+                None => eligible.push(index),
+            }
+        }
+        let eligible_pods: Vec<Candidate<'_>> = eligible.iter().map(|&i| pods[i].clone()).collect();
+        let context = DecisionContext {
+            candidates: &eligible_pods,
+            needs_adapter,
+            best_cache_match: eligible_pods.iter().map(|c| c.cache_match).fold(0.0, f64::max),
+        };
+        let scored: Vec<ScoredPod> = eligible
+            .iter()
+            .zip(&eligible_pods)
+            .map(|(&index, pod)| {
+                let factors: Vec<f64> = self
+                    .scorers
+                    .iter()
+                    .map(|s| unit(s.score(pod, &context)))
+                    .collect();
+                let composite = self
+                    .scorers
+                    .iter()
+                    .zip(&factors)
+                    .map(|(s, value)| s.weight() * value)
+                    .sum::<f64>();
+                ScoredPod {
+                    index,
+                    factors,
+                    composite: unit(composite),
+                }
+            })
+            .collect();
+        let chosen = self.pick(pods, &scored, tie_breaker);
+        Decision {
+            chosen,
+            scored,
+            excluded,
+        }
+    }
+
+    fn pick(&self, pods: &[Candidate<'_>], scored: &[ScoredPod], tie_breaker: u64) -> Option<usize> {
+        let load_score = |s: &ScoredPod| unit(1.0 - pods[s.index].load);
+        let queue_score = |s: &ScoredPod| factors::queue_score(pods[s.index].queue, self.max_queue);
+        let key = |s: &ScoredPod| (s.composite, load_score(s), queue_score(s));
+        let better = |a: (f64, f64, f64), b: (f64, f64, f64)| {
+            for (x, y) in [(a.0, b.0), (a.1, b.1), (a.2, b.2)] {
+                if x > y + TIE_EPSILON {
+                    return Some(true);
+                }
+                if y > x + TIE_EPSILON {
+                    return Some(false);
+                }
+            }
+            None
+        };
+        let best = scored
+            .iter()
+            .map(key)
+            .reduce(|a, b| if better(b, a) == Some(true) { b } else { a })?;
+        let ties: Vec<usize> = scored
+            .iter()
+            .filter(|s| better(key(s), best).is_none())
+            .map(|s| s.index)
+            .collect();
+        Some(ties[(tie_breaker % ties.len() as u64) as usize])
+    }
+}
+
+/// Clamps into [0, 1]; NaN counts as 0.
+fn unit(value: f64) -> f64 {
+    if value.is_nan() {
+        0.0
+    } else {
+        value.clamp(0.0, 1.0)
+    }
+}

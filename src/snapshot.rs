@@ -1,0 +1,276 @@
+//! The published snapshot: how the service hands the index and pod states
+//! to every worker through Envoy shared data.
+//!
+//! Every `get_shared_data` copies the whole value, so nothing a request reads
+//! is large:
+//!
+//! | key                     | value                                          | read per request |
+//! |-------------------------|------------------------------------------------|------------------|
+//! | `kvroute/pods`          | JSON [`PodTable`]: generation, bucket count, per pod id, address, queue, load, health, adapters, attributes | only when the generation changes |
+//! | `kvroute/generation`    | the table's generation, 8 bytes LE             | once |
+//! | `kvroute/idx/{b:x}`     | bucket `b`: sorted `(hash u64 LE, pod mask u64 LE)` pairs, 16 B each | O(k log n) buckets |
+//! | `kvroute/inflight`      | u32 LE per pod slot: requests routed and not finished (CAS-updated by filters) | once, plus one CAS write |
+//!
+//! A block hash lives in bucket `hash & (buckets − 1)`, `buckets` a power of
+//! two ≈ `maxIndexBlocks / 16`, so a bucket holds ~16 entries (~256 B) at a
+//! full index and a request with k distinct match lengths copies about
+//! k · log2(n) · 256 B. Masks are the tree's prefix-closed masks, so
+//! [`match_by_bisection`] applies. The publisher mirrors the buckets and
+//! re-encodes only the ones touched since the last tick.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::index::{match_by_bisection, PodMask, PrefixLookup, PrefixMatch};
+
+pub const POD_TABLE_KEY: &str = "kvroute/pods";
+pub const GENERATION_KEY: &str = "kvroute/generation";
+pub const INFLIGHT_KEY: &str = "kvroute/inflight";
+/// Shared queue carrying approximate-mode decisions from filters to the service.
+pub const DECISION_QUEUE: &str = "kvroute/decisions";
+
+const ENTRY_BYTES: usize = 16;
+
+/// The shared-data key of bucket `bucket`.
+pub fn bucket_key(bucket: u32) -> String {
+    format!("kvroute/idx/{bucket:x}")
+}
+
+/// The bucket of `hash` among `buckets` (a power of two).
+pub fn bucket_of(hash: u64, buckets: u32) -> u32 {
+    (hash & u64::from(buckets - 1)) as u32
+}
+
+/// Encodes sorted `(hash, mask)` entries.
+pub fn encode_bucket(entries: &[(u64, PodMask)]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(entries.len() * ENTRY_BYTES);
+    for (hash, mask) in entries {
+        bytes.extend_from_slice(&hash.to_le_bytes());
+        bytes.extend_from_slice(&mask.to_le_bytes());
+    }
+    bytes
+}
+
+/// The mask of `hash` in an encoded bucket (binary search).
+pub fn bucket_lookup(bytes: &[u8], hash: u64) -> Option<PodMask> {
+    let entries = bytes.len() / ENTRY_BYTES;
+    let word = |i: usize, offset: usize| {
+        let at = i * ENTRY_BYTES + offset;
+        u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+    };
+    let (mut lo, mut hi) = (0, entries);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        match word(mid, 0).cmp(&hash) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => return Some(word(mid, 8)),
+        }
+    }
+    None
+}
+
+/// The filter's view of the published index: bucket values fetched on demand
+/// through `fetch` (a shared-data read in Envoy, a map in tests).
+pub struct SnapshotIndex<F: Fn(u32) -> Option<Vec<u8>>> {
+    pub buckets: u32,
+    pub fetch: F,
+}
+
+impl<F: Fn(u32) -> Option<Vec<u8>>> PrefixLookup for SnapshotIndex<F> {
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        match_by_bisection(chain.len(), |i| {
+            let hash = chain[i];
+            (self.fetch)(bucket_of(hash, self.buckets))
+                .and_then(|bytes| bucket_lookup(&bytes, hash))
+                .unwrap_or(0)
+        })
+    }
+}
+
+/// The service's mirror of all buckets, re-encoding only dirty ones.
+#[derive(Debug, Clone)]
+pub struct SnapshotPublisher {
+    buckets: Vec<Vec<(u64, PodMask)>>,
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
+}
+
+impl SnapshotPublisher {
+    pub fn new(buckets: u32) -> SnapshotPublisher {
+        assert!(buckets.is_power_of_two());
+        SnapshotPublisher {
+            buckets: vec![Vec::new(); buckets as usize],
+            dirty: Vec::new(),
+            is_dirty: vec![false; buckets as usize],
+        }
+    }
+
+    pub fn bucket_count(&self) -> u32 {
+        self.buckets.len() as u32
+    }
+
+    /// Applies index mask changes (mask 0 = block gone).
+    pub fn apply(&mut self, changes: &[(u64, PodMask)]) {
+        let count = self.bucket_count();
+        for &(hash, mask) in changes {
+            let b = bucket_of(hash, count);
+            let bucket = &mut self.buckets[b as usize];
+            match bucket.binary_search_by_key(&hash, |e| e.0) {
+                Ok(at) if mask == 0 => {
+                    bucket.remove(at);
+                }
+                Ok(at) => bucket[at].1 = mask,
+                Err(_) if mask == 0 => continue,
+                Err(at) => bucket.insert(at, (hash, mask)),
+            }
+            if !self.is_dirty[b as usize] {
+                self.is_dirty[b as usize] = true;
+                self.dirty.push(b);
+            }
+        }
+    }
+
+    /// Encoded values of the buckets changed since the last call.
+    pub fn take_dirty(&mut self) -> Vec<(u32, Vec<u8>)> {
+        let dirty = std::mem::take(&mut self.dirty);
+        dirty
+            .into_iter()
+            .map(|b| {
+                self.is_dirty[b as usize] = false;
+                (b, encode_bucket(&self.buckets[b as usize]))
+            })
+            .collect()
+    }
+
+    /// Heap bytes of the mirror (≈ what Envoy holds for the buckets).
+    pub fn memory_bytes(&self) -> usize {
+        self.buckets.capacity() * std::mem::size_of::<Vec<(u64, PodMask)>>()
+            + self.buckets.iter().map(|b| b.capacity() * ENTRY_BYTES).sum::<usize>()
+            + self.is_dirty.capacity()
+            + self.dirty.capacity() * 4
+    }
+}
+
+/// One pod as the filter sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedPod {
+    pub id: String,
+    pub address: String,
+    pub queue: u32,
+    pub load: f64,
+    /// Reported health decayed by staleness.
+    pub health: f64,
+    pub adapters: Vec<String>,
+    #[serde(default)]
+    pub attributes: BTreeMap<String, f64>,
+    /// The pod's in-flight count when its last report arrived: requests
+    /// routed since then are added to its queue.
+    pub inflight_at_report: u32,
+}
+
+/// Everything but the index buckets.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTable {
+    pub generation: u64,
+    pub buckets: u32,
+    pub pods: Vec<PublishedPod>,
+}
+
+impl PodTable {
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("pod table serialises")
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<PodTable, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("malformed pod table: {e}"))
+    }
+}
+
+/// Decodes the in-flight counters (missing slots read as 0).
+pub fn decode_inflight(bytes: &[u8], slots: usize) -> Vec<u32> {
+    let mut counts: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    counts.resize(slots.max(counts.len()), 0);
+    counts
+}
+
+pub fn encode_inflight(counts: &[u32]) -> Vec<u8> {
+    counts.iter().flat_map(|c| c.to_le_bytes()).collect()
+}
+
+/// An approximate-mode decision on the shared queue: pod slot (1 byte) then
+/// the chain's hashes (8 bytes LE each).
+pub fn encode_decision(slot: usize, chain: &[u64]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(1 + chain.len() * 8);
+    bytes.push(slot as u8);
+    for hash in chain {
+        bytes.extend_from_slice(&hash.to_le_bytes());
+    }
+    bytes
+}
+
+pub fn decode_decision(bytes: &[u8]) -> Option<(usize, Vec<u64>)> {
+    let (&slot, rest) = bytes.split_first()?;
+    if rest.len() % 8 != 0 {
+        return None;
+    }
+    let chain = rest
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    Some((slot as usize, chain))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::PrefixTree;
+    use std::collections::HashMap;
+
+    #[test]
+    fn published_snapshot_answers_like_the_tree() {
+        let mut tree = PrefixTree::with_change_log(10_000);
+        let chain: Vec<u64> = (1..=64u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        tree.insert_chain(0, None, &chain);
+        tree.insert_chain(1, None, &chain[..40]);
+        tree.insert_chain(2, None, &chain[..3]);
+        let mut publisher = SnapshotPublisher::new(64);
+        publisher.apply(&tree.take_changes());
+        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+        let snapshot = SnapshotIndex {
+            buckets: 64,
+            fetch: |b| store.get(&b).cloned(),
+        };
+        assert_eq!(snapshot.lookup(&chain), tree.lookup(&chain));
+        assert_eq!(snapshot.lookup(&chain).blocks(1), 40);
+        assert!(publisher.take_dirty().is_empty(), "nothing changed since");
+        tree.remove_blocks(1, &[chain[10]]);
+        publisher.apply(&tree.take_changes());
+        assert!(!publisher.take_dirty().is_empty());
+    }
+
+    #[test]
+    fn bucket_encoding_round_trips() {
+        let entries = [(3u64, 1u64), (10, 6), (u64::MAX, 9)];
+        let bytes = encode_bucket(&entries);
+        assert_eq!(bytes.len(), 48);
+        for (hash, mask) in entries {
+            assert_eq!(bucket_lookup(&bytes, hash), Some(mask));
+        }
+        assert_eq!(bucket_lookup(&bytes, 4), None);
+        assert_eq!(bucket_lookup(&[], 4), None);
+    }
+
+    #[test]
+    fn inflight_and_decisions_round_trip() {
+        assert_eq!(decode_inflight(&encode_inflight(&[1, 0, 7]), 5), vec![1, 0, 7, 0, 0]);
+        assert_eq!(decode_decision(&encode_decision(3, &[1, 2])), Some((3, vec![1, 2])));
+        assert_eq!(decode_decision(&[1, 2, 3]), None);
+    }
+}
