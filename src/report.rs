@@ -19,8 +19,9 @@
 //!   `full: true`: all blocks they hold, as chains in parent-first order.
 //! - `stored` segments are chains: each hash's parent is the previous hash,
 //!   the first one's is `parent` (null: the prompt's first block).
-//! - `queueDepth` (waiting requests), `gpuUtilization` and `health` in
-//!   [0, 1]; `running` and `adapters` optional.
+//! - `queueDepth` (waiting requests) and `health` in [0, 1] are required;
+//!   `gpuUtilization` in [0, 1], `running` and `adapters` are optional.
+//! - Unknown fields are ignored, so pods may add their own.
 
 use serde::Deserialize;
 
@@ -43,7 +44,9 @@ pub struct PodReport {
     pub removed: Vec<u64>,
     pub queue_depth: u32,
     pub running: u32,
-    pub gpu_utilization: f64,
+    /// `None` when the pod does not report it: load then comes from vLLM's
+    /// `vllm:kv_cache_usage_perc`.
+    pub gpu_utilization: Option<f64>,
     pub health: f64,
     pub adapters: Vec<String>,
 }
@@ -72,7 +75,8 @@ struct WireReport {
     queue_depth: u32,
     #[serde(default)]
     running: u32,
-    gpu_utilization: f64,
+    #[serde(default)]
+    gpu_utilization: Option<f64>,
     health: f64,
     #[serde(default)]
     adapters: Vec<String>,
@@ -133,7 +137,10 @@ pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
         removed,
         queue_depth: wire.queue_depth,
         running: wire.running,
-        gpu_utilization: unit_field(wire.gpu_utilization, "gpuUtilization")?,
+        gpu_utilization: wire
+            .gpu_utilization
+            .map(|u| unit_field(u, "gpuUtilization"))
+            .transpose()?,
         health: unit_field(wire.health, "health")?,
         adapters: wire.adapters,
     })

@@ -157,6 +157,8 @@ impl SnapshotPublisher {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct PublishedPod {
+    /// Bit of this pod in the index masks and index into `kvroute/inflight`.
+    pub slot: usize,
     pub id: String,
     pub address: String,
     pub queue: u32,

@@ -80,6 +80,18 @@ pub trait PrefixLookup {
     fn lookup(&self, chain: &[u64]) -> PrefixMatch;
 }
 
+/// Two views merged: per pod the longer match (the published index and a
+/// worker's own recent decisions in approximate mode).
+pub struct Merged<'a>(pub &'a dyn PrefixLookup, pub &'a dyn PrefixLookup);
+
+impl PrefixLookup for Merged<'_> {
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        let mut matched = self.0.lookup(chain);
+        matched.merge(&self.1.lookup(chain));
+        matched
+    }
+}
+
 /// Per-pod match lengths from `mask_at(i)`, the set of pods holding the
 /// consecutive prefix `h[0..=i]`, which must shrink (or stay) as `i` grows.
 /// Each distinct match length costs O(log n) probes instead of one probe per

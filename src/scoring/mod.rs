@@ -170,7 +170,7 @@ impl ScoringPolicy {
 
     /// Why `candidate` cannot take requests, if it cannot.
     pub fn exclusion(&self, candidate: &Candidate<'_>) -> Option<Exclusion> {
-        if !(candidate.health >= self.health_threshold) {
+        if candidate.health.is_nan() || candidate.health < self.health_threshold {
             Some(Exclusion::Unhealthy {
                 health: candidate.health,
             })

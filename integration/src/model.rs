@@ -1,0 +1,939 @@
+//! The simulated pod's model: KV-cache LRU with its report event log, LoRA
+//! adapter slots and the latency cost model. Pure (no I/O, no clock, no
+//! async), so the live `kvroute-sim` server and an offline replay simulator
+//! share exactly the same cache and costs.
+//!
+//! KV cache: block hash → parent hash, bounded to `capacity` blocks with
+//! least-recently-used eviction. A request's chain is touched leaf-first
+//! (reverse order), so every block is more recent than all its
+//! continuations, and eviction always takes a leaf: a block is only present
+//! while its parent is. Every insertion and eviction is an event in a
+//! bounded log with sequence numbers, from which protocol v1 reports (see
+//! `kvroute::report`) are built: coalesced deltas, or full resyncs.
+//!
+//! Latency (defaults: an 8B-class model on one GPU, all × `time_scale`):
+//! `TTFT = queue wait + adapter load + lookup overhead (45 ms) + uncached
+//! prompt tokens × 0.9 s / 4096`; then one more token every 20 ms. The first
+//! output token is produced by prefill, so a request of `n` output tokens
+//! ends `(n - 1) × decode` after its first token.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use kvroute::config::{Config, ModelTarget};
+use kvroute::hashing::{BlockHasher, BYTES_PER_TOKEN};
+use kvroute::report::hash_to_hex;
+use kvroute::request::Prompt;
+use serde_json::{json, Value};
+
+/// Default bound of the report event log (block events).
+pub const DEFAULT_LOG_EVENTS: usize = 100_000;
+
+/// Prompt tokens as the simulated tokenizer counts them: bytes / 4 for
+/// text, the token count for token IDs.
+pub fn prompt_tokens(prompt: &Prompt) -> u64 {
+    match prompt {
+        Prompt::Text(bytes) => (bytes.len() / BYTES_PER_TOKEN) as u64,
+        Prompt::Tokens(tokens) => tokens.len() as u64,
+    }
+}
+
+/// Latency parameters. Durations are the unscaled (real GPU) values; every
+/// method applies `time_scale`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    /// Prefill seconds per uncached prompt token.
+    pub prefill_s_per_token: f64,
+    /// Fixed per-request prefill overhead (prefix lookup, scheduling):
+    /// what a full cache hit still costs.
+    pub lookup_overhead_s: f64,
+    /// Seconds per output token after the first.
+    pub decode_s_per_token: f64,
+    /// Adapter load seconds at rank 16 and rank 64 (linear in between and
+    /// beyond, at least 10 ms).
+    pub adapter_load_rank16_s: f64,
+    pub adapter_load_rank64_s: f64,
+    /// Multiplies every duration (tests use e.g. 0.05).
+    pub time_scale: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel::gpu_8b(1.0)
+    }
+}
+
+impl CostModel {
+    /// An 8B-class model on one GPU: 0.9 s per 4096 prefill tokens, 45 ms
+    /// overhead, 20 ms per decoded token, LoRA loads of 200 ms (rank 16) and
+    /// 800 ms (rank 64).
+    pub fn gpu_8b(time_scale: f64) -> CostModel {
+        CostModel {
+            prefill_s_per_token: 0.9 / 4096.0,
+            lookup_overhead_s: 0.045,
+            decode_s_per_token: 0.020,
+            adapter_load_rank16_s: 0.2,
+            adapter_load_rank64_s: 0.8,
+            time_scale,
+        }
+    }
+
+    fn scaled(&self, seconds: f64) -> Duration {
+        Duration::from_secs_f64((seconds * self.time_scale).max(0.0))
+    }
+
+    /// Prefill time of a prompt with `uncached_tokens` tokens to compute:
+    /// overhead + tokens × per-token cost.
+    pub fn prefill(&self, uncached_tokens: u64) -> Duration {
+        self.scaled(self.lookup_overhead_s + uncached_tokens as f64 * self.prefill_s_per_token)
+    }
+
+    /// Time to decode `tokens` tokens.
+    pub fn decode(&self, tokens: u64) -> Duration {
+        self.scaled(tokens as f64 * self.decode_s_per_token)
+    }
+
+    /// Time per decoded token.
+    pub fn decode_step(&self) -> Duration {
+        self.decode(1)
+    }
+
+    /// Time to load an adapter of `rank`.
+    pub fn adapter_load(&self, rank: u32) -> Duration {
+        let slope = (self.adapter_load_rank64_s - self.adapter_load_rank16_s) / 48.0;
+        let seconds = self.adapter_load_rank16_s + (rank as f64 - 16.0) * slope;
+        self.scaled(seconds.max(0.01))
+    }
+
+    /// Time to first token: queue wait (already real time) + adapter load +
+    /// prefill of the uncached tokens.
+    pub fn ttft(&self, queue_wait: Duration, adapter_load: Duration, uncached_tokens: u64) -> Duration {
+        queue_wait + adapter_load + self.prefill(uncached_tokens)
+    }
+
+    /// Time from first token to last for `output_tokens` tokens.
+    pub fn generation_after_first(&self, output_tokens: u64) -> Duration {
+        self.decode(output_tokens.saturating_sub(1))
+    }
+}
+
+/// One chain segment of a report: `hashes[0]`'s parent is `parent`, each
+/// later hash's parent is the previous one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub parent: Option<u64>,
+    pub hashes: Vec<u64>,
+}
+
+/// What [`KvCache::insert_chain`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InsertOutcome {
+    /// Blocks that were not cached before.
+    pub inserted: usize,
+    /// Blocks evicted to make room.
+    pub evicted: usize,
+}
+
+/// Cache changes after some sequence number, coalesced: each hash at most
+/// once, `stored` in parent-first segments.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CacheDelta {
+    pub stored: Vec<Segment>,
+    pub removed: Vec<u64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    parent: Option<u64>,
+    tick: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    hash: u64,
+    parent: Option<u64>,
+    stored: bool,
+}
+
+/// The pod's KV cache (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    capacity: usize,
+    blocks: HashMap<u64, Block>,
+    /// Recency tick → hash; the first entry is the least recently used.
+    order: BTreeMap<u64, u64>,
+    tick: u64,
+    /// Events `floor + 1 ..= seq`, oldest first.
+    log: VecDeque<Event>,
+    seq: u64,
+    floor: u64,
+    max_log: usize,
+    /// Evictions not yet logged (silent eviction storm).
+    silent: Vec<(u64, Option<u64>)>,
+}
+
+impl KvCache {
+    /// An empty cache of `capacity` blocks keeping at most `max_log` events.
+    pub fn new(capacity: usize, max_log: usize) -> KvCache {
+        KvCache {
+            capacity: capacity.max(1),
+            blocks: HashMap::new(),
+            order: BTreeMap::new(),
+            tick: 0,
+            log: VecDeque::new(),
+            seq: 0,
+            floor: 0,
+            max_log: max_log.max(1),
+            silent: Vec::new(),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Fraction of capacity in use.
+    pub fn usage(&self) -> f64 {
+        self.blocks.len() as f64 / self.capacity as f64
+    }
+
+    pub fn contains(&self, hash: u64) -> bool {
+        self.blocks.contains_key(&hash)
+    }
+
+    /// The last event's sequence number (0: none yet).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The oldest `since` a delta can still be built from.
+    pub fn oldest_since(&self) -> u64 {
+        self.floor
+    }
+
+    /// Leading blocks of `chain` present (no recency change).
+    pub fn cached_prefix(&self, chain: &[u64]) -> usize {
+        chain.iter().take_while(|h| self.blocks.contains_key(h)).count()
+    }
+
+    /// Stores (or refreshes) every block of `chain`, leaf-first, then evicts
+    /// least-recently-used blocks down to capacity. New blocks and evictions
+    /// are logged.
+    pub fn insert_chain(&mut self, chain: &[u64]) -> InsertOutcome {
+        let mut outcome = InsertOutcome::default();
+        let first_new = chain.iter().position(|h| !self.blocks.contains_key(h));
+        if let Some(first) = first_new {
+            for i in first..chain.len() {
+                if self.blocks.contains_key(&chain[i]) {
+                    continue;
+                }
+                let parent = if i == 0 { None } else { Some(chain[i - 1]) };
+                self.blocks.insert(chain[i], Block { parent, tick: 0 });
+                self.push_event(Event {
+                    hash: chain[i],
+                    parent,
+                    stored: true,
+                });
+                outcome.inserted += 1;
+            }
+        }
+        for &hash in chain.iter().rev() {
+            self.touch(hash);
+        }
+        while self.blocks.len() > self.capacity {
+            let (_, hash) = self.order.pop_first().expect("order tracks every block");
+            let block = self.blocks.remove(&hash).expect("order tracks every block");
+            self.push_event(Event {
+                hash,
+                parent: block.parent,
+                stored: false,
+            });
+            outcome.evicted += 1;
+        }
+        outcome
+    }
+
+    fn touch(&mut self, hash: u64) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(block) = self.blocks.get_mut(&hash) {
+            if block.tick != 0 {
+                self.order.remove(&block.tick);
+            }
+            block.tick = tick;
+            self.order.insert(tick, hash);
+        }
+    }
+
+    fn push_event(&mut self, event: Event) {
+        self.log.push_back(event);
+        self.seq += 1;
+        while self.log.len() > self.max_log {
+            self.log.pop_front();
+            self.floor += 1;
+        }
+    }
+
+    /// Empties the cache. Logged as evictions unless `silent`: then the
+    /// evictions are kept back until [`KvCache::flush_silent`] (the router
+    /// goes on believing the blocks are there). Returns the blocks dropped.
+    pub fn evict_all(&mut self, silent: bool) -> usize {
+        let mut dropped: Vec<(u64, Option<u64>)> = Vec::with_capacity(self.blocks.len());
+        // Leaves first (oldest first), as an engine frees them.
+        while let Some((_, hash)) = self.order.pop_first() {
+            let block = self.blocks.remove(&hash).expect("order tracks every block");
+            dropped.push((hash, block.parent));
+        }
+        let count = dropped.len();
+        if silent {
+            self.silent.extend(dropped);
+        } else {
+            for (hash, parent) in dropped {
+                self.push_event(Event {
+                    hash,
+                    parent,
+                    stored: false,
+                });
+            }
+        }
+        count
+    }
+
+    /// Logs the evictions a silent storm kept back (those not stored again
+    /// since). Returns how many were logged.
+    pub fn flush_silent(&mut self) -> usize {
+        let pending = std::mem::take(&mut self.silent);
+        let mut seen = HashSet::new();
+        let mut logged = 0;
+        for (hash, parent) in pending {
+            if self.blocks.contains_key(&hash) || !seen.insert(hash) {
+                continue;
+            }
+            self.push_event(Event {
+                hash,
+                parent,
+                stored: false,
+            });
+            logged += 1;
+        }
+        logged
+    }
+
+    /// Evictions held back by a silent storm.
+    pub fn silent_pending(&self) -> usize {
+        self.silent.len()
+    }
+
+    /// The coalesced changes after `since`, or `None` when events after
+    /// `since` were already dropped from the log (or `since` is in the
+    /// future).
+    pub fn delta(&self, since: u64) -> Option<CacheDelta> {
+        if since < self.floor || since > self.seq {
+            return None;
+        }
+        let start = (since - self.floor) as usize;
+        // Last event per hash wins; keep the order of those last events.
+        let mut last: HashMap<u64, usize> = HashMap::new();
+        let events: Vec<&Event> = self.log.range(start..).collect();
+        for (i, event) in events.iter().enumerate() {
+            last.insert(event.hash, i);
+        }
+        let mut stored = Vec::new();
+        let mut removed = Vec::new();
+        for (i, event) in events.iter().enumerate() {
+            if last[&event.hash] != i {
+                continue;
+            }
+            if event.stored {
+                stored.push((event.hash, event.parent));
+            } else {
+                removed.push(event.hash);
+            }
+        }
+        Some(CacheDelta {
+            stored: segments(&stored),
+            removed,
+        })
+    }
+
+    /// Every block held, as parent-first chain segments.
+    pub fn full(&self) -> Vec<Segment> {
+        let nodes: Vec<(u64, Option<u64>)> = self
+            .order
+            .values()
+            .rev()
+            .map(|&hash| (hash, self.blocks[&hash].parent))
+            .collect();
+        segments(&nodes)
+    }
+
+    /// The protocol v1 report answering `?since=…&epoch=…`: a delta when
+    /// `epoch` is this pod's and `since` is a retained, non-zero sequence
+    /// number, else a full resync.
+    pub fn report(
+        &self,
+        pod_id: &str,
+        epoch: &str,
+        since: Option<u64>,
+        asked_epoch: Option<&str>,
+        load: &PodLoad,
+    ) -> Value {
+        let delta = match (since, asked_epoch) {
+            (Some(since), Some(asked)) if since > 0 && asked == epoch => self.delta(since).map(|d| (since, d)),
+            _ => None,
+        };
+        let (full, since, stored, removed) = match delta {
+            Some((since, delta)) => (false, since, delta.stored, delta.removed),
+            None => (true, 0, self.full(), Vec::new()),
+        };
+        let stored: Vec<Value> = stored
+            .iter()
+            .map(|s| {
+                json!({
+                    "parent": s.parent.map(hash_to_hex),
+                    "hashes": s.hashes.iter().map(|&h| hash_to_hex(h)).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({
+            "version": 1,
+            "podId": pod_id,
+            "epoch": epoch,
+            "seq": self.seq,
+            "since": since,
+            "full": full,
+            "stored": stored,
+            "removed": removed.iter().map(|&h| hash_to_hex(h)).collect::<Vec<_>>(),
+            "queueDepth": load.queue_depth,
+            "running": load.running,
+            "gpuUtilization": load.gpu_utilization,
+            "health": load.health,
+            "adapters": load.adapters,
+        })
+    }
+}
+
+/// Groups `(hash, parent)` nodes into parent-first chain segments: a
+/// depth-first walk from the nodes whose parent is not among them, a segment
+/// running on while each node continues the previous one.
+fn segments(nodes: &[(u64, Option<u64>)]) -> Vec<Segment> {
+    let present: HashSet<u64> = nodes.iter().map(|n| n.0).collect();
+    let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+    let mut parent_of: HashMap<u64, Option<u64>> = HashMap::new();
+    let mut roots = Vec::new();
+    for &(hash, parent) in nodes {
+        parent_of.insert(hash, parent);
+        match parent {
+            Some(p) if present.contains(&p) && p != hash => children.entry(p).or_default().push(hash),
+            _ => roots.push(hash),
+        }
+    }
+    let mut out: Vec<Segment> = Vec::new();
+    let mut visited = HashSet::new();
+    for root in roots {
+        let mut stack = vec![root];
+        while let Some(hash) = stack.pop() {
+            if !visited.insert(hash) {
+                continue;
+            }
+            let parent = parent_of[&hash];
+            match out.last_mut() {
+                Some(seg) if parent.is_some() && seg.hashes.last().copied() == parent => seg.hashes.push(hash),
+                _ => out.push(Segment {
+                    parent,
+                    hashes: vec![hash],
+                }),
+            }
+            if let Some(kids) = children.get(&hash) {
+                // Reversed so the first child is visited first.
+                stack.extend(kids.iter().rev());
+            }
+        }
+    }
+    out
+}
+
+/// The load part of a report.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PodLoad {
+    pub queue_depth: u32,
+    pub running: u32,
+    pub gpu_utilization: f64,
+    pub health: f64,
+    pub adapters: Vec<String>,
+}
+
+/// What [`AdapterSlots::ensure`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterUse {
+    /// The adapter had to be loaded (it costs its load time).
+    pub loaded_now: bool,
+    pub rank: u32,
+    /// The adapter evicted to make room.
+    pub evicted: Option<String>,
+}
+
+/// LoRA adapter slots: at most `max` loaded, least-recently-used evicted.
+#[derive(Debug, Clone)]
+pub struct AdapterSlots {
+    max: usize,
+    /// Least recently used first.
+    loaded: Vec<String>,
+    ranks: HashMap<String, u32>,
+    default_rank: u32,
+    loads: u64,
+}
+
+impl AdapterSlots {
+    pub const DEFAULT_RANK: u32 = 16;
+
+    pub fn new(max: usize, ranks: HashMap<String, u32>) -> AdapterSlots {
+        AdapterSlots {
+            max: max.max(1),
+            loaded: Vec::new(),
+            ranks,
+            default_rank: Self::DEFAULT_RANK,
+            loads: 0,
+        }
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    pub fn rank(&self, name: &str) -> u32 {
+        self.ranks.get(name).copied().unwrap_or(self.default_rank)
+    }
+
+    /// Loaded adapters, least recently used first.
+    pub fn loaded(&self) -> &[String] {
+        &self.loaded
+    }
+
+    pub fn is_loaded(&self, name: &str) -> bool {
+        self.loaded.iter().any(|a| a == name)
+    }
+
+    /// Loads performed by [`AdapterSlots::ensure`] so far (preloads excluded).
+    pub fn loads(&self) -> u64 {
+        self.loads
+    }
+
+    /// Loads `name` without counting it (start-up preload).
+    pub fn preload(&mut self, name: &str) {
+        self.place(name);
+    }
+
+    /// Makes `name` loaded and most recently used.
+    pub fn ensure(&mut self, name: &str) -> AdapterUse {
+        let loaded_now = !self.is_loaded(name);
+        if loaded_now {
+            self.loads += 1;
+        }
+        let evicted = self.place(name);
+        AdapterUse {
+            loaded_now,
+            rank: self.rank(name),
+            evicted,
+        }
+    }
+
+    fn place(&mut self, name: &str) -> Option<String> {
+        if let Some(at) = self.loaded.iter().position(|a| a == name) {
+            let a = self.loaded.remove(at);
+            self.loaded.push(a);
+            return None;
+        }
+        let evicted = (self.loaded.len() >= self.max).then(|| self.loaded.remove(0));
+        self.loaded.push(name.to_string());
+        evicted
+    }
+}
+
+/// A request admitted to prefill: what it costs before its first token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admission {
+    pub chain: Vec<u64>,
+    pub prompt_tokens: u64,
+    pub cached_blocks: usize,
+    pub cached_tokens: u64,
+    /// Adapter load time (zero when loaded already or no adapter).
+    pub adapter_load: Duration,
+    /// Prefill time of the uncached tokens, overhead included.
+    pub prefill: Duration,
+}
+
+/// One simulated pod: cache, adapters and costs together.
+#[derive(Debug, Clone)]
+pub struct PodModel {
+    pub cache: KvCache,
+    pub adapters: AdapterSlots,
+    pub cost: CostModel,
+    pub hasher: BlockHasher,
+}
+
+impl PodModel {
+    pub fn new(config: &Config, cache: KvCache, adapters: AdapterSlots, cost: CostModel) -> PodModel {
+        PodModel {
+            cache,
+            adapters,
+            cost,
+            hasher: BlockHasher::from_config(config),
+        }
+    }
+
+    /// Starts a request's prefill: loads its adapter if needed and counts
+    /// its cached prefix. The cache is not changed until
+    /// [`PodModel::finish_prefill`].
+    pub fn admit(&mut self, target: &ModelTarget, prompt: &Prompt) -> Admission {
+        let adapter_load = match &target.adapter {
+            Some(name) => {
+                let used = self.adapters.ensure(name);
+                if used.loaded_now {
+                    self.cost.adapter_load(used.rank)
+                } else {
+                    Duration::ZERO
+                }
+            }
+            None => Duration::ZERO,
+        };
+        let chain = self.hasher.chain(target, prompt);
+        let cached_blocks = self.cache.cached_prefix(&chain);
+        let tokens = prompt_tokens(prompt);
+        let cached_tokens = self.hasher.tokens_in_blocks(prompt, cached_blocks).min(tokens);
+        Admission {
+            prefill: self.cost.prefill(tokens - cached_tokens),
+            chain,
+            prompt_tokens: tokens,
+            cached_blocks,
+            cached_tokens,
+            adapter_load,
+        }
+    }
+
+    /// Prefill done: the request's blocks are now cached.
+    pub fn finish_prefill(&mut self, admission: &Admission) -> InsertOutcome {
+        self.cache.insert_chain(&admission.chain)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute::cluster::ClusterState;
+    use kvroute::config::PodConfig;
+    use kvroute::index::{PrefixLookup, PrefixTree};
+    use kvroute::report::parse_report;
+
+    fn load() -> PodLoad {
+        PodLoad {
+            queue_depth: 2,
+            running: 1,
+            gpu_utilization: 0.125,
+            health: 1.0,
+            adapters: vec!["a".into()],
+        }
+    }
+
+    fn report(cache: &KvCache, since: u64, epoch: &str) -> kvroute::report::PodReport {
+        let value = cache.report("p", "E", Some(since), Some(epoch), &load());
+        parse_report(value.to_string().as_bytes()).expect("report parses")
+    }
+
+    /// Folds a report into a tree the way the router does.
+    fn fold(tree: &mut PrefixTree, r: &kvroute::report::PodReport) {
+        if r.full {
+            tree.drop_pod(0);
+        }
+        for chain in &r.stored {
+            let outcome = tree.insert_chain(0, chain.parent, &chain.hashes);
+            assert_eq!(outcome.orphaned, 0, "{:?}", r.stored);
+        }
+        tree.remove_blocks(0, &r.removed);
+    }
+
+    fn assert_mirrors(tree: &PrefixTree, cache: &KvCache, chains: &[Vec<u64>]) {
+        assert_eq!(tree.pod_block_count(0), cache.len());
+        for chain in chains {
+            assert_eq!(
+                tree.lookup(chain).blocks(0) as usize,
+                cache.cached_prefix(chain),
+                "chain {chain:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn lru_evicts_leaves_first_and_counts_prefix() {
+        let mut cache = KvCache::new(5, 100);
+        assert_eq!(cache.insert_chain(&[1, 2, 3]).inserted, 3);
+        assert_eq!(cache.cached_prefix(&[1, 2, 3, 4]), 3);
+        assert_eq!(cache.cached_prefix(&[9, 2]), 0);
+        // Sharing prefix [1, 2]: only 4 and 5 are new.
+        let out = cache.insert_chain(&[1, 2, 4, 5]);
+        assert_eq!(out, InsertOutcome { inserted: 2, evicted: 0 });
+        assert_eq!(cache.len(), 5);
+        // A new chain of 2 evicts the two least recent leaves: 3 then 5? No:
+        // 3 is older than 5 (touched earlier), then 5 is older than 4.
+        let out = cache.insert_chain(&[7, 8]);
+        assert_eq!(out, InsertOutcome { inserted: 2, evicted: 2 });
+        assert!(!cache.contains(3));
+        assert!(!cache.contains(5));
+        assert!(cache.contains(1) && cache.contains(2) && cache.contains(4));
+        assert_eq!(cache.cached_prefix(&[1, 2, 4, 5]), 3);
+        // Invariant: every present block's parent is present.
+        for seg in cache.full() {
+            if let Some(p) = seg.parent {
+                assert!(cache.contains(p));
+            }
+        }
+    }
+
+    #[test]
+    fn chain_longer_than_capacity_keeps_its_prefix() {
+        let mut cache = KvCache::new(3, 100);
+        let out = cache.insert_chain(&[1, 2, 3, 4, 5]);
+        assert_eq!(out, InsertOutcome { inserted: 5, evicted: 2 });
+        assert_eq!(cache.cached_prefix(&[1, 2, 3, 4, 5]), 3);
+    }
+
+    #[test]
+    fn cached_tokens_and_ttft() {
+        let config = Config::default(); // 64-byte text blocks = 16 tokens
+        let cost = CostModel::gpu_8b(1.0);
+        let mut pod = PodModel::new(
+            &config,
+            KvCache::new(100, 1000),
+            AdapterSlots::new(2, HashMap::new()),
+            cost.clone(),
+        );
+        let target = ModelTarget {
+            base_model: "m".into(),
+            adapter: None,
+        };
+        let prompt = Prompt::Text(vec![b'x'; 64 * 10 + 10]);
+        let first = pod.admit(&target, &prompt);
+        assert_eq!((first.prompt_tokens, first.cached_tokens, first.chain.len()), (162, 0, 10));
+        assert_eq!(first.prefill, cost.prefill(162));
+        pod.finish_prefill(&first);
+        let second = pod.admit(&target, &prompt);
+        assert_eq!((second.cached_blocks, second.cached_tokens), (10, 160));
+        assert_eq!(second.prefill, cost.prefill(2));
+        // TTFT formula.
+        let expected = 0.045 + 4096.0 * 0.9 / 4096.0;
+        assert!((cost.prefill(4096).as_secs_f64() - expected).abs() < 1e-9);
+        let scaled = CostModel::gpu_8b(0.05);
+        assert!((scaled.prefill(4096).as_secs_f64() - expected * 0.05).abs() < 1e-9);
+        assert!((scaled.decode(10).as_secs_f64() - 0.2 * 0.05).abs() < 1e-9);
+        let ttft = cost.ttft(Duration::from_millis(100), Duration::ZERO, 0);
+        assert!((ttft.as_secs_f64() - 0.145).abs() < 1e-9);
+        assert_eq!(cost.generation_after_first(1), Duration::ZERO);
+        // Token prompts count tokens.
+        let tokens = Prompt::Tokens((0..40).collect());
+        let t = pod.admit(&target, &tokens);
+        assert_eq!((t.prompt_tokens, t.chain.len()), (40, 2));
+        pod.finish_prefill(&t);
+        assert_eq!(pod.admit(&target, &tokens).cached_tokens, 32);
+    }
+
+    #[test]
+    fn lora_slots_load_once_and_evict_lru() {
+        let cost = CostModel::gpu_8b(1.0);
+        assert!((cost.adapter_load(16).as_secs_f64() - 0.2).abs() < 1e-9);
+        assert!((cost.adapter_load(64).as_secs_f64() - 0.8).abs() < 1e-9);
+        let mut slots = AdapterSlots::new(2, HashMap::from([("big".to_string(), 64)]));
+        slots.preload("a");
+        assert_eq!(slots.loads(), 0);
+        assert!(!slots.ensure("a").loaded_now);
+        let b = slots.ensure("big");
+        assert_eq!((b.loaded_now, b.rank, b.evicted), (true, 64, None));
+        slots.ensure("a"); // a is now most recent
+        let c = slots.ensure("c");
+        assert_eq!(c.evicted.as_deref(), Some("big"));
+        assert_eq!(slots.loaded(), ["a".to_string(), "c".to_string()]);
+        assert_eq!(slots.loads(), 2);
+        // Through the pod: first use costs the load, the second does not.
+        let mut pod = PodModel::new(&Config::default(), KvCache::new(10, 10), slots, cost.clone());
+        let target = ModelTarget {
+            base_model: "m".into(),
+            adapter: Some("big".into()),
+        };
+        let prompt = Prompt::Text(b"hello".to_vec());
+        assert_eq!(pod.admit(&target, &prompt).adapter_load, cost.adapter_load(64));
+        assert_eq!(pod.admit(&target, &prompt).adapter_load, Duration::ZERO);
+    }
+
+    #[test]
+    fn deltas_and_full_resync_round_trip_through_the_parser() {
+        let mut cache = KvCache::new(6, 1000);
+        let mut tree = PrefixTree::new(1000);
+        let mut chains: Vec<Vec<u64>> = Vec::new();
+        let first = cache.report("p", "E", None, None, &load());
+        let r = parse_report(first.to_string().as_bytes()).unwrap();
+        assert!(r.full && r.stored.is_empty() && r.seq == 0);
+        assert_eq!((r.queue_depth, r.running, r.gpu_utilization), (2, 1, Some(0.125)));
+        assert_eq!(r.adapters, vec!["a".to_string()]);
+        let mut seq = r.seq;
+        // Insert overlapping chains, folding a delta after each, with churn.
+        let script: Vec<Vec<u64>> = vec![
+            vec![1, 2, 3],
+            vec![1, 2, 4],
+            vec![10, 11],
+            vec![1, 2, 3, 5],
+            vec![20, 21, 22, 23],
+            vec![1, 2, 4],
+            vec![10, 11, 12],
+        ];
+        for (i, chain) in script.iter().enumerate() {
+            cache.insert_chain(chain);
+            chains.push(chain.clone());
+            if i % 2 == 1 || seq == 0 {
+                let r = report(&cache, seq, "E");
+                if seq == 0 {
+                    assert!(r.full);
+                } else {
+                    assert!(!r.full);
+                    assert_eq!(r.since, seq);
+                }
+                fold(&mut tree, &r);
+                seq = r.seq;
+                assert_mirrors(&tree, &cache, &chains);
+            }
+        }
+        let r = report(&cache, seq, "E");
+        fold(&mut tree, &r);
+        seq = r.seq;
+        assert_mirrors(&tree, &cache, &chains);
+        // Steady state: re-touching cached chains logs nothing.
+        cache.insert_chain(&[1, 2, 4]);
+        let r = report(&cache, seq, "E");
+        assert!(!r.full && r.stored.is_empty() && r.removed.is_empty());
+        // A wrong epoch or since=0 gets a full resync that reproduces the cache.
+        for (since, epoch) in [(seq, "other"), (0, "E")] {
+            let r = report(&cache, since, epoch);
+            assert!(r.full);
+            assert_eq!(r.since, 0);
+            let mut fresh = PrefixTree::new(1000);
+            fold(&mut fresh, &r);
+            assert_mirrors(&fresh, &cache, &chains);
+        }
+    }
+
+    #[test]
+    fn delta_coalesces_store_remove_store() {
+        let mut cache = KvCache::new(2, 1000);
+        let mut tree = PrefixTree::new(100);
+        cache.insert_chain(&[1, 2]);
+        let r = report(&cache, 0, "E");
+        fold(&mut tree, &r);
+        let seq = r.seq;
+        cache.insert_chain(&[7, 8]); // evicts 2 then 1
+        cache.insert_chain(&[1, 2]); // evicts 8 then 7, stores 1, 2 again
+        let delta = cache.delta(seq).unwrap();
+        let mut removed = delta.removed.clone();
+        removed.sort();
+        assert_eq!(removed, vec![7, 8]);
+        assert_eq!(
+            delta.stored,
+            vec![Segment {
+                parent: None,
+                hashes: vec![1, 2]
+            }]
+        );
+        fold(&mut tree, &report(&cache, seq, "E"));
+        assert_mirrors(&tree, &cache, &[vec![1, 2], vec![7, 8]]);
+    }
+
+    #[test]
+    fn log_bound_forces_full_resync() {
+        let mut cache = KvCache::new(100, 4);
+        cache.insert_chain(&[1, 2, 3]);
+        let seq = cache.seq();
+        cache.insert_chain(&[4, 5, 6]);
+        assert_eq!(cache.oldest_since(), 2);
+        assert!(cache.delta(1).is_none());
+        assert!(cache.delta(seq).is_some());
+        assert!(report(&cache, 1, "E").full);
+        assert!(cache.delta(cache.seq() + 1).is_none());
+    }
+
+    #[test]
+    fn silent_eviction_storm_is_logged_on_flush() {
+        let mut cache = KvCache::new(10, 100);
+        cache.insert_chain(&[1, 2, 3]);
+        cache.insert_chain(&[4]);
+        let seq = cache.seq();
+        assert_eq!(cache.evict_all(true), 4);
+        assert!(cache.is_empty());
+        let d = cache.delta(seq).unwrap();
+        assert!(d.removed.is_empty() && d.stored.is_empty());
+        cache.insert_chain(&[4]); // stored again before the flush
+        assert_eq!(cache.flush_silent(), 3);
+        let d = cache.delta(seq).unwrap();
+        let mut removed = d.removed;
+        removed.sort();
+        assert_eq!(removed, vec![1, 2, 3]);
+        assert_eq!(d.stored.len(), 1);
+        // Loud storm.
+        let seq = cache.seq();
+        assert_eq!(cache.evict_all(false), 1);
+        assert_eq!(cache.delta(seq).unwrap().removed, vec![4]);
+    }
+
+    #[test]
+    fn cluster_state_follows_the_pod() {
+        let mut config = Config::default();
+        config.pods = vec![PodConfig {
+            id: "p".into(),
+            address: "127.0.0.1:1".into(),
+            attributes: Default::default(),
+        }];
+        let mut cluster = ClusterState::new(&config, 0);
+        let mut pod = PodModel::new(
+            &config,
+            KvCache::new(20, 1000),
+            AdapterSlots::new(1, HashMap::new()),
+            CostModel::default(),
+        );
+        let target = ModelTarget {
+            base_model: "m".into(),
+            adapter: None,
+        };
+        let mut chains = Vec::new();
+        let mut since = 0;
+        let mut epoch: Option<String> = None;
+        for i in 0..12u8 {
+            let prompt = Prompt::Text(vec![b'a' + (i % 5); 64 * (2 + i as usize % 4)]);
+            let admission = pod.admit(&target, &prompt);
+            pod.finish_prefill(&admission);
+            chains.push(admission.chain.clone());
+            let body = pod
+                .cache
+                .report("p", "E1", Some(since), epoch.as_deref(), &load())
+                .to_string();
+            let (summary, _) = cluster.apply_report("p", body.as_bytes(), 0, 0);
+            let summary = summary.expect("report folds");
+            assert!(!summary.resync && summary.orphaned == 0, "{summary:?}");
+            since = pod.cache.seq();
+            epoch = Some("E1".into());
+            for chain in &chains {
+                assert_eq!(
+                    cluster.index().lookup(chain).blocks(0) as usize,
+                    pod.cache.cached_prefix(chain)
+                );
+            }
+        }
+        let last = pod.admit(&target, &Prompt::Text(vec![b'a'; 64 * 2]));
+        assert_eq!(last.cached_blocks, 2);
+        assert_eq!(cluster.index().lookup(&last.chain).blocks(0), 2);
+    }
+}

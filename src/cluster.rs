@@ -1,0 +1,387 @@
+//! [`ClusterState`]: what the singleton service knows of the pods, folded
+//! from their reports and published as a snapshot.
+//!
+//! Per tick the service asks each pod for its report (`?since=SEQ&epoch=E`)
+//! and, when `metricsPath` is set, its vLLM metrics, then calls
+//! [`ClusterState::publish`]. Folding rules:
+//! - a full report replaces the pod's blocks; a delta applies `stored` then
+//!   `removed`; a delta that does not continue the last `seq` of the same
+//!   epoch (pod restart, missed report) drops the pod's blocks and asks for
+//!   a full resync next tick;
+//! - queue: vLLM's `num_requests_waiting` when scraped, else the report's
+//!   `queueDepth`; load: the report's `gpuUtilization`, else vLLM's
+//!   `kv_cache_usage_perc`; adapters: both sources together;
+//! - health: the reported health (1.0 until a pod reports one), times a
+//!   staleness factor: 1 while the last good answer is younger than
+//!   `podReportIntervalMs + reportTimeoutMs`, then falling linearly to 0
+//!   over three more intervals, so a silent pod is excluded after about
+//!   three missed reports and recovers on its next good one. A pod nobody
+//!   polls (approximate mode without `metricsPath`) keeps health 1.0;
+//! - failures (unreachable, HTTP status, malformed, wrong pod) are counted
+//!   per pod; [`ClusterState::record_failure`] and the report/metrics paths
+//!   return a [`Transition`] only when the pod's state changes, so logs say
+//!   it once.
+
+use crate::config::{Config, IndexMode, PodConfig};
+use crate::index::{DecisionRecorder, PrefixTree};
+use crate::report::{parse_report, parse_vllm_metrics};
+use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
+
+/// Why a pull failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// No answer (connection failure, timeout, call refused).
+    Unreachable,
+    /// An HTTP status other than 200.
+    Status(u32),
+    /// A body that is not a valid report or metrics page.
+    Malformed(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Unreachable => f.write_str("unreachable or timed out"),
+            Failure::Status(code) => write!(f, "answered HTTP {code}"),
+            Failure::Malformed(why) => write!(f, "sent a malformed answer: {why}"),
+        }
+    }
+}
+
+impl Failure {
+    /// Short label for the failure counter.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Failure::Unreachable => "unreachable",
+            Failure::Status(_) => "status",
+            Failure::Malformed(_) => "malformed",
+        }
+    }
+}
+
+/// A change of a pod's reporting state, to log once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    Failing { pod: String, failure: Failure },
+    Recovered { pod: String },
+}
+
+/// What one report did to the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReportSummary {
+    pub full: bool,
+    pub stored: usize,
+    pub removed: usize,
+    pub orphaned: usize,
+    /// The delta did not continue our sequence: blocks dropped, full resync requested.
+    pub resync: bool,
+}
+
+#[derive(Debug, Clone)]
+struct PodRecord {
+    config: PodConfig,
+    slot: usize,
+    epoch: Option<String>,
+    seq: u64,
+    report_queue: u32,
+    metrics_queue: Option<u32>,
+    report_load: Option<f64>,
+    metrics_load: Option<f64>,
+    reported_health: f64,
+    report_adapters: Vec<String>,
+    metrics_adapters: Vec<String>,
+    last_success_ms: u64,
+    inflight_at_report: u32,
+    failing: Option<Failure>,
+    failures: u64,
+}
+
+/// See the module documentation.
+pub struct ClusterState {
+    mode: IndexMode,
+    polled: bool,
+    interval_ms: u64,
+    grace_ms: u64,
+    pods: Vec<PodRecord>,
+    index: DecisionRecorder,
+    publisher: SnapshotPublisher,
+    generation: u64,
+}
+
+impl ClusterState {
+    pub fn new(config: &Config, now_ms: u64) -> ClusterState {
+        let tree = PrefixTree::with_change_log(config.max_index_blocks);
+        let mut state = ClusterState {
+            mode: config.mode,
+            polled: config.mode == IndexMode::Precise || config.metrics_path.is_some(),
+            interval_ms: config.pod_report_interval_ms,
+            grace_ms: config.pod_report_interval_ms + config.report_timeout_ms,
+            pods: Vec::new(),
+            index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
+            publisher: SnapshotPublisher::new(config.snapshot_buckets()),
+            generation: 0,
+        };
+        state.set_pods(&config.pods, now_ms);
+        state
+    }
+
+    /// Replaces the pod list (static config or discovery). Pods keep their
+    /// slot and state while their id and address stay; a pod that left has
+    /// its blocks dropped and its slot reused.
+    pub fn set_pods(&mut self, pods: &[PodConfig], now_ms: u64) {
+        let (kept, gone): (Vec<PodRecord>, Vec<PodRecord>) = std::mem::take(&mut self.pods)
+            .into_iter()
+            .partition(|r| pods.iter().any(|p| p.id == r.config.id && p.address == r.config.address));
+        for record in &gone {
+            self.index.drop_pod(record.slot);
+        }
+        let mut records = kept;
+        for pod in pods.iter().take(crate::config::MAX_PODS) {
+            if let Some(record) = records.iter_mut().find(|r| r.config.id == pod.id) {
+                record.config = pod.clone();
+                continue;
+            }
+            let slot = (0..crate::config::MAX_PODS)
+                .find(|s| records.iter().all(|r| r.slot != *s))
+                .expect("at most MAX_PODS pods");
+            records.push(PodRecord {
+                config: pod.clone(),
+                slot,
+                epoch: None,
+                seq: 0,
+                report_queue: 0,
+                metrics_queue: None,
+                report_load: None,
+                metrics_load: None,
+                reported_health: 1.0,
+                report_adapters: Vec::new(),
+                metrics_adapters: Vec::new(),
+                last_success_ms: now_ms,
+                inflight_at_report: 0,
+                failing: None,
+                failures: 0,
+            });
+        }
+        records.sort_by_key(|r| r.slot);
+        self.pods = records;
+    }
+
+    /// Ids and addresses of the current pods, in slot order.
+    pub fn pods(&self) -> impl Iterator<Item = &PodConfig> {
+        self.pods.iter().map(|r| &r.config)
+    }
+
+    /// Slot (index bit and in-flight counter) of `pod_id`.
+    pub fn slot(&self, pod_id: &str) -> Option<usize> {
+        self.record(pod_id).map(|r| r.slot)
+    }
+
+    /// Path and query of the next report request for `pod_id`.
+    pub fn report_query(&self, pod_id: &str, report_path: &str) -> Option<String> {
+        let record = self.record(pod_id)?;
+        Some(match &record.epoch {
+            Some(epoch) => format!("{report_path}?since={}&epoch={epoch}", record.seq),
+            None => format!("{report_path}?since=0"),
+        })
+    }
+
+    /// Folds a report body from `pod_id`. `inflight` is the pod's current
+    /// in-flight count (the new queue baseline).
+    pub fn apply_report(
+        &mut self,
+        pod_id: &str,
+        body: &[u8],
+        now_ms: u64,
+        inflight: u32,
+    ) -> (Result<ReportSummary, Failure>, Option<Transition>) {
+        let parsed = parse_report(body).map_err(Failure::Malformed).and_then(|report| {
+            if report.pod_id == pod_id {
+                Ok(report)
+            } else {
+                Err(Failure::Malformed(format!(
+                    "`podId` is {:?}, expected {pod_id:?}",
+                    report.pod_id
+                )))
+            }
+        });
+        let report = match parsed {
+            Ok(report) => report,
+            Err(failure) => {
+                let transition = self.record_failure(pod_id, failure.clone());
+                return (Err(failure), transition);
+            }
+        };
+        let Some(at) = self.pods.iter().position(|r| r.config.id == pod_id) else {
+            return (Err(Failure::Malformed("unknown pod".into())), None);
+        };
+        let slot = self.pods[at].slot;
+        let mut summary = ReportSummary {
+            full: report.full,
+            ..ReportSummary::default()
+        };
+        let record = &mut self.pods[at];
+        let continues = record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
+        if report.full || !continues {
+            self.index.tree_mut().drop_pod(slot);
+        }
+        if report.full || continues {
+            for chain in &report.stored {
+                let outcome = self.index.tree_mut().insert_chain(slot, chain.parent, &chain.hashes);
+                summary.stored += outcome.stored;
+                summary.orphaned += outcome.orphaned;
+            }
+            self.index.tree_mut().remove_blocks(slot, &report.removed);
+            summary.removed = report.removed.len();
+            record.epoch = Some(report.epoch);
+            record.seq = report.seq;
+        } else {
+            summary.resync = true;
+            record.epoch = None;
+            record.seq = 0;
+        }
+        record.report_queue = report.queue_depth;
+        record.report_load = report.gpu_utilization;
+        record.reported_health = report.health;
+        record.report_adapters = report.adapters;
+        let transition = self.succeeded(at, now_ms, inflight);
+        (Ok(summary), transition)
+    }
+
+    /// Folds a vLLM `/metrics` page from `pod_id`.
+    pub fn apply_metrics(
+        &mut self,
+        pod_id: &str,
+        text: &[u8],
+        now_ms: u64,
+        inflight: u32,
+    ) -> (Result<(), Failure>, Option<Transition>) {
+        let parsed = std::str::from_utf8(text)
+            .map_err(|_| "metrics page is not UTF-8".to_string())
+            .and_then(parse_vllm_metrics);
+        let metrics = match parsed {
+            Ok(metrics) => metrics,
+            Err(why) => {
+                let failure = Failure::Malformed(why);
+                let transition = self.record_failure(pod_id, failure.clone());
+                return (Err(failure), transition);
+            }
+        };
+        let Some(at) = self.pods.iter().position(|r| r.config.id == pod_id) else {
+            return (Err(Failure::Malformed("unknown pod".into())), None);
+        };
+        let record = &mut self.pods[at];
+        record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
+        record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
+        record.metrics_adapters = metrics.running_adapters.unwrap_or_default();
+        (Ok(()), self.succeeded(at, now_ms, inflight))
+    }
+
+    fn succeeded(&mut self, at: usize, now_ms: u64, inflight: u32) -> Option<Transition> {
+        let record = &mut self.pods[at];
+        record.last_success_ms = now_ms;
+        record.inflight_at_report = inflight;
+        record.failing.take().map(|_| Transition::Recovered {
+            pod: record.config.id.clone(),
+        })
+    }
+
+    /// Counts a failed pull; a transition when the pod was not already
+    /// failing this way.
+    pub fn record_failure(&mut self, pod_id: &str, failure: Failure) -> Option<Transition> {
+        let record = self.pods.iter_mut().find(|r| r.config.id == pod_id)?;
+        record.failures += 1;
+        let changed = record.failing.as_ref().map(Failure::kind) != Some(failure.kind());
+        record.failing = Some(failure.clone());
+        changed.then(|| Transition::Failing {
+            pod: pod_id.to_string(),
+            failure,
+        })
+    }
+
+    /// Failed pulls of `pod_id` so far.
+    pub fn failures(&self, pod_id: &str) -> u64 {
+        self.record(pod_id).map_or(0, |r| r.failures)
+    }
+
+    /// Health after staleness decay (see the module documentation).
+    pub fn health(&self, pod_id: &str, now_ms: u64) -> f64 {
+        self.record(pod_id).map_or(0.0, |r| self.decayed_health(r, now_ms))
+    }
+
+    fn decayed_health(&self, record: &PodRecord, now_ms: u64) -> f64 {
+        if !self.polled {
+            return record.reported_health;
+        }
+        let age = now_ms.saturating_sub(record.last_success_ms);
+        let overdue = age.saturating_sub(self.grace_ms) as f64;
+        let factor = (1.0 - overdue / (3 * self.interval_ms) as f64).max(0.0);
+        record.reported_health * factor
+    }
+
+    /// Approximate mode: a filter routed `chain` to pod `slot`.
+    pub fn record_decision(&mut self, slot: usize, chain: &[u64]) {
+        if self.mode == IndexMode::Approximate && self.pods.iter().any(|r| r.slot == slot) {
+            self.index.record(slot, chain);
+        }
+    }
+
+    pub fn index(&self) -> &PrefixTree {
+        self.index.tree()
+    }
+
+    /// Bytes held by the index and the snapshot mirror.
+    pub fn memory_bytes(&self) -> usize {
+        self.index.tree().memory_bytes() + self.publisher.memory_bytes()
+    }
+
+    /// The next snapshot: the pod table (always) and the index buckets that
+    /// changed since the last call.
+    pub fn publish(&mut self, now_ms: u64) -> Publication {
+        let changes = self.index.tree_mut().take_changes();
+        self.publisher.apply(&changes);
+        self.generation += 1;
+        let pods = self
+            .pods
+            .iter()
+            .map(|r| PublishedPod {
+                slot: r.slot,
+                id: r.config.id.clone(),
+                address: r.config.address.clone(),
+                queue: r.metrics_queue.unwrap_or(r.report_queue),
+                load: r.report_load.or(r.metrics_load).unwrap_or(0.0),
+                health: self.decayed_health(r, now_ms),
+                adapters: union(&r.report_adapters, &r.metrics_adapters),
+                attributes: r.config.attributes.clone(),
+                inflight_at_report: r.inflight_at_report,
+            })
+            .collect();
+        let table = PodTable {
+            generation: self.generation,
+            buckets: self.publisher.bucket_count(),
+            pods,
+        };
+        Publication {
+            table,
+            buckets: self.publisher.take_dirty(),
+        }
+    }
+
+    fn record(&self, pod_id: &str) -> Option<&PodRecord> {
+        self.pods.iter().find(|r| r.config.id == pod_id)
+    }
+}
+
+fn union(a: &[String], b: &[String]) -> Vec<String> {
+    let mut all: Vec<String> = a.iter().chain(b).cloned().collect();
+    all.sort();
+    all.dedup();
+    all
+}
+
+/// One tick's output for shared data.
+#[derive(Debug, Clone)]
+pub struct Publication {
+    pub table: PodTable,
+    /// (bucket, encoded value) of changed buckets.
+    pub buckets: Vec<(u32, Vec<u8>)>,
+}

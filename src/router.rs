@@ -1,0 +1,302 @@
+//! [`Router`]: one request body in, one routing outcome out — everything the
+//! HTTP filter decides, without any host call.
+//!
+//! 1. Bodies larger than `maxBodyBytes`, not JSON, without a prompt or with
+//!    wrong types are *bad*; `onBadRequest` routes them by load alone (cache
+//!    score 0) or rejects them with 400.
+//! 2. The model is resolved through `models`; an unknown one follows
+//!    `onUnknownModel` (route by load alone, or 404).
+//! 3. The prompt is hashed into its block chain and looked up in the index
+//!    view; each pod's cache match = matched blocks / chain length.
+//! 4. Candidates: the published pods, queue = reported queue + requests
+//!    routed to the pod since its report (the in-flight counters), so a
+//!    burst between two reports spreads instead of piling on the hot pod.
+//! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
+//!    `onNoEligiblePod` answers 503 with `retry-after` or uses `fallbackPod`.
+
+use crate::config::{BadRequestPolicy, Config, ModelTarget, NoPodPolicy};
+use crate::hashing::BlockHasher;
+use crate::index::{PrefixLookup, PrefixMatch};
+use crate::request::{parse_request, Prompt};
+use crate::scoring::{Candidate, Decision, ScoringPolicy};
+use crate::snapshot::PodTable;
+
+/// The router's view of the cluster for one request.
+pub struct ClusterView<'a> {
+    pub table: &'a PodTable,
+    pub index: &'a dyn PrefixLookup,
+    /// In-flight requests per pod slot.
+    pub inflight: &'a [u32],
+}
+
+/// A request sent to a pod.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    /// Index into the pod table.
+    pub pod: usize,
+    pub slot: usize,
+    pub pod_id: String,
+    pub address: String,
+    /// Client-facing model name ("unknown" when the body had none).
+    pub model: String,
+    pub adapter: Option<String>,
+    /// The chosen pod will have to load the adapter.
+    pub adapter_load_triggered: bool,
+    pub chain: Vec<u64>,
+    pub matched_blocks: u32,
+    pub cache_match: f64,
+    pub composite: f64,
+    /// Prompt tokens expected to be served from the pod's cache.
+    pub predicted_cached_tokens: u64,
+    /// Why cache-aware routing was skipped, for a bad or unknown request.
+    pub degraded: Option<String>,
+    /// Sent to `fallbackPod` because every pod was excluded.
+    pub fallback: bool,
+    pub decision: Decision,
+}
+
+/// A request answered by the router itself.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejected {
+    pub status: u32,
+    /// OpenAI error `type`.
+    pub kind: &'static str,
+    pub message: String,
+    pub retry_after: Option<u32>,
+}
+
+impl Rejected {
+    /// OpenAI-style error body.
+    pub fn body(&self) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "error": {"message": self.message, "type": self.kind, "code": self.status}
+        }))
+        .expect("error body serialises")
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    Routed(Box<Routed>),
+    Rejected(Rejected),
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct Router {
+    config: Config,
+    hasher: BlockHasher,
+    policy: ScoringPolicy,
+}
+
+struct Understood {
+    model: String,
+    target: Option<ModelTarget>,
+    prompt: Option<Prompt>,
+    degraded: Option<String>,
+}
+
+impl Router {
+    pub fn new(config: Config) -> Router {
+        Router {
+            hasher: BlockHasher::from_config(&config),
+            policy: ScoringPolicy::from_config(&config),
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn policy(&self) -> &ScoringPolicy {
+        &self.policy
+    }
+
+    /// Whether `path` (without query) is one kvroute routes, and if so
+    /// whether it is the chat form.
+    pub fn route_kind(&self, path: &str) -> Option<bool> {
+        let path = path.split('?').next().unwrap_or(path);
+        self.config
+            .route_paths
+            .iter()
+            .any(|p| p == path)
+            .then(|| path.ends_with("/chat/completions"))
+    }
+
+    /// Decides where `body` goes. `tie_breaker` spreads exact ties.
+    pub fn route(&self, body: &[u8], chat: bool, view: &ClusterView<'_>, tie_breaker: u64) -> Outcome {
+        let understood = match self.understand(body, chat) {
+            Ok(understood) => understood,
+            Err(rejected) => return Outcome::Rejected(rejected),
+        };
+        let chain = match (&understood.target, &understood.prompt) {
+            (Some(target), Some(prompt)) => self.hasher.chain(target, prompt),
+            _ => Vec::new(),
+        };
+        let matches = if chain.is_empty() {
+            PrefixMatch::default()
+        } else {
+            view.index.lookup(&chain)
+        };
+        let adapter = understood.target.as_ref().and_then(|t| t.adapter.clone());
+        let candidates: Vec<Candidate<'_>> = view
+            .table
+            .pods
+            .iter()
+            .map(|pod| {
+                let matched = matches.blocks(pod.slot);
+                let inflight = view.inflight.get(pod.slot).copied().unwrap_or(0);
+                Candidate {
+                    slot: pod.slot,
+                    id: &pod.id,
+                    cache_match: if chain.is_empty() {
+                        0.0
+                    } else {
+                        f64::from(matched) / chain.len() as f64
+                    },
+                    load: pod.load,
+                    queue: pod.queue.saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
+                    health: pod.health,
+                    adapter_loaded: adapter.as_ref().is_some_and(|a| pod.adapters.contains(a)),
+                    attributes: &pod.attributes,
+                }
+            })
+            .collect();
+        let decision = self.policy.decide(&candidates, adapter.is_some(), tie_breaker);
+        let (pod, fallback) = match decision.chosen {
+            Some(index) => (index, false),
+            None => match self.fallback_index(view.table) {
+                Some(index) => (index, true),
+                None => {
+                    return Outcome::Rejected(Rejected {
+                        status: 503,
+                        kind: "ServiceUnavailableError",
+                        message: format!(
+                            "no inference pod can take the request ({} excluded: {})",
+                            decision.excluded.len(),
+                            decision
+                                .excluded
+                                .iter()
+                                .map(|(i, why)| format!("{} {why}", candidates[*i].id))
+                                .collect::<Vec<_>>()
+                                .join("; ")
+                        ),
+                        retry_after: Some(self.config.retry_after_seconds),
+                    })
+                }
+            },
+        };
+        let chosen = &view.table.pods[pod];
+        let matched_blocks = matches.blocks(chosen.slot);
+        let composite = decision.winner().map_or(0.0, |w| w.composite);
+        let predicted_cached_tokens = understood
+            .prompt
+            .as_ref()
+            .map_or(0, |p| self.hasher.tokens_in_blocks(p, matched_blocks as usize));
+        Outcome::Routed(Box::new(Routed {
+            pod,
+            slot: chosen.slot,
+            pod_id: chosen.id.clone(),
+            address: chosen.address.clone(),
+            model: understood.model,
+            adapter_load_triggered: adapter.as_ref().is_some_and(|a| !chosen.adapters.contains(a)),
+            adapter,
+            cache_match: candidates[pod].cache_match,
+            chain,
+            matched_blocks,
+            composite,
+            predicted_cached_tokens,
+            degraded: understood.degraded,
+            fallback,
+            decision,
+        }))
+    }
+
+    fn fallback_index(&self, table: &PodTable) -> Option<usize> {
+        if self.config.on_no_eligible_pod != NoPodPolicy::Fallback {
+            return None;
+        }
+        let id = self.config.fallback_pod.as_ref()?;
+        table.pods.iter().position(|p| &p.id == id)
+    }
+
+    /// Parses the body and resolves the model, applying the bad-request and
+    /// unknown-model policies.
+    fn understand(&self, body: &[u8], chat: bool) -> Result<Understood, Rejected> {
+        let bad = |message: String| -> Result<Understood, Rejected> {
+            match self.config.on_bad_request {
+                BadRequestPolicy::Reject => Err(Rejected {
+                    status: 400,
+                    kind: "BadRequestError",
+                    message,
+                    retry_after: None,
+                }),
+                BadRequestPolicy::Route => Ok(Understood {
+                    model: "unknown".into(),
+                    target: None,
+                    prompt: None,
+                    degraded: Some(message),
+                }),
+            }
+        };
+        if body.len() > self.config.max_body_bytes {
+            return bad(format!(
+                "request body exceeds maxBodyBytes ({} bytes)",
+                self.config.max_body_bytes
+            ));
+        }
+        let request = match parse_request(body, chat) {
+            Ok(request) => request,
+            Err(e) => return bad(e.0),
+        };
+        match self.config.resolve_model(&request.model) {
+            Some(target) => Ok(Understood {
+                model: request.model,
+                target: Some(target),
+                prompt: Some(request.prompt),
+                degraded: None,
+            }),
+            None if self.config.on_unknown_model == BadRequestPolicy::Reject => Err(Rejected {
+                status: 404,
+                kind: "NotFoundError",
+                message: format!("The model `{}` does not exist.", request.model),
+                retry_after: None,
+            }),
+            None => Ok(Understood {
+                degraded: Some(format!("model {:?} is not configured", request.model)),
+                model: request.model,
+                target: None,
+                prompt: None,
+            }),
+        }
+    }
+
+    /// A JSON explanation of a decision: every candidate's factors and
+    /// composite, and the excluded pods with the reason.
+    pub fn explain(&self, table: &PodTable, decision: &Decision) -> String {
+        let names = self.policy.scorer_names();
+        let candidates: Vec<serde_json::Value> = decision
+            .scored
+            .iter()
+            .map(|s| {
+                let factors: serde_json::Map<String, serde_json::Value> = names
+                    .iter()
+                    .zip(&s.factors)
+                    .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
+                    .collect();
+                serde_json::json!({"pod": table.pods[s.index].id, "factors": factors, "composite": round4(s.composite)})
+            })
+            .collect();
+        let excluded: Vec<serde_json::Value> = decision
+            .excluded
+            .iter()
+            .map(|(i, why)| serde_json::json!({"pod": table.pods[*i].id, "reason": why.to_string()}))
+            .collect();
+        serde_json::json!({"candidates": candidates, "excluded": excluded}).to_string()
+    }
+}
+
+fn round4(value: f64) -> f64 {
+    (value * 10_000.0).round() / 10_000.0
+}

@@ -1,0 +1,56 @@
+//! proxy-wasm glue: thin host adapters over the routing core.
+//!
+//! One `kvroute.wasm` serves two roots, chosen by the plugin's `root_id`
+//! (readable through `plugin_root_id` already while the root is created):
+//! - `service`: the singleton bootstrap service ([`service`]) pulling pod
+//!   reports and publishing the snapshot to shared data;
+//! - anything else: the HTTP filter ([`filter`]) routing each request.
+//!
+//! Both must use the same `vm_id` so they share data and queues.
+
+mod filter;
+mod logging;
+mod metrics;
+mod service;
+mod shared;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::RootContext;
+
+fn root_id() -> String {
+    hostcalls::get_property(vec!["plugin_root_id"])
+        .ok()
+        .flatten()
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default()
+}
+
+/// Called once per VM by the `proxy_wasm::main!` entry point.
+pub fn start() {
+    // Pass everything to the host; the plugin's `logLevel` narrows it with
+    // `log::set_max_level` once configured, and Envoy's `wasm` component
+    // level filters what it prints.
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        if root_id() == "service" {
+            Box::new(service::ServiceRoot::default())
+        } else {
+            Box::new(filter::FilterRoot::default())
+        }
+    });
+}
+
+/// Reads and validates the plugin configuration, logging the error (which
+/// names the field) so Envoy's refusal is explained.
+fn load_config(bytes: Option<Vec<u8>>, role: &str) -> Option<crate::config::Config> {
+    match crate::config::Config::parse(&bytes.unwrap_or_default()) {
+        Ok(config) => {
+            logging::apply_level(config.log_level);
+            Some(config)
+        }
+        Err(error) => {
+            log::error!("kvroute {role}: {error}");
+            None
+        }
+    }
+}
