@@ -1,1 +1,7 @@
-pub fn placeholder() {}
+//! Integration support for kvroute: the simulated vLLM pod (`kvroute-sim`),
+//! its pure cache/cost model (reused by offline replay), and a std-only
+//! HTTP/1.1 client for tests and harnesses.
+
+pub mod http;
+pub mod model;
+pub mod sim;

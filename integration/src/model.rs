@@ -682,8 +682,8 @@ mod tests {
         let out = cache.insert_chain(&[1, 2, 4, 5]);
         assert_eq!(out, InsertOutcome { inserted: 2, evicted: 0 });
         assert_eq!(cache.len(), 5);
-        // A new chain of 2 evicts the two least recent leaves: 3 then 5? No:
-        // 3 is older than 5 (touched earlier), then 5 is older than 4.
+        // Recency, oldest first: 3, 5, 4, 2, 1 (chains are touched leaf-first),
+        // so a new chain of 2 evicts 3 and 5.
         let out = cache.insert_chain(&[7, 8]);
         assert_eq!(out, InsertOutcome { inserted: 2, evicted: 2 });
         assert!(!cache.contains(3));

