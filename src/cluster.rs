@@ -129,9 +129,11 @@ impl ClusterState {
     /// slot and state while their id and address stay; a pod that left has
     /// its blocks dropped and its slot reused.
     pub fn set_pods(&mut self, pods: &[PodConfig], now_ms: u64) {
-        let (kept, gone): (Vec<PodRecord>, Vec<PodRecord>) = std::mem::take(&mut self.pods)
-            .into_iter()
-            .partition(|r| pods.iter().any(|p| p.id == r.config.id && p.address == r.config.address));
+        let (kept, gone): (Vec<PodRecord>, Vec<PodRecord>) =
+            std::mem::take(&mut self.pods).into_iter().partition(|r| {
+                pods.iter()
+                    .any(|p| p.id == r.config.id && p.address == r.config.address)
+            });
         for record in &gone {
             self.index.drop_pod(record.slot);
         }
@@ -194,16 +196,18 @@ impl ClusterState {
         now_ms: u64,
         inflight: u32,
     ) -> (Result<ReportSummary, Failure>, Option<Transition>) {
-        let parsed = parse_report(body).map_err(Failure::Malformed).and_then(|report| {
-            if report.pod_id == pod_id {
-                Ok(report)
-            } else {
-                Err(Failure::Malformed(format!(
-                    "`podId` is {:?}, expected {pod_id:?}",
-                    report.pod_id
-                )))
-            }
-        });
+        let parsed = parse_report(body)
+            .map_err(Failure::Malformed)
+            .and_then(|report| {
+                if report.pod_id == pod_id {
+                    Ok(report)
+                } else {
+                    Err(Failure::Malformed(format!(
+                        "`podId` is {:?}, expected {pod_id:?}",
+                        report.pod_id
+                    )))
+                }
+            });
         let report = match parsed {
             Ok(report) => report,
             Err(failure) => {
@@ -220,13 +224,17 @@ impl ClusterState {
             ..ReportSummary::default()
         };
         let record = &mut self.pods[at];
-        let continues = record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
+        let continues =
+            record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
         if report.full || !continues {
             self.index.tree_mut().drop_pod(slot);
         }
         if report.full || continues {
             for chain in &report.stored {
-                let outcome = self.index.tree_mut().insert_chain(slot, chain.parent, &chain.hashes);
+                let outcome = self
+                    .index
+                    .tree_mut()
+                    .insert_chain(slot, chain.parent, &chain.hashes);
                 summary.stored += outcome.stored;
                 summary.orphaned += outcome.orphaned;
             }
@@ -305,7 +313,8 @@ impl ClusterState {
 
     /// Health after staleness decay (see the module documentation).
     pub fn health(&self, pod_id: &str, now_ms: u64) -> f64 {
-        self.record(pod_id).map_or(0.0, |r| self.decayed_health(r, now_ms))
+        self.record(pod_id)
+            .map_or(0.0, |r| self.decayed_health(r, now_ms))
     }
 
     fn decayed_health(&self, record: &PodRecord, now_ms: u64) -> f64 {

@@ -31,7 +31,11 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid kvroute configuration: `{}` {}", self.field, self.rule)
+        write!(
+            f,
+            "invalid kvroute configuration: `{}` {}",
+            self.field, self.rule
+        )
     }
 }
 
@@ -317,7 +321,10 @@ impl Config {
             ));
         }
         if self.pods.len() > MAX_PODS {
-            return Err(invalid("pods", format!("must list at most {MAX_PODS} pods")));
+            return Err(invalid(
+                "pods",
+                format!("must list at most {MAX_PODS} pods"),
+            ));
         }
         let mut ids = HashSet::new();
         let mut addresses = HashSet::new();
@@ -326,9 +333,13 @@ impl Config {
                 return Err(invalid(format!("pods[{i}].id"), "must be 1 to 255 bytes"));
             }
             if !ids.insert(pod.id.as_str()) {
-                return Err(invalid(format!("pods[{i}].id"), format!("duplicates pod id {:?}", pod.id)));
+                return Err(invalid(
+                    format!("pods[{i}].id"),
+                    format!("duplicates pod id {:?}", pod.id),
+                ));
             }
-            validate_address(&pod.address).map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
+            validate_address(&pod.address)
+                .map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
             if !addresses.insert(pod.address.as_str()) {
                 return Err(invalid(
                     format!("pods[{i}].address"),
@@ -337,11 +348,17 @@ impl Config {
             }
         }
         if self.pods.is_empty() && self.discovery.is_none() {
-            return Err(invalid("pods", "must list at least one pod (or configure discovery)"));
+            return Err(invalid(
+                "pods",
+                "must list at least one pod (or configure discovery)",
+            ));
         }
         for (name, target) in &self.models {
             if target.base_model.is_empty() {
-                return Err(invalid(format!("models.{name}.baseModel"), "must be non-empty"));
+                return Err(invalid(
+                    format!("models.{name}.baseModel"),
+                    "must be non-empty",
+                ));
             }
         }
         for (i, path) in self.route_paths.iter().enumerate() {
@@ -351,7 +368,10 @@ impl Config {
         }
         match (&self.on_no_eligible_pod, &self.fallback_pod) {
             (NoPodPolicy::Fallback, None) => {
-                return Err(invalid("fallbackPod", "is required when onNoEligiblePod is \"fallback\""))
+                return Err(invalid(
+                    "fallbackPod",
+                    "is required when onNoEligiblePod is \"fallback\"",
+                ))
             }
             (_, Some(id)) if !self.pods.is_empty() && !self.pods.iter().any(|p| &p.id == id) => {
                 return Err(invalid("fallbackPod", format!("names unknown pod {id:?}")))
@@ -421,7 +441,10 @@ pub fn validate_address(address: &str) -> Result<(), String> {
     let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         inner.parse::<std::net::Ipv6Addr>().is_ok()
     } else {
-        !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+        !host.is_empty()
+            && host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
     };
     if host_ok {
         Ok(())

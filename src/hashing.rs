@@ -33,13 +33,24 @@ pub enum BlockMode {
 }
 
 impl ChainSeed {
-    pub fn new(secret: &str, base_model: &str, adapter: Option<&str>, mode: BlockMode) -> ChainSeed {
+    pub fn new(
+        secret: &str,
+        base_model: &str,
+        adapter: Option<&str>,
+        mode: BlockMode,
+    ) -> ChainSeed {
         let mode = match mode {
             BlockMode::Text => "text",
             BlockMode::Tokens => "tokens",
         };
         let mut material = Vec::with_capacity(32 + secret.len() + base_model.len());
-        for part in ["kvroute/v1", mode, secret, base_model, adapter.unwrap_or("")] {
+        for part in [
+            "kvroute/v1",
+            mode,
+            secret,
+            base_model,
+            adapter.unwrap_or(""),
+        ] {
             material.extend_from_slice(part.as_bytes());
             material.push(0);
         }
@@ -52,7 +63,12 @@ impl ChainSeed {
 }
 
 /// Hashes whole `block_size`-byte blocks of `bytes`, at most `max_blocks`.
-pub fn hash_bytes(seed: &ChainSeed, bytes: &[u8], block_size: usize, max_blocks: usize) -> Vec<u64> {
+pub fn hash_bytes(
+    seed: &ChainSeed,
+    bytes: &[u8],
+    block_size: usize,
+    max_blocks: usize,
+) -> Vec<u64> {
     let mut chain = Vec::with_capacity((bytes.len() / block_size).min(max_blocks));
     let mut previous = seed.0;
     for block in bytes.chunks_exact(block_size).take(max_blocks) {
@@ -63,7 +79,12 @@ pub fn hash_bytes(seed: &ChainSeed, bytes: &[u8], block_size: usize, max_blocks:
 }
 
 /// Hashes whole blocks of `block_size` token IDs, at most `max_blocks`.
-pub fn hash_tokens(seed: &ChainSeed, tokens: &[u32], block_size: usize, max_blocks: usize) -> Vec<u64> {
+pub fn hash_tokens(
+    seed: &ChainSeed,
+    tokens: &[u32],
+    block_size: usize,
+    max_blocks: usize,
+) -> Vec<u64> {
     let mut chain = Vec::with_capacity((tokens.len() / block_size).min(max_blocks));
     let mut previous = seed.0;
     let mut block_bytes = Vec::with_capacity(block_size * 4);
@@ -103,11 +124,13 @@ impl BlockHasher {
         let adapter = target.adapter.as_deref();
         match prompt {
             Prompt::Text(bytes) => {
-                let seed = ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Text);
+                let seed =
+                    ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Text);
                 hash_bytes(&seed, bytes, self.block_size_bytes, self.max_blocks)
             }
             Prompt::Tokens(tokens) => {
-                let seed = ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Tokens);
+                let seed =
+                    ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Tokens);
                 hash_tokens(&seed, tokens, self.block_size_tokens, self.max_blocks)
             }
         }
@@ -138,7 +161,12 @@ mod tests {
     #[test]
     fn chain_matches_fixed_vectors() {
         let seed = ChainSeed::new("", "llama-3-8b", None, BlockMode::Text);
-        assert_eq!(seed.value(), 0x89c6_3dfd_0f7e_614a, "seed {:#x}", seed.value());
+        assert_eq!(
+            seed.value(),
+            0x89c6_3dfd_0f7e_614a,
+            "seed {:#x}",
+            seed.value()
+        );
         let chain = hash_bytes(&seed, b"abcdefghijklmnopqrstuvwxyz0123456789", 8, 256);
         let expected = [
             0x85a5_244b_becd_b716,
@@ -147,8 +175,18 @@ mod tests {
             0x3b29_4c94_3db1_d1f1,
         ];
         assert_eq!(chain, expected, "{:#x?}", chain);
-        let tokens = hash_tokens(&ChainSeed::new("", "m", None, BlockMode::Tokens), &[1, 2, 3, 4, 5], 2, 256);
-        assert_eq!(tokens, [0x3e83_7cb0_bde9_5b87, 0x8cf3_10b2_9895_e0fd], "{:#x?}", tokens);
+        let tokens = hash_tokens(
+            &ChainSeed::new("", "m", None, BlockMode::Tokens),
+            &[1, 2, 3, 4, 5],
+            2,
+            256,
+        );
+        assert_eq!(
+            tokens,
+            [0x3e83_7cb0_bde9_5b87, 0x8cf3_10b2_9895_e0fd],
+            "{:#x?}",
+            tokens
+        );
     }
 
     #[test]
@@ -156,7 +194,10 @@ mod tests {
         let seed = ChainSeed::new("", "m", None, BlockMode::Text);
         let a = hash_bytes(&seed, b"AAAABBBBCCCC", 4, 256);
         let b = hash_bytes(&seed, b"XAAABBBBCCCC", 4, 256);
-        assert!(a.iter().zip(&b).all(|(x, y)| x != y), "a change in block 0 changes every later hash");
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x != y),
+            "a change in block 0 changes every later hash"
+        );
         let c = hash_bytes(&seed, b"AAAABBBBDDDD", 4, 256);
         assert_eq!(a[..2], c[..2]);
         assert_ne!(a[2], c[2]);

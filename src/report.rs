@@ -104,16 +104,24 @@ fn unit_field(value: f64, field: &str) -> Result<f64, String> {
 
 /// Parses and validates a protocol v1 report; the error names the field.
 pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
-    let wire: WireReport = serde_json::from_slice(body).map_err(|e| format!("malformed report: {e}"))?;
+    let wire: WireReport =
+        serde_json::from_slice(body).map_err(|e| format!("malformed report: {e}"))?;
     if wire.version != 1 {
-        return Err(format!("`version` {} is not supported (expected 1)", wire.version));
+        return Err(format!(
+            "`version` {} is not supported (expected 1)",
+            wire.version
+        ));
     }
     let stored = wire
         .stored
         .iter()
         .map(|chain| {
             Ok(StoredChain {
-                parent: chain.parent.as_deref().map(|p| parse_hash(p, "stored.parent")).transpose()?,
+                parent: chain
+                    .parent
+                    .as_deref()
+                    .map(|p| parse_hash(p, "stored.parent"))
+                    .transpose()?,
                 hashes: chain
                     .hashes
                     .iter()
@@ -214,8 +222,12 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
 
 fn sample_value(rest: &str, number: usize) -> Result<f64, String> {
     let text = rest.split_whitespace().next().unwrap_or("");
-    text.parse::<f64>()
-        .map_err(|_| format!("metrics line {}: value {text:?} is not a number", number + 1))
+    text.parse::<f64>().map_err(|_| {
+        format!(
+            "metrics line {}: value {text:?} is not a number",
+            number + 1
+        )
+    })
 }
 
 /// The value of `key="..."` in a Prometheus label set.
@@ -246,11 +258,17 @@ mod tests {
     fn report_errors_name_the_field() {
         let base = r#"{"version":1,"podId":"p","epoch":"e","seq":1,"full":true,"queueDepth":0,"gpuUtilization":0.1,"health":HEALTH,"removed":[REMOVED]}"#;
         let bad_health = base.replace("HEALTH", "1.5").replace("REMOVED", "");
-        assert!(parse_report(bad_health.as_bytes()).unwrap_err().contains("health"));
+        assert!(parse_report(bad_health.as_bytes())
+            .unwrap_err()
+            .contains("health"));
         let bad_hash = base.replace("HEALTH", "1").replace("REMOVED", "\"xyz\"");
-        assert!(parse_report(bad_hash.as_bytes()).unwrap_err().contains("removed"));
+        assert!(parse_report(bad_hash.as_bytes())
+            .unwrap_err()
+            .contains("removed"));
         assert!(parse_report(b"{").unwrap_err().contains("malformed"));
-        assert!(parse_report(br#"{"version":1}"#).unwrap_err().contains("podId"));
+        assert!(parse_report(br#"{"version":1}"#)
+            .unwrap_err()
+            .contains("podId"));
     }
 
     #[test]

@@ -61,8 +61,8 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     if body.is_empty() {
         return Err(RequestError("request body is empty".into()));
     }
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| RequestError(format!("request body is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| RequestError(format!("request body is not valid JSON: {e}")))?;
     let object = value
         .as_object()
         .ok_or_else(|| RequestError("request body must be a JSON object".into()))?;
@@ -81,7 +81,11 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     } else {
         canonical_prompt(object.get("prompt"))?
     };
-    Ok(ParsedRequest { model, prompt, stream })
+    Ok(ParsedRequest {
+        model,
+        prompt,
+        stream,
+    })
 }
 
 fn canonical_prompt(prompt: Option<&Value>) -> Result<Prompt, RequestError> {
@@ -109,7 +113,9 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, RequestError> {
         .map(|item| {
             item.as_u64()
                 .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| RequestError("`prompt` token IDs must be integers in 0..2^32".into()))
+                .ok_or_else(|| {
+                    RequestError("`prompt` token IDs must be integers in 0..2^32".into())
+                })
         })
         .collect()
 }
@@ -179,7 +185,10 @@ mod tests {
             {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"there"}]}
         ]}"#;
         let r = parse_request(body, true).unwrap();
-        assert_eq!(r.prompt, Prompt::Text(b"system\x1fbe brief\x1euser\x1fhi\x1fthere\x1e".to_vec()));
+        assert_eq!(
+            r.prompt,
+            Prompt::Text(b"system\x1fbe brief\x1euser\x1fhi\x1fthere\x1e".to_vec())
+        );
     }
 
     #[test]
@@ -192,12 +201,25 @@ mod tests {
             (br#"{"model":3,"prompt":"x"}"#, false, "`model`"),
             (br#"{"model":"m"}"#, false, "`prompt` is missing"),
             (br#"{"model":"m","prompt":[-1]}"#, false, "token IDs"),
-            (br#"{"model":"m","messages":[{"content":"x"}]}"#, true, "messages[0].role"),
-            (br#"{"model":"m","prompt":"x","stream":"yes"}"#, false, "`stream`"),
+            (
+                br#"{"model":"m","messages":[{"content":"x"}]}"#,
+                true,
+                "messages[0].role",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","stream":"yes"}"#,
+                false,
+                "`stream`",
+            ),
         ];
         for (body, chat, needle) in cases {
             let err = parse_request(body, chat).unwrap_err();
-            assert!(err.0.contains(needle), "{:?} → {}", String::from_utf8_lossy(body), err);
+            assert!(
+                err.0.contains(needle),
+                "{:?} → {}",
+                String::from_utf8_lossy(body),
+                err
+            );
         }
     }
 }

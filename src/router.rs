@@ -125,7 +125,13 @@ impl Router {
     }
 
     /// Decides where `body` goes. `tie_breaker` spreads exact ties.
-    pub fn route(&self, body: &[u8], chat: bool, view: &ClusterView<'_>, tie_breaker: u64) -> Outcome {
+    pub fn route(
+        &self,
+        body: &[u8],
+        chat: bool,
+        view: &ClusterView<'_>,
+        tie_breaker: u64,
+    ) -> Outcome {
         let understood = match self.understand(body, chat) {
             Ok(understood) => understood,
             Err(rejected) => return Outcome::Rejected(rejected),
@@ -156,14 +162,18 @@ impl Router {
                         f64::from(matched) / chain.len() as f64
                     },
                     load: pod.load,
-                    queue: pod.queue.saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
+                    queue: pod
+                        .queue
+                        .saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
                     health: pod.health,
                     adapter_loaded: adapter.as_ref().is_some_and(|a| pod.adapters.contains(a)),
                     attributes: &pod.attributes,
                 }
             })
             .collect();
-        let decision = self.policy.decide(&candidates, adapter.is_some(), tie_breaker);
+        let decision = self
+            .policy
+            .decide(&candidates, adapter.is_some(), tie_breaker);
         let (pod, fallback) = match decision.chosen {
             Some(index) => (index, false),
             None => match self.fallback_index(view.table) {
@@ -190,17 +200,18 @@ impl Router {
         let chosen = &view.table.pods[pod];
         let matched_blocks = matches.blocks(chosen.slot);
         let composite = decision.winner().map_or(0.0, |w| w.composite);
-        let predicted_cached_tokens = understood
-            .prompt
-            .as_ref()
-            .map_or(0, |p| self.hasher.tokens_in_blocks(p, matched_blocks as usize));
+        let predicted_cached_tokens = understood.prompt.as_ref().map_or(0, |p| {
+            self.hasher.tokens_in_blocks(p, matched_blocks as usize)
+        });
         Outcome::Routed(Box::new(Routed {
             pod,
             slot: chosen.slot,
             pod_id: chosen.id.clone(),
             address: chosen.address.clone(),
             model: understood.model,
-            adapter_load_triggered: adapter.as_ref().is_some_and(|a| !chosen.adapters.contains(a)),
+            adapter_load_triggered: adapter
+                .as_ref()
+                .is_some_and(|a| !chosen.adapters.contains(a)),
             adapter,
             cache_match: candidates[pod].cache_match,
             chain,
@@ -291,7 +302,9 @@ impl Router {
         let excluded: Vec<serde_json::Value> = decision
             .excluded
             .iter()
-            .map(|(i, why)| serde_json::json!({"pod": table.pods[*i].id, "reason": why.to_string()}))
+            .map(
+                |(i, why)| serde_json::json!({"pod": table.pods[*i].id, "reason": why.to_string()}),
+            )
             .collect();
         serde_json::json!({"candidates": candidates, "excluded": excluded}).to_string()
     }

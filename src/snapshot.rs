@@ -147,7 +147,11 @@ impl SnapshotPublisher {
     /// Heap bytes of the mirror (≈ what Envoy holds for the buckets).
     pub fn memory_bytes(&self) -> usize {
         self.buckets.capacity() * std::mem::size_of::<Vec<(u64, PodMask)>>()
-            + self.buckets.iter().map(|b| b.capacity() * ENTRY_BYTES).sum::<usize>()
+            + self
+                .buckets
+                .iter()
+                .map(|b| b.capacity() * ENTRY_BYTES)
+                .sum::<usize>()
             + self.is_dirty.capacity()
             + self.dirty.capacity() * 4
     }
@@ -238,7 +242,9 @@ mod tests {
     #[test]
     fn published_snapshot_answers_like_the_tree() {
         let mut tree = PrefixTree::with_change_log(10_000);
-        let chain: Vec<u64> = (1..=64u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let chain: Vec<u64> = (1..=64u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
         tree.insert_chain(0, None, &chain);
         tree.insert_chain(1, None, &chain[..40]);
         tree.insert_chain(2, None, &chain[..3]);
@@ -271,8 +277,14 @@ mod tests {
 
     #[test]
     fn inflight_and_decisions_round_trip() {
-        assert_eq!(decode_inflight(&encode_inflight(&[1, 0, 7]), 5), vec![1, 0, 7, 0, 0]);
-        assert_eq!(decode_decision(&encode_decision(3, &[1, 2])), Some((3, vec![1, 2])));
+        assert_eq!(
+            decode_inflight(&encode_inflight(&[1, 0, 7]), 5),
+            vec![1, 0, 7, 0, 0]
+        );
+        assert_eq!(
+            decode_decision(&encode_decision(3, &[1, 2])),
+            Some((3, vec![1, 2]))
+        );
         assert_eq!(decode_decision(&[1, 2, 3]), None);
     }
 }

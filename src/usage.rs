@@ -25,10 +25,16 @@ impl CachedTokensScanner {
         if let Some(at) = find(&window, FIELD) {
             let rest = &window[at + FIELD.len()..];
             let rest = skip(rest, |b| b == b':' || b.is_ascii_whitespace());
-            let digits: Vec<u8> = rest.iter().copied().take_while(u8::is_ascii_digit).collect();
+            let digits: Vec<u8> = rest
+                .iter()
+                .copied()
+                .take_while(u8::is_ascii_digit)
+                .collect();
             let complete = digits.len() < rest.len();
             if !digits.is_empty() && complete {
-                self.found = std::str::from_utf8(&digits).ok().and_then(|d| d.parse().ok());
+                self.found = std::str::from_utf8(&digits)
+                    .ok()
+                    .and_then(|d| d.parse().ok());
                 return self.found;
             }
             // The number may continue in the next chunk: keep from the field on.
@@ -60,7 +66,8 @@ mod tests {
 
     #[test]
     fn finds_the_field_in_json_and_across_chunks() {
-        let body = br#"{"usage":{"prompt_tokens":900,"prompt_tokens_details":{"cached_tokens":768}}}"#;
+        let body =
+            br#"{"usage":{"prompt_tokens":900,"prompt_tokens_details":{"cached_tokens":768}}}"#;
         assert_eq!(CachedTokensScanner::default().feed(body), Some(768));
         for split in 1..body.len() {
             let mut scanner = CachedTokensScanner::default();
@@ -73,7 +80,10 @@ mod tests {
     #[test]
     fn no_field_no_value() {
         let mut scanner = CachedTokensScanner::default();
-        assert_eq!(scanner.feed(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"), None);
+        assert_eq!(
+            scanner.feed(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"),
+            None
+        );
         assert_eq!(scanner.feed(b"data: [DONE]\n\n"), None);
         assert_eq!(scanner.found(), None);
     }

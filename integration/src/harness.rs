@@ -20,7 +20,10 @@ use crate::http;
 
 /// The repository root (integration/..).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repo root")
+        .to_path_buf()
 }
 
 /// The release kvroute.wasm (built by `make wasm`).
@@ -34,7 +37,9 @@ pub fn envoy_binary() -> io::Result<PathBuf> {
         return Ok(PathBuf::from(path));
     }
     let lib = repo_root().join(".venv/lib");
-    for entry in fs::read_dir(&lib).map_err(|e| not_found(format!("{}: {e} (run `make envoy`)", lib.display())))? {
+    for entry in fs::read_dir(&lib)
+        .map_err(|e| not_found(format!("{}: {e} (run `make envoy`)", lib.display())))?
+    {
         let candidate = entry?.path().join("site-packages/envoy/_bin/envoy");
         if candidate.exists() {
             return Ok(candidate);
@@ -78,7 +83,10 @@ pub fn render_envoy_config(
         .replace("{{listen_port}}", &listen_port.to_string())
         .replace("{{admin_port}}", &admin_port.to_string())
         // Single-quoted YAML scalar: a quote is written twice.
-        .replace("{{plugin_config}}", &plugin_config.to_string().replace('\'', "''"))
+        .replace(
+            "{{plugin_config}}",
+            &plugin_config.to_string().replace('\'', "''"),
+        )
         .replace("{{passthrough_endpoints}}", &endpoints.join("\n"))
 }
 
@@ -112,7 +120,8 @@ impl Sim {
 
     /// `POST /admin/fault` with `fault`.
     pub fn fault(&self, fault: Value) {
-        let r = http::post_json(&self.address, "/admin/fault", &fault.to_string()).expect("fault endpoint");
+        let r = http::post_json(&self.address, "/admin/fault", &fault.to_string())
+            .expect("fault endpoint");
         assert_eq!(r.status, 200, "fault {fault} on {}: {}", self.id, r.body);
     }
 
@@ -149,15 +158,28 @@ pub struct Envoy {
 impl Envoy {
     /// Starts Envoy with `config_yaml` and waits for `/ready`. On failure
     /// the error carries Envoy's log.
-    pub fn start(dir: &Path, config_yaml: &str, listen_port: u16, admin_port: u16) -> io::Result<Envoy> {
+    pub fn start(
+        dir: &Path,
+        config_yaml: &str,
+        listen_port: u16,
+        admin_port: u16,
+    ) -> io::Result<Envoy> {
         let config_path = dir.join("envoy.yaml");
         fs::write(&config_path, config_yaml)?;
         let log_path = dir.join("envoy.log");
         let child = Command::new(envoy_binary()?)
             .arg("-c")
             .arg(&config_path)
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "warning"])
+            .args([
+                "--concurrency",
+                "2",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+            ])
             .args(["--component-log-level", "wasm:info"])
+            // Flush the log often: tests read it.
+            .args(["--file-flush-interval-msec", "50"])
             .arg("--log-path")
             .arg(&log_path)
             .stdout(Stdio::null())
@@ -175,7 +197,10 @@ impl Envoy {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = envoy.process.child.try_wait() {
-                return Err(io::Error::other(format!("envoy exited ({status}):\n{}", envoy.log())));
+                return Err(io::Error::other(format!(
+                    "envoy exited ({status}):\n{}",
+                    envoy.log()
+                )));
             }
             if let Ok(r) = http::get(&envoy.admin, "/ready") {
                 if r.status == 200 {
@@ -184,7 +209,10 @@ impl Envoy {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Err(io::Error::other(format!("envoy not ready in 30 s:\n{}", envoy.log())))
+        Err(io::Error::other(format!(
+            "envoy not ready in 30 s:\n{}",
+            envoy.log()
+        )))
     }
 
     /// Envoy's log so far.
@@ -198,7 +226,9 @@ impl Envoy {
 
     /// `/stats/prometheus`.
     pub fn prometheus(&self) -> String {
-        http::get(&self.admin, "/stats/prometheus").map(|r| r.body).unwrap_or_default()
+        http::get(&self.admin, "/stats/prometheus")
+            .map(|r| r.body)
+            .unwrap_or_default()
     }
 
     /// The value of one Prometheus series, by name and label subset
@@ -223,10 +253,11 @@ pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Opti
         if series_name != name {
             continue;
         }
-        if labels
-            .iter()
-            .all(|(k, v)| series_labels.split(',').any(|pair| pair == format!("{k}=\"{v}\"")))
-        {
+        if labels.iter().all(|(k, v)| {
+            series_labels
+                .split(',')
+                .any(|pair| pair == format!("{k}=\"{v}\""))
+        }) {
             if let Ok(value) = value.parse::<f64>() {
                 total = Some(total.unwrap_or(0.0) + value);
             }
@@ -269,7 +300,11 @@ impl Cluster {
     /// Starts the pods, then Envoy, then waits until the report service has
     /// published every pod.
     pub fn start(sim_binary: &Path, spec: ClusterSpec) -> io::Result<Cluster> {
-        let dir = std::env::temp_dir().join(format!("kvroute-harness-{}-{}", std::process::id(), free_port()));
+        let dir = std::env::temp_dir().join(format!(
+            "kvroute-harness-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
         fs::create_dir_all(&dir)?;
         // Ports first: the sims need the final config (pods included) to
         // hash with the same seed and models; pod addresses are fixed now.
@@ -315,11 +350,9 @@ impl Cluster {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             let text = self.envoy.prometheus();
-            if self
-                .sims
-                .iter()
-                .all(|s| prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some())
-            {
+            if self.sims.iter().all(|s| {
+                prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some()
+            }) {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -337,7 +370,10 @@ impl Cluster {
 
     /// Index of the pod with id `id`.
     pub fn pod_index(&self, id: &str) -> usize {
-        self.sims.iter().position(|s| s.id == id).expect("known pod")
+        self.sims
+            .iter()
+            .position(|s| s.id == id)
+            .expect("known pod")
     }
 
     /// Sleeps for `n` report intervals (so reports reach the filters).
@@ -350,7 +386,11 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("--- envoy log ({}) ---\n{}", self.envoy.log_path.display(), tail(&self.envoy.log(), 80));
+            eprintln!(
+                "--- envoy log ({}) ---\n{}",
+                self.envoy.log_path.display(),
+                tail(&self.envoy.log(), 80)
+            );
         }
         let _ = fs::remove_dir_all(&self.dir);
     }
@@ -363,7 +403,13 @@ fn tail(text: &str, lines: usize) -> String {
 
 impl Sim {
     /// Like [`Sim::start`] on a chosen port.
-    pub fn start_on(binary: &Path, id: &str, port: u16, config_file: &Path, extra: &[String]) -> io::Result<Sim> {
+    pub fn start_on(
+        binary: &Path,
+        id: &str,
+        port: u16,
+        config_file: &Path,
+        extra: &[String],
+    ) -> io::Result<Sim> {
         let address = format!("127.0.0.1:{port}");
         let mut child = Command::new(binary)
             .args(["--pod-id", id, "--port", &port.to_string(), "--config"])
@@ -381,7 +427,9 @@ impl Sim {
             name: id.to_string(),
         };
         if !http::wait_ready(&address, "/health", Duration::from_secs(20)) {
-            return Err(io::Error::other(format!("sim {id} did not become ready on {address}")));
+            return Err(io::Error::other(format!(
+                "sim {id} did not become ready on {address}"
+            )));
         }
         Ok(Sim {
             id: id.to_string(),

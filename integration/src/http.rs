@@ -188,7 +188,8 @@ pub fn stream_request(
         rest: String::new(),
     };
     let chunked = is_chunked(&response.headers);
-    let mut remaining = header(&response.headers, "content-length").and_then(|l| l.trim().parse::<usize>().ok());
+    let mut remaining =
+        header(&response.headers, "content-length").and_then(|l| l.trim().parse::<usize>().ok());
     let mut pending: Vec<u8> = Vec::new();
     loop {
         let piece = if chunked {
@@ -234,7 +235,10 @@ pub fn stream_request(
 /// Position and length of the first event separator (a blank line).
 fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -252,7 +256,10 @@ fn event_data(block: &str) -> Option<String> {
 }
 
 fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(io::ErrorKind::InvalidInput, format!("{addr} resolves to nothing"));
+    let mut last = io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{addr} resolves to nothing"),
+    );
     for socket in addr.to_socket_addrs()? {
         match TcpStream::connect_timeout(&socket, timeout) {
             Ok(stream) => return Ok(stream),
@@ -297,7 +304,10 @@ fn send(
 fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
     let mut line = String::new();
     if reader.read_line(&mut line)? == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed"));
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed",
+        ));
     }
     Ok(line.trim_end_matches(['\r', '\n']).to_string())
 }
@@ -308,7 +318,12 @@ fn read_head(reader: &mut impl BufRead) -> io::Result<(u16, Vec<(String, String)
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad status line {status_line:?}")))?;
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("bad status line {status_line:?}"),
+            )
+        })?;
     let mut headers = Vec::new();
     loop {
         let line = read_line(reader)?;
@@ -330,8 +345,12 @@ fn is_chunked(headers: &[(String, String)]) -> bool {
 fn read_chunk(reader: &mut impl BufRead) -> io::Result<Option<Vec<u8>>> {
     let line = read_line(reader)?;
     let size_text = line.split(';').next().unwrap_or("").trim();
-    let size = usize::from_str_radix(size_text, 16)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("bad chunk size {line:?}")))?;
+    let size = usize::from_str_radix(size_text, 16).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad chunk size {line:?}"),
+        )
+    })?;
     if size == 0 {
         // Trailers until the blank line; a close right away is fine too.
         while let Ok(line) = read_line(reader) {
@@ -356,7 +375,10 @@ mod tests {
     fn parses_sse_blocks() {
         assert_eq!(event_data("data: {\"a\":1}"), Some("{\"a\":1}".into()));
         assert_eq!(event_data(": comment"), None);
-        assert_eq!(event_data("event: x\ndata: a\ndata: b"), Some("a\nb".into()));
+        assert_eq!(
+            event_data("event: x\ndata: a\ndata: b"),
+            Some("a\nb".into())
+        );
         assert_eq!(event_end(b"data: x\n\ndata: y"), Some((7, 2)));
         assert_eq!(event_end(b"data: x\r\n\r\n"), Some((7, 4)));
     }

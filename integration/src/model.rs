@@ -107,7 +107,12 @@ impl CostModel {
 
     /// Time to first token: queue wait (already real time) + adapter load +
     /// prefill of the uncached tokens.
-    pub fn ttft(&self, queue_wait: Duration, adapter_load: Duration, uncached_tokens: u64) -> Duration {
+    pub fn ttft(
+        &self,
+        queue_wait: Duration,
+        adapter_load: Duration,
+        uncached_tokens: u64,
+    ) -> Duration {
         queue_wait + adapter_load + self.prefill(uncached_tokens)
     }
 
@@ -222,7 +227,10 @@ impl KvCache {
 
     /// Leading blocks of `chain` present (no recency change).
     pub fn cached_prefix(&self, chain: &[u64]) -> usize {
-        chain.iter().take_while(|h| self.blocks.contains_key(h)).count()
+        chain
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h))
+            .count()
     }
 
     /// Stores (or refreshes) every block of `chain`, leaf-first, then evicts
@@ -388,7 +396,9 @@ impl KvCache {
         load: &PodLoad,
     ) -> Value {
         let delta = match (since, asked_epoch) {
-            (Some(since), Some(asked)) if since > 0 && asked == epoch => self.delta(since).map(|d| (since, d)),
+            (Some(since), Some(asked)) if since > 0 && asked == epoch => {
+                self.delta(since).map(|d| (since, d))
+            }
             _ => None,
         };
         let (full, since, stored, removed) = match delta {
@@ -433,7 +443,9 @@ fn segments(nodes: &[(u64, Option<u64>)]) -> Vec<Segment> {
     for &(hash, parent) in nodes {
         parent_of.insert(hash, parent);
         match parent {
-            Some(p) if present.contains(&p) && p != hash => children.entry(p).or_default().push(hash),
+            Some(p) if present.contains(&p) && p != hash => {
+                children.entry(p).or_default().push(hash)
+            }
             _ => roots.push(hash),
         }
     }
@@ -447,7 +459,9 @@ fn segments(nodes: &[(u64, Option<u64>)]) -> Vec<Segment> {
             }
             let parent = parent_of[&hash];
             match out.last_mut() {
-                Some(seg) if parent.is_some() && seg.hashes.last().copied() == parent => seg.hashes.push(hash),
+                Some(seg) if parent.is_some() && seg.hashes.last().copied() == parent => {
+                    seg.hashes.push(hash)
+                }
                 _ => out.push(Segment {
                     parent,
                     hashes: vec![hash],
@@ -582,7 +596,12 @@ pub struct PodModel {
 }
 
 impl PodModel {
-    pub fn new(config: &Config, cache: KvCache, adapters: AdapterSlots, cost: CostModel) -> PodModel {
+    pub fn new(
+        config: &Config,
+        cache: KvCache,
+        adapters: AdapterSlots,
+        cost: CostModel,
+    ) -> PodModel {
         PodModel {
             cache,
             adapters,
@@ -609,7 +628,10 @@ impl PodModel {
         let chain = self.hasher.chain(target, prompt);
         let cached_blocks = self.cache.cached_prefix(&chain);
         let tokens = prompt_tokens(prompt);
-        let cached_tokens = self.hasher.tokens_in_blocks(prompt, cached_blocks).min(tokens);
+        let cached_tokens = self
+            .hasher
+            .tokens_in_blocks(prompt, cached_blocks)
+            .min(tokens);
         Admission {
             prefill: self.cost.prefill(tokens - cached_tokens),
             chain,
@@ -680,12 +702,24 @@ mod tests {
         assert_eq!(cache.cached_prefix(&[9, 2]), 0);
         // Sharing prefix [1, 2]: only 4 and 5 are new.
         let out = cache.insert_chain(&[1, 2, 4, 5]);
-        assert_eq!(out, InsertOutcome { inserted: 2, evicted: 0 });
+        assert_eq!(
+            out,
+            InsertOutcome {
+                inserted: 2,
+                evicted: 0
+            }
+        );
         assert_eq!(cache.len(), 5);
         // Recency, oldest first: 3, 5, 4, 2, 1 (chains are touched leaf-first),
         // so a new chain of 2 evicts 3 and 5.
         let out = cache.insert_chain(&[7, 8]);
-        assert_eq!(out, InsertOutcome { inserted: 2, evicted: 2 });
+        assert_eq!(
+            out,
+            InsertOutcome {
+                inserted: 2,
+                evicted: 2
+            }
+        );
         assert!(!cache.contains(3));
         assert!(!cache.contains(5));
         assert!(cache.contains(1) && cache.contains(2) && cache.contains(4));
@@ -702,7 +736,13 @@ mod tests {
     fn chain_longer_than_capacity_keeps_its_prefix() {
         let mut cache = KvCache::new(3, 100);
         let out = cache.insert_chain(&[1, 2, 3, 4, 5]);
-        assert_eq!(out, InsertOutcome { inserted: 5, evicted: 2 });
+        assert_eq!(
+            out,
+            InsertOutcome {
+                inserted: 5,
+                evicted: 2
+            }
+        );
         assert_eq!(cache.cached_prefix(&[1, 2, 3, 4, 5]), 3);
     }
 
@@ -722,7 +762,10 @@ mod tests {
         };
         let prompt = Prompt::Text(vec![b'x'; 64 * 10 + 10]);
         let first = pod.admit(&target, &prompt);
-        assert_eq!((first.prompt_tokens, first.cached_tokens, first.chain.len()), (162, 0, 10));
+        assert_eq!(
+            (first.prompt_tokens, first.cached_tokens, first.chain.len()),
+            (162, 0, 10)
+        );
         assert_eq!(first.prefill, cost.prefill(162));
         pod.finish_prefill(&first);
         let second = pod.admit(&target, &prompt);
@@ -762,13 +805,21 @@ mod tests {
         assert_eq!(slots.loaded(), ["a".to_string(), "c".to_string()]);
         assert_eq!(slots.loads(), 2);
         // Through the pod: first use costs the load, the second does not.
-        let mut pod = PodModel::new(&Config::default(), KvCache::new(10, 10), slots, cost.clone());
+        let mut pod = PodModel::new(
+            &Config::default(),
+            KvCache::new(10, 10),
+            slots,
+            cost.clone(),
+        );
         let target = ModelTarget {
             base_model: "m".into(),
             adapter: Some("big".into()),
         };
         let prompt = Prompt::Text(b"hello".to_vec());
-        assert_eq!(pod.admit(&target, &prompt).adapter_load, cost.adapter_load(64));
+        assert_eq!(
+            pod.admit(&target, &prompt).adapter_load,
+            cost.adapter_load(64)
+        );
         assert_eq!(pod.admit(&target, &prompt).adapter_load, Duration::ZERO);
     }
 
@@ -780,7 +831,10 @@ mod tests {
         let first = cache.report("p", "E", None, None, &load());
         let r = parse_report(first.to_string().as_bytes()).unwrap();
         assert!(r.full && r.stored.is_empty() && r.seq == 0);
-        assert_eq!((r.queue_depth, r.running, r.gpu_utilization), (2, 1, Some(0.125)));
+        assert_eq!(
+            (r.queue_depth, r.running, r.gpu_utilization),
+            (2, 1, Some(0.125))
+        );
         assert_eq!(r.adapters, vec!["a".to_string()]);
         let mut seq = r.seq;
         // Insert overlapping chains, folding a delta after each, with churn.
@@ -889,14 +943,79 @@ mod tests {
         assert_eq!(cache.delta(seq).unwrap().removed, vec![4]);
     }
 
+    /// Random overlapping chains under heavy eviction, with storms and
+    /// reports at random moments: the router's fold always mirrors the pod.
+    #[test]
+    fn random_churn_round_trips() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let mut cache = KvCache::new(24, 10_000);
+        let mut tree = PrefixTree::new(100_000);
+        let mut seq = 0;
+        let mut chains = Vec::new();
+        for _ in 0..2000 {
+            match next(20) {
+                0 => {
+                    cache.evict_all(next(2) == 0);
+                }
+                1 => {
+                    cache.flush_silent();
+                }
+                2..=5 => {
+                    let r = report(&cache, seq, "E");
+                    fold(&mut tree, &r);
+                    seq = r.seq;
+                    if cache.silent_pending() == 0 {
+                        assert_mirrors(&tree, &cache, &chains);
+                    }
+                }
+                _ => {
+                    // Chains from a few families sharing prefixes; a block
+                    // past the split encodes (split, variant), so a hash
+                    // still determines its parent, as chained hashes do.
+                    let family = next(4);
+                    let split = next(6);
+                    let variant = next(3);
+                    let len = 1 + next(12);
+                    let chain: Vec<u64> = (0..len)
+                        .map(|i| {
+                            let branch = if i >= split {
+                                (split + 1) * 4 + variant + 1
+                            } else {
+                                0
+                            };
+                            (family << 40) | (branch << 20) | (i + 1)
+                        })
+                        .collect();
+                    cache.insert_chain(&chain);
+                    chains.push(chain);
+                    if chains.len() > 50 {
+                        chains.remove(0);
+                    }
+                }
+            }
+        }
+        cache.flush_silent();
+        let r = report(&cache, seq, "E");
+        fold(&mut tree, &r);
+        assert_mirrors(&tree, &cache, &chains);
+    }
+
     #[test]
     fn cluster_state_follows_the_pod() {
-        let mut config = Config::default();
-        config.pods = vec![PodConfig {
-            id: "p".into(),
-            address: "127.0.0.1:1".into(),
-            attributes: Default::default(),
-        }];
+        let config = Config {
+            pods: vec![PodConfig {
+                id: "p".into(),
+                address: "127.0.0.1:1".into(),
+                attributes: Default::default(),
+            }],
+            ..Config::default()
+        };
         let mut cluster = ClusterState::new(&config, 0);
         let mut pod = PodModel::new(
             &config,

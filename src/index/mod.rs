@@ -41,7 +41,9 @@ pub struct PrefixMatch {
 
 impl Default for PrefixMatch {
     fn default() -> Self {
-        PrefixMatch { blocks: [0; MAX_PODS] }
+        PrefixMatch {
+            blocks: [0; MAX_PODS],
+        }
     }
 }
 

@@ -127,12 +127,20 @@ impl PrefixTree {
     /// Mask changes since the last call (empty unless built with
     /// [`PrefixTree::with_change_log`]). A mask of 0 means "gone".
     pub fn take_changes(&mut self) -> Vec<(u64, PodMask)> {
-        self.changes.as_mut().map(std::mem::take).unwrap_or_default()
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Records that `pod` stores the chain `hashes`, continuing `parent`
     /// (`None`: the chain starts at the first block of a prompt).
-    pub fn insert_chain(&mut self, pod: usize, parent: Option<u64>, hashes: &[u64]) -> InsertOutcome {
+    pub fn insert_chain(
+        &mut self,
+        pod: usize,
+        parent: Option<u64>,
+        hashes: &[u64],
+    ) -> InsertOutcome {
         let bit = pod_bit(pod);
         let mut parent_slot = match parent {
             None => NIL,
@@ -206,7 +214,9 @@ impl PrefixTree {
 
     fn find(&self, hash: u64) -> Option<u32> {
         let nodes = &self.nodes;
-        self.table.find(hash, |&slot| nodes[slot as usize].hash == hash).copied()
+        self.table
+            .find(hash, |&slot| nodes[slot as usize].hash == hash)
+            .copied()
     }
 
     fn set_mask(&mut self, slot: u32, mask: PodMask) {
@@ -246,7 +256,8 @@ impl PrefixTree {
             (self.nodes.len() - 1) as u32
         };
         let nodes = &self.nodes;
-        self.table.insert_unique(hash, slot, |&s| nodes[s as usize].hash);
+        self.table
+            .insert_unique(hash, slot, |&s| nodes[s as usize].hash);
         if parent != NIL {
             let old_first = self.nodes[parent as usize].first_child;
             self.nodes[slot as usize].next_sibling = old_first;
@@ -336,7 +347,10 @@ impl PrefixTree {
         }
         self.lru_unlink(slot);
         let nodes = &self.nodes;
-        if let Ok(entry) = self.table.find_entry(hash, |&s| nodes[s as usize].hash == hash) {
+        if let Ok(entry) = self
+            .table
+            .find_entry(hash, |&s| nodes[s as usize].hash == hash)
+        {
             entry.remove();
         }
         let node = &mut self.nodes[slot as usize];
@@ -369,7 +383,9 @@ impl PrefixTree {
 
     fn lru_unlink(&mut self, slot: u32) {
         let Node {
-            lru_newer, lru_older, ..
+            lru_newer,
+            lru_older,
+            ..
         } = self.nodes[slot as usize];
         if lru_newer != NIL {
             self.nodes[lru_newer as usize].lru_older = lru_older;
@@ -426,7 +442,13 @@ mod tests {
         let mut tree = PrefixTree::new(100);
         tree.insert_chain(0, None, &[1]);
         let outcome = tree.insert_chain(1, Some(1), &[2, 3]);
-        assert_eq!(outcome, InsertOutcome { stored: 0, orphaned: 2 });
+        assert_eq!(
+            outcome,
+            InsertOutcome {
+                stored: 0,
+                orphaned: 2
+            }
+        );
         assert_eq!(tree.lookup(&[1, 2]).blocks(1), 0);
     }
 

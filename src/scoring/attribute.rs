@@ -41,7 +41,11 @@ impl AttributeScorer {
         if !self.in_window(candidate, context) {
             return None;
         }
-        candidate.attributes.get(&self.attribute).copied().filter(|v| v.is_finite())
+        candidate
+            .attributes
+            .get(&self.attribute)
+            .copied()
+            .filter(|v| v.is_finite())
     }
 }
 
@@ -62,7 +66,9 @@ impl Scorer for AttributeScorer {
             .candidates
             .iter()
             .filter_map(|c| self.value(c, context))
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            });
         if max - min < 1e-12 {
             return 1.0;
         }

@@ -185,7 +185,12 @@ impl ScoringPolicy {
 
     /// Scores `pods` and picks one. `tie_breaker` (any per-request varying
     /// number, e.g. a counter) spreads exact ties evenly.
-    pub fn decide(&self, pods: &[Candidate<'_>], needs_adapter: bool, tie_breaker: u64) -> Decision {
+    pub fn decide(
+        &self,
+        pods: &[Candidate<'_>],
+        needs_adapter: bool,
+        tie_breaker: u64,
+    ) -> Decision {
         let mut excluded = Vec::new();
         let mut eligible = Vec::with_capacity(pods.len());
         for (index, pod) in pods.iter().enumerate() {
@@ -198,7 +203,10 @@ impl ScoringPolicy {
         let context = DecisionContext {
             candidates: &eligible_pods,
             needs_adapter,
-            best_cache_match: eligible_pods.iter().map(|c| c.cache_match).fold(0.0, f64::max),
+            best_cache_match: eligible_pods
+                .iter()
+                .map(|c| c.cache_match)
+                .fold(0.0, f64::max),
         };
         let scored: Vec<ScoredPod> = eligible
             .iter()
@@ -230,7 +238,12 @@ impl ScoringPolicy {
         }
     }
 
-    fn pick(&self, pods: &[Candidate<'_>], scored: &[ScoredPod], tie_breaker: u64) -> Option<usize> {
+    fn pick(
+        &self,
+        pods: &[Candidate<'_>],
+        scored: &[ScoredPod],
+        tie_breaker: u64,
+    ) -> Option<usize> {
         let load_score = |s: &ScoredPod| unit(1.0 - pods[s.index].load);
         let queue_score = |s: &ScoredPod| factors::queue_score(pods[s.index].queue, self.max_queue);
         let key = |s: &ScoredPod| (s.composite, load_score(s), queue_score(s));

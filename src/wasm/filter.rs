@@ -115,7 +115,9 @@ impl HttpContext for RequestContext {
         self.remove_http_request_header(ROUTING_HEADER);
         let path = self.get_http_request_header(":path").unwrap_or_default();
         let method = self.get_http_request_header(":method").unwrap_or_default();
-        self.request_id = self.get_http_request_header("x-request-id").unwrap_or_default();
+        self.request_id = self
+            .get_http_request_header("x-request-id")
+            .unwrap_or_default();
         self.chat = if method == "POST" {
             self.worker.borrow().router.route_kind(&path)
         } else {
@@ -137,7 +139,9 @@ impl HttpContext for RequestContext {
         }
         // One byte past the limit is enough to know the body is too large.
         let limit = self.worker.borrow().router.config().max_body_bytes + 1;
-        let body = self.get_http_request_body(0, body_size.min(limit)).unwrap_or_default();
+        let body = self
+            .get_http_request_body(0, body_size.min(limit))
+            .unwrap_or_default();
         self.route(&body)
     }
 
@@ -148,8 +152,14 @@ impl HttpContext for RequestContext {
         };
         if self.worker.borrow().router.config().decision_headers {
             self.set_http_response_header("x-kvroute-pod", Some(&routed.pod_id));
-            self.set_http_response_header("x-kvroute-score", Some(&format!("{:.4}", routed.composite)));
-            self.set_http_response_header("x-kvroute-cache-match", Some(&format!("{:.4}", routed.cache_match)));
+            self.set_http_response_header(
+                "x-kvroute-score",
+                Some(&format!("{:.4}", routed.composite)),
+            );
+            self.set_http_response_header(
+                "x-kvroute-cache-match",
+                Some(&format!("{:.4}", routed.cache_match)),
+            );
         }
         Action::Continue
     }
@@ -159,9 +169,14 @@ impl HttpContext for RequestContext {
         // this chunk only and nothing is buffered.
         let watching = self.response_ok
             && self.scanner.found().is_none()
-            && self.routed.as_ref().is_some_and(|r| r.predicted_cached_tokens > 0);
+            && self
+                .routed
+                .as_ref()
+                .is_some_and(|r| r.predicted_cached_tokens > 0);
         if watching {
-            let chunk = self.get_http_response_body(0, body_size).unwrap_or_default();
+            let chunk = self
+                .get_http_response_body(0, body_size)
+                .unwrap_or_default();
             if let Some(actual) = self.scanner.feed(&chunk) {
                 self.check_prediction(actual);
             }
@@ -190,7 +205,8 @@ impl RequestContext {
             return self.reject(&Rejected {
                 status: 503,
                 kind: "ServiceUnavailableError",
-                message: "kvroute has no pod state yet (the report service has not published)".into(),
+                message: "kvroute has no pod state yet (the report service has not published)"
+                    .into(),
                 retry_after: Some(1),
             });
         };
@@ -251,14 +267,25 @@ impl RequestContext {
     fn send(&mut self, routed: &Routed, elapsed_us: u64) -> Action {
         self.set_http_request_header(ROUTING_HEADER, Some(&routed.address));
         let counted = shared::adjust_inflight(routed.slot, 1);
-        metrics::increment(&metrics::labelled("epp_routing_decisions_total", "model", &routed.model));
-        metrics::histogram("epp_cache_match_ratio", metrics::percent(routed.cache_match));
+        metrics::increment(&metrics::labelled(
+            "epp_routing_decisions_total",
+            "model",
+            &routed.model,
+        ));
+        metrics::histogram(
+            "epp_cache_match_ratio",
+            metrics::percent(routed.cache_match),
+        );
         metrics::histogram("epp_composite_score", metrics::percent(routed.composite));
         metrics::histogram("epp_scoring_latency_us", elapsed_us);
         metrics::gauge("epp_candidate_pods", routed.decision.scored.len() as u64);
         if routed.adapter_load_triggered {
             if let Some(adapter) = &routed.adapter {
-                metrics::increment(&metrics::labelled("epp_adapter_loads_triggered_total", "adapter", adapter));
+                metrics::increment(&metrics::labelled(
+                    "epp_adapter_loads_triggered_total",
+                    "adapter",
+                    adapter,
+                ));
             }
         }
         if let Some(reason) = &routed.degraded {
@@ -292,7 +319,11 @@ impl RequestContext {
     }
 
     fn reject(&mut self, rejected: &Rejected) -> Action {
-        metrics::increment(&metrics::labelled("epp_requests_rejected_total", "status", &rejected.status.to_string()));
+        metrics::increment(&metrics::labelled(
+            "epp_requests_rejected_total",
+            "status",
+            &rejected.status.to_string(),
+        ));
         event(
             log::Level::Info,
             "reject",
@@ -317,7 +348,11 @@ impl RequestContext {
             metrics::increment("epp_stale_cache_routing_total");
         }
         event(
-            if stale { log::Level::Info } else { log::Level::Debug },
+            if stale {
+                log::Level::Info
+            } else {
+                log::Level::Debug
+            },
             "cache_prediction",
             json!({"requestId": self.request_id, "pod": routed.pod_id, "predictedCachedTokens": routed.predicted_cached_tokens,
                    "cachedTokens": actual, "stale": stale}),
@@ -326,7 +361,9 @@ impl RequestContext {
 }
 
 fn resolve_decision_queue() -> Option<u32> {
-    let vm_id = hostcalls::get_property(vec!["plugin_vm_id"]).ok().flatten()?;
+    let vm_id = hostcalls::get_property(vec!["plugin_vm_id"])
+        .ok()
+        .flatten()?;
     hostcalls::resolve_shared_queue(&String::from_utf8_lossy(&vm_id), DECISION_QUEUE)
         .ok()
         .flatten()

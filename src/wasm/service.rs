@@ -49,7 +49,10 @@ impl ServiceRoot {
     fn call(&mut self, pod: &str, address: &str, path: &str, pull: Pull) {
         let config = self.config.as_ref().expect("configured");
         let (cluster, authority) = match (pull, &config.discovery) {
-            (Pull::Discovery, Some(d)) => (d.cluster.clone(), d.authority.clone().unwrap_or_else(|| d.cluster.clone())),
+            (Pull::Discovery, Some(d)) => (
+                d.cluster.clone(),
+                d.authority.clone().unwrap_or_else(|| d.cluster.clone()),
+            ),
             _ => (config.report_cluster.clone(), address.to_string()),
         };
         let headers = vec![
@@ -88,7 +91,9 @@ impl ServiceRoot {
 
     fn publish(&mut self) {
         let now = self.now_ms();
-        let Some(state) = self.state.as_mut() else { return };
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
         let publication = state.publish(now);
         for (bucket, value) in &publication.buckets {
             shared::set(&bucket_key(*bucket), value);
@@ -97,9 +102,18 @@ impl ServiceRoot {
         metrics::gauge("epp_prefix_tree_nodes", state.index().len() as u64);
         metrics::gauge("epp_index_memory_bytes", state.memory_bytes() as u64);
         for pod in &publication.table.pods {
-            metrics::gauge(&metrics::labelled("epp_queue_depth", "pod", &pod.id), u64::from(pod.queue));
-            metrics::gauge(&metrics::labelled("epp_pod_health_score", "pod", &pod.id), metrics::percent(pod.health));
-            metrics::gauge(&metrics::labelled("epp_pod_load", "pod", &pod.id), metrics::percent(pod.load));
+            metrics::gauge(
+                &metrics::labelled("epp_queue_depth", "pod", &pod.id),
+                u64::from(pod.queue),
+            );
+            metrics::gauge(
+                &metrics::labelled("epp_pod_health_score", "pod", &pod.id),
+                metrics::percent(pod.health),
+            );
+            metrics::gauge(
+                &metrics::labelled("epp_pod_load", "pod", &pod.id),
+                metrics::percent(pod.load),
+            );
         }
         if log::log_enabled!(log::Level::Trace) {
             event(
@@ -117,7 +131,8 @@ impl ServiceRoot {
         struct PodList {
             pods: Vec<PodConfig>,
         }
-        let list: PodList = serde_json::from_slice(body).map_err(|e| format!("malformed pod list: {e}"))?;
+        let list: PodList =
+            serde_json::from_slice(body).map_err(|e| format!("malformed pod list: {e}"))?;
         let mut candidate = self.config.clone().expect("configured");
         candidate.pods = list.pods;
         candidate.validate().map_err(|e| e.to_string())?;
@@ -130,10 +145,20 @@ impl ServiceRoot {
 }
 
 impl Context for ServiceRoot {
-    fn on_http_call_response(&mut self, token_id: u32, _num_headers: usize, body_size: usize, _num_trailers: usize) {
-        let Some((pod, pull)) = self.pending.remove(&token_id) else { return };
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some((pod, pull)) = self.pending.remove(&token_id) else {
+            return;
+        };
         let status = self.get_http_call_response_header(":status");
-        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
         let now = self.now_ms();
         match status.as_deref() {
             Some("200") => {}
@@ -160,7 +185,9 @@ impl Context for ServiceRoot {
             }
         }
         let inflight = self.inflight_of(&pod);
-        let Some(state) = self.state.as_mut() else { return };
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
         match pull {
             Pull::Report => {
                 let (result, transition) = state.apply_report(&pod, &body, now, inflight);
@@ -172,14 +199,22 @@ impl Context for ServiceRoot {
                         json!({"pod": pod, "full": summary.full, "stored": summary.stored, "removed": summary.removed,
                                "orphaned": summary.orphaned, "resync": summary.resync}),
                     ),
-                    Err(_) => metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod)),
+                    Err(_) => metrics::increment(&metrics::labelled(
+                        "epp_report_failures_total",
+                        "pod",
+                        &pod,
+                    )),
                 }
             }
             Pull::Metrics => {
                 let (result, transition) = state.apply_metrics(&pod, &body, now, inflight);
                 log_transition(transition);
                 if result.is_err() {
-                    metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod));
+                    metrics::increment(&metrics::labelled(
+                        "epp_report_failures_total",
+                        "pod",
+                        &pod,
+                    ));
                 }
             }
             Pull::Discovery => {
@@ -215,7 +250,9 @@ impl RootContext for ServiceRoot {
     }
 
     fn on_tick(&mut self) {
-        let Some(config) = self.config.clone() else { return };
+        let Some(config) = self.config.clone() else {
+            return;
+        };
         if self.queue.is_none() && config.mode == IndexMode::Approximate {
             self.queue = hostcalls::register_shared_queue(DECISION_QUEUE).ok();
         }
@@ -240,18 +277,27 @@ impl RootContext for ServiceRoot {
             }
         }
         if let Some(discovery) = &config.discovery {
-            if !self.pending.values().any(|(_, pull)| *pull == Pull::Discovery) {
+            if !self
+                .pending
+                .values()
+                .any(|(_, pull)| *pull == Pull::Discovery)
+            {
                 self.call("discovery", "", &discovery.path, Pull::Discovery);
             }
         }
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        let Some(state) = self.state.as_mut() else { return };
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
         while let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) {
             match decode_decision(&message) {
                 Some((slot, chain)) => state.record_decision(slot, &chain),
-                None => log::warn!("kvroute service: malformed decision message ({} bytes)", message.len()),
+                None => log::warn!(
+                    "kvroute service: malformed decision message ({} bytes)",
+                    message.len()
+                ),
             }
         }
     }
@@ -264,9 +310,11 @@ fn log_transition(transition: Option<Transition>) {
             "pod_report_failing",
             json!({"pod": pod, "failure": failure.to_string()}),
         ),
-        Some(Transition::Recovered { pod }) => {
-            event(log::Level::Info, "pod_report_recovered", json!({"pod": pod}))
-        }
+        Some(Transition::Recovered { pod }) => event(
+            log::Level::Info,
+            "pod_report_recovered",
+            json!({"pod": pod}),
+        ),
         None => {}
     }
 }

@@ -7,7 +7,10 @@ use std::rc::Rc;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::Status;
 
-use crate::snapshot::{bucket_key, decode_inflight, encode_inflight, PodTable, GENERATION_KEY, INFLIGHT_KEY, POD_TABLE_KEY};
+use crate::snapshot::{
+    bucket_key, decode_inflight, encode_inflight, PodTable, GENERATION_KEY, INFLIGHT_KEY,
+    POD_TABLE_KEY,
+};
 
 /// Retries of a compare-and-swap update under contention.
 const CAS_ATTEMPTS: usize = 32;
@@ -86,6 +89,8 @@ pub fn adjust_inflight(slot: usize, delta: i64) -> bool {
             }
         }
     }
-    log::warn!("kvroute: in-flight count of slot {slot} not updated after {CAS_ATTEMPTS} CAS attempts");
+    log::warn!(
+        "kvroute: in-flight count of slot {slot} not updated after {CAS_ATTEMPTS} CAS attempts"
+    );
     false
 }

@@ -1,0 +1,948 @@
+//! The `kvroute-sim` server: a simulated vLLM pod speaking the OpenAI API,
+//! vLLM's `/metrics` and kvroute's report protocol v1, with fault injection
+//! under `/admin`. The cache and cost model live in [`crate::model`]; this
+//! module adds time (tokio), the batch slots and queue, and HTTP.
+//!
+//! Endpoints:
+//! - `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
+//!   `GET /v1/models`, `GET /health`, `GET /metrics`;
+//! - `GET {reportPath}?since=SEQ&epoch=E` (`/kvroute/v1/report` by default);
+//! - `POST /admin/fault`, `GET /admin/stats`, `POST /admin/reset-stats`.
+//!
+//! Every response carries `x-sim-pod: <pod id>`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Query, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use kvroute::config::{Config, ModelTarget};
+use kvroute::request::parse_request;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+
+use crate::model::{
+    AdapterSlots, Admission, CostModel, KvCache, PodLoad, PodModel, DEFAULT_LOG_EVENTS,
+};
+
+/// Command-line options of `kvroute-sim`.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "kvroute-sim", about = "A simulated vLLM pod for kvroute tests")]
+pub struct SimOptions {
+    /// Port to listen on (0: any free port; the startup line says which).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Pod id in reports and `x-sim-pod` (default: `sim-<port>`).
+    #[arg(long)]
+    pub pod_id: Option<String>,
+    /// The kvroute configuration JSON the router uses (hashing, models).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// KV cache capacity in blocks.
+    #[arg(long, default_value_t = 4096)]
+    pub kv_blocks: usize,
+    /// Requests running at once; the rest wait in a FIFO queue.
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Multiplies every simulated duration.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// LoRA adapter slots.
+    #[arg(long, default_value_t = 4)]
+    pub max_loras: usize,
+    /// Adapters loaded at start (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub preload_adapters: Vec<String>,
+    /// `name=rank` of an adapter (repeatable or comma-separated; default rank 16).
+    #[arg(long, value_delimiter = ',', value_parser = parse_rank)]
+    pub adapter_rank: Vec<(String, u32)>,
+    /// Model names listed by `/v1/models` (default: the config's models, or `sim-model`).
+    #[arg(long, value_delimiter = ',')]
+    pub served_model: Vec<String>,
+    /// Bound of the report event log (block events).
+    #[arg(long, default_value_t = DEFAULT_LOG_EVENTS)]
+    pub log_events: usize,
+}
+
+fn parse_rank(text: &str) -> Result<(String, u32), String> {
+    let (name, rank) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected name=rank, got {text:?}"))?;
+    let rank = rank
+        .parse()
+        .map_err(|_| format!("rank of {name:?} is not a number"))?;
+    Ok((name.to_string(), rank))
+}
+
+/// How the report endpoint misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReportMode {
+    Ok,
+    Error,
+    Slow,
+    Garbage,
+}
+
+impl ReportMode {
+    fn name(self) -> &'static str {
+        match self {
+            ReportMode::Ok => "ok",
+            ReportMode::Error => "error",
+            ReportMode::Slow => "slow",
+            ReportMode::Garbage => "garbage",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Faults {
+    error_rate: f64,
+    report: ReportMode,
+    health: Option<f64>,
+    gpu_utilization: Option<f64>,
+    queue_depth: Option<u32>,
+}
+
+impl Faults {
+    fn json(&self, hang: bool) -> Value {
+        json!({
+            "hang": hang,
+            "errorRate": self.error_rate,
+            "report": self.report.name(),
+            "health": self.health,
+            "gpuUtilization": self.gpu_utilization,
+            "queueDepth": self.queue_depth,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Stats {
+    requests: u64,
+    completed: u64,
+    errors: u64,
+    cached_tokens: u64,
+    prompt_tokens: u64,
+    max_queue_seen: u32,
+    ttft_ms_sum: f64,
+    adapter_loads_at_reset: u64,
+}
+
+struct Inner {
+    pod: PodModel,
+    stats: Stats,
+    /// Lifetime counters for `/metrics` (never reset).
+    query_tokens_total: u64,
+    hit_tokens_total: u64,
+    waiting: u32,
+    running: u32,
+    faults: Faults,
+    rng: u64,
+}
+
+struct Sim {
+    pod_id: String,
+    epoch: String,
+    config: Config,
+    served: Vec<String>,
+    max_batch: usize,
+    cost: CostModel,
+    slots: Arc<Semaphore>,
+    hang: watch::Sender<bool>,
+    next_id: AtomicU64,
+    inner: Mutex<Inner>,
+}
+
+impl Sim {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn load(&self, inner: &Inner) -> PodLoad {
+        PodLoad {
+            queue_depth: inner.faults.queue_depth.unwrap_or(inner.waiting),
+            running: inner.running,
+            gpu_utilization: inner
+                .faults
+                .gpu_utilization
+                .unwrap_or(inner.running as f64 / self.max_batch as f64)
+                .clamp(0.0, 1.0),
+            health: inner.faults.health.unwrap_or(1.0),
+            adapters: inner.pod.adapters.loaded().to_vec(),
+        }
+    }
+}
+
+/// A random 64-bit value from the process's hash keys and the clock.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+/// Loads the kvroute configuration: the file when given (validated like the
+/// router does), else all defaults.
+pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, String> {
+    match path {
+        None => Ok(Config::default()),
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            Config::parse(&bytes).map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// Binds, prints `kvroute-sim <pod-id> listening on <addr>` and serves
+/// until the process ends (SIGINT/SIGTERM exit).
+pub async fn run(options: SimOptions) -> Result<(), String> {
+    let config = load_config(options.config.as_deref())?;
+    let listener = TcpListener::bind((options.host.as_str(), options.port))
+        .await
+        .map_err(|e| format!("cannot listen on {}:{}: {e}", options.host, options.port))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let app = app(&options, config, addr);
+    let pod_id = options
+        .pod_id
+        .clone()
+        .unwrap_or_else(|| format!("sim-{}", addr.port()));
+    println!("kvroute-sim {pod_id} listening on {addr}");
+    let _ = std::io::stdout().flush();
+    tokio::select! {
+        served = axum::serve(listener, app) => served.map_err(|e| e.to_string()),
+        _ = shutdown_signal() => Ok(()),
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The router of one simulated pod listening on `addr`.
+pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
+    let pod_id = options
+        .pod_id
+        .clone()
+        .unwrap_or_else(|| format!("sim-{}", addr.port()));
+    let cost = CostModel::gpu_8b(options.time_scale);
+    let ranks: HashMap<String, u32> = options.adapter_rank.iter().cloned().collect();
+    let mut adapters = AdapterSlots::new(options.max_loras, ranks);
+    for name in options.preload_adapters.iter().filter(|n| !n.is_empty()) {
+        adapters.preload(name);
+    }
+    let served = if !options.served_model.is_empty() {
+        options.served_model.clone()
+    } else if !config.models.is_empty() {
+        config.models.keys().cloned().collect()
+    } else {
+        vec!["sim-model".to_string()]
+    };
+    let max_batch = options.max_batch.max(1);
+    let pod = PodModel::new(
+        &config,
+        KvCache::new(options.kv_blocks, options.log_events),
+        adapters,
+        cost.clone(),
+    );
+    let report_path = config.report_path.clone();
+    let sim = Arc::new(Sim {
+        pod_id,
+        epoch: format!("{:016x}", random_u64()),
+        config,
+        served,
+        max_batch,
+        cost,
+        slots: Arc::new(Semaphore::new(max_batch)),
+        hang: watch::channel(false).0,
+        next_id: AtomicU64::new(1),
+        inner: Mutex::new(Inner {
+            pod,
+            stats: Stats::default(),
+            query_tokens_total: 0,
+            hit_tokens_total: 0,
+            waiting: 0,
+            running: 0,
+            faults: Faults {
+                error_rate: 0.0,
+                report: ReportMode::Ok,
+                health: None,
+                gpu_utilization: None,
+                queue_depth: None,
+            },
+            rng: random_u64() | 1,
+        }),
+    });
+    let mut router = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/admin/fault", post(fault))
+        .route("/admin/stats", get(stats))
+        .route("/admin/reset-stats", post(reset_stats));
+    router = router.route(&report_path, get(report));
+    if report_path != "/kvroute/v1/report" {
+        router = router.route("/kvroute/v1/report", get(report));
+    }
+    router
+        .layer(middleware::from_fn_with_state(sim.clone(), gate))
+        .with_state(sim)
+}
+
+/// Holds new non-admin requests while the `hang` fault is on, and tags every
+/// response with `x-sim-pod`.
+async fn gate(State(sim): State<Arc<Sim>>, request: Request, next: Next) -> Response {
+    if !request.uri().path().starts_with("/admin/") {
+        let mut hang = sim.hang.subscribe();
+        let _ = hang.wait_for(|h| !*h).await;
+    }
+    let mut response = next.run(request).await;
+    if let Ok(value) = HeaderValue::from_str(&sim.pod_id) {
+        response.headers_mut().insert("x-sim-pod", value);
+    }
+    response
+}
+
+/// A vLLM-style JSON error.
+fn error_response(status: StatusCode, message: &str, kind: &str) -> Response {
+    let body = json!({
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": null,
+            "code": status.as_u16(),
+        }
+    });
+    (status, Json(body)).into_response()
+}
+
+async fn completions(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    infer(sim, body, false).await
+}
+
+async fn chat_completions(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    infer(sim, body, true).await
+}
+
+/// Counts a waiting request while alive.
+struct Waiting(Arc<Sim>);
+
+impl Waiting {
+    fn new(sim: &Arc<Sim>) -> Waiting {
+        let mut inner = sim.lock();
+        inner.waiting += 1;
+        inner.stats.max_queue_seen = inner.stats.max_queue_seen.max(inner.waiting);
+        drop(inner);
+        Waiting(sim.clone())
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.lock().waiting -= 1;
+    }
+}
+
+/// A running request: holds a batch slot, counted while alive.
+struct Running {
+    sim: Arc<Sim>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Running {
+    fn new(sim: &Arc<Sim>, permit: OwnedSemaphorePermit) -> Running {
+        sim.lock().running += 1;
+        Running {
+            sim: sim.clone(),
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.sim.lock().running -= 1;
+    }
+}
+
+/// What the reply needs to say.
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    max_tokens: u64,
+}
+
+impl Reply {
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.max_tokens,
+            "total_tokens": self.prompt_tokens + self.max_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+
+    fn text(&self) -> String {
+        (0..self.max_tokens).map(token_text).collect()
+    }
+
+    fn full(&self) -> Value {
+        let choice = if self.chat {
+            json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text(), "tool_calls": []},
+                "logprobs": null,
+                "finish_reason": "length",
+                "stop_reason": null,
+            })
+        } else {
+            json!({
+                "index": 0,
+                "text": self.text(),
+                "logprobs": null,
+                "finish_reason": "length",
+                "stop_reason": null,
+            })
+        };
+        json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        })
+    }
+
+    fn chunk(&self, choice: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    /// The chunk carrying output token `i`.
+    fn token_chunk(&self, i: u64) -> Value {
+        let finish = if i + 1 == self.max_tokens {
+            json!("length")
+        } else {
+            Value::Null
+        };
+        if self.chat {
+            self.chunk(json!({
+                "index": 0,
+                "delta": {"content": token_text(i)},
+                "logprobs": null,
+                "finish_reason": finish,
+            }))
+        } else {
+            self.chunk(json!({
+                "index": 0,
+                "text": token_text(i),
+                "logprobs": null,
+                "finish_reason": finish,
+                "stop_reason": null,
+            }))
+        }
+    }
+
+    fn usage_chunk(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        })
+    }
+}
+
+/// Deterministic filler output: token `i` is ` tok{i}`.
+pub fn token_text(i: u64) -> String {
+    format!(" tok{i}")
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
+    sim.lock().stats.requests += 1;
+    let fail = |status: StatusCode, message: &str, kind: &str| {
+        sim.lock().stats.errors += 1;
+        error_response(status, message, kind)
+    };
+    let parsed = match parse_request(&body, chat) {
+        Ok(parsed) => parsed,
+        Err(e) => return fail(StatusCode::BAD_REQUEST, &e.0, "BadRequestError"),
+    };
+    let Some(target) = sim.config.resolve_model(&parsed.model) else {
+        let message = format!("The model `{}` does not exist.", parsed.model);
+        return fail(StatusCode::NOT_FOUND, &message, "NotFoundError");
+    };
+    let inject = {
+        let mut inner = sim.lock();
+        let rate = inner.faults.error_rate;
+        rate > 0.0 && next_unit(&mut inner.rng) < rate
+    };
+    if inject {
+        return fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "simulated engine failure (fault injection)",
+            "InternalServerError",
+        );
+    }
+    let raw: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let max_tokens = raw
+        .get("max_tokens")
+        .and_then(Value::as_u64)
+        .or_else(|| raw.get("max_completion_tokens").and_then(Value::as_u64))
+        .unwrap_or(16)
+        .max(1);
+    let include_usage = raw
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+
+    let arrived = Instant::now();
+    let waiting = Waiting::new(&sim);
+    let Ok(permit) = sim.slots.clone().acquire_owned().await else {
+        return fail(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "engine is shutting down",
+            "ServiceUnavailableError",
+        );
+    };
+    drop(waiting);
+    let running = Running::new(&sim, permit);
+    let admission = admit(&sim, &target, &parsed.prompt);
+    tokio::time::sleep(admission.adapter_load + admission.prefill).await;
+    {
+        let mut inner = sim.lock();
+        inner.pod.finish_prefill(&admission);
+        inner.stats.cached_tokens += admission.cached_tokens;
+        inner.stats.prompt_tokens += admission.prompt_tokens;
+        inner.stats.ttft_ms_sum += arrived.elapsed().as_secs_f64() * 1000.0;
+        inner.query_tokens_total += admission.prompt_tokens;
+        inner.hit_tokens_total += admission.cached_tokens;
+    }
+    let n = sim.next_id.fetch_add(1, Ordering::Relaxed);
+    let reply = Reply {
+        id: format!(
+            "{}-{}-{n}",
+            if chat { "chatcmpl" } else { "cmpl" },
+            sim.pod_id
+        ),
+        created: unix_seconds(),
+        model: parsed.model,
+        chat,
+        prompt_tokens: admission.prompt_tokens,
+        cached_tokens: admission.cached_tokens,
+        max_tokens,
+    };
+    if !parsed.stream {
+        tokio::time::sleep(sim.cost.generation_after_first(max_tokens)).await;
+        sim.lock().stats.completed += 1;
+        drop(running);
+        return Json(reply.full()).into_response();
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    let step = sim.cost.decode_step();
+    let streamer = sim.clone();
+    tokio::spawn(async move {
+        let _running = running;
+        if reply.chat {
+            let role = reply.chunk(json!({
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": null,
+                "finish_reason": null,
+            }));
+            if tx.send(sse(&role)).await.is_err() {
+                return;
+            }
+        }
+        for i in 0..reply.max_tokens {
+            if i > 0 {
+                tokio::time::sleep(step).await;
+            }
+            if tx.send(sse(&reply.token_chunk(i))).await.is_err() {
+                return;
+            }
+        }
+        if include_usage && tx.send(sse(&reply.usage_chunk())).await.is_err() {
+            return;
+        }
+        if tx
+            .send(Bytes::from_static(b"data: [DONE]\n\n"))
+            .await
+            .is_ok()
+        {
+            streamer.lock().stats.completed += 1;
+        }
+    });
+    let mut response = Body::from_stream(ChannelStream(rx)).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+fn admit(sim: &Sim, target: &ModelTarget, prompt: &kvroute::request::Prompt) -> Admission {
+    sim.lock().pod.admit(target, prompt)
+}
+
+/// A uniform value in [0, 1) from a xorshift64 state.
+fn next_unit(state: &mut u64) -> f64 {
+    let mut x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// An mpsc receiver as a body stream.
+struct ChannelStream(mpsc::Receiver<Bytes>);
+
+impl futures_core::Stream for ChannelStream {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|item| item.map(Ok))
+    }
+}
+
+async fn models(State(sim): State<Arc<Sim>>) -> Response {
+    let created = unix_seconds();
+    let data: Vec<Value> = sim
+        .served
+        .iter()
+        .map(|name| {
+            let target = sim.config.resolve_model(name);
+            json!({
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": target.as_ref().map_or(name.as_str(), |t| t.base_model.as_str()),
+                "parent": target.as_ref().and_then(|t| t.adapter.as_ref().map(|_| t.base_model.clone())),
+                "max_model_len": 8192,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    let inner = sim.lock();
+    let load = sim.load(&inner);
+    let usage = inner
+        .faults
+        .gpu_utilization
+        .unwrap_or_else(|| inner.pod.cache.usage())
+        .clamp(0.0, 1.0);
+    let model = sim
+        .served
+        .first()
+        .map(String::as_str)
+        .unwrap_or("sim-model");
+    let labels = format!("model_name=\"{model}\"");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64();
+    let mut text = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, sample: String| {
+        text.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{sample}\n"
+        ));
+    };
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        format!("{{{labels}}} {:.1}", load.running),
+    );
+    metric(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        format!("{{{labels}}} {:.1}", load.queue_depth),
+    );
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        format!("{{{labels}}} {usage}"),
+    );
+    metric(
+        "vllm:lora_requests_info",
+        "gauge",
+        "Running stats on lora requests.",
+        format!(
+            "{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"\"}} {now:.3}",
+            inner.pod.adapters.max(),
+            load.adapters.join(",")
+        ),
+    );
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        format!("{{{labels}}} {:.1}", inner.query_tokens_total),
+    );
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        format!("{{{labels}}} {:.1}", inner.hit_tokens_total),
+    );
+    drop(inner);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn report(
+    State(sim): State<Arc<Sim>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let mode = sim.lock().faults.report;
+    match mode {
+        ReportMode::Ok => {}
+        ReportMode::Error => {
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "simulated report failure",
+                "InternalServerError",
+            )
+        }
+        ReportMode::Slow => tokio::time::sleep(Duration::from_secs(5)).await,
+        ReportMode::Garbage => {
+            return (
+                [(header::CONTENT_TYPE, "application/json")],
+                "<html>this is not a report {\"version\":",
+            )
+                .into_response()
+        }
+    }
+    let since = query.get("since").and_then(|s| s.parse::<u64>().ok());
+    let epoch = query.get("epoch").map(String::as_str);
+    let inner = sim.lock();
+    let load = sim.load(&inner);
+    let body = inner
+        .pod
+        .cache
+        .report(&sim.pod_id, &sim.epoch, since, epoch, &load);
+    drop(inner);
+    Json(body).into_response()
+}
+
+fn unit_or_null(value: &Value, field: &str) -> Result<Option<f64>, String> {
+    match value {
+        Value::Null => Ok(None),
+        v => match v.as_f64() {
+            Some(x) if x.is_finite() && (0.0..=1.0).contains(&x) => Ok(Some(x)),
+            _ => Err(format!("`{field}` must be a number in [0, 1] or null")),
+        },
+    }
+}
+
+async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid JSON: {e}"),
+                "BadRequestError",
+            )
+        }
+    };
+    let Some(object) = value.as_object() else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "expected a JSON object",
+            "BadRequestError",
+        );
+    };
+    // Validate everything first, then apply.
+    let mut problems = Vec::new();
+    for (key, v) in object {
+        let ok = match key.as_str() {
+            "crash" | "hang" | "evictAll" | "silent" | "flushSilent" => v.is_boolean(),
+            "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
+            "report" => matches!(v.as_str(), Some("ok" | "error" | "slow" | "garbage")),
+            "health" | "gpuUtilization" => unit_or_null(v, key).is_ok(),
+            "queueDepth" => v.is_null() || v.as_u64().is_some_and(|q| q <= u32::MAX as u64),
+            _ => {
+                problems.push(format!("unknown fault `{key}`"));
+                continue;
+            }
+        };
+        if !ok {
+            problems.push(format!("invalid value for `{key}`: {v}"));
+        }
+    }
+    if !problems.is_empty() {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            &problems.join("; "),
+            "BadRequestError",
+        );
+    }
+    let flag = |key: &str| object.get(key).and_then(Value::as_bool);
+    if flag("crash") == Some(true) {
+        let _ = std::io::stdout().flush();
+        std::process::exit(1);
+    }
+    let mut evicted = None;
+    let mut flushed = None;
+    {
+        let mut inner = sim.lock();
+        if let Some(rate) = object.get("errorRate").and_then(Value::as_f64) {
+            inner.faults.error_rate = rate;
+        }
+        if let Some(mode) = object.get("report").and_then(Value::as_str) {
+            inner.faults.report = match mode {
+                "error" => ReportMode::Error,
+                "slow" => ReportMode::Slow,
+                "garbage" => ReportMode::Garbage,
+                _ => ReportMode::Ok,
+            };
+        }
+        if let Some(v) = object.get("health") {
+            inner.faults.health = unit_or_null(v, "health").unwrap_or(None);
+        }
+        if let Some(v) = object.get("gpuUtilization") {
+            inner.faults.gpu_utilization = unit_or_null(v, "gpuUtilization").unwrap_or(None);
+        }
+        if let Some(v) = object.get("queueDepth") {
+            inner.faults.queue_depth = v.as_u64().map(|q| q as u32);
+        }
+        if flag("evictAll") == Some(true) {
+            evicted = Some(inner.pod.cache.evict_all(flag("silent") == Some(true)));
+        }
+        if flag("flushSilent") == Some(true) {
+            flushed = Some(inner.pod.cache.flush_silent());
+        }
+    }
+    if let Some(hang) = flag("hang") {
+        sim.hang.send_replace(hang);
+    }
+    let inner = sim.lock();
+    let mut answer = inner.faults.json(*sim.hang.borrow());
+    answer["evicted"] = json!(evicted);
+    answer["flushed"] = json!(flushed);
+    answer["silentPending"] = json!(inner.pod.cache.silent_pending());
+    drop(inner);
+    Json(answer).into_response()
+}
+
+async fn stats(State(sim): State<Arc<Sim>>) -> Response {
+    let inner = sim.lock();
+    let s = &inner.stats;
+    let body = json!({
+        "podId": sim.pod_id,
+        "epoch": sim.epoch,
+        "requests": s.requests,
+        "completed": s.completed,
+        "errors": s.errors,
+        "cachedTokens": s.cached_tokens,
+        "promptTokens": s.prompt_tokens,
+        "queueDepth": inner.waiting,
+        "running": inner.running,
+        "maxQueueSeen": s.max_queue_seen,
+        "kvBlocks": inner.pod.cache.len(),
+        "kvCapacity": inner.pod.cache.capacity(),
+        "seq": inner.pod.cache.seq(),
+        "ttftMsSum": s.ttft_ms_sum,
+        "adapterLoads": inner.pod.adapters.loads() - s.adapter_loads_at_reset,
+        "adapters": inner.pod.adapters.loaded(),
+        "faults": inner.faults.json(*sim.hang.borrow()),
+    });
+    drop(inner);
+    Json(body).into_response()
+}
+
+async fn reset_stats(State(sim): State<Arc<Sim>>) -> Response {
+    let mut inner = sim.lock();
+    inner.stats = Stats {
+        adapter_loads_at_reset: inner.pod.adapters.loads(),
+        max_queue_seen: inner.waiting,
+        ..Stats::default()
+    };
+    drop(inner);
+    Json(json!({"reset": true})).into_response()
+}

@@ -1,0 +1,593 @@
+//! kvroute in real Envoy 1.40 with simulated vLLM pods: one test per
+//! behaviour of the design. Each test starts its own pods and Envoy on
+//! loopback ports (see `kvroute_integration::harness`) and asserts on where
+//! requests actually went (the sims' own counters and `x-sim-pod`, and
+//! kvroute's `x-kvroute-pod`), what the clients received, and Envoy's
+//! metrics. Run serially (`--test-threads=1`): each test owns the machine.
+
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_integration::harness::{
+    free_port, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
+};
+use kvroute_integration::http;
+use serde_json::{json, Value};
+
+const SIM: &str = env!("CARGO_BIN_EXE_kvroute-sim");
+
+/// Reports every 200 ms so tests see pod changes quickly.
+fn base_config() -> Value {
+    json!({
+        "podReportIntervalMs": 200,
+        "reportTimeoutMs": 400,
+        "models": {
+            "sim-model": {"baseModel": "sim-model"},
+            "support-billing": {"baseModel": "sim-model", "adapter": "billing-lora"}
+        }
+    })
+}
+
+fn start(pods: usize, config: Value, sim_args: &[&str], per_pod: Vec<Vec<&str>>) -> Cluster {
+    let mut spec = ClusterSpec::new(pods, config);
+    if !sim_args.is_empty() {
+        spec.sim_args = sim_args.iter().map(|s| s.to_string()).collect();
+    }
+    spec.per_pod_args = per_pod
+        .into_iter()
+        .map(|args| args.into_iter().map(String::from).collect())
+        .collect();
+    Cluster::start(SIM.as_ref(), spec).expect("cluster starts")
+}
+
+/// Deterministic filler text of about `bytes` bytes, distinct per `seed`.
+fn text(seed: &str, bytes: usize) -> String {
+    let mut out = String::with_capacity(bytes + 64);
+    let mut i = 0;
+    while out.len() < bytes {
+        out.push_str(&format!("{seed} sentence {i} of the shared context. "));
+        i += 1;
+    }
+    out.truncate(bytes);
+    out
+}
+
+fn completion(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens})
+}
+
+/// The pod that served a response, as the pod itself says; checks the
+/// router's decision header agrees.
+fn served_by(response: &http::Response) -> String {
+    assert_eq!(response.status, 200, "body: {}", response.body);
+    let sim = response.header("x-sim-pod").expect("x-sim-pod").to_string();
+    assert_eq!(
+        response.header("x-kvroute-pod"),
+        Some(sim.as_str()),
+        "router header vs pod"
+    );
+    sim
+}
+
+fn cached_tokens(response: &http::Response) -> u64 {
+    response.json().expect("json")["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+fn requests_per_pod(cluster: &Cluster) -> Vec<u64> {
+    cluster.sims.iter().map(|s| s.requests()).collect()
+}
+
+#[test]
+fn long_shared_prefix_goes_to_the_pod_that_holds_it() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    let prefix = text("policy", 16 * 1024);
+    let first = cluster.post("/v1/completions", &completion(&format!("{prefix} Q0"), 4));
+    let holder = served_by(&first);
+    cluster.wait_reports(2);
+    for i in 1..=10 {
+        let r = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prefix} question {i}"), 4),
+        );
+        assert_eq!(
+            served_by(&r),
+            holder,
+            "request {i} left the pod holding the prefix"
+        );
+        assert!(
+            cached_tokens(&r) >= 4000,
+            "pod served {} cached tokens",
+            cached_tokens(&r)
+        );
+    }
+    let decisions = cluster
+        .envoy
+        .metric("epp_routing_decisions_total", &[("model", "sim-model")]);
+    assert_eq!(decisions, Some(11.0));
+}
+
+#[test]
+fn multi_turn_conversations_stick_to_their_pod() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    let system = text("system prompt", 2048);
+    let conversations = 8;
+    let mut histories: Vec<Vec<Value>> = (0..conversations)
+        .map(|c| {
+            vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": text(&format!("user {c} opening"), 1024)}),
+            ]
+        })
+        .collect();
+    let mut first_pod = vec![String::new(); conversations];
+    let (mut later_turns, mut stuck) = (0, 0);
+    for turn in 1..=5 {
+        for c in 0..conversations {
+            let body = json!({"model": "sim-model", "messages": histories[c], "max_tokens": 16});
+            let r = cluster.post("/v1/chat/completions", &body);
+            let pod = served_by(&r);
+            if turn == 1 {
+                first_pod[c] = pod;
+            } else {
+                later_turns += 1;
+                stuck += usize::from(pod == first_pod[c]);
+            }
+            let answer = r.json().unwrap()["choices"][0]["message"]["content"].clone();
+            histories[c].push(json!({"role": "assistant", "content": answer}));
+            histories[c].push(
+                json!({"role": "user", "content": text(&format!("user {c} turn {turn}"), 256)}),
+            );
+        }
+        // Users think between turns; the pods report meanwhile.
+        cluster.wait_reports(2);
+    }
+    let share = stuck as f64 / later_turns as f64;
+    assert!(
+        share >= 0.9,
+        "only {stuck}/{later_turns} later turns on the turn-1 pod"
+    );
+    let distinct: std::collections::HashSet<_> = first_pod.iter().collect();
+    assert!(
+        distinct.len() >= 3,
+        "conversations collapsed onto {distinct:?}"
+    );
+}
+
+#[test]
+fn thundering_herd_spills_past_max_queue() {
+    // Slow pods (time scale 0.5, 4 concurrent) so 50 requests are all in
+    // flight at once; maxQueue 20.
+    let cluster = start(
+        4,
+        base_config(),
+        &["--time-scale", "0.5", "--max-batch", "4"],
+        vec![],
+    );
+    let prefix = text("hot document", 8 * 1024);
+    let warm = cluster.post("/v1/completions", &completion(&format!("{prefix} warm"), 1));
+    let hot = served_by(&warm);
+    cluster.wait_reports(2);
+    for sim in &cluster.sims {
+        sim.reset_stats();
+    }
+    let listen = cluster.envoy.listen.clone();
+    let handles: Vec<_> = (0..50)
+        .map(|i| {
+            let listen = listen.clone();
+            let body = completion(&format!("{prefix} question {i}"), 48).to_string();
+            std::thread::spawn(move || {
+                http::post_json(&listen, "/v1/completions", &body).expect("response")
+            })
+        })
+        .collect();
+    let responses: Vec<http::Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(
+        responses.iter().all(|r| r.status == 200),
+        "every herd request is served"
+    );
+    let per_pod = requests_per_pod(&cluster);
+    let hot_index = cluster.pod_index(&hot);
+    let hot_stats = cluster.sims[hot_index].stats();
+    let max_queue_seen = hot_stats["maxQueueSeen"].as_u64().unwrap();
+    assert!(
+        max_queue_seen <= 20,
+        "hot pod queued {max_queue_seen} > maxQueue"
+    );
+    assert!(
+        per_pod[hot_index] >= 15,
+        "hot pod took only {} of 50: {per_pod:?}",
+        per_pod[hot_index]
+    );
+    let others: Vec<u64> = per_pod
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != hot_index)
+        .map(|(_, n)| *n)
+        .collect();
+    assert!(
+        others.iter().all(|&n| n > 0),
+        "spill must reach every other pod: {per_pod:?}"
+    );
+    // The spilled requests warmed the others: the prefix is cached there now.
+    for (i, sim) in cluster
+        .sims
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != hot_index)
+    {
+        assert!(
+            sim.stats()["kvBlocks"].as_u64().unwrap() > 0,
+            "pod {i} not warmed"
+        );
+    }
+}
+
+#[test]
+fn unhealthy_pod_gets_nothing_and_degraded_pod_loses_ties() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    cluster.sims[0].fault(json!({"health": 0.2}));
+    cluster.sims[1].fault(json!({"health": 0.7}));
+    cluster.wait_reports(3);
+    for i in 0..24 {
+        let r = cluster.post(
+            "/v1/completions",
+            &completion(&text(&format!("cold {i}"), 512), 2),
+        );
+        served_by(&r);
+    }
+    let per_pod = requests_per_pod(&cluster);
+    assert_eq!(per_pod[0], 0, "pod at health 0.2 is excluded: {per_pod:?}");
+    assert_eq!(
+        per_pod[1], 0,
+        "pod at health 0.7 loses every tie: {per_pod:?}"
+    );
+    assert!(
+        per_pod[2] > 0 && per_pod[3] > 0,
+        "ties spread over the healthy pods: {per_pod:?}"
+    );
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_pod_health_score", &[("pod", "pod-0")]),
+        Some(20.0)
+    );
+}
+
+#[test]
+fn adapter_affinity_breaks_ties() {
+    let cluster = start(
+        4,
+        base_config(),
+        &[],
+        vec![
+            vec![],
+            vec![],
+            vec!["--preload-adapters", "billing-lora"],
+            vec![],
+        ],
+    );
+    cluster.wait_reports(2);
+    for i in 0..6 {
+        let body = json!({"model": "support-billing", "prompt": text(&format!("invoice {i}"), 512), "max_tokens": 2});
+        let r = cluster.post("/v1/completions", &body);
+        assert_eq!(served_by(&r), "pod-2", "request {i}");
+    }
+    assert_eq!(
+        cluster.sims[2].stats()["adapterLoads"].as_u64(),
+        Some(0),
+        "no adapter load was needed"
+    );
+    assert_eq!(
+        cluster.envoy.metric(
+            "epp_adapter_loads_triggered_total",
+            &[("adapter", "billing-lora")]
+        ),
+        None,
+        "no load was triggered"
+    );
+}
+
+#[test]
+fn cold_start_goes_to_the_least_loaded_pod() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    for (i, load) in [0.9, 0.5, 0.2, 0.7].iter().enumerate() {
+        cluster.sims[i].fault(json!({"gpuUtilization": load}));
+    }
+    cluster.wait_reports(2);
+    let r = cluster.post("/v1/completions", &completion(&text("never seen", 1024), 2));
+    assert_eq!(served_by(&r), "pod-2");
+}
+
+/// The design's case A (80 % utilisation, 0 queued) vs B (40 %, 10 queued).
+/// With the default weights the formula prefers B (load+queue terms 0.17 vs
+/// 0.14, see tests/scoring.rs); an operator who wants queue to dominate
+/// raises its weight, and then A wins. This test runs that configuration.
+#[test]
+fn queue_beats_utilization_when_queue_weight_dominates() {
+    let mut config = base_config();
+    config["weights"] =
+        json!({"cache": 0.6, "load": 0.1, "queue": 0.2, "health": 0.05, "adapter": 0.05});
+    let cluster = start(4, config, &[], vec![]);
+    cluster.sims[0].fault(json!({"gpuUtilization": 0.8, "queueDepth": 0}));
+    cluster.sims[1].fault(json!({"gpuUtilization": 0.4, "queueDepth": 10}));
+    cluster.sims[2].fault(json!({"gpuUtilization": 0.9, "queueDepth": 15}));
+    cluster.sims[3].fault(json!({"gpuUtilization": 0.9, "queueDepth": 15}));
+    cluster.wait_reports(2);
+    let r = cluster.post("/v1/completions", &completion(&text("fresh", 512), 2));
+    assert_eq!(served_by(&r), "pod-0");
+}
+
+#[test]
+fn pod_crash_mid_stream() {
+    let cluster = start(4, base_config(), &["--time-scale", "0.2"], vec![]);
+    let prompt = text("streamed story", 4096);
+    let warm = cluster.post("/v1/completions", &completion(&prompt, 1));
+    let victim = served_by(&warm);
+    cluster.wait_reports(2);
+    let victim_index = cluster.pod_index(&victim);
+    let listen = cluster.envoy.listen.clone();
+    let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 400, "stream": true})
+        .to_string();
+    let stream = std::thread::spawn(move || {
+        http::post_sse(&listen, "/v1/completions", &body).expect("stream starts")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = http::post_json(
+        &cluster.sims[victim_index].address,
+        "/admin/fault",
+        r#"{"crash": true}"#,
+    );
+    let broken = stream.join().unwrap();
+    assert_eq!(broken.header("x-kvroute-pod"), Some(victim.as_str()));
+    assert!(!broken.done, "the client must not see a complete stream");
+    assert!(
+        !broken.events.is_empty(),
+        "some events arrived before the crash"
+    );
+    // Once the missed reports decay its health, traffic goes elsewhere.
+    std::thread::sleep(Duration::from_millis(2000));
+    for i in 0..5 {
+        let r = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prompt} again {i}"), 2),
+        );
+        assert_ne!(served_by(&r), victim, "request {i} went to the crashed pod");
+    }
+    let ready = http::get(&cluster.envoy.admin, "/ready")
+        .map(|r| r.status)
+        .ok();
+    assert_eq!(ready, Some(200), "Envoy stays up");
+}
+
+#[test]
+fn failing_reports_decay_health_and_recover() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    let prefix = text("pinned", 8192);
+    let r = cluster.post("/v1/completions", &completion(&format!("{prefix} 0"), 1));
+    let pinned = served_by(&r);
+    let index = cluster.pod_index(&pinned);
+    cluster.wait_reports(2);
+    for mode in ["error", "garbage", "slow"] {
+        cluster.sims[index].fault(json!({"report": mode}));
+        std::thread::sleep(Duration::from_millis(2500));
+        let r = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prefix} during {mode}"), 1),
+        );
+        assert_ne!(
+            served_by(&r),
+            pinned,
+            "report {mode}: traffic must move off the stale pod"
+        );
+        cluster.sims[index].fault(json!({"report": "ok"}));
+        // `slow` answers after 5 s: wait for a fresh report to land.
+        let deadline = Instant::now() + Duration::from_secs(8);
+        loop {
+            let r = cluster.post(
+                "/v1/completions",
+                &completion(&format!("{prefix} after {mode}"), 1),
+            );
+            if served_by(&r) == pinned {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "report {mode}: pod never recovered"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let failures = cluster
+        .envoy
+        .metric("epp_report_failures_total", &[("pod", pinned.as_str())]);
+    assert!(
+        failures.unwrap_or(0.0) >= 3.0,
+        "failures counted: {failures:?}"
+    );
+    let log = cluster.envoy.log();
+    let failing_lines = log.matches("pod_report_failing").count();
+    assert!(
+        (3..=6).contains(&failing_lines),
+        "logged once per state change, got {failing_lines}"
+    );
+}
+
+#[test]
+fn unreported_eviction_counts_as_stale_routing() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    let prefix = text("evicted", 8192);
+    let r = cluster.post("/v1/completions", &completion(&format!("{prefix} 0"), 1));
+    let holder = served_by(&r);
+    cluster.wait_reports(2);
+    cluster.sims[cluster.pod_index(&holder)].fault(json!({"evictAll": true, "silent": true}));
+    let before = cluster
+        .envoy
+        .metric("epp_stale_cache_routing_total", &[])
+        .unwrap_or(0.0);
+    let r = cluster.post("/v1/completions", &completion(&format!("{prefix} 1"), 1));
+    assert_eq!(
+        served_by(&r),
+        holder,
+        "the router still believes the pod holds the prefix"
+    );
+    assert_eq!(cached_tokens(&r), 0);
+    let after = cluster
+        .envoy
+        .metric("epp_stale_cache_routing_total", &[])
+        .unwrap_or(0.0);
+    assert_eq!(after, before + 1.0);
+}
+
+fn refused(config: Value) -> String {
+    let dir = std::env::temp_dir().join(format!("kvroute-refuse-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (listen, admin) = (free_port(), free_port());
+    let yaml = render_envoy_config(
+        &wasm_path(),
+        listen,
+        admin,
+        &config,
+        &["127.0.0.1:9".to_string()],
+    );
+    let error = Envoy::start(&dir, &yaml, listen, admin)
+        .err()
+        .expect("Envoy must refuse the configuration");
+    let _ = std::fs::remove_dir_all(&dir);
+    error.to_string()
+}
+
+#[test]
+fn invalid_plugin_configuration_is_refused_naming_the_field() {
+    let pods = json!([{"id": "a", "address": "127.0.0.1:9"}]);
+    let log = refused(
+        json!({"pods": pods, "weights": {"cache": 0.8, "load": 0.2, "queue": 0.1, "health": 0.05, "adapter": 0.05}}),
+    );
+    assert!(log.contains("`weights` must sum to 1.0"), "{log}");
+    assert!(log.contains("1.200000"), "{log}");
+    let log = refused(json!({"pods": pods, "cachWeight": 0.5}));
+    assert!(log.contains("cachWeight"), "{log}");
+}
+
+#[test]
+fn malformed_bodies_get_defined_answers() {
+    let mut config = base_config();
+    config["onBadRequest"] = json!("reject");
+    config["maxBodyBytes"] = json!(1 << 20);
+    let cluster = start(2, config, &[], vec![]);
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (b"{not json".to_vec(), "not valid JSON"),
+        (vec![0xff, 0x00, 0x13, 0x37, 0x80], "not valid JSON"),
+        (Vec::new(), "empty"),
+        (br#"{"model":"sim-model"}"#.to_vec(), "`prompt` is missing"),
+        (
+            br#"{"model":"sim-model","prompt":{"a":1}}"#.to_vec(),
+            "`prompt` must be",
+        ),
+        (
+            format!(
+                r#"{{"model":"sim-model","prompt":"{}"}}"#,
+                "x".repeat(2 << 20)
+            )
+            .into_bytes(),
+            "exceeds maxBodyBytes",
+        ),
+    ];
+    for (body, expected) in cases {
+        let r = http::request(
+            &cluster.envoy.listen,
+            "POST",
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            Some(&body),
+            Duration::from_secs(30),
+        )
+        .expect("answer");
+        assert_eq!(r.status, 400, "{expected}: {}", r.body);
+        let message = r.json().expect("OpenAI-style JSON error")["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        assert!(
+            message.contains(expected),
+            "expected {expected:?} in {message:?}"
+        );
+    }
+    // onUnknownModel defaults to "route": the pod answers for itself.
+    let unknown = cluster.post("/v1/completions", &json!({"model": "nope", "prompt": "hi"}));
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+    assert!(unknown.header("x-sim-pod").is_some(), "routed by load to a pod");
+    let r = cluster.post("/v1/completions", &completion("all good after that", 2));
+    served_by(&r);
+    assert_eq!(
+        requests_per_pod(&cluster).iter().sum::<u64>(),
+        2,
+        "rejected bodies never reached a pod"
+    );
+}
+
+#[test]
+fn spoofed_destination_header_never_reaches_its_target() {
+    let cluster = start(2, base_config(), &[], vec![]);
+    let trap = TcpListener::bind("127.0.0.1:0").unwrap();
+    let trap_address = trap.local_addr().unwrap().to_string();
+    trap.set_nonblocking(true).unwrap();
+    let touched = Arc::new(AtomicBool::new(false));
+    let flag = touched.clone();
+    let watcher = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if trap.accept().is_ok() {
+                flag.store(true, Ordering::SeqCst);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    for path in ["/v1/completions", "/v1/models"] {
+        let body = completion("where do I go", 2).to_string();
+        let r = http::request(
+            &cluster.envoy.listen,
+            "POST",
+            path,
+            &[
+                ("content-type", "application/json"),
+                ("x-envoy-original-dst-host", &trap_address),
+            ],
+            Some(body.as_bytes()),
+            Duration::from_secs(10),
+        )
+        .expect("answer");
+        assert!(
+            r.header("x-sim-pod").is_some(),
+            "{path} answered by a pod: {} {}",
+            r.status,
+            r.body
+        );
+    }
+    watcher.join().unwrap();
+    assert!(
+        !touched.load(Ordering::SeqCst),
+        "the spoofed address was connected to"
+    );
+}
+
+#[test]
+fn streamed_response_arrives_incrementally() {
+    let cluster = start(2, base_config(), &["--time-scale", "0.25"], vec![]);
+    let body = json!({"model": "sim-model", "prompt": text("stream", 1024), "max_tokens": 60, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let r = http::post_sse(&cluster.envoy.listen, "/v1/completions", &body.to_string())
+        .expect("stream");
+    assert_eq!(r.status, 200);
+    assert!(r.done, "stream ends with [DONE]");
+    let first = r.events.first().unwrap().at - r.sent;
+    let last = r.events.last().unwrap().at - r.sent;
+    assert!(r.events.len() >= 60, "{} events", r.events.len());
+    assert!(
+        first * 3 < last,
+        "first event at {first:?}, last at {last:?}: the stream was buffered"
+    );
+}

@@ -1,0 +1,394 @@
+//! Starts the real `kvroute-sim` binary and talks to it over TCP.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kvroute::cluster::ClusterState;
+use kvroute::config::Config;
+use kvroute::hashing::BlockHasher;
+use kvroute::index::PrefixLookup;
+use kvroute::report::parse_report;
+use kvroute::request::parse_request;
+use kvroute_integration::http::{self, get, post_json, post_sse};
+
+struct Sim {
+    child: Child,
+    addr: String,
+}
+
+impl Sim {
+    fn start(args: &[&str]) -> Sim {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sim"))
+            .args(["--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("kvroute-sim starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("startup line");
+        let addr = line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .expect("address in the startup line")
+            .to_string();
+        assert!(line.starts_with("kvroute-sim "), "{line:?}");
+        Sim { child, addr }
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const CONFIG: &str = r#"{
+    "pods": [{"id": "sim-a", "address": "127.0.0.1:1"}],
+    "models": {"m": {"baseModel": "base"}, "m-lora": {"baseModel": "base", "adapter": "billing"}}
+}"#;
+
+#[test]
+fn sim_serves_caches_streams_and_reports() {
+    let config_path =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvroute-sim-test-config.json");
+    std::fs::write(&config_path, CONFIG).unwrap();
+    let sim = Sim::start(&[
+        "--pod-id",
+        "sim-a",
+        "--time-scale",
+        "0.05",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--kv-blocks",
+        "1000",
+    ]);
+    let addr = sim.addr.as_str();
+    let config = Config::parse(CONFIG.as_bytes()).unwrap();
+    let mut cluster = ClusterState::new(&config, 0);
+
+    let health = get(addr, "/health").unwrap();
+    assert_eq!(health.status, 200);
+    assert_eq!(health.header("x-sim-pod"), Some("sim-a"));
+    let models = get(addr, "/v1/models").unwrap().json().unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["m", "m-lora"]);
+
+    // Empty full report to start with.
+    let first = get(addr, "/kvroute/v1/report?since=0").unwrap();
+    let r = parse_report(first.body.as_bytes()).unwrap();
+    assert!(r.full && r.stored.is_empty());
+    assert_eq!((r.pod_id.as_str(), r.seq), ("sim-a", 0));
+    cluster
+        .apply_report("sim-a", first.body.as_bytes(), 0, 0)
+        .0
+        .unwrap();
+    let epoch = r.epoch.clone();
+
+    // Two identical completions: the second hits the cache.
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(30); // 1350 bytes
+    let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":4}}"#);
+    let a = post_json(addr, "/v1/completions", &body).unwrap();
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.header("x-sim-pod"), Some("sim-a"));
+    let a = a.json().unwrap();
+    assert_eq!(a["object"], "text_completion");
+    assert_eq!(a["choices"][0]["text"], " tok0 tok1 tok2 tok3");
+    assert_eq!(a["choices"][0]["finish_reason"], "length");
+    assert_eq!(a["usage"]["prompt_tokens"], 1350 / 4);
+    assert_eq!(a["usage"]["completion_tokens"], 4);
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let b = post_json(addr, "/v1/completions", &body)
+        .unwrap()
+        .json()
+        .unwrap();
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, (1350 / 64) * 16, "{b}");
+
+    // since=0 is always a full report; it carries the prompt's blocks.
+    let chain = BlockHasher::from_config(&config).chain(
+        &config.resolve_model("m").unwrap(),
+        &parse_request(body.as_bytes(), false).unwrap().prompt,
+    );
+    assert_eq!(chain.len(), 1350 / 64);
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    assert_eq!(query, format!("/kvroute/v1/report?since=0&epoch={epoch}"));
+    let full = get(addr, &query).unwrap();
+    let r = parse_report(full.body.as_bytes()).unwrap();
+    assert!(
+        r.full && r.since == 0 && r.seq == chain.len() as u64,
+        "{}",
+        full.body
+    );
+    cluster
+        .apply_report("sim-a", full.body.as_bytes(), 1, 0)
+        .0
+        .unwrap();
+    assert_eq!(
+        cluster.index().lookup(&chain).blocks(0) as usize,
+        chain.len()
+    );
+
+    // A prompt sharing the first 10 blocks: the delta carries only its new
+    // blocks, continuing the shared prefix.
+    let prompt2 = format!(
+        "{}{}",
+        &prompt[..640],
+        "Pack my box with five dozen liquor jugs. ".repeat(20)
+    );
+    let body2 = format!(r#"{{"model":"m","prompt":"{prompt2}","max_tokens":1}}"#);
+    let c = post_json(addr, "/v1/completions", &body2)
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 160);
+    let chain2 = BlockHasher::from_config(&config).chain(
+        &config.resolve_model("m").unwrap(),
+        &parse_request(body2.as_bytes(), false).unwrap().prompt,
+    );
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    let delta = get(addr, &query).unwrap();
+    let r = parse_report(delta.body.as_bytes()).unwrap();
+    assert!(!r.full, "{query} → {}", delta.body);
+    assert_eq!(r.since, chain.len() as u64);
+    assert_eq!(r.stored.len(), 1);
+    assert_eq!(r.stored[0].parent, Some(chain[9]));
+    assert_eq!(r.stored[0].hashes, chain2[10..]);
+    let (summary, _) = cluster.apply_report("sim-a", delta.body.as_bytes(), 1, 0);
+    assert!(!summary.unwrap().resync);
+    assert_eq!(
+        cluster.index().lookup(&chain2).blocks(0) as usize,
+        chain2.len()
+    );
+    assert_eq!(
+        cluster.index().lookup(&chain).blocks(0) as usize,
+        chain.len()
+    );
+    // Nothing new: an empty delta.
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    let r = parse_report(get(addr, &query).unwrap().body.as_bytes()).unwrap();
+    assert!(!r.full && r.stored.is_empty() && r.removed.is_empty());
+    assert_eq!(r.health, 1.0);
+
+    // Streaming chat with usage: role chunk, one chunk per token, usage, [DONE].
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hello there, how are you doing today? tell me a story please"}],
+        "max_tokens":6,"stream":true,"stream_options":{"include_usage":true}}"#;
+    let s = post_sse(addr, "/v1/chat/completions", chat).unwrap();
+    assert_eq!(s.status, 200);
+    assert!(s
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    assert!(s.done && s.error.is_none(), "{s:?}");
+    assert_eq!(s.events.len(), 1 + 6 + 1 + 1, "{:?}", s.events);
+    let chunks: Vec<serde_json::Value> = s.events.iter().filter_map(|e| e.json()).collect();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks[1..7]
+        .iter()
+        .map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(text, " tok0 tok1 tok2 tok3 tok4 tok5");
+    assert_eq!(chunks[6]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[7]["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(chunks[7]["usage"]["completion_tokens"], 6);
+    assert_eq!(s.events.last().unwrap().data, "[DONE]");
+    // Tokens arrive at decode pace (1 ms each at time scale 0.05).
+    assert!(s.events[6].at - s.events[1].at >= Duration::from_millis(4));
+
+    // Streaming completions without usage.
+    let s = post_sse(
+        addr,
+        "/v1/completions",
+        r#"{"model":"m","prompt":"abc","max_tokens":3,"stream":true}"#,
+    )
+    .unwrap();
+    assert!(s.done);
+    assert_eq!(s.events.len(), 4);
+    assert_eq!(s.events[0].json().unwrap()["choices"][0]["text"], " tok0");
+
+    // Errors: unknown model, bad body, injected failure.
+    let e = post_json(addr, "/v1/completions", r#"{"model":"nope","prompt":"x"}"#).unwrap();
+    assert_eq!(e.status, 404);
+    assert_eq!(e.json().unwrap()["error"]["type"], "NotFoundError");
+    let e = post_json(addr, "/v1/completions", r#"{"model":"m"}"#).unwrap();
+    assert_eq!(e.status, 400);
+    assert!(e.body.contains("prompt"));
+    post_json(addr, "/admin/fault", r#"{"errorRate":1.0}"#).unwrap();
+    assert_eq!(
+        post_json(addr, "/v1/completions", &body).unwrap().status,
+        500
+    );
+    post_json(addr, "/admin/fault", r#"{"errorRate":0.0}"#).unwrap();
+    assert_eq!(
+        post_json(addr, "/admin/fault", r#"{"bogus":1}"#)
+            .unwrap()
+            .status,
+        400
+    );
+
+    // LoRA: loads once, shows in reports and metrics.
+    let lora = r#"{"model":"m-lora","prompt":"hi","max_tokens":1}"#;
+    assert_eq!(
+        post_json(addr, "/v1/completions", lora).unwrap().status,
+        200
+    );
+    assert_eq!(
+        post_json(addr, "/v1/completions", lora).unwrap().status,
+        200
+    );
+    let metrics = get(addr, "/metrics").unwrap().body;
+    for name in [
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ] {
+        assert!(metrics.contains(name), "{name} missing in {metrics}");
+    }
+    let parsed = kvroute::report::parse_vllm_metrics(&metrics).unwrap();
+    assert_eq!(parsed.running_adapters, Some(vec!["billing".to_string()]));
+    assert_eq!(parsed.max_lora, Some(4));
+
+    // Overrides show in reports and metrics.
+    post_json(
+        addr,
+        "/admin/fault",
+        r#"{"health":0.2,"gpuUtilization":0.8,"queueDepth":10}"#,
+    )
+    .unwrap();
+    let r = parse_report(get(addr, "/kvroute/v1/report").unwrap().body.as_bytes()).unwrap();
+    assert_eq!(
+        (r.health, r.gpu_utilization, r.queue_depth),
+        (0.2, Some(0.8), 10)
+    );
+    assert_eq!(r.adapters, vec!["billing".to_string()]);
+    let parsed = kvroute::report::parse_vllm_metrics(&get(addr, "/metrics").unwrap().body).unwrap();
+    assert_eq!(
+        (parsed.waiting, parsed.kv_cache_usage),
+        (Some(10.0), Some(0.8))
+    );
+    post_json(
+        addr,
+        "/admin/fault",
+        r#"{"health":null,"gpuUtilization":null,"queueDepth":null}"#,
+    )
+    .unwrap();
+    let r = parse_report(get(addr, "/kvroute/v1/report").unwrap().body.as_bytes()).unwrap();
+    assert_eq!((r.health, r.queue_depth), (1.0, 0));
+
+    // Report faults.
+    post_json(addr, "/admin/fault", r#"{"report":"garbage"}"#).unwrap();
+    assert!(parse_report(get(addr, "/kvroute/v1/report").unwrap().body.as_bytes()).is_err());
+    post_json(addr, "/admin/fault", r#"{"report":"error"}"#).unwrap();
+    assert_eq!(get(addr, "/kvroute/v1/report").unwrap().status, 500);
+    post_json(addr, "/admin/fault", r#"{"report":"ok"}"#).unwrap();
+
+    // Silent eviction storm: the router keeps believing until the flush.
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    cluster
+        .apply_report("sim-a", get(addr, &query).unwrap().body.as_bytes(), 2, 0)
+        .0
+        .unwrap();
+    post_json(addr, "/admin/fault", r#"{"evictAll":true,"silent":true}"#).unwrap();
+    let stats = get(addr, "/admin/stats").unwrap().json().unwrap();
+    assert_eq!(stats["kvBlocks"], 0);
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    let r = parse_report(get(addr, &query).unwrap().body.as_bytes()).unwrap();
+    assert!(!r.full && r.removed.is_empty());
+    let c = post_json(addr, "/v1/completions", &body)
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    post_json(addr, "/admin/fault", r#"{"flushSilent":true}"#).unwrap();
+    let body_r = get(addr, &query).unwrap().body;
+    let r = parse_report(body_r.as_bytes()).unwrap();
+    assert!(!r.full && !r.removed.is_empty());
+    cluster
+        .apply_report("sim-a", body_r.as_bytes(), 3, 0)
+        .0
+        .unwrap();
+    assert_eq!(
+        cluster.index().lookup(&chain).blocks(0) as usize,
+        chain.len(),
+        "re-stored prompt"
+    );
+
+    // Stats and reset.
+    let stats = get(addr, "/admin/stats").unwrap().json().unwrap();
+    assert_eq!(stats["podId"], "sim-a");
+    assert_eq!(stats["requests"], 11);
+    assert_eq!(stats["errors"], 3);
+    assert_eq!(stats["completed"], 8);
+    assert_eq!(stats["adapterLoads"], 1);
+    assert!(stats["cachedTokens"].as_u64().unwrap() >= cached);
+    assert!(stats["ttftMsSum"].as_f64().unwrap() > 0.0);
+    post_json(addr, "/admin/reset-stats", "{}").unwrap();
+    let stats = get(addr, "/admin/stats").unwrap().json().unwrap();
+    assert_eq!(stats["requests"], 0);
+    assert!(
+        stats["kvBlocks"].as_u64().unwrap() >= chain.len() as u64,
+        "reset keeps the cache"
+    );
+
+    // Hang: new requests stall until released.
+    post_json(addr, "/admin/fault", r#"{"hang":true}"#).unwrap();
+    let hung = http::request(
+        addr,
+        "GET",
+        "/health",
+        &[],
+        None,
+        Duration::from_millis(300),
+    );
+    assert!(hung.is_err(), "{hung:?}");
+    post_json(addr, "/admin/fault", r#"{"hang":false}"#).unwrap();
+    assert_eq!(get(addr, "/health").unwrap().status, 200);
+
+    // Crash: the process exits at once.
+    let mut sim = sim;
+    let _ = post_json(&sim.addr.clone(), "/admin/fault", r#"{"crash":true}"#);
+    let status = sim.child.wait().unwrap();
+    assert_eq!(status.code(), Some(1));
+}
+
+#[test]
+fn queue_forms_behind_max_batch() {
+    let sim = Sim::start(&["--max-batch", "1", "--time-scale", "0.05"]);
+    let addr = sim.addr.clone();
+    let prompt = "x".repeat(4096 * 4);
+    let body = format!(r#"{{"model":"any","prompt":"{prompt}","max_tokens":2}}"#);
+    let threads: Vec<_> = (0..3)
+        .map(|_| {
+            let (addr, body) = (addr.clone(), body.clone());
+            std::thread::spawn(move || post_json(&addr, "/v1/completions", &body).unwrap().status)
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), 200);
+    }
+    let stats = get(&addr, "/admin/stats").unwrap().json().unwrap();
+    assert!(stats["maxQueueSeen"].as_u64().unwrap() >= 1, "{stats}");
+    assert_eq!(stats["completed"], 3);
+    assert_eq!(stats["queueDepth"], 0);
+    assert_eq!(stats["running"], 0);
+    assert!(get(&addr, "/v1/models").unwrap().body.contains("sim-model"));
+}
