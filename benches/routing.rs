@@ -1,1 +1,315 @@
-fn main(){}
+//! Lookup + scoring of a 4096-token prompt (256 blocks of 16 tokens, i.e.
+//! 16 KiB of text in 64-byte blocks) against an index of ~1,000,000 blocks
+//! over 64 pods.
+//!
+//! Index shape: 16 shared system prompts of 32 blocks; each pod holds
+//! conversations of 64–256 blocks (system prompt included) that branch from
+//! two of the system prompts, round-robin over the pods until the index
+//! holds ~1M blocks. The benchmarked prompt shares system prompt 3 with the
+//! pods that use it, and is held fully by two pods and for 180 blocks by a
+//! third.
+//!
+//! Benchmarks:
+//! - `tree_lookup`: `PrefixTree::lookup` of the 256-block chain;
+//! - `snapshot_lookup`: the same through `SnapshotIndex` over the buckets a
+//!   `SnapshotPublisher` built from the tree's change log, each probe a
+//!   `HashMap<u32, Vec<u8>>` get + clone (the shared-data copy);
+//! - `decide_64`: `ScoringPolicy::decide` over 64 candidates;
+//! - `end_to_end_tree` / `end_to_end_snapshot`: hash 16 KiB with
+//!   `BlockHasher`, look up, build 64 candidates, decide.
+//!
+//! Afterwards it prints memory per indexed block and the median and p99 of
+//! 10,000 individually timed end-to-end (tree) iterations.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use kvroute::config::{Config, ModelTarget};
+use kvroute::hashing::BlockHasher;
+use kvroute::index::{PrefixLookup, PrefixMatch, PrefixTree};
+use kvroute::request::Prompt;
+use kvroute::scoring::{Candidate, Decision, ScoringPolicy};
+use kvroute::snapshot::{SnapshotIndex, SnapshotPublisher};
+
+const PODS: usize = 64;
+const INDEX_BLOCKS: usize = 1_000_000;
+const SYSTEM_PROMPTS: usize = 16;
+const SYSTEM_BLOCKS: usize = 32;
+const BLOCK_BYTES: usize = 64;
+const PROMPT_BLOCKS: usize = 256;
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+fn text(rng: &mut Rng, bytes: usize) -> Vec<u8> {
+    const WORDS: [&str; 12] = [
+        "the ",
+        "customer ",
+        "asked ",
+        "about ",
+        "billing ",
+        "refund ",
+        "policy ",
+        "and ",
+        "agent ",
+        "replied ",
+        "please ",
+        "thanks ",
+    ];
+    let mut out = Vec::with_capacity(bytes + 16);
+    while out.len() < bytes {
+        out.extend_from_slice(WORDS[(rng.next() % 12) as usize].as_bytes());
+    }
+    out.truncate(bytes);
+    out
+}
+
+struct PodState {
+    ids: Vec<String>,
+    load: Vec<f64>,
+    queue: Vec<u32>,
+    health: Vec<f64>,
+    attributes: BTreeMap<String, f64>,
+}
+
+struct Fixture {
+    config: Config,
+    hasher: BlockHasher,
+    target: ModelTarget,
+    prompt: Prompt,
+    chain: Vec<u64>,
+    tree: PrefixTree,
+    publisher: SnapshotPublisher,
+    store: HashMap<u32, Vec<u8>>,
+    pods: PodState,
+    policy: ScoringPolicy,
+}
+
+fn build() -> Fixture {
+    let started = Instant::now();
+    let config = Config::default();
+    let hasher = BlockHasher::from_config(&config);
+    let target = ModelTarget {
+        base_model: "llama-3-8b".into(),
+        adapter: None,
+    };
+    let mut rng = Rng(0x00c0_ffee);
+    let system_texts: Vec<Vec<u8>> = (0..SYSTEM_PROMPTS)
+        .map(|_| text(&mut rng, SYSTEM_BLOCKS * BLOCK_BYTES))
+        .collect();
+    let system_chains: Vec<Vec<u64>> = system_texts
+        .iter()
+        .map(|t| hasher.chain(&target, &Prompt::Text(t.clone())))
+        .collect();
+
+    let mut tree = PrefixTree::with_change_log(INDEX_BLOCKS);
+    let mut chain_buf = Vec::with_capacity(PROMPT_BLOCKS);
+    let mut pod = 0;
+    loop {
+        let total = rng.range(64, 256) as usize;
+        if tree.len() + total + 2 * PROMPT_BLOCKS > INDEX_BLOCKS {
+            break;
+        }
+        let system = if rng.next().is_multiple_of(2) {
+            pod % SYSTEM_PROMPTS
+        } else {
+            (pod + 5) % SYSTEM_PROMPTS
+        };
+        chain_buf.clear();
+        chain_buf.extend_from_slice(&system_chains[system]);
+        // Conversation blocks: chained hashes are uniformly random u64s.
+        chain_buf.extend((SYSTEM_BLOCKS..total).map(|_| rng.next()));
+        tree.insert_chain(pod, None, &chain_buf);
+        pod = (pod + 1) % PODS;
+    }
+
+    // The benchmarked prompt: system prompt 3 + 14 KiB of conversation.
+    let mut prompt_text = system_texts[3].clone();
+    prompt_text.extend(text(
+        &mut rng,
+        (PROMPT_BLOCKS - SYSTEM_BLOCKS) * BLOCK_BYTES,
+    ));
+    assert_eq!(prompt_text.len(), 16 * 1024);
+    let prompt = Prompt::Text(prompt_text);
+    let chain = hasher.chain(&target, &prompt);
+    assert_eq!(chain.len(), PROMPT_BLOCKS);
+    tree.insert_chain(7, None, &chain);
+    tree.insert_chain(23, None, &chain);
+    tree.insert_chain(40, None, &chain[..180]);
+    assert_eq!(tree.evictions(), 0);
+
+    let mut publisher = SnapshotPublisher::new(config.snapshot_buckets());
+    publisher.apply(&tree.take_changes());
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+
+    let pods = PodState {
+        ids: (0..PODS).map(|i| format!("pod-{i}")).collect(),
+        load: (0..PODS).map(|_| rng.range(5, 95) as f64 / 100.0).collect(),
+        queue: (0..PODS).map(|_| rng.range(0, 22) as u32).collect(),
+        health: (0..PODS)
+            .map(|_| rng.range(25, 100) as f64 / 100.0)
+            .collect(),
+        attributes: BTreeMap::new(),
+    };
+    let policy = ScoringPolicy::from_config(&config);
+    eprintln!(
+        "fixture: {} blocks over {PODS} pods, built in {:.2} s",
+        tree.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Fixture {
+        config,
+        hasher,
+        target,
+        prompt,
+        chain,
+        tree,
+        publisher,
+        store,
+        pods,
+        policy,
+    }
+}
+
+fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> Vec<Candidate<'a>> {
+    (0..PODS)
+        .map(|slot| Candidate {
+            slot,
+            id: &pods.ids[slot],
+            cache_match: f64::from(matched.blocks(slot)) / blocks.max(1) as f64,
+            load: pods.load[slot],
+            queue: pods.queue[slot],
+            health: pods.health[slot],
+            adapter_loaded: false,
+            attributes: &pods.attributes,
+        })
+        .collect()
+}
+
+fn end_to_end(f: &Fixture, index: &impl PrefixLookup, tie_breaker: u64) -> Decision {
+    let chain = f.hasher.chain(&f.target, black_box(&f.prompt));
+    let matched = index.lookup(&chain);
+    let cands = candidates(&f.pods, &matched, chain.len());
+    f.policy.decide(&cands, false, tie_breaker)
+}
+
+fn routing(c: &mut Criterion) {
+    let f = build();
+    let snapshot = SnapshotIndex {
+        buckets: f.publisher.bucket_count(),
+        fetch: |b: u32| f.store.get(&b).cloned(),
+    };
+    // Sanity: both indexes agree and the full holders win on cache.
+    let m = f.tree.lookup(&f.chain);
+    assert_eq!(m, snapshot.lookup(&f.chain));
+    assert_eq!((m.blocks(7), m.blocks(23), m.blocks(40)), (256, 256, 180));
+    let d = end_to_end(&f, &f.tree, 0);
+    eprintln!(
+        "sample decision: pod {:?} composite {:.3}; pods matching the system prompt: {}",
+        d.chosen,
+        d.winner().map_or(0.0, |w| w.composite),
+        (0..PODS)
+            .filter(|&p| m.blocks(p) >= SYSTEM_BLOCKS as u32)
+            .count()
+    );
+
+    let mut group = c.benchmark_group("routing");
+    group
+        .sample_size(60)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4));
+    group.bench_function("tree_lookup_256_blocks", |b| {
+        b.iter(|| f.tree.lookup(black_box(&f.chain)))
+    });
+    group.bench_function("snapshot_lookup_256_blocks", |b| {
+        b.iter(|| snapshot.lookup(black_box(&f.chain)))
+    });
+    let cands = candidates(&f.pods, &m, f.chain.len());
+    let mut tie = 0u64;
+    group.bench_function("decide_64_candidates", |b| {
+        b.iter(|| {
+            tie += 1;
+            f.policy.decide(black_box(&cands), false, tie)
+        })
+    });
+    group.bench_function("hash_16KiB", |b| {
+        b.iter(|| f.hasher.chain(&f.target, black_box(&f.prompt)))
+    });
+    group.bench_function("end_to_end_tree", |b| {
+        b.iter(|| {
+            tie += 1;
+            end_to_end(&f, &f.tree, tie)
+        })
+    });
+    group.bench_function("end_to_end_snapshot", |b| {
+        b.iter(|| {
+            tie += 1;
+            end_to_end(&f, &snapshot, tie)
+        })
+    });
+    group.finish();
+
+    // Memory per indexed block.
+    let blocks = f.tree.len();
+    let shared_bytes: usize = f.store.values().map(Vec::len).sum();
+    println!(
+        "memory: PrefixTree {:.1} B/block ({} B for {blocks} blocks); SnapshotPublisher mirror {:.1} B/block ({} B); \
+         shared-data bucket values {:.1} B/block over {} buckets",
+        f.tree.memory_bytes() as f64 / blocks as f64,
+        f.tree.memory_bytes(),
+        f.publisher.memory_bytes() as f64 / blocks as f64,
+        f.publisher.memory_bytes(),
+        shared_bytes as f64 / blocks as f64,
+        f.config.snapshot_buckets(),
+    );
+
+    // Latency distribution of the end-to-end path, timed one by one.
+    for (name, percentiles) in [
+        (
+            "end_to_end_tree",
+            latency(10_000, |i| end_to_end(&f, &f.tree, i)),
+        ),
+        (
+            "end_to_end_snapshot",
+            latency(10_000, |i| end_to_end(&f, &snapshot, i)),
+        ),
+    ] {
+        println!(
+            "{name}: 10000 iterations, median {:.2} µs, p99 {:.2} µs, max {:.2} µs",
+            percentiles.0, percentiles.1, percentiles.2
+        );
+    }
+}
+
+/// (median, p99, max) in µs of `n` individually timed calls.
+fn latency(n: u64, mut run: impl FnMut(u64) -> Decision) -> (f64, f64, f64) {
+    let mut samples: Vec<f64> = (0..n)
+        .map(|i| {
+            let start = Instant::now();
+            black_box(run(i));
+            start.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)];
+    (at(0.5), at(0.99), samples[samples.len() - 1])
+}
+
+criterion_group!(benches, routing);
+criterion_main!(benches);

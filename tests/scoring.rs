@@ -7,7 +7,9 @@
 use std::collections::BTreeMap;
 
 use kvroute::config::{Config, Weights};
-use kvroute::scoring::{Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy};
+use kvroute::scoring::{
+    Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy,
+};
 use proptest::prelude::*;
 
 static NO_ATTRIBUTES: BTreeMap<String, f64> = BTreeMap::new();
@@ -35,10 +37,11 @@ const IDLE: Pod = Pod {
 };
 
 const IDS: [&str; 64] = [
-    "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9", "p10", "p11", "p12", "p13", "p14", "p15", "p16",
-    "p17", "p18", "p19", "p20", "p21", "p22", "p23", "p24", "p25", "p26", "p27", "p28", "p29", "p30", "p31", "p32",
-    "p33", "p34", "p35", "p36", "p37", "p38", "p39", "p40", "p41", "p42", "p43", "p44", "p45", "p46", "p47", "p48",
-    "p49", "p50", "p51", "p52", "p53", "p54", "p55", "p56", "p57", "p58", "p59", "p60", "p61", "p62", "p63",
+    "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9", "p10", "p11", "p12", "p13", "p14",
+    "p15", "p16", "p17", "p18", "p19", "p20", "p21", "p22", "p23", "p24", "p25", "p26", "p27",
+    "p28", "p29", "p30", "p31", "p32", "p33", "p34", "p35", "p36", "p37", "p38", "p39", "p40",
+    "p41", "p42", "p43", "p44", "p45", "p46", "p47", "p48", "p49", "p50", "p51", "p52", "p53",
+    "p54", "p55", "p56", "p57", "p58", "p59", "p60", "p61", "p62", "p63",
 ];
 
 fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
@@ -88,7 +91,13 @@ fn factor_index(policy: &ScoringPolicy, name: &str) -> usize {
 }
 
 /// `weight × factor` of one scorer for one candidate.
-fn term(policy: &ScoringPolicy, config: &Config, decision: &Decision, index: usize, name: &str) -> f64 {
+fn term(
+    policy: &ScoringPolicy,
+    config: &Config,
+    decision: &Decision,
+    index: usize,
+    name: &str,
+) -> f64 {
     let w = &config.weights;
     let weight = match name {
         "cache" => w.cache,
@@ -107,7 +116,10 @@ fn close(a: f64, b: f64) -> bool {
 
 #[test]
 fn default_scorers_are_the_five_factors_in_order() {
-    assert_eq!(default_policy().scorer_names(), ["cache", "load", "queue", "health", "adapter"]);
+    assert_eq!(
+        default_policy().scorer_names(),
+        ["cache", "load", "queue", "health", "adapter"]
+    );
     assert_eq!(default_policy().max_queue(), 20);
 }
 
@@ -124,8 +136,14 @@ fn hot_pod_at_80_percent_load_beats_an_idle_cold_pod() {
     let d = decide(&policy, &[hot, cold], false);
     let hot_part = term(&policy, &config, &d, 0, "cache") + term(&policy, &config, &d, 0, "load");
     let cold_part = term(&policy, &config, &d, 1, "cache") + term(&policy, &config, &d, 1, "load");
-    assert!(close(hot_part, 0.64), "hot cache+load = 0.60·1 + 0.20·0.2 = 0.64, got {hot_part}");
-    assert!(close(cold_part, 0.20), "cold cache+load = 0.60·0 + 0.20·1 = 0.20, got {cold_part}");
+    assert!(
+        close(hot_part, 0.64),
+        "hot cache+load = 0.60·1 + 0.20·0.2 = 0.64, got {hot_part}"
+    );
+    assert!(
+        close(cold_part, 0.20),
+        "cold cache+load = 0.60·0 + 0.20·1 = 0.20, got {cold_part}"
+    );
     // Queue, health and adapter are equal (0.10 + 0.05 + 0.05 = 0.20 each).
     assert!(close(composite(&d, 0), 0.84), "{d:?}");
     assert!(close(composite(&d, 1), 0.40), "{d:?}");
@@ -139,26 +157,52 @@ fn each_queued_request_costs_0_005_of_composite() {
     let qi = factor_index(&policy, "queue");
     for q in 0..19u32 {
         let a = Pod { queue: q, ..IDLE };
-        let b = Pod { queue: q + 1, ..IDLE };
+        let b = Pod {
+            queue: q + 1,
+            ..IDLE
+        };
         let d = decide(&policy, &[a, b], false);
         let diff = composite(&d, 0) - composite(&d, 1);
-        assert!(close(diff, 0.005), "queue {q} vs {}: composite diff {diff}, expected 0.10/20", q + 1);
+        assert!(
+            close(diff, 0.005),
+            "queue {q} vs {}: composite diff {diff}, expected 0.10/20",
+            q + 1
+        );
         let queue_diff = scored(&d, 0).factors[qi] - scored(&d, 1).factors[qi];
-        assert!(close(queue_diff, 0.05), "queue score diff {queue_diff}, expected 1/20");
-        assert_eq!(d.chosen, Some(0), "the shorter queue wins when all else is equal");
+        assert!(
+            close(queue_diff, 0.05),
+            "queue score diff {queue_diff}, expected 1/20"
+        );
+        assert_eq!(
+            d.chosen,
+            Some(0),
+            "the shorter queue wins when all else is equal"
+        );
     }
 }
 
 #[test]
 fn maximum_health_penalty_is_0_035_and_below_0_3_is_excluded() {
     let policy = default_policy();
-    let sick = Pod { health: 0.3, ..IDLE };
+    let sick = Pod {
+        health: 0.3,
+        ..IDLE
+    };
     let d = decide(&policy, &[IDLE, sick], false);
     let diff = composite(&d, 0) - composite(&d, 1);
-    assert!(close(diff, 0.035), "health 1.0 vs 0.3: composite diff {diff}, expected 0.05·0.7");
-    assert!(d.excluded.is_empty(), "0.3 is at the threshold, still eligible: {d:?}");
+    assert!(
+        close(diff, 0.035),
+        "health 1.0 vs 0.3: composite diff {diff}, expected 0.05·0.7"
+    );
+    assert!(
+        d.excluded.is_empty(),
+        "0.3 is at the threshold, still eligible: {d:?}"
+    );
 
-    let sicker = Pod { health: 0.29, ..IDLE };
+    let sicker = Pod {
+        health: 0.29,
+        ..IDLE
+    };
     let d = decide(&policy, &[IDLE, sicker], false);
     assert_eq!(d.excluded, vec![(1, Exclusion::Unhealthy { health: 0.29 })]);
     assert_eq!(d.scored.len(), 1);
@@ -175,10 +219,16 @@ fn full_queues_are_excluded_and_all_excluded_means_no_choice() {
     assert_eq!(d.chosen, Some(0));
     assert_eq!(
         d.excluded,
-        vec![(1, Exclusion::QueueFull { queue: 20 }), (2, Exclusion::QueueFull { queue: 500 })]
+        vec![
+            (1, Exclusion::QueueFull { queue: 20 }),
+            (2, Exclusion::QueueFull { queue: 500 })
+        ]
     );
 
-    let dead = Pod { health: 0.0, ..IDLE };
+    let dead = Pod {
+        health: 0.0,
+        ..IDLE
+    };
     let d = decide(&policy, &[full, dead, over], false);
     assert_eq!(d.chosen, None);
     assert!(d.winner().is_none());
@@ -195,7 +245,10 @@ fn decide_explains_every_candidate() {
     let policy = default_policy();
     let pods = [
         Pod { cache: 0.5, ..IDLE },
-        Pod { health: 0.1, ..IDLE },
+        Pod {
+            health: 0.1,
+            ..IDLE
+        },
         Pod { queue: 25, ..IDLE },
         Pod {
             load: 0.3,
@@ -204,20 +257,41 @@ fn decide_explains_every_candidate() {
         },
     ];
     let d = decide(&policy, &pods, false);
-    let mut seen: Vec<usize> = d.scored.iter().map(|s| s.index).chain(d.excluded.iter().map(|e| e.0)).collect();
+    let mut seen: Vec<usize> = d
+        .scored
+        .iter()
+        .map(|s| s.index)
+        .chain(d.excluded.iter().map(|e| e.0))
+        .collect();
     seen.sort_unstable();
-    assert_eq!(seen, [0, 1, 2, 3], "each candidate is either scored or excluded, once");
+    assert_eq!(
+        seen,
+        [0, 1, 2, 3],
+        "each candidate is either scored or excluded, once"
+    );
     assert_eq!(
         d.excluded,
-        vec![(1, Exclusion::Unhealthy { health: 0.1 }), (2, Exclusion::QueueFull { queue: 25 })]
+        vec![
+            (1, Exclusion::Unhealthy { health: 0.1 }),
+            (2, Exclusion::QueueFull { queue: 25 })
+        ]
     );
     for s in &d.scored {
         assert_eq!(s.factors.len(), 5);
-        let recomputed: f64 = [0.60, 0.20, 0.10, 0.05, 0.05].iter().zip(&s.factors).map(|(w, f)| w * f).sum();
+        let recomputed: f64 = [0.60, 0.20, 0.10, 0.05, 0.05]
+            .iter()
+            .zip(&s.factors)
+            .map(|(w, f)| w * f)
+            .sum();
         assert!(close(recomputed, s.composite), "{s:?}");
     }
-    assert_eq!(Exclusion::QueueFull { queue: 25 }.to_string(), "queue 25 at maxQueue");
-    assert!(Exclusion::Unhealthy { health: 0.1 }.to_string().contains("0.10"));
+    assert_eq!(
+        Exclusion::QueueFull { queue: 25 }.to_string(),
+        "queue 25 at maxQueue"
+    );
+    assert!(Exclusion::Unhealthy { health: 0.1 }
+        .to_string()
+        .contains("0.10"));
 }
 
 /// The design document's "counterintuitive case": A at 80% utilisation with
@@ -259,10 +333,23 @@ fn counterintuitive_case_follows_the_arithmetic_not_the_design_claim() {
     let config = Config::default();
     let policy = ScoringPolicy::from_config(&config);
     let d = decide(&policy, &[a, b], false);
-    let (sa, sb) = (load_queue(&policy, &config, &d, 0), load_queue(&policy, &config, &d, 1));
-    assert!(close(sa, 0.14), "A load+queue = 0.2·0.2 + 0.1·1 = 0.14, got {sa}");
-    assert!(close(sb, 0.17), "B load+queue = 0.2·0.6 + 0.1·0.5 = 0.17, got {sb}");
-    assert_eq!(d.chosen, Some(1), "at default weights B (0.17) beats A (0.14): {d:?}");
+    let (sa, sb) = (
+        load_queue(&policy, &config, &d, 0),
+        load_queue(&policy, &config, &d, 1),
+    );
+    assert!(
+        close(sa, 0.14),
+        "A load+queue = 0.2·0.2 + 0.1·1 = 0.14, got {sa}"
+    );
+    assert!(
+        close(sb, 0.17),
+        "B load+queue = 0.2·0.6 + 0.1·0.5 = 0.17, got {sb}"
+    );
+    assert_eq!(
+        d.chosen,
+        Some(1),
+        "at default weights B (0.17) beats A (0.14): {d:?}"
+    );
 
     // Queue-dominant weights: A wins, 0.22 against 0.16.
     let config = Config {
@@ -281,13 +368,28 @@ fn counterintuitive_case_follows_the_arithmetic_not_the_design_claim() {
         address: "127.0.0.1:9001".into(),
         attributes: BTreeMap::new(),
     }];
-    valid.validate().expect("queue-dominant weights are a valid configuration");
+    valid
+        .validate()
+        .expect("queue-dominant weights are a valid configuration");
     let policy = ScoringPolicy::from_config(&config);
     let d = decide(&policy, &[a, b], false);
-    let (sa, sb) = (load_queue(&policy, &config, &d, 0), load_queue(&policy, &config, &d, 1));
-    assert!(close(sa, 0.22), "A load+queue = 0.1·0.2 + 0.2·1 = 0.22, got {sa}");
-    assert!(close(sb, 0.16), "B load+queue = 0.1·0.6 + 0.2·0.5 = 0.16, got {sb}");
-    assert_eq!(d.chosen, Some(0), "queue-dominant weights: A (0.22) beats B (0.16)");
+    let (sa, sb) = (
+        load_queue(&policy, &config, &d, 0),
+        load_queue(&policy, &config, &d, 1),
+    );
+    assert!(
+        close(sa, 0.22),
+        "A load+queue = 0.1·0.2 + 0.2·1 = 0.22, got {sa}"
+    );
+    assert!(
+        close(sb, 0.16),
+        "B load+queue = 0.1·0.6 + 0.2·0.5 = 0.16, got {sb}"
+    );
+    assert_eq!(
+        d.chosen,
+        Some(0),
+        "queue-dominant weights: A (0.22) beats B (0.16)"
+    );
 
     // Default weights, tighter maxQueue: A wins up to 12, B from 13.
     for max_queue in 11..=30u32 {
@@ -297,9 +399,15 @@ fn counterintuitive_case_follows_the_arithmetic_not_the_design_claim() {
         };
         let policy = ScoringPolicy::from_config(&config);
         let d = decide(&policy, &[a, b], false);
-        let (sa, sb) = (load_queue(&policy, &config, &d, 0), load_queue(&policy, &config, &d, 1));
+        let (sa, sb) = (
+            load_queue(&policy, &config, &d, 0),
+            load_queue(&policy, &config, &d, 1),
+        );
         let expected_b = 0.12 + 0.10 * (1.0 - 10.0 / f64::from(max_queue));
-        assert!(close(sa, 0.14) && close(sb, expected_b), "maxQueue {max_queue}: A {sa}, B {sb}");
+        assert!(
+            close(sa, 0.14) && close(sb, expected_b),
+            "maxQueue {max_queue}: A {sa}, B {sb}"
+        );
         let expected = if max_queue <= 12 { 0 } else { 1 };
         assert_eq!(
             d.chosen,
@@ -335,18 +443,29 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
     for tie_breaker in 0..8 {
         let d = policy.decide(&candidates(&[a, b]), false, tie_breaker);
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
-        assert_eq!(d.chosen, Some(1), "tie → higher load score (tie breaker {tie_breaker})");
+        assert_eq!(
+            d.chosen,
+            Some(1),
+            "tie → higher load score (tie breaker {tie_breaker})"
+        );
         let d = policy.decide(&candidates(&[b, a]), false, tie_breaker);
         assert_eq!(d.chosen, Some(0), "order does not matter");
     }
     // 0.1·(1−1/20) + 0.05·1 = 0.145 = 0.1·1 + 0.05·0.9: same composite and
     // load, D has the shorter queue.
     let c = Pod { queue: 1, ..IDLE };
-    let d_pod = Pod { health: 0.9, ..IDLE };
+    let d_pod = Pod {
+        health: 0.9,
+        ..IDLE
+    };
     for tie_breaker in 0..8 {
         let d = policy.decide(&candidates(&[c, d_pod]), false, tie_breaker);
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
-        assert_eq!(d.chosen, Some(1), "tie → higher queue score (tie breaker {tie_breaker})");
+        assert_eq!(
+            d.chosen,
+            Some(1),
+            "tie → higher queue score (tie breaker {tie_breaker})"
+        );
     }
 }
 
@@ -398,7 +517,10 @@ fn cold_start_goes_to_the_least_loaded_pod() {
 fn adapter_affinity() {
     let policy = default_policy();
     let ai = factor_index(&policy, "adapter");
-    let with = Pod { adapter: true, ..IDLE };
+    let with = Pod {
+        adapter: true,
+        ..IDLE
+    };
     let pods = [IDLE, IDLE, with, IDLE];
     for tie_breaker in 0..8 {
         let d = policy.decide(&candidates(&pods), true, tie_breaker);
@@ -427,7 +549,11 @@ fn cost_config() -> Config {
     .expect("valid cost configuration")
 }
 
-fn cost_candidates<'a>(config: &'a Config, cheap_cache: f64, pricey_cache: f64) -> Vec<Candidate<'a>> {
+fn cost_candidates<'a>(
+    config: &'a Config,
+    cheap_cache: f64,
+    pricey_cache: f64,
+) -> Vec<Candidate<'a>> {
     let cache = [cheap_cache, pricey_cache];
     config
         .pods
@@ -450,7 +576,10 @@ fn cost_candidates<'a>(config: &'a Config, cheap_cache: f64, pricey_cache: f64) 
 fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
     let config = cost_config();
     let policy = ScoringPolicy::from_config(&config);
-    assert_eq!(policy.scorer_names(), ["cache", "load", "queue", "health", "adapter", "cost"]);
+    assert_eq!(
+        policy.scorer_names(),
+        ["cache", "load", "queue", "health", "adapter", "cost"]
+    );
     let cost = factor_index(&policy, "cost");
 
     // Cheap pod 0.15 behind the best: within the window, cheaper → it wins.
@@ -459,14 +588,22 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
     assert_eq!(scored(&d, 0).factors[cost], 1.0);
     assert_eq!(scored(&d, 1).factors[cost], 0.0);
     assert!(close(composite(&d, 0) - composite(&d, 1), 0.025), "{d:?}");
-    assert_eq!(d.chosen, Some(0), "cheap pod within 0.2 of the best cache match wins");
+    assert_eq!(
+        d.chosen,
+        Some(0),
+        "cheap pod within 0.2 of the best cache match wins"
+    );
 
     // Cheap pod 0.3 behind: outside the window it earns no cost score, and
     // the pricey pod, alone in the window, earns the full 0.1.
     let d = policy.decide(&cost_candidates(&config, 0.7, 1.0), false, 0);
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(scored(&d, 1).factors[cost], 1.0);
-    assert_eq!(d.chosen, Some(1), "expensive hot pod wins when the cheap one is > 0.2 behind");
+    assert_eq!(
+        d.chosen,
+        Some(1),
+        "expensive hot pod wins when the cheap one is > 0.2 behind"
+    );
 
     // Both cold: both in the window, cheap wins on cost alone.
     let d = policy.decide(&cost_candidates(&config, 0.0, 0.0), false, 0);
@@ -477,7 +614,11 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
     no_attr[0].attributes = &NO_ATTRIBUTES;
     let d = policy.decide(&no_attr, false, 0);
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
-    assert_eq!(scored(&d, 1).factors[cost], 1.0, "alone with the attribute: min = max → 1");
+    assert_eq!(
+        scored(&d, 1).factors[cost],
+        1.0,
+        "alone with the attribute: min = max → 1"
+    );
     assert_eq!(d.chosen, Some(1));
 }
 
@@ -496,7 +637,7 @@ impl Scorer for EvenSlot {
     }
     fn score(&self, candidate: &Candidate<'_>, context: &DecisionContext<'_>) -> f64 {
         assert!(!context.candidates.is_empty());
-        if candidate.slot % 2 == 0 {
+        if candidate.slot.is_multiple_of(2) {
             // Out of range on purpose: the policy clamps into [0, 1].
             7.0
         } else {
@@ -540,12 +681,19 @@ fn compiled_in_scorers_through_the_trait() {
     // 0: 0.1 + 0.2 + 0.3 = 0.6; 1: 0.3 + 0.2 + 0 = 0.5; 2: 0.2 + 0.1 + 0.3 = 0.6.
     assert_eq!(scored(&d, 0).factors[2], 1.0, "clamped from 7");
     assert_eq!(scored(&d, 1).factors[2], 0.0, "clamped from -3");
-    assert!(close(composite(&d, 0), 0.6) && close(composite(&d, 1), 0.5) && close(composite(&d, 2), 0.6));
+    assert!(
+        close(composite(&d, 0), 0.6)
+            && close(composite(&d, 1), 0.5)
+            && close(composite(&d, 2), 0.6)
+    );
     assert_eq!(d.chosen, Some(0), "tie between 0 and 2 → higher load score");
 
     for bad in [0.2, 0.31, 0.0, 1.0] {
         let err = ScoringPolicy::with_scorers(
-            vec![Box::new(CacheScorer { weight: 0.5 }), Box::new(EvenSlot { weight: bad })],
+            vec![
+                Box::new(CacheScorer { weight: 0.5 }),
+                Box::new(EvenSlot { weight: bad }),
+            ],
             20,
             0.3,
         )
@@ -553,7 +701,10 @@ fn compiled_in_scorers_through_the_trait() {
         assert_eq!(err.field, "scorers", "{err}");
     }
     let err = ScoringPolicy::with_scorers(
-        vec![Box::new(CacheScorer { weight: 1.5 }), Box::new(EvenSlot { weight: -0.5 })],
+        vec![
+            Box::new(CacheScorer { weight: 1.5 }),
+            Box::new(EvenSlot { weight: -0.5 }),
+        ],
         20,
         0.3,
     )
@@ -564,20 +715,29 @@ fn compiled_in_scorers_through_the_trait() {
 // ---------------------------------------------------------------- properties
 
 fn pod_strategy() -> impl Strategy<Value = Pod> {
-    (0.0..=1.0f64, 0.0..=1.0f64, 0u32..30, 0.0..=1.0f64, any::<bool>()).prop_map(
-        |(cache, load, queue, health, adapter)| Pod {
+    (
+        0.0..=1.0f64,
+        0.0..=1.0f64,
+        0u32..30,
+        0.0..=1.0f64,
+        any::<bool>(),
+    )
+        .prop_map(|(cache, load, queue, health, adapter)| Pod {
             cache,
             load,
             queue,
             health,
             adapter,
-        },
-    )
+        })
 }
 
 /// A pod the default policy never excludes.
 fn eligible_pod_strategy() -> impl Strategy<Value = Pod> {
-    (pod_strategy(), 0u32..20, 0.3..=1.0f64).prop_map(|(pod, queue, health)| Pod { queue, health, ..pod })
+    (pod_strategy(), 0u32..20, 0.3..=1.0f64).prop_map(|(pod, queue, health)| Pod {
+        queue,
+        health,
+        ..pod
+    })
 }
 
 /// Five non-negative weights normalised to sum 1.
@@ -610,7 +770,12 @@ fn config_with(weights: Weights, max_queue: u32) -> Config {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        // No regression files: the tests also run as wasm.
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn composite_is_in_unit_interval_and_the_weighted_sum(

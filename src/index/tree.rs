@@ -43,8 +43,8 @@ struct Node {
 pub struct InsertOutcome {
     /// Blocks the pod now holds (new or refreshed).
     pub stored: usize,
-    /// Blocks refused because the pod does not hold their parent, or because
-    /// the index could not make room.
+    /// Blocks refused because the pod does not hold their parent, the block
+    /// is indexed under another parent, or the index could not make room.
     pub orphaned: usize,
 }
 
@@ -159,6 +159,15 @@ impl PrefixTree {
         }
         for (i, &hash) in hashes.iter().enumerate() {
             let slot = match self.find(hash) {
+                // The same block under another parent (a pod's inconsistent
+                // report or a hash collision): holding it would break the
+                // invariant, so the rest of the chain is refused.
+                Some(slot) if self.nodes[slot as usize].parent != parent_slot => {
+                    return InsertOutcome {
+                        stored: i,
+                        orphaned: hashes.len() - i,
+                    }
+                }
                 Some(slot) => slot,
                 None => match self.create(hash, parent_slot) {
                     Some(slot) => slot,

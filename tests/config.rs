@@ -1,0 +1,440 @@
+//! `Config::parse`: defaults, one test per validation rule (each error names
+//! the offending field), the model map of the customer-support example, and
+//! how model targets separate block chains.
+
+use kvroute::config::{
+    BadRequestPolicy, Config, IndexMode, LogLevel, ModelTarget, NoPodPolicy, Weights,
+};
+use kvroute::hashing::BlockHasher;
+use kvroute::request::Prompt;
+
+const PODS: &str = r#""pods": [{"id": "a", "address": "127.0.0.1:9001"}, {"id": "b", "address": "10.0.0.2:9002"}]"#;
+
+/// A configuration with two valid pods plus `extra` top-level fields.
+fn with_pods(extra: &str) -> String {
+    if extra.is_empty() {
+        format!("{{{PODS}}}")
+    } else {
+        format!("{{{PODS}, {extra}}}")
+    }
+}
+
+fn parse(json: &str) -> Result<Config, kvroute::config::ConfigError> {
+    Config::parse(json.as_bytes())
+}
+
+/// Parsing `json` fails, naming `field`.
+#[track_caller]
+fn rejects(json: &str, field: &str) -> String {
+    match parse(json) {
+        Ok(config) => panic!("accepted {json}: {config:?}"),
+        Err(err) => {
+            assert_eq!(err.field, field, "{json} → {err}");
+            let message = err.to_string();
+            assert!(
+                message.contains(field),
+                "the message names the field: {message}"
+            );
+            message
+        }
+    }
+}
+
+#[test]
+fn defaults() {
+    let config = parse(&with_pods("")).expect("two pods are enough");
+    assert_eq!(
+        config.weights,
+        Weights {
+            cache: 0.60,
+            load: 0.20,
+            queue: 0.10,
+            health: 0.05,
+            adapter: 0.05
+        }
+    );
+    assert!(config.attribute_scorers.is_empty());
+    assert_eq!(config.max_queue, 20);
+    assert_eq!(config.health_exclusion_threshold, 0.3);
+    assert_eq!(
+        (config.block_size_bytes, config.block_size_tokens),
+        (64, 16)
+    );
+    assert_eq!(config.max_prefix_blocks, 256);
+    assert_eq!(config.hash_seed, "");
+    assert_eq!(config.mode, IndexMode::Precise);
+    assert_eq!(config.max_index_blocks, 1_000_000);
+    assert_eq!(config.pod_capacity_blocks, 32_768);
+    assert_eq!(
+        (config.pod_report_interval_ms, config.report_timeout_ms),
+        (2000, 1000)
+    );
+    assert_eq!(
+        config.route_paths,
+        ["/v1/completions", "/v1/chat/completions"]
+    );
+    assert_eq!(config.max_body_bytes, 8 << 20);
+    assert_eq!(config.on_bad_request, BadRequestPolicy::Route);
+    assert_eq!(config.on_unknown_model, BadRequestPolicy::Route);
+    assert_eq!(config.on_no_eligible_pod, NoPodPolicy::Reject);
+    assert_eq!(config.fallback_pod, None);
+    assert_eq!(config.retry_after_seconds, 1);
+    assert!(!config.decision_headers);
+    assert_eq!(config.log_level, LogLevel::Info);
+    assert_eq!(config.report_cluster, "kvroute_reports");
+    assert_eq!(config.report_path, "/kvroute/v1/report");
+    assert_eq!(config.metrics_path, None);
+    assert!(config.models.is_empty());
+    assert_eq!(config.pods.len(), 2);
+    assert!(config.pods[0].attributes.is_empty());
+    // Everything but the pods is the Default value.
+    assert_eq!(
+        Config {
+            pods: Vec::new(),
+            ..config.clone()
+        },
+        Config::default()
+    );
+    assert_eq!(
+        config.snapshot_buckets(),
+        65_536,
+        "1M blocks / 16 per bucket, rounded up to 2^16"
+    );
+    // Partial weights keep the other defaults (and must still sum to 1).
+    let config = parse(&with_pods(r#""weights": {"cache": 0.5, "load": 0.3}"#)).unwrap();
+    assert_eq!(
+        (
+            config.weights.cache,
+            config.weights.load,
+            config.weights.queue
+        ),
+        (0.5, 0.3, 0.1)
+    );
+}
+
+#[test]
+fn empty_configuration_is_all_defaults_but_needs_pods() {
+    // Empty input means the defaults, which list no pods: rejected.
+    rejects("", "pods");
+    rejects("  \n", "pods");
+    rejects("{}", "pods");
+    assert_eq!(Config::default().validate().unwrap_err().field, "pods");
+    // Discovery instead of a static pod list is enough.
+    let config = parse(r#"{"discovery": {"cluster": "disco", "path": "/pods"}}"#).unwrap();
+    assert!(config.pods.is_empty());
+    assert_eq!(config.discovery.unwrap().cluster, "disco");
+}
+
+#[test]
+fn weights_must_sum_to_one() {
+    let message = rejects(&with_pods(r#""weights": {"cache": 0.8}"#), "weights");
+    assert!(message.contains("1.2"), "{message}");
+    rejects(&with_pods(r#""weights": {"cache": 0.5}"#), "weights");
+    rejects(&with_pods(r#""weights": {"cache": 0.6000011}"#), "weights");
+    parse(&with_pods(r#""weights": {"cache": 0.6000009}"#)).expect("within 1e-6");
+    // Each weight is in [0, 1], named individually.
+    rejects(
+        &with_pods(r#""weights": {"cache": 0.8, "load": -0.2}"#),
+        "weights.load",
+    );
+    rejects(
+        &with_pods(
+            r#""weights": {"cache": 1.2, "load": 0, "queue": 0, "health": 0, "adapter": -0.2}"#,
+        ),
+        "weights.cache",
+    );
+    // Attribute scorer weights count towards the sum.
+    let scorer = r#""attributeScorers": [{"name": "cost", "weight": 0.1, "attribute": "costPerHour", "prefer": "lower"}]"#;
+    rejects(&with_pods(scorer), "weights");
+    parse(&with_pods(&format!(
+        r#"{scorer}, "weights": {{"cache": 0.5}}"#
+    )))
+    .expect("0.5+0.2+0.1+0.05+0.05+0.1 = 1");
+}
+
+#[test]
+fn attribute_scorer_rules() {
+    let make = |scorers: &str| {
+        with_pods(&format!(
+            r#""weights": {{"cache": 0.4}}, "attributeScorers": [{scorers}]"#
+        ))
+    };
+    let ok = r#"{"name": "cost", "weight": 0.2, "attribute": "costPerHour", "prefer": "lower", "cacheMatchWindow": 0.2}"#;
+    let config = parse(&make(ok)).unwrap();
+    assert_eq!(config.attribute_scorers[0].cache_match_window, Some(0.2));
+    rejects(
+        &make(r#"{"name": "cost", "weight": 1.5, "attribute": "c", "prefer": "lower"}"#),
+        "attributeScorers[0].weight",
+    );
+    rejects(
+        &make(r#"{"name": "", "weight": 0.2, "attribute": "c", "prefer": "lower"}"#),
+        "attributeScorers[0].name",
+    );
+    rejects(
+        &make(
+            r#"{"name": "x", "weight": 0.1, "attribute": "c", "prefer": "lower"}, {"name": "x", "weight": 0.1, "attribute": "d", "prefer": "higher"}"#,
+        ),
+        "attributeScorers[1].name",
+    );
+    rejects(
+        &make(r#"{"name": "x", "weight": 0.2, "attribute": "", "prefer": "lower"}"#),
+        "attributeScorers[0].attribute",
+    );
+    rejects(
+        &make(
+            r#"{"name": "x", "weight": 0.2, "attribute": "c", "prefer": "lower", "cacheMatchWindow": 2}"#,
+        ),
+        "attributeScorers[0].cacheMatchWindow",
+    );
+    // A missing required field is named by serde.
+    rejects(
+        &make(r#"{"name": "x", "weight": 0.2, "attribute": "c"}"#),
+        "prefer",
+    );
+}
+
+#[test]
+fn unknown_fields_are_named() {
+    rejects(&with_pods(r#""cachWeight": 0.6"#), "cachWeight");
+    rejects(&with_pods(r#""weights": {"cach": 0.6}"#), "cach");
+    rejects(
+        r#"{"pods": [{"id": "a", "address": "127.0.0.1:1", "weight": 2}]}"#,
+        "weight",
+    );
+    rejects(
+        &with_pods(r#""models": {"m": {"baseModel": "x", "lora": "y"}}"#),
+        "lora",
+    );
+}
+
+#[test]
+fn every_numeric_rule_names_its_field() {
+    rejects(&with_pods(r#""maxQueue": 0"#), "maxQueue");
+    parse(&with_pods(r#""maxQueue": 1"#)).unwrap();
+    rejects(
+        &with_pods(r#""healthExclusionThreshold": 1.5"#),
+        "healthExclusionThreshold",
+    );
+    rejects(
+        &with_pods(r#""healthExclusionThreshold": -0.1"#),
+        "healthExclusionThreshold",
+    );
+    rejects(&with_pods(r#""blockSizeBytes": 0"#), "blockSizeBytes");
+    rejects(&with_pods(r#""blockSizeTokens": 0"#), "blockSizeTokens");
+    rejects(&with_pods(r#""maxPrefixBlocks": 0"#), "maxPrefixBlocks");
+    rejects(
+        &with_pods(r#""podReportIntervalMs": 0"#),
+        "podReportIntervalMs",
+    );
+    rejects(&with_pods(r#""reportTimeoutMs": 0"#), "reportTimeoutMs");
+    rejects(&with_pods(r#""podCapacityBlocks": 0"#), "podCapacityBlocks");
+    rejects(&with_pods(r#""maxBodyBytes": 0"#), "maxBodyBytes");
+    rejects(&with_pods(r#""maxIndexBlocks": 255"#), "maxIndexBlocks");
+    parse(&with_pods(r#""maxIndexBlocks": 256"#)).unwrap();
+    rejects(
+        &with_pods(r#""routePaths": ["/v1/completions", "v1/chat"]"#),
+        "routePaths[1]",
+    );
+    rejects(&with_pods(r#""reportCluster": """#), "reportCluster");
+    rejects(&with_pods(r#""reportPath": "report""#), "reportPath");
+    rejects(&with_pods(r#""metricsPath": "metrics""#), "metricsPath");
+    parse(&with_pods(r#""metricsPath": "/metrics""#)).unwrap();
+}
+
+#[test]
+fn pod_rules() {
+    rejects(
+        r#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"}, {"id": "a", "address": "127.0.0.1:9002"}]}"#,
+        "pods[1].id",
+    );
+    rejects(
+        r#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"}, {"id": "b", "address": "127.0.0.1:9001"}]}"#,
+        "pods[1].address",
+    );
+    rejects(
+        r#"{"pods": [{"id": "", "address": "127.0.0.1:9001"}]}"#,
+        "pods[0].id",
+    );
+    let long = "x".repeat(256);
+    rejects(
+        &format!(r#"{{"pods": [{{"id": "{long}", "address": "127.0.0.1:9001"}}]}}"#),
+        "pods[0].id",
+    );
+    for bad in [
+        "localhost",
+        "1.2.3.4:0",
+        "host:99999",
+        ":80",
+        "host:",
+        "ho st:80",
+        "::1:80",
+        "[zz]:80",
+        "host:-1",
+    ] {
+        let message = rejects(
+            &format!(
+                r#"{{"pods": [{{"id": "a", "address": "10.0.0.1:1"}}, {{"id": "b", "address": "{bad}"}}]}}"#
+            ),
+            "pods[1].address",
+        );
+        assert!(
+            message.contains(bad),
+            "the message quotes the address: {message}"
+        );
+    }
+    for good in [
+        "localhost:8000",
+        "vllm-0.vllm.svc.cluster.local:8000",
+        "[::1]:80",
+        "1.2.3.4:65535",
+    ] {
+        parse(&format!(
+            r#"{{"pods": [{{"id": "a", "address": "{good}"}}]}}"#
+        ))
+        .unwrap_or_else(|e| panic!("{good} is a valid address: {e}"));
+    }
+    let many: Vec<String> = (0..65)
+        .map(|i| format!(r#"{{"id": "p{i}", "address": "10.0.0.1:{}"}}"#, 1000 + i))
+        .collect();
+    rejects(&format!(r#"{{"pods": [{}]}}"#, many.join(",")), "pods");
+    parse(&format!(r#"{{"pods": [{}]}}"#, many[..64].join(","))).expect("64 pods fit the masks");
+    // Attributes are numeric.
+    let config =
+        parse(r#"{"pods": [{"id": "a", "address": "h:1", "attributes": {"costPerHour": 2.5}}]}"#)
+            .unwrap();
+    assert_eq!(config.pods[0].attributes["costPerHour"], 2.5);
+}
+
+#[test]
+fn no_eligible_pod_policy() {
+    rejects(
+        &with_pods(r#""onNoEligiblePod": "fallback""#),
+        "fallbackPod",
+    );
+    rejects(
+        &with_pods(r#""onNoEligiblePod": "fallback", "fallbackPod": "zz""#),
+        "fallbackPod",
+    );
+    let config = parse(&with_pods(
+        r#""onNoEligiblePod": "fallback", "fallbackPod": "b""#,
+    ))
+    .unwrap();
+    assert_eq!(
+        (config.on_no_eligible_pod, config.fallback_pod.as_deref()),
+        (NoPodPolicy::Fallback, Some("b"))
+    );
+    let config = parse(&with_pods(
+        r#""onBadRequest": "reject", "mode": "approximate", "logLevel": "debug""#,
+    ))
+    .unwrap();
+    assert_eq!(config.on_bad_request, BadRequestPolicy::Reject);
+    assert_eq!(config.mode, IndexMode::Approximate);
+    assert_eq!(config.log_level, LogLevel::Debug);
+}
+
+#[test]
+fn malformed_json_and_type_errors_are_rejected() {
+    rejects("{", "<configuration>");
+    rejects("42", "<configuration>");
+    rejects(r#""pods""#, "<configuration>");
+    // Type errors carry a position rather than a field name.
+    let err = parse(&with_pods(r#""maxQueue": "twenty""#)).unwrap_err();
+    assert!(err.rule.contains("line 1"), "{err}");
+    let err = parse(&with_pods(r#""mode": "exact""#)).unwrap_err();
+    assert!(err.rule.contains("exact"), "{err}");
+    assert_eq!(Config::parse(b"\xff").unwrap_err().field, "<configuration>");
+}
+
+const CUSTOMER_SUPPORT: &str = r#"{
+    "pods": [{"id": "a", "address": "127.0.0.1:9001"}],
+    "models": {
+        "customer-support-v3": {"baseModel": "llama-3-8b"},
+        "customer-support-v3-enterprise": {"baseModel": "llama-3-8b", "adapter": "enterprise-lora"},
+        "customer-support-v3-billing": {"baseModel": "llama-3-8b", "adapter": "billing-lora"},
+        "enterprise-alias": {"baseModel": "llama-3-8b", "adapter": "enterprise-lora"},
+        "llama-3-8b": {"baseModel": "llama-3-8b"}
+    }
+}"#;
+
+fn target(base: &str, adapter: Option<&str>) -> ModelTarget {
+    ModelTarget {
+        base_model: base.into(),
+        adapter: adapter.map(str::to_string),
+    }
+}
+
+#[test]
+fn customer_support_models_resolve() {
+    let config = parse(CUSTOMER_SUPPORT).expect("the example is valid");
+    assert_eq!(
+        config.resolve_model("customer-support-v3"),
+        Some(target("llama-3-8b", None))
+    );
+    assert_eq!(
+        config.resolve_model("customer-support-v3-enterprise"),
+        Some(target("llama-3-8b", Some("enterprise-lora")))
+    );
+    assert_eq!(
+        config.resolve_model("customer-support-v3-billing"),
+        Some(target("llama-3-8b", Some("billing-lora")))
+    );
+    assert_eq!(
+        config.resolve_model("customer-support-v4"),
+        None,
+        "unknown when models are configured"
+    );
+    // Without a model map every name is its own base model.
+    let plain = parse(&with_pods("")).unwrap();
+    assert_eq!(
+        plain.resolve_model("anything"),
+        Some(target("anything", None))
+    );
+    // An empty base model is rejected, naming the model.
+    rejects(
+        &with_pods(r#""models": {"m": {"baseModel": ""}}"#),
+        "models.m.baseModel",
+    );
+    rejects(
+        &with_pods(r#""models": {"m": {"adapter": "x"}}"#),
+        "baseModel",
+    );
+}
+
+#[test]
+fn chains_separate_adapters_and_share_aliases() {
+    let config = parse(CUSTOMER_SUPPORT).unwrap();
+    let hasher = BlockHasher::from_config(&config);
+    let text: Vec<u8> = (0..1024u32)
+        .map(|i| b"You are a helpful support agent. "[i as usize % 33])
+        .collect();
+    let prompt = Prompt::Text(text);
+    let chain = |model: &str| hasher.chain(&config.resolve_model(model).unwrap(), &prompt);
+    let base = chain("customer-support-v3");
+    let enterprise = chain("customer-support-v3-enterprise");
+    let billing = chain("customer-support-v3-billing");
+    assert_eq!(base.len(), 16, "1024 bytes / 64-byte blocks");
+    // Base model and each adapter never share a block.
+    for (x, y) in [
+        (&base, &enterprise),
+        (&base, &billing),
+        (&enterprise, &billing),
+    ] {
+        assert!(
+            x.iter().all(|h| !y.contains(h)),
+            "chains of different targets share a block"
+        );
+    }
+    // Two client names for the same base + adapter share the whole chain.
+    assert_eq!(chain("enterprise-alias"), enterprise);
+    assert_eq!(chain("llama-3-8b"), base);
+    // The secret seed separates deployments.
+    let mut seeded = config.clone();
+    seeded.hash_seed = "s3cret".into();
+    let other = BlockHasher::from_config(&seeded).chain(&target("llama-3-8b", None), &prompt);
+    assert!(other.iter().all(|h| !base.contains(h)));
+    // Token prompts: 16-token blocks.
+    let tokens = Prompt::Tokens((0..100).collect());
+    assert_eq!(hasher.chain(&target("llama-3-8b", None), &tokens).len(), 6);
+    assert_eq!(hasher.tokens_in_blocks(&prompt, 16), 256);
+    assert_eq!(hasher.tokens_in_blocks(&tokens, 6), 96);
+}

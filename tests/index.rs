@@ -1,0 +1,891 @@
+//! The prefix index against a naive model, the published snapshot against
+//! the tree, the memory bound under a flood, the approximate-mode recorder's
+//! per-pod bound, and `ClusterState`'s report folding and staleness.
+
+use std::collections::{BTreeSet, HashMap};
+
+use kvroute::cluster::{ClusterState, Failure, Transition};
+use kvroute::config::Config;
+use kvroute::index::{
+    DecisionRecorder, InsertOutcome, PodMask, PrefixLookup, PrefixMatch, PrefixTree,
+};
+use kvroute::report::hash_to_hex;
+use kvroute::snapshot::{SnapshotIndex, SnapshotPublisher};
+use proptest::prelude::*;
+
+/// Hashes of the model universe are 1..=UNIVERSE.
+const UNIVERSE: u64 = 40;
+
+/// Pod slots the model exercises (63 checks the top mask bit).
+const PODS: [usize; 4] = [0, 1, 2, 63];
+
+/// A forest over hashes 1..=40: `parent[h]` is `None` for a root or a smaller
+/// hash, so every hash has exactly one chain from its root (as chained
+/// hashing guarantees for real block hashes).
+#[derive(Debug, Clone)]
+struct Universe {
+    parent: Vec<Option<u64>>, // indexed by hash; [0] unused
+}
+
+impl Universe {
+    fn from_seeds(seeds: &[u32]) -> Universe {
+        let mut parent = vec![None; UNIVERSE as usize + 1];
+        for h in 2..=UNIVERSE {
+            let r = seeds[h as usize - 2];
+            // About one hash in eight starts a new tree.
+            parent[h as usize] = if r.is_multiple_of(8) {
+                None
+            } else {
+                Some(1 + u64::from(r) % (h - 1))
+            };
+        }
+        Universe { parent }
+    }
+
+    /// The chain from `h`'s root down to `h`.
+    fn path(&self, h: u64) -> Vec<u64> {
+        let mut path = vec![h];
+        let mut at = h;
+        while let Some(p) = self.parent[at as usize] {
+            path.push(p);
+            at = p;
+        }
+        path.reverse();
+        path
+    }
+
+    fn is_descendant_or_self(&self, mut h: u64, ancestor: u64) -> bool {
+        loop {
+            if h == ancestor {
+                return true;
+            }
+            match self.parent[h as usize] {
+                Some(p) => h = p,
+                None => return false,
+            }
+        }
+    }
+}
+
+/// The naive model: per pod, the set of hashes it holds.
+#[derive(Debug, Default, Clone)]
+struct Model {
+    held: HashMap<usize, BTreeSet<u64>>,
+}
+
+impl Model {
+    fn holds(&self, pod: usize, h: u64) -> bool {
+        self.held.get(&pod).is_some_and(|s| s.contains(&h))
+    }
+
+    fn insert(&mut self, pod: usize, parent: Option<u64>, hashes: &[u64]) -> InsertOutcome {
+        if let Some(p) = parent {
+            if !self.holds(pod, p) {
+                return InsertOutcome {
+                    stored: 0,
+                    orphaned: hashes.len(),
+                };
+            }
+        }
+        self.held
+            .entry(pod)
+            .or_default()
+            .extend(hashes.iter().copied());
+        InsertOutcome {
+            stored: hashes.len(),
+            orphaned: 0,
+        }
+    }
+
+    fn remove(&mut self, universe: &Universe, pod: usize, hashes: &[u64]) {
+        if let Some(set) = self.held.get_mut(&pod) {
+            for &h in hashes {
+                set.retain(|&x| !universe.is_descendant_or_self(x, h));
+            }
+        }
+    }
+
+    fn drop_pod(&mut self, pod: usize) {
+        self.held.remove(&pod);
+    }
+
+    fn mask(&self, h: u64) -> PodMask {
+        PODS.iter()
+            .filter(|&&p| self.holds(p, h))
+            .fold(0, |m, &p| m | (1u64 << p))
+    }
+
+    fn len(&self) -> usize {
+        self.held.values().flatten().collect::<BTreeSet<_>>().len()
+    }
+
+    /// Per pod: leading hashes of `chain` it holds consecutively.
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        let mut m = PrefixMatch::default();
+        for &pod in &PODS {
+            let n = chain.iter().take_while(|&&h| self.holds(pod, h)).count();
+            m.raise(pod, n as u32);
+        }
+        m
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Pod stores the path to `node` from depth `from` on (parent = the
+    /// block before), cut `cut` blocks short of `node`.
+    Insert {
+        pod: usize,
+        node: u64,
+        from: usize,
+        cut: usize,
+    },
+    Remove {
+        pod: usize,
+        hashes: Vec<u64>,
+    },
+    Drop {
+        pod: usize,
+    },
+    /// A lookup of the path to `node`, with `tail` appended.
+    Lookup {
+        node: u64,
+        tail: Vec<u64>,
+    },
+    /// Publish the change log into the snapshot (snapshot tests only).
+    Publish,
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let pod = prop::sample::select(PODS.to_vec());
+    let hash = 1..=UNIVERSE;
+    prop_oneof![
+        6 => (pod.clone(), hash.clone(), 0usize..6, 0usize..3)
+            .prop_map(|(pod, node, from, cut)| Op::Insert { pod, node, from, cut }),
+        2 => (pod.clone(), prop::collection::vec(hash.clone(), 1..3))
+            .prop_map(|(pod, hashes)| Op::Remove { pod, hashes }),
+        1 => pod.prop_map(|pod| Op::Drop { pod }),
+        2 => (hash.clone(), prop::collection::vec(hash, 0..3)).prop_map(|(node, tail)| Op::Lookup { node, tail }),
+        1 => Just(Op::Publish),
+    ]
+}
+
+fn universe_strategy() -> impl Strategy<Value = Universe> {
+    prop::collection::vec(any::<u32>(), UNIVERSE as usize - 1)
+        .prop_map(|s| Universe::from_seeds(&s))
+}
+
+/// The (parent, hashes) an insert op stands for.
+fn insert_args(universe: &Universe, node: u64, from: usize, cut: usize) -> (Option<u64>, Vec<u64>) {
+    let path = universe.path(node);
+    let from = from.min(path.len() - 1);
+    let end = path.len().saturating_sub(cut).max(from);
+    let parent = if from == 0 {
+        None
+    } else {
+        Some(path[from - 1])
+    };
+    (parent, path[from..end].to_vec())
+}
+
+fn assert_tree_matches_model(
+    tree: &PrefixTree,
+    model: &Model,
+    universe: &Universe,
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(tree.len(), model.len());
+    for h in 1..=UNIVERSE {
+        let expected = model.mask(h);
+        prop_assert_eq!(
+            tree.mask(h),
+            (expected != 0).then_some(expected),
+            "mask of {}",
+            h
+        );
+        if expected != 0 {
+            prop_assert_eq!(
+                tree.parent(h),
+                universe.parent[h as usize],
+                "parent of {}",
+                h
+            );
+        }
+        let path = universe.path(h);
+        prop_assert_eq!(
+            tree.lookup(&path),
+            model.lookup(&path),
+            "lookup of path to {}",
+            h
+        );
+    }
+    for &pod in &PODS {
+        let held = model.held.get(&pod).map_or(0, BTreeSet::len);
+        prop_assert_eq!(tree.pod_block_count(pod), held, "blocks of pod {}", pod);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        // No regression files: the tests also run as wasm.
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Random insert/remove/drop/lookup sequences on a tree agree with the
+    /// model after every step (no eviction: the bound is far away).
+    #[test]
+    fn tree_agrees_with_the_naive_model(
+        universe in universe_strategy(),
+        ops in prop::collection::vec(op_strategy(), 1..60),
+    ) {
+        let mut tree = PrefixTree::new(1_000);
+        let mut model = Model::default();
+        for op in &ops {
+            match op {
+                &Op::Insert { pod, node, from, cut } => {
+                    let (parent, hashes) = insert_args(&universe, node, from, cut);
+                    let got = tree.insert_chain(pod, parent, &hashes);
+                    let want = model.insert(pod, parent, &hashes);
+                    prop_assert_eq!(got, want, "{:?} → parent {:?} hashes {:?}", op, parent, hashes);
+                }
+                Op::Remove { pod, hashes } => {
+                    tree.remove_blocks(*pod, hashes);
+                    model.remove(&universe, *pod, hashes);
+                }
+                &Op::Drop { pod } => {
+                    tree.drop_pod(pod);
+                    model.drop_pod(pod);
+                }
+                Op::Lookup { node, tail } => {
+                    let mut chain = universe.path(*node);
+                    chain.extend(tail);
+                    prop_assert_eq!(tree.lookup(&chain), model.lookup(&chain), "lookup {:?}", chain);
+                }
+                Op::Publish => {}
+            }
+            assert_tree_matches_model(&tree, &model, &universe)?;
+        }
+        prop_assert_eq!(tree.evictions(), 0);
+        // Arbitrary hash sequences (not paths) count leading held hashes too.
+        for start in 1..=UNIVERSE {
+            let chain: Vec<u64> = (0..5).map(|k| 1 + (start + 7 * k) % UNIVERSE).collect();
+            prop_assert_eq!(tree.lookup(&chain), model.lookup(&chain));
+        }
+    }
+
+    /// The snapshot published from the tree's change log answers every lookup
+    /// like the tree, whenever it was last published.
+    #[test]
+    fn snapshot_agrees_with_the_tree(
+        universe in universe_strategy(),
+        ops in prop::collection::vec(op_strategy(), 1..60),
+        bucket_bits in 0u32..5,
+    ) {
+        let buckets = 1u32 << bucket_bits;
+        let mut tree = PrefixTree::with_change_log(1_000);
+        let mut publisher = SnapshotPublisher::new(buckets);
+        let mut store: HashMap<u32, Vec<u8>> = HashMap::new();
+        let mut published = PrefixTree::new(1_000); // the tree as of the last publish
+        let mut publish = |tree: &mut PrefixTree, published: &mut PrefixTree, store: &mut HashMap<u32, Vec<u8>>| {
+            publisher.apply(&tree.take_changes());
+            for (bucket, bytes) in publisher.take_dirty() {
+                store.insert(bucket, bytes);
+            }
+            *published = strip_log(tree);
+        };
+        for op in &ops {
+            match op {
+                &Op::Insert { pod, node, from, cut } => {
+                    let (parent, hashes) = insert_args(&universe, node, from, cut);
+                    tree.insert_chain(pod, parent, &hashes);
+                }
+                Op::Remove { pod, hashes } => tree.remove_blocks(*pod, hashes),
+                &Op::Drop { pod } => tree.drop_pod(pod),
+                Op::Lookup { node, tail } => {
+                    // Bisection needs a real chain (each block the child of
+                    // the previous one): extend the path only with hashes
+                    // outside the universe, i.e. blocks never stored.
+                    let mut chain = universe.path(*node);
+                    chain.extend(tail.iter().map(|h| h + 1_000));
+                    let snapshot = SnapshotIndex { buckets, fetch: |b| store.get(&b).cloned() };
+                    prop_assert_eq!(snapshot.lookup(&chain), published.lookup(&chain), "stale snapshot {:?}", chain);
+                }
+                Op::Publish => publish(&mut tree, &mut published, &mut store),
+            }
+        }
+        publish(&mut tree, &mut published, &mut store);
+        let snapshot = SnapshotIndex { buckets, fetch: |b| store.get(&b).cloned() };
+        for h in 1..=UNIVERSE {
+            let path = universe.path(h);
+            prop_assert_eq!(snapshot.lookup(&path), tree.lookup(&path), "path to {}", h);
+            let mut longer = path.clone();
+            longer.push(1_000 + h);
+            prop_assert_eq!(snapshot.lookup(&longer), tree.lookup(&longer));
+            for p in 0..path.len() {
+                prop_assert_eq!(snapshot.lookup(&path[..p]), tree.lookup(&path[..p]));
+            }
+        }
+        prop_assert!(publisher.take_dirty().is_empty());
+    }
+}
+
+/// A copy of `tree` for comparing against later (the change log is not
+/// part of the answer).
+fn strip_log(tree: &PrefixTree) -> PrefixTree {
+    let mut copy = tree.clone();
+    copy.take_changes();
+    copy
+}
+
+#[test]
+fn snapshot_buckets_absent_from_the_store_read_as_empty() {
+    let mut tree = PrefixTree::with_change_log(100);
+    tree.insert_chain(5, None, &[11, 12, 13]);
+    let mut publisher = SnapshotPublisher::new(4);
+    publisher.apply(&tree.take_changes());
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let snapshot = SnapshotIndex {
+        buckets: 4,
+        fetch: |b| store.get(&b).cloned(),
+    };
+    assert_eq!(snapshot.lookup(&[11, 12, 13]).blocks(5), 3);
+    let empty = SnapshotIndex {
+        buckets: 4,
+        fetch: |_| None,
+    };
+    assert_eq!(empty.lookup(&[11, 12, 13]), PrefixMatch::default());
+}
+
+/// splitmix64: a deterministic stream of well-mixed u64s.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Bytes per indexed block the bound allows: 40-byte nodes in a doubling
+/// `Vec` plus a 4-byte-slot hash table with control bytes measure ≈ 59 B per
+/// block at 50 000 blocks; 64 B × 1.25 slack is the asserted ceiling.
+const BOUND_BYTES_PER_BLOCK: f64 = 64.0 * 1.25;
+
+#[test]
+fn memory_stays_bounded_under_a_flood_of_unique_prefixes() {
+    const MAX: usize = 50_000;
+    const CHAINS: usize = 200_000;
+    let mut tree = PrefixTree::new(MAX);
+    let mut rng = Rng(0x5eed);
+    let mut recent: Vec<(usize, Vec<u64>)> = Vec::new();
+    let mut peak_bytes = 0;
+    for i in 0..CHAINS {
+        let len = 1 + rng.below(8) as usize;
+        let chain: Vec<u64> = (0..len).map(|_| rng.next()).collect();
+        let pod = rng.below(64) as usize;
+        let outcome = tree.insert_chain(pod, None, &chain);
+        assert_eq!(
+            outcome,
+            InsertOutcome {
+                stored: len,
+                orphaned: 0
+            },
+            "chain {i}"
+        );
+        assert!(tree.len() <= MAX, "len {} after chain {i}", tree.len());
+        if i % 1000 == 0 {
+            peak_bytes = peak_bytes.max(tree.memory_bytes());
+        }
+        if i >= CHAINS - 1000 {
+            recent.push((pod, chain));
+        }
+    }
+    peak_bytes = peak_bytes.max(tree.memory_bytes());
+    let bound = (BOUND_BYTES_PER_BLOCK * MAX as f64) as usize;
+    assert!(
+        peak_bytes <= bound,
+        "memory {peak_bytes} B > {bound} B (= 64 B × 1.25 × {MAX} blocks); {:.1} B/block",
+        peak_bytes as f64 / MAX as f64
+    );
+    assert!(
+        tree.len() > MAX * 9 / 10,
+        "the index stays nearly full: {}",
+        tree.len()
+    );
+    assert!(tree.evictions() > 0);
+    assert!(
+        tree.evictions() as usize >= CHAINS * 4 - MAX,
+        "evictions {}",
+        tree.evictions()
+    );
+    // Recency: the last 1000 chains (≈ 4 500 blocks) are still fully indexed.
+    for (pod, chain) in &recent {
+        assert_eq!(tree.lookup(chain).blocks(*pod) as usize, chain.len());
+    }
+}
+
+#[test]
+fn eviction_keeps_shared_prefixes_of_recent_conversations() {
+    // 8 system prompts of 4 blocks; 50 000 conversations of 4 blocks under
+    // them into a 5 000-block index: the system prompts, interior nodes with
+    // live children, survive, and recent conversations are fully matched.
+    let mut tree = PrefixTree::new(5_000);
+    let mut rng = Rng(7);
+    let systems: Vec<Vec<u64>> = (0..8)
+        .map(|_| (0..4).map(|_| rng.next()).collect())
+        .collect();
+    for s in &systems {
+        tree.insert_chain(0, None, s);
+    }
+    let mut last = Vec::new();
+    for _ in 0..50_000 {
+        let s = &systems[rng.below(8) as usize];
+        let conversation: Vec<u64> = (0..4).map(|_| rng.next()).collect();
+        tree.insert_chain(0, None, s);
+        let outcome = tree.insert_chain(0, Some(s[3]), &conversation);
+        assert_eq!(outcome.stored, 4);
+        last.push([s.clone(), conversation].concat());
+        if last.len() > 100 {
+            last.remove(0);
+        }
+        assert!(tree.len() <= 5_000);
+    }
+    for s in &systems {
+        assert_eq!(tree.lookup(s).blocks(0), 4, "system prompt evicted");
+    }
+    for chain in &last {
+        assert_eq!(tree.lookup(chain).blocks(0), 8);
+    }
+}
+
+#[test]
+fn decision_recorder_keeps_each_pod_within_its_capacity() {
+    const CAPACITY: usize = 300;
+    let mut recorder = DecisionRecorder::new(PrefixTree::new(100_000), CAPACITY);
+    let mut rng = Rng(42);
+    let system: Vec<Vec<u64>> = (0..4)
+        .map(|_| (0..8).map(|_| rng.next()).collect())
+        .collect();
+    for i in 0..20_000 {
+        let pod = rng.below(6) as usize;
+        let mut chain = system[pod % 4].clone();
+        let tail = rng.below(40) as usize;
+        chain.extend((0..tail).map(|_| rng.next()));
+        recorder.record(pod, &chain);
+        if i % 97 == 0 {
+            for p in 0..6 {
+                let held = recorder.tree().pod_block_count(p);
+                assert!(
+                    held <= CAPACITY,
+                    "pod {p} holds {held} > {CAPACITY} after {i} decisions"
+                );
+            }
+        }
+        assert_eq!(
+            recorder.lookup(&chain).blocks(pod) as usize,
+            chain.len().min(CAPACITY)
+        );
+    }
+    for p in 0..6 {
+        let held = recorder.tree().pod_block_count(p);
+        assert!(held <= CAPACITY && held > CAPACITY / 2, "pod {p}: {held}");
+        // The shared system prompt, touched on every decision, is never evicted.
+        assert_eq!(recorder.lookup(&system[p % 4]).blocks(p), 8);
+    }
+    // Six pods × 300 blocks at most, plus nothing leaked in the tree.
+    assert!(recorder.tree().len() <= 6 * CAPACITY);
+    // A prompt longer than the capacity keeps its first CAPACITY blocks.
+    let huge: Vec<u64> = (0..1_000).map(|_| rng.next()).collect();
+    recorder.record(9, &huge);
+    assert_eq!(recorder.lookup(&huge).blocks(9) as usize, CAPACITY);
+    assert_eq!(recorder.tree().pod_block_count(9), CAPACITY);
+    recorder.drop_pod(9);
+    assert_eq!(recorder.tree().pod_block_count(9), 0);
+}
+
+// ---------------------------------------------------------------- cluster
+
+fn cluster_config() -> Config {
+    Config::parse(
+        br#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"},
+                      {"id": "b", "address": "127.0.0.1:9002"}],
+             "maxIndexBlocks": 4096}"#,
+    )
+    .expect("valid config")
+}
+
+fn hexes(hashes: &[u64]) -> String {
+    hashes
+        .iter()
+        .map(|h| format!("\"{}\"", hash_to_hex(*h)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    pod: &str,
+    epoch: &str,
+    seq: u64,
+    since: u64,
+    full: bool,
+    stored: &[(Option<u64>, &[u64])],
+    removed: &[u64],
+    health: f64,
+) -> Vec<u8> {
+    let stored: Vec<String> = stored
+        .iter()
+        .map(|(parent, hashes)| {
+            let parent = parent.map_or("null".to_string(), |p| format!("\"{}\"", hash_to_hex(p)));
+            format!(r#"{{"parent":{parent},"hashes":[{}]}}"#, hexes(hashes))
+        })
+        .collect();
+    format!(
+        r#"{{"version":1,"podId":"{pod}","epoch":"{epoch}","seq":{seq},"since":{since},"full":{full},
+            "stored":[{}],"removed":[{}],"queueDepth":3,"gpuUtilization":0.25,"health":{health},
+            "adapters":["billing-lora"]}}"#,
+        stored.join(","),
+        hexes(removed)
+    )
+    .into_bytes()
+}
+
+/// A filter's view: shared-data buckets kept up to date from publications.
+struct SharedData {
+    buckets: u32,
+    store: HashMap<u32, Vec<u8>>,
+}
+
+impl SharedData {
+    fn publish(&mut self, cluster: &mut ClusterState, now_ms: u64) -> kvroute::snapshot::PodTable {
+        let publication = cluster.publish(now_ms);
+        self.buckets = publication.table.buckets;
+        for (bucket, bytes) in publication.buckets {
+            self.store.insert(bucket, bytes);
+        }
+        publication.table
+    }
+
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        SnapshotIndex {
+            buckets: self.buckets,
+            fetch: |b| self.store.get(&b).cloned(),
+        }
+        .lookup(chain)
+    }
+}
+
+fn slot_of(table: &kvroute::snapshot::PodTable, id: &str) -> usize {
+    table
+        .pods
+        .iter()
+        .find(|p| p.id == id)
+        .expect("pod published")
+        .slot
+}
+
+#[test]
+fn cluster_folds_full_reports_and_deltas_into_the_published_index() {
+    let config = cluster_config();
+    let mut cluster = ClusterState::new(&config, 0);
+    let mut shared = SharedData {
+        buckets: 0,
+        store: HashMap::new(),
+    };
+    let chain: Vec<u64> = (1..=10u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    assert_eq!(
+        cluster.report_query("a", "/r").as_deref(),
+        Some("/r?since=0")
+    );
+
+    // Full report: a holds the first 6 blocks, b the first 3.
+    let body = report(
+        "a",
+        "e1",
+        5,
+        0,
+        true,
+        &[(None, &chain[..4]), (Some(chain[3]), &chain[4..6])],
+        &[],
+        1.0,
+    );
+    let (summary, transition) = cluster.apply_report("a", &body, 100, 0);
+    let summary = summary.expect("report accepted");
+    assert!(
+        summary.full && summary.stored == 6 && summary.orphaned == 0 && !summary.resync,
+        "{summary:?}"
+    );
+    assert_eq!(transition, None);
+    let body = report("b", "eb", 1, 0, true, &[(None, &chain[..3])], &[], 1.0);
+    cluster
+        .apply_report("b", &body, 100, 0)
+        .0
+        .expect("report accepted");
+    let table = shared.publish(&mut cluster, 100);
+    let (a, b) = (slot_of(&table, "a"), slot_of(&table, "b"));
+    assert_ne!(a, b);
+    let m = shared.lookup(&chain);
+    assert_eq!((m.blocks(a), m.blocks(b)), (6, 3));
+    assert_eq!(m, cluster.index().lookup(&chain));
+    let pa = table.pods.iter().find(|p| p.id == "a").unwrap();
+    assert_eq!((pa.queue, pa.load, pa.health), (3, 0.25, 1.0));
+    assert_eq!(pa.adapters, vec!["billing-lora".to_string()]);
+    assert_eq!(
+        cluster.report_query("a", "/r").as_deref(),
+        Some("/r?since=5&epoch=e1")
+    );
+
+    // Delta continuing seq 5: store 7..8 under 6, then evict block 5 (index 4).
+    let body = report(
+        "a",
+        "e1",
+        7,
+        5,
+        false,
+        &[(Some(chain[5]), &chain[6..8])],
+        &[chain[4]],
+        1.0,
+    );
+    let summary = cluster
+        .apply_report("a", &body, 2100, 0)
+        .0
+        .expect("delta accepted");
+    assert!(
+        !summary.full && summary.stored == 2 && summary.removed == 1 && !summary.resync,
+        "{summary:?}"
+    );
+    let table = shared.publish(&mut cluster, 2100);
+    assert_eq!(
+        shared.lookup(&chain).blocks(a),
+        4,
+        "removing block 4 cuts a's match to 4"
+    );
+    assert_eq!(shared.lookup(&chain).blocks(b), 3);
+    assert_eq!(table.generation, 2);
+    // A delta storing under a block a no longer holds is refused as orphans.
+    let body = report(
+        "a",
+        "e1",
+        8,
+        7,
+        false,
+        &[(Some(chain[7]), &chain[8..9])],
+        &[],
+        1.0,
+    );
+    let summary = cluster.apply_report("a", &body, 2200, 0).0.unwrap();
+    assert_eq!((summary.stored, summary.orphaned), (0, 1));
+    shared.publish(&mut cluster, 2200);
+    assert_eq!(shared.lookup(&chain).blocks(a), 4);
+
+    // A delta that does not continue seq 8: resync, a's blocks dropped.
+    let body = report(
+        "a",
+        "e1",
+        12,
+        10,
+        false,
+        &[(Some(chain[3]), &chain[4..5])],
+        &[],
+        1.0,
+    );
+    let summary = cluster
+        .apply_report("a", &body, 2300, 0)
+        .0
+        .expect("answered");
+    assert!(summary.resync, "{summary:?}");
+    assert_eq!(
+        cluster.report_query("a", "/r").as_deref(),
+        Some("/r?since=0")
+    );
+    shared.publish(&mut cluster, 2300);
+    assert_eq!(
+        shared.lookup(&chain).blocks(a),
+        0,
+        "a's blocks dropped until its full resync"
+    );
+    assert_eq!(shared.lookup(&chain).blocks(b), 3, "b untouched");
+    assert_eq!(cluster.index().pod_block_count(a), 0);
+
+    // A new epoch (pod restarted) with a delta is also a resync.
+    let body = report("b", "eb2", 2, 1, false, &[], &[], 1.0);
+    assert!(cluster.apply_report("b", &body, 2400, 0).0.unwrap().resync);
+    // The full resync restores a.
+    let body = report("a", "e2", 1, 0, true, &[(None, &chain)], &[], 1.0);
+    cluster.apply_report("a", &body, 2500, 0).0.unwrap();
+    shared.publish(&mut cluster, 2500);
+    let m = shared.lookup(&chain);
+    assert_eq!((m.blocks(a), m.blocks(b)), (10, 0));
+
+    // A full report replaces (does not add to) what a held.
+    let body = report("a", "e2", 2, 0, true, &[(None, &chain[..2])], &[], 1.0);
+    cluster.apply_report("a", &body, 2600, 0).0.unwrap();
+    shared.publish(&mut cluster, 2600);
+    assert_eq!(shared.lookup(&chain).blocks(a), 2);
+    assert_eq!(cluster.index().len(), 2);
+}
+
+#[test]
+fn cluster_health_decays_with_staleness_and_recovers() {
+    // podReportIntervalMs 2000 + reportTimeoutMs 1000: full health for 3 s
+    // after the last good answer, then linear to 0 over 3 intervals (6 s):
+    // below the 0.3 exclusion threshold once the report is > 7.2 s old,
+    // i.e. between the 3rd and 4th missed interval.
+    let config = cluster_config();
+    assert_eq!(
+        (config.pod_report_interval_ms, config.report_timeout_ms),
+        (2000, 1000)
+    );
+    let mut cluster = ClusterState::new(&config, 0);
+    let t0 = 10_000;
+    let body = report("a", "e1", 1, 0, true, &[], &[], 1.0);
+    cluster.apply_report("a", &body, t0, 0).0.unwrap();
+    assert_eq!(cluster.health("a", t0), 1.0);
+    assert_eq!(
+        cluster.health("a", t0 + 3000),
+        1.0,
+        "within the grace period"
+    );
+    let mut last = 1.0;
+    for age in (3500..=9000).step_by(500) {
+        let h = cluster.health("a", t0 + age);
+        assert!(h < last, "health decreases: {h} at {age} ms");
+        last = h;
+    }
+    let h = cluster.health("a", t0 + 6000);
+    assert!((h - 0.5).abs() < 1e-9, "age 6 s: 1 − 3/6 = 0.5, got {h}");
+    assert!(
+        cluster.health("a", t0 + 7000) > 0.3,
+        "age 7 s: 1 − 4/6 ≈ 0.33"
+    );
+    assert!(
+        cluster.health("a", t0 + 7300) < 0.3,
+        "age 7.3 s: 1 − 4.3/6 ≈ 0.28"
+    );
+    assert_eq!(cluster.health("a", t0 + 9000), 0.0);
+    assert_eq!(cluster.health("a", t0 + 900_000), 0.0);
+    let table = cluster.publish(t0 + 8000);
+    let published = table
+        .table
+        .pods
+        .iter()
+        .find(|p| p.id == "a")
+        .unwrap()
+        .health;
+    assert!(
+        published < 0.3,
+        "the published health carries the decay: {published}"
+    );
+    assert_eq!(cluster.health("nobody", t0), 0.0);
+
+    // Failures while stale: a transition on the first, not on repeats.
+    assert!(matches!(
+        cluster.record_failure("a", Failure::Unreachable),
+        Some(Transition::Failing { ref pod, failure: Failure::Unreachable }) if pod == "a"
+    ));
+    assert_eq!(cluster.record_failure("a", Failure::Unreachable), None);
+    assert_eq!(
+        cluster.record_failure("a", Failure::Status(503)),
+        Some(Transition::Failing {
+            pod: "a".into(),
+            failure: Failure::Status(503)
+        }),
+        "a different kind of failure is a state change"
+    );
+    assert_eq!(
+        cluster.record_failure("a", Failure::Status(500)),
+        None,
+        "same kind"
+    );
+    // A malformed report is a failure too.
+    let (result, transition) = cluster.apply_report("a", b"{not json", t0 + 8500, 0);
+    assert!(matches!(result, Err(Failure::Malformed(_))));
+    assert!(matches!(transition, Some(Transition::Failing { .. })));
+    let wrong_pod = report("b", "e1", 2, 1, false, &[], &[], 1.0);
+    let (result, transition) = cluster.apply_report("a", &wrong_pod, t0 + 8600, 0);
+    assert!(matches!(result, Err(Failure::Malformed(ref why)) if why.contains("podId")));
+    assert_eq!(transition, None, "still malformed: no new transition");
+    assert_eq!(cluster.failures("a"), 6);
+    assert_eq!(cluster.record_failure("nobody", Failure::Unreachable), None);
+
+    // The next good report restores health and says "recovered" once.
+    let t1 = t0 + 20_000;
+    let body = report("a", "e1", 2, 1, false, &[], &[], 0.9);
+    let (result, transition) = cluster.apply_report("a", &body, t1, 0);
+    assert!(result.is_ok());
+    assert_eq!(transition, Some(Transition::Recovered { pod: "a".into() }));
+    assert!(
+        (cluster.health("a", t1) - 0.9).abs() < 1e-12,
+        "reported health"
+    );
+    assert!((cluster.health("a", t1 + 3000) - 0.9).abs() < 1e-12);
+    let body = report("a", "e1", 3, 2, false, &[], &[], 1.0);
+    assert_eq!(cluster.apply_report("a", &body, t1 + 2000, 0).1, None);
+    // b never reported: it decays from its creation time.
+    assert_eq!(cluster.health("b", 3000), 1.0);
+    assert!(cluster.health("b", t1) < 0.3);
+}
+
+// ------------------------------------------------- regressions
+
+/// With non-monotone masks (a torn read of buckets from two publishes) a pod
+/// of the last block that does not hold `h[0]` must not be credited with the
+/// whole chain: the last mask is intersected with the first.
+#[test]
+fn bisection_never_credits_a_pod_missing_from_the_first_block() {
+    let masks: [PodMask; 2] = [0b01, 0b10];
+    let m = kvroute::index::match_by_bisection(masks.len(), |i| masks[i]);
+    assert_eq!(
+        (m.blocks(0), m.blocks(1)),
+        (1, 0),
+        "pod 1 does not hold h[0]"
+    );
+    let masks: [PodMask; 5] = [0b01, 0b01, 0b11, 0b11, 0b11];
+    let m = kvroute::index::match_by_bisection(masks.len(), |i| masks[i]);
+    assert_eq!((m.blocks(0), m.blocks(1)), (5, 0));
+}
+
+/// A chain reported with the wrong parent (here `parent: null` for a block
+/// indexed as a child) is refused, so the pod is never in a node without its
+/// parent: `drop_pod` forgets everything and the snapshot agrees with the
+/// tree.
+#[test]
+fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
+    let mut tree = PrefixTree::with_change_log(100);
+    tree.insert_chain(0, None, &[1, 2, 3]);
+    tree.insert_chain(1, None, &[2, 3]); // 2 is indexed under 1, which pod 1 lacks
+    tree.drop_pod(1);
+    assert_eq!(
+        tree.pod_block_count(1),
+        0,
+        "drop_pod left pod 1 in blocks 2 and 3"
+    );
+
+    let mut tree = PrefixTree::with_change_log(100);
+    tree.insert_chain(0, None, &[10, 11]);
+    tree.insert_chain(1, None, &[11, 12, 13]);
+    let mut publisher = SnapshotPublisher::new(4);
+    publisher.apply(&tree.take_changes());
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let snapshot = SnapshotIndex {
+        buckets: 4,
+        fetch: |b| store.get(&b).cloned(),
+    };
+    let chain = [10, 11, 12, 13];
+    assert_eq!(
+        snapshot.lookup(&chain),
+        tree.lookup(&chain),
+        "tree says 0 blocks for pod 1, snapshot 4"
+    );
+}
