@@ -34,15 +34,17 @@ wasm: setup
 lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --lib --tests -- -D warnings
+	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --lib -- -D warnings
+	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --no-default-features --lib --tests -- -D warnings
 
 test-host:
 	$(CARGO) test -p kvroute
 
-## test-wasm: the core's unit and host tests compiled to wasm32-wasip1,
-## executed under Node's built-in WASI (.cargo/wasi-run)
+## test-wasm: the core's unit tests and tests/ compiled to wasm32-wasip1
+## (without the proxy-wasm glue, which needs Envoy as host), executed under
+## Node's built-in WASI (.cargo/wasi-run)
 test-wasm: setup
-	$(CARGO) test -p kvroute --target wasm32-wasip1 --lib --tests
+	$(CARGO) test -p kvroute --target wasm32-wasip1 --no-default-features --lib --tests
 
 ## test-integration: simulator tests and the real-Envoy suite (serial: each
 ## test starts its own Envoy and pods on a 2-core machine)

@@ -260,8 +260,11 @@ impl Config {
             .map_err(|_| invalid("<configuration>", "is not valid UTF-8"))?;
         let config: Config = if text.trim().is_empty() {
             Config::default()
+        } else if !text.trim_start().starts_with('{') {
+            return Err(invalid("<configuration>", "must be a JSON object"));
         } else {
-            serde_json::from_str(text).map_err(|e| serde_error(&e))?
+            let mut deserializer = serde_json::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(&mut deserializer).map_err(|e| serde_error(&e))?
         };
         config.validate()?;
         Ok(config)
@@ -453,16 +456,20 @@ pub fn validate_address(address: &str) -> Result<(), String> {
     }
 }
 
-/// Turns serde's message into a field-naming error. serde_json reports
-/// unknown fields as "unknown field `x`, expected one of ..." and type errors
-/// with a position; the field is pulled out of the message where present.
-fn serde_error(e: &serde_json::Error) -> ConfigError {
-    let message = e.to_string();
-    let field = message
-        .split('`')
-        .nth(1)
-        .filter(|_| message.contains("field"))
-        .unwrap_or("<configuration>")
-        .to_string();
+/// Names the field from the deserialiser's path (`weights.cache`,
+/// `pods[1].address`, or the unknown field itself); a missing field is named
+/// in serde's message and appended to its parent's path.
+fn serde_error(e: &serde_path_to_error::Error<serde_json::Error>) -> ConfigError {
+    let message = e.inner().to_string();
+    let path = e.path().to_string();
+    let missing = message
+        .strip_prefix("missing field `")
+        .and_then(|rest| rest.split('`').next());
+    let field = match (missing, path.as_str()) {
+        (Some(name), "." | "?") => name.to_string(),
+        (Some(name), parent) => format!("{parent}.{name}"),
+        (None, "." | "?") => "<configuration>".to_string(),
+        (None, path) => path.to_string(),
+    };
     invalid(field, format!("is rejected: {message}"))
 }

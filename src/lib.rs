@@ -16,10 +16,10 @@ pub mod scoring;
 pub mod snapshot;
 pub mod usage;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", feature = "envoy", not(test)))]
 mod wasm;
 
-#[cfg(all(target_arch = "wasm32", not(test)))]
+#[cfg(all(target_arch = "wasm32", feature = "envoy", not(test)))]
 proxy_wasm::main! {{
     wasm::start();
 }}

@@ -186,24 +186,24 @@ fn attribute_scorer_rules() {
         ),
         "attributeScorers[0].cacheMatchWindow",
     );
-    // A missing required field is named by serde.
+    // A missing required field is named with its path.
     rejects(
         &make(r#"{"name": "x", "weight": 0.2, "attribute": "c"}"#),
-        "prefer",
+        "attributeScorers[0].prefer",
     );
 }
 
 #[test]
 fn unknown_fields_are_named() {
     rejects(&with_pods(r#""cachWeight": 0.6"#), "cachWeight");
-    rejects(&with_pods(r#""weights": {"cach": 0.6}"#), "cach");
+    rejects(&with_pods(r#""weights": {"cach": 0.6}"#), "weights.cach");
     rejects(
         r#"{"pods": [{"id": "a", "address": "127.0.0.1:1", "weight": 2}]}"#,
-        "weight",
+        "pods[0].weight",
     );
     rejects(
         &with_pods(r#""models": {"m": {"baseModel": "x", "lora": "y"}}"#),
-        "lora",
+        "models.m.lora",
     );
 }
 
@@ -337,11 +337,16 @@ fn malformed_json_and_type_errors_are_rejected() {
     rejects("{", "<configuration>");
     rejects("42", "<configuration>");
     rejects(r#""pods""#, "<configuration>");
-    // Type errors carry a position rather than a field name.
+    // Type errors name the field's path.
     let err = parse(&with_pods(r#""maxQueue": "twenty""#)).unwrap_err();
-    assert!(err.rule.contains("line 1"), "{err}");
+    assert_eq!(err.field, "maxQueue", "{err}");
+    let err = parse(&with_pods(r#""weights": {"cache": "high"}"#)).unwrap_err();
+    assert_eq!(err.field, "weights.cache", "{err}");
     let err = parse(&with_pods(r#""mode": "exact""#)).unwrap_err();
+    assert_eq!(err.field, "mode", "{err}");
     assert!(err.rule.contains("exact"), "{err}");
+    // A JSON array is not an object, even though serde could read it as one.
+    rejects("[]", "<configuration>");
     assert_eq!(Config::parse(b"\xff").unwrap_err().field, "<configuration>");
 }
 
@@ -396,7 +401,7 @@ fn customer_support_models_resolve() {
     );
     rejects(
         &with_pods(r#""models": {"m": {"adapter": "x"}}"#),
-        "baseModel",
+        "models.m.baseModel",
     );
 }
 

@@ -275,6 +275,9 @@ pub struct ClusterSpec {
     pub per_pod_args: Vec<Vec<String>>,
     /// kvroute configuration without `pods` (filled in by the harness).
     pub plugin_config: Value,
+    /// Envoy's listener and admin ports (`None`: free ports).
+    pub listen_port: Option<u16>,
+    pub admin_port: Option<u16>,
 }
 
 impl ClusterSpec {
@@ -284,6 +287,8 @@ impl ClusterSpec {
             sim_args: vec!["--time-scale".into(), "0.02".into()],
             per_pod_args: Vec::new(),
             plugin_config,
+            listen_port: None,
+            admin_port: None,
         }
     }
 }
@@ -330,7 +335,8 @@ impl Cluster {
             let sim = Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)?;
             sims.push(sim);
         }
-        let (listen_port, admin_port) = (free_port(), free_port());
+        let listen_port = spec.listen_port.unwrap_or_else(free_port);
+        let admin_port = spec.admin_port.unwrap_or_else(free_port);
         let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
         let yaml = render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
         let envoy = Envoy::start(&dir, &yaml, listen_port, admin_port)?;

@@ -519,7 +519,10 @@ fn malformed_bodies_get_defined_answers() {
     // onUnknownModel defaults to "route": the pod answers for itself.
     let unknown = cluster.post("/v1/completions", &json!({"model": "nope", "prompt": "hi"}));
     assert_eq!(unknown.status, 404, "{}", unknown.body);
-    assert!(unknown.header("x-sim-pod").is_some(), "routed by load to a pod");
+    assert!(
+        unknown.header("x-sim-pod").is_some(),
+        "routed by load to a pod"
+    );
     let r = cluster.post("/v1/completions", &completion("all good after that", 2));
     served_by(&r);
     assert_eq!(

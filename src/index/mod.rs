@@ -109,7 +109,11 @@ pub fn match_by_bisection(n: usize, mut mask_at: impl FnMut(usize) -> PodMask) -
     }
     // Intersected like every probe, so non-monotone input (a torn read)
     // never credits a pod missing from the first block.
-    let last = if n == 1 { first } else { mask_at(n - 1) & first };
+    let last = if n == 1 {
+        first
+    } else {
+        mask_at(n - 1) & first
+    };
     result.set_all(last, n as u32);
     if first != last {
         bisect(0, first, n - 1, last, &mut mask_at, &mut result);

@@ -1,0 +1,186 @@
+//! `make run`: 4 simulated vLLM pods and Envoy with kvroute on
+//! 127.0.0.1:10000 (admin 127.0.0.1:9901), a short multi-turn demo workload
+//! through it, a per-pod table, the same workload under round robin on 4
+//! fresh pods for comparison, then serving until Ctrl-C.
+
+use std::path::{Path, PathBuf};
+
+use kvroute_integration::harness::{Cluster, ClusterSpec, Sim};
+use kvroute_integration::http;
+use serde_json::{json, Value};
+
+const USERS: usize = 10;
+const TURNS: usize = 4;
+const TIME_SCALE: &str = "0.1";
+
+fn sim_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.with_file_name("kvroute-sim")
+}
+
+fn config() -> Value {
+    json!({
+        "podReportIntervalMs": 500,
+        "decisionHeaders": true,
+        "models": {"sim-model": {"baseModel": "sim-model"}}
+    })
+}
+
+/// A deterministic paragraph of `bytes` bytes.
+fn paragraph(topic: &str, bytes: usize) -> String {
+    let mut text = String::new();
+    let mut i = 0;
+    while text.len() < bytes {
+        text.push_str(&format!(
+            "{topic}, point {i}: details that matter to the answer. "
+        ));
+        i += 1;
+    }
+    text.truncate(bytes);
+    text
+}
+
+/// Runs the multi-turn workload: each user's turn is a chat request with
+/// the shared system prompt and the user's whole history, sent by `send`.
+fn workload(mut send: impl FnMut(&Value) -> Value) {
+    let system = paragraph(
+        "You are the support assistant for the ACME cloud; policies",
+        3072,
+    );
+    let mut histories: Vec<Vec<Value>> = (0..USERS)
+        .map(|u| {
+            vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": paragraph(&format!("customer {u} describes the incident"), 1536)}),
+            ]
+        })
+        .collect();
+    for turn in 0..TURNS {
+        for (user, history) in histories.iter_mut().enumerate() {
+            let body = json!({"model": "sim-model", "messages": history, "max_tokens": 32});
+            let response = send(&body);
+            let answer = response["choices"][0]["message"]["content"].clone();
+            history.push(json!({"role": "assistant", "content": answer}));
+            history.push(json!({"role": "user", "content": paragraph(&format!("customer {user} follow-up {turn}"), 384)}));
+        }
+        // Users read the answer before the next turn; pods report meanwhile.
+        std::thread::sleep(std::time::Duration::from_millis(600));
+    }
+}
+
+fn post(addr: &str, body: &Value) -> Value {
+    let response =
+        http::post_json(addr, "/v1/chat/completions", &body.to_string()).expect("request");
+    assert_eq!(response.status, 200, "{}", response.body);
+    response.json().expect("JSON response")
+}
+
+struct PodRow {
+    id: String,
+    requests: u64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    ttft_ms_sum: f64,
+}
+
+fn row(sim: &Sim) -> PodRow {
+    let stats = sim.stats();
+    PodRow {
+        id: sim.id.clone(),
+        requests: stats["requests"].as_u64().unwrap_or(0),
+        prompt_tokens: stats["promptTokens"].as_u64().unwrap_or(0),
+        cached_tokens: stats["cachedTokens"].as_u64().unwrap_or(0),
+        ttft_ms_sum: stats["ttftMsSum"].as_f64().unwrap_or(0.0),
+    }
+}
+
+fn hit_rate(rows: &[PodRow]) -> f64 {
+    let prompt: u64 = rows.iter().map(|r| r.prompt_tokens).sum();
+    let cached: u64 = rows.iter().map(|r| r.cached_tokens).sum();
+    cached as f64 / prompt.max(1) as f64
+}
+
+fn mean_ttft(rows: &[PodRow]) -> f64 {
+    let requests: u64 = rows.iter().map(|r| r.requests).sum();
+    rows.iter().map(|r| r.ttft_ms_sum).sum::<f64>() / requests.max(1) as f64
+}
+
+fn main() {
+    let sim = sim_binary();
+    let mut spec = ClusterSpec::new(4, config());
+    spec.sim_args = vec!["--time-scale".into(), TIME_SCALE.into()];
+    spec.listen_port = Some(10000);
+    spec.admin_port = Some(9901);
+    eprintln!("starting 4 simulated pods and Envoy with kvroute ...");
+    let cluster =
+        Cluster::start(&sim, spec).unwrap_or_else(|e| panic!("could not start the demo: {e}"));
+    let listen = cluster.envoy.listen.clone();
+    eprintln!("sending {USERS} conversations × {TURNS} turns through kvroute ...");
+    workload(|body| post(&listen, body));
+    let rows: Vec<PodRow> = cluster.sims.iter().map(row).collect();
+
+    eprintln!("same workload under round robin on 4 fresh pods ...");
+    let config_file = cluster.dir.join("kvroute.json");
+    let fresh: Vec<Sim> = (0..4)
+        .map(|i| {
+            Sim::start(
+                &sim,
+                &format!("rr-{i}"),
+                Path::new(&config_file),
+                &["--time-scale".into(), TIME_SCALE.into()],
+            )
+        })
+        .collect::<Result<_, _>>()
+        .expect("round-robin pods start");
+    let mut next = 0;
+    workload(|body| {
+        let pod = &fresh[next % fresh.len()];
+        next += 1;
+        post(&pod.address, body)
+    });
+    let rr_rows: Vec<PodRow> = fresh.iter().map(row).collect();
+    drop(fresh);
+
+    println!("\nkvroute, {USERS} conversations × {TURNS} turns (time scale {TIME_SCALE}):\n");
+    println!("| pod | requests | cache hit rate | mean TTFT (ms) |");
+    println!("|-----|---------:|---------------:|---------------:|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.1}% | {:.1} |",
+            r.id,
+            r.requests,
+            100.0 * r.cached_tokens as f64 / r.prompt_tokens.max(1) as f64,
+            r.ttft_ms_sum / r.requests.max(1) as f64
+        );
+    }
+    println!(
+        "| **all** | {} | **{:.1}%** | **{:.1}** |",
+        rows.iter().map(|r| r.requests).sum::<u64>(),
+        100.0 * hit_rate(&rows),
+        mean_ttft(&rows)
+    );
+    println!(
+        "\nround robin, same workload: cache hit rate {:.1}%, mean TTFT {:.1} ms\n",
+        100.0 * hit_rate(&rr_rows),
+        mean_ttft(&rr_rows)
+    );
+    println!("kvroute is serving on http://{listen} — try:\n");
+    println!(
+        "  curl -s http://{listen}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"sim-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":8}}' -i"
+    );
+    println!(
+        "\nmetrics: http://{}/stats/prometheus   (Envoy admin: http://{})",
+        cluster.envoy.admin, cluster.envoy.admin
+    );
+    println!(
+        "Envoy log (kvroute decisions as JSON lines): {}",
+        cluster.envoy.log_path.display()
+    );
+    println!("\nCtrl-C to stop.");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let _ = runtime.block_on(tokio::signal::ctrl_c());
+    eprintln!("stopping ...");
+}
