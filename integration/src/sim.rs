@@ -136,6 +136,8 @@ impl Faults {
 #[derive(Debug, Clone, Default)]
 struct Stats {
     requests: u64,
+    /// Report endpoint calls.
+    report_requests: u64,
     completed: u64,
     errors: u64,
     cached_tokens: u64,
@@ -778,7 +780,11 @@ async fn report(
     State(sim): State<Arc<Sim>>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
-    let mode = sim.lock().faults.report;
+    let mode = {
+        let mut inner = sim.lock();
+        inner.stats.report_requests += 1;
+        inner.faults.report
+    };
     match mode {
         ReportMode::Ok => {}
         ReportMode::Error => {
@@ -917,6 +923,7 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Response {
         "podId": sim.pod_id,
         "epoch": sim.epoch,
         "requests": s.requests,
+        "reportRequests": s.report_requests,
         "completed": s.completed,
         "errors": s.errors,
         "cachedTokens": s.cached_tokens,

@@ -594,3 +594,26 @@ fn streamed_response_arrives_incrementally() {
         "first event at {first:?}, last at {last:?}: the stream was buffered"
     );
 }
+
+#[test]
+fn approximate_mode_follows_its_own_decisions_without_reports() {
+    let mut config = base_config();
+    config["mode"] = json!("approximate");
+    let cluster = start(4, config, &[], vec![]);
+    let prefix = text("approximate", 8192);
+    let first = cluster.post("/v1/completions", &completion(&format!("{prefix} 0"), 1));
+    let chosen = served_by(&first);
+    // The decision travels worker → shared queue → service → snapshot.
+    cluster.wait_reports(2);
+    for i in 1..=8 {
+        let r = cluster.post("/v1/completions", &completion(&format!("{prefix} {i}"), 1));
+        assert_eq!(served_by(&r), chosen, "request {i}");
+        assert!(cached_tokens(&r) > 0);
+    }
+    let reports: u64 = cluster
+        .sims
+        .iter()
+        .map(|s| s.stats()["reportRequests"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(reports, 0, "approximate mode pulls no reports");
+}
