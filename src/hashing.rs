@@ -136,14 +136,13 @@ impl BlockHasher {
         }
     }
 
-    /// Tokens covered by `blocks` blocks of `prompt`'s kind, counting a
-    /// text block as `blockSizeBytes / 4` tokens (the simulator's tokenizer).
-    pub fn tokens_in_blocks(&self, prompt: &Prompt, blocks: usize) -> u64 {
-        let per_block = match prompt {
-            Prompt::Text(_) => self.block_size_bytes / BYTES_PER_TOKEN,
-            Prompt::Tokens(_) => self.block_size_tokens,
-        };
-        (blocks * per_block) as u64
+    /// Tokens in one block of `prompt`'s kind, counting a text block as
+    /// `blockSizeBytes / 4` tokens (the simulator's tokenizer).
+    pub fn tokens_per_block(&self, prompt: &Prompt) -> u64 {
+        match prompt {
+            Prompt::Text(_) => (self.block_size_bytes / BYTES_PER_TOKEN) as u64,
+            Prompt::Tokens(_) => self.block_size_tokens as u64,
+        }
     }
 }
 

@@ -14,10 +14,10 @@
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
 //!    `onNoEligiblePod` answers 503 with `retry-after` or uses `fallbackPod`.
 
-use crate::config::{BadRequestPolicy, Config, ModelTarget, NoPodPolicy};
+use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::BlockHasher;
 use crate::index::{PrefixLookup, PrefixMatch};
-use crate::request::{parse_request, Prompt};
+use crate::request::parse_request;
 use crate::scoring::{Candidate, Decision, ScoringPolicy};
 use crate::snapshot::PodTable;
 
@@ -89,11 +89,31 @@ pub struct Router {
     policy: ScoringPolicy,
 }
 
-struct Understood {
-    model: String,
-    target: Option<ModelTarget>,
-    prompt: Option<Prompt>,
-    degraded: Option<String>,
+/// A request reduced to what routing needs: parsed, model resolved, hashed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingRequest {
+    /// Client-facing model name ("unknown" when the body had none).
+    pub model: String,
+    pub adapter: Option<String>,
+    /// The prompt's block chain; empty when routing by load alone.
+    pub chain: Vec<u64>,
+    /// Prompt tokens per block (for the predicted cached tokens).
+    pub tokens_per_block: u64,
+    /// Why cache-aware routing is skipped, for a bad or unknown request.
+    pub degraded: Option<String>,
+}
+
+impl RoutingRequest {
+    /// A request routed by load alone.
+    fn by_load(model: String, degraded: String) -> RoutingRequest {
+        RoutingRequest {
+            model,
+            adapter: None,
+            chain: Vec::new(),
+            tokens_per_block: 0,
+            degraded: Some(degraded),
+        }
+    }
 }
 
 impl Router {
@@ -132,20 +152,27 @@ impl Router {
         view: &ClusterView<'_>,
         tie_breaker: u64,
     ) -> Outcome {
-        let understood = match self.understand(body, chat) {
-            Ok(understood) => understood,
-            Err(rejected) => return Outcome::Rejected(rejected),
-        };
-        let chain = match (&understood.target, &understood.prompt) {
-            (Some(target), Some(prompt)) => self.hasher.chain(target, prompt),
-            _ => Vec::new(),
-        };
+        match self.prepare(body, chat) {
+            Ok(request) => self.route_prepared(request, view, tie_breaker),
+            Err(rejected) => Outcome::Rejected(rejected),
+        }
+    }
+
+    /// Decides where an already prepared request goes (the replay
+    /// simulator hashes each trace request once and routes it many times).
+    pub fn route_prepared(
+        &self,
+        request: RoutingRequest,
+        view: &ClusterView<'_>,
+        tie_breaker: u64,
+    ) -> Outcome {
+        let chain = request.chain;
         let matches = if chain.is_empty() {
             PrefixMatch::default()
         } else {
             view.index.lookup(&chain)
         };
-        let adapter = understood.target.as_ref().and_then(|t| t.adapter.clone());
+        let adapter = request.adapter;
         let candidates: Vec<Candidate<'_>> = view
             .table
             .pods
@@ -200,15 +227,12 @@ impl Router {
         let chosen = &view.table.pods[pod];
         let matched_blocks = matches.blocks(chosen.slot);
         let composite = decision.winner().map_or(0.0, |w| w.composite);
-        let predicted_cached_tokens = understood.prompt.as_ref().map_or(0, |p| {
-            self.hasher.tokens_in_blocks(p, matched_blocks as usize)
-        });
         Outcome::Routed(Box::new(Routed {
             pod,
             slot: chosen.slot,
             pod_id: chosen.id.clone(),
             address: chosen.address.clone(),
-            model: understood.model,
+            model: request.model,
             adapter_load_triggered: adapter
                 .as_ref()
                 .is_some_and(|a| !chosen.adapters.contains(a)),
@@ -217,8 +241,8 @@ impl Router {
             chain,
             matched_blocks,
             composite,
-            predicted_cached_tokens,
-            degraded: understood.degraded,
+            predicted_cached_tokens: u64::from(matched_blocks) * request.tokens_per_block,
+            degraded: request.degraded,
             fallback,
             decision,
         }))
@@ -232,24 +256,17 @@ impl Router {
         table.pods.iter().position(|p| &p.id == id)
     }
 
-    /// Parses the body and resolves the model, applying the bad-request and
-    /// unknown-model policies.
-    fn understand(&self, body: &[u8], chat: bool) -> Result<Understood, Rejected> {
-        let bad = |message: String| -> Result<Understood, Rejected> {
-            match self.config.on_bad_request {
-                BadRequestPolicy::Reject => Err(Rejected {
-                    status: 400,
-                    kind: "BadRequestError",
-                    message,
-                    retry_after: None,
-                }),
-                BadRequestPolicy::Route => Ok(Understood {
-                    model: "unknown".into(),
-                    target: None,
-                    prompt: None,
-                    degraded: Some(message),
-                }),
-            }
+    /// Parses the body, resolves the model and hashes the prompt, applying
+    /// the bad-request and unknown-model policies.
+    pub fn prepare(&self, body: &[u8], chat: bool) -> Result<RoutingRequest, Rejected> {
+        let bad = |message: String| match self.config.on_bad_request {
+            BadRequestPolicy::Reject => Err(Rejected {
+                status: 400,
+                kind: "BadRequestError",
+                message,
+                retry_after: None,
+            }),
+            BadRequestPolicy::Route => Ok(RoutingRequest::by_load("unknown".into(), message)),
         };
         if body.len() > self.config.max_body_bytes {
             return bad(format!(
@@ -262,10 +279,11 @@ impl Router {
             Err(e) => return bad(e.0),
         };
         match self.config.resolve_model(&request.model) {
-            Some(target) => Ok(Understood {
+            Some(target) => Ok(RoutingRequest {
+                chain: self.hasher.chain(&target, &request.prompt),
+                tokens_per_block: self.hasher.tokens_per_block(&request.prompt),
+                adapter: target.adapter,
                 model: request.model,
-                target: Some(target),
-                prompt: Some(request.prompt),
                 degraded: None,
             }),
             None if self.config.on_unknown_model == BadRequestPolicy::Reject => Err(Rejected {
@@ -274,12 +292,10 @@ impl Router {
                 message: format!("The model `{}` does not exist.", request.model),
                 retry_after: None,
             }),
-            None => Ok(Understood {
-                degraded: Some(format!("model {:?} is not configured", request.model)),
-                model: request.model,
-                target: None,
-                prompt: None,
-            }),
+            None => {
+                let why = format!("model {:?} is not configured", request.model);
+                Ok(RoutingRequest::by_load(request.model, why))
+            }
         }
     }
 

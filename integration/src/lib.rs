@@ -5,4 +5,6 @@
 pub mod harness;
 pub mod http;
 pub mod model;
+pub mod replay;
 pub mod sim;
+pub mod trace;

@@ -38,6 +38,13 @@ pub fn prompt_tokens(prompt: &Prompt) -> u64 {
     }
 }
 
+/// Prompt tokens served from cache when the first `cached_blocks` blocks
+/// of the prompt's chain are cached (a prompt's trailing partial block is
+/// never cached).
+pub fn cached_tokens(cached_blocks: usize, tokens_per_block: u64, prompt_tokens: u64) -> u64 {
+    (cached_blocks as u64 * tokens_per_block).min(prompt_tokens)
+}
+
 /// Latency parameters. Durations are the unscaled (real GPU) values; every
 /// method applies `time_scale`.
 #[derive(Debug, Clone, PartialEq)]
@@ -628,10 +635,8 @@ impl PodModel {
         let chain = self.hasher.chain(target, prompt);
         let cached_blocks = self.cache.cached_prefix(&chain);
         let tokens = prompt_tokens(prompt);
-        let cached_tokens = self
-            .hasher
-            .tokens_in_blocks(prompt, cached_blocks)
-            .min(tokens);
+        let cached_tokens =
+            cached_tokens(cached_blocks, self.hasher.tokens_per_block(prompt), tokens);
         Admission {
             prefill: self.cost.prefill(tokens - cached_tokens),
             chain,

@@ -31,7 +31,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Parser;
 use kvroute::config::{Config, ModelTarget};
-use kvroute::request::parse_request;
+use kvroute::request::{parse_request, Prompt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
@@ -79,6 +79,27 @@ pub struct SimOptions {
     /// Bound of the report event log (block events).
     #[arg(long, default_value_t = DEFAULT_LOG_EVENTS)]
     pub log_events: usize,
+    /// Fill the cache at start with this many synthetic prompts (see
+    /// [`preload_prompt`]), for benchmarks that need a large index.
+    #[arg(long, default_value_t = 0)]
+    pub preload_prompts: usize,
+    /// Size of each preloaded prompt in bytes.
+    #[arg(long, default_value_t = 16384)]
+    pub preload_prompt_bytes: usize,
+}
+
+/// The `i`-th synthetic prompt a pod preloads: distinct per pod and index
+/// from the first block on, so a benchmark can ask for exactly what one pod
+/// holds.
+pub fn preload_prompt(pod_id: &str, i: usize, bytes: usize) -> String {
+    let mut text = format!("[{pod_id}/{i}] ");
+    let mut word = 0u64;
+    while text.len() < bytes {
+        text.push_str(&format!("preloaded context {pod_id} {i} {word}. "));
+        word += 1;
+    }
+    text.truncate(bytes);
+    text
 }
 
 fn parse_rank(text: &str) -> Result<(String, u32), String> {
@@ -289,12 +310,20 @@ pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
         vec!["sim-model".to_string()]
     };
     let max_batch = options.max_batch.max(1);
-    let pod = PodModel::new(
+    let mut pod = PodModel::new(
         &config,
         KvCache::new(options.kv_blocks, options.log_events),
         adapters,
         cost.clone(),
     );
+    let preload_model = served.first().cloned().unwrap_or_default();
+    if let Some(target) = config.resolve_model(&preload_model) {
+        for i in 0..options.preload_prompts {
+            let text = preload_prompt(&pod_id, i, options.preload_prompt_bytes);
+            let chain = pod.hasher.chain(&target, &Prompt::Text(text.into_bytes()));
+            pod.cache.insert_chain(&chain);
+        }
+    }
     let report_path = config.report_path.clone();
     let sim = Arc::new(Sim {
         pod_id,

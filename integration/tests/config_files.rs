@@ -11,7 +11,8 @@ use kvroute_integration::harness::{envoy_binary, render_envoy_config, repo_root}
 fn rendered() -> String {
     let root = repo_root();
     let plugin: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("envoy/kvroute.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(root.join("envoy/kvroute.json")).unwrap())
+            .unwrap();
     let pods: Vec<String> = plugin["pods"]
         .as_array()
         .unwrap()
@@ -43,11 +44,23 @@ fn plugin_json_is_valid() {
 #[test]
 fn envoy_validates_the_shipped_config() {
     let output = Command::new(envoy_binary().expect("envoy (make envoy)"))
-        .args(["--mode", "validate", "-c", "envoy/envoy.yaml", "--disable-hot-restart", "-l", "error"])
+        .args([
+            "--mode",
+            "validate",
+            "-c",
+            "envoy/envoy.yaml",
+            "--disable-hot-restart",
+            "-l",
+            "error",
+        ])
         .current_dir(repo_root())
         .output()
         .expect("envoy runs");
-    let log = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "envoy --mode validate failed:\n{log}");
+    let log = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "envoy --mode validate failed:\n{log}"
+    );
     assert!(log.contains("OK"), "{log}");
 }

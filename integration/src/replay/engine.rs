@@ -1,0 +1,752 @@
+//! The discrete-event simulation: requests arrive at trace times, a policy
+//! picks a pod, each pod runs the simulated pod's model ([`KvCache`] +
+//! [`CostModel`] from [`crate::model`]) with `max_batch` slots and a FIFO
+//! queue, in simulated microseconds (no sleeping).
+//!
+//! Pods behave like `kvroute-sim`: a request waits for a batch slot; on
+//! getting one its cached prefix is counted (as [`crate::model::PodModel::admit`]
+//! does) and its prefill takes `CostModel::prefill(uncached tokens)`; at the
+//! end of prefill its blocks enter the cache and its first token is out
+//! (TTFT = queue wait + prefill); it keeps the slot for
+//! `(output_tokens − 1) × decode step` more.
+//!
+//! The kvroute policy runs the routing core for real on the router's view:
+//! a [`ClusterState`] fed the pods' protocol v1 reports every report
+//! interval (precise mode) or the router's own decisions (approximate
+//! mode), published as a snapshot and read through [`SnapshotIndex`] exactly
+//! like the filter (plus, in approximate mode, the worker's overlay of its
+//! own decisions); queue = reported waiting + routed since the report;
+//! [`ScoringPolicy::decide`] picks. A 503 (every pod excluded) is retried by
+//! the client after `retryAfterSeconds`.
+//!
+//! Same workload, configuration and seed → same numbers: no wall clock,
+//! no hash-order iteration, ties broken by sequence numbers.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+use kvroute::cluster::ClusterState;
+use kvroute::config::{Config, IndexMode, PodConfig};
+use kvroute::index::{DecisionRecorder, Merged, PrefixLookup, PrefixTree};
+use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
+use kvroute::snapshot::{PodTable, SnapshotIndex};
+use xxhash_rust::xxh64::xxh64;
+
+use super::workload::{Request, Workload};
+use crate::model::{cached_tokens, CostModel, KvCache, PodLoad, DEFAULT_LOG_EVENTS};
+
+/// The simulated pods (all identical).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodSpec {
+    pub count: usize,
+    /// KV cache capacity per pod, in blocks.
+    pub kv_blocks: usize,
+    /// Requests running at once per pod.
+    pub max_batch: usize,
+    pub cost: CostModel,
+}
+
+/// Who picks the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Policy {
+    Kvroute,
+    RoundRobin,
+    LeastRequest,
+    Random,
+    RingHash,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 5] = [
+        Policy::Kvroute,
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::Random,
+        Policy::RingHash,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Kvroute => "kvroute",
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastRequest => "least_request",
+            Policy::Random => "random",
+            Policy::RingHash => "ring_hash",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Policy, String> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                format!(
+                    "unknown policy {name:?} (known: {})",
+                    Policy::ALL.map(Policy::name).join(", ")
+                )
+            })
+    }
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestOutcome {
+    pub line: usize,
+    pub pod: usize,
+    pub arrival_us: u64,
+    /// Arrival (first try) to first token.
+    pub ttft_us: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// 503s the router answered before routing it.
+    pub rejections: u32,
+}
+
+/// The numbers of one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub requests: usize,
+    /// Σ cached prompt tokens / Σ prompt tokens.
+    pub hit_rate: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub ttft_mean_ms: f64,
+    /// Largest fraction of the requests one pod got.
+    pub max_pod_share: f64,
+    pub pod_shares: Vec<f64>,
+    /// 503s answered (each followed by a retry).
+    pub rejections: u64,
+}
+
+impl Summary {
+    pub fn of(outcomes: &[RequestOutcome], pods: usize) -> Summary {
+        let n = outcomes.len();
+        let prompt: u64 = outcomes.iter().map(|o| o.prompt_tokens).sum();
+        let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
+        let mut ttft: Vec<u64> = outcomes.iter().map(|o| o.ttft_us).collect();
+        ttft.sort_unstable();
+        let mut counts = vec![0usize; pods];
+        for o in outcomes {
+            counts[o.pod] += 1;
+        }
+        let pod_shares: Vec<f64> = counts.iter().map(|&c| c as f64 / n.max(1) as f64).collect();
+        Summary {
+            requests: n,
+            hit_rate: if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            },
+            ttft_p50_ms: percentile(&ttft, 0.50) as f64 / 1000.0,
+            ttft_p99_ms: percentile(&ttft, 0.99) as f64 / 1000.0,
+            ttft_mean_ms: ttft.iter().sum::<u64>() as f64 / n.max(1) as f64 / 1000.0,
+            max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
+            pod_shares,
+            rejections: outcomes.iter().map(|o| u64::from(o.rejections)).sum(),
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted values (0 when empty).
+pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// One policy's run.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    pub policy: Policy,
+    pub outcomes: Vec<RequestOutcome>,
+    pub summary: Summary,
+}
+
+/// Token-weighted hit rate of one LRU cache of `capacity` blocks (`None`:
+/// unbounded) seeing every request in arrival order, stored at once: the
+/// pooled-cache bound (capacity = pods × kv-blocks) and the infinite-cache
+/// bound.
+pub fn cache_bound(workload: &Workload, capacity: Option<usize>) -> f64 {
+    let mut cache = KvCache::new(capacity.unwrap_or(usize::MAX), 1);
+    let (mut cached, mut prompt) = (0u64, 0u64);
+    for r in &workload.requests {
+        cached += cached_tokens(
+            cache.cached_prefix(&r.chain),
+            r.block_tokens,
+            r.prompt_tokens,
+        );
+        prompt += r.prompt_tokens;
+        cache.insert_chain(&r.chain);
+    }
+    if prompt == 0 {
+        0.0
+    } else {
+        cached as f64 / prompt as f64
+    }
+}
+
+/// Pod slots and addresses of the simulated pods in a router config.
+pub fn sim_pods(count: usize) -> Vec<PodConfig> {
+    (0..count)
+        .map(|i| PodConfig {
+            id: format!("pod-{i}"),
+            address: format!("10.0.0.{}:8000", i + 1),
+            attributes: Default::default(),
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    /// A pod finished a prefill: blocks enter its cache.
+    PrefillDone,
+    /// A request's last token: its slot frees.
+    Finish,
+    /// The report service's tick (kvroute only).
+    Tick,
+    /// A request reaches the router (first try or retry).
+    Arrival,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Event {
+    time_us: u64,
+    kind: Kind,
+    seq: u64,
+    request: usize,
+    pod: usize,
+}
+
+struct Pod {
+    cache: KvCache,
+    running: usize,
+    waiting: VecDeque<usize>,
+    /// Routed and not finished (the filter's in-flight counter).
+    inflight: u32,
+}
+
+impl Pod {
+    fn load(&self, max_batch: usize) -> PodLoad {
+        PodLoad {
+            queue_depth: self.waiting.len() as u32,
+            running: self.running as u32,
+            gpu_utilization: (self.running as f64 / max_batch as f64).clamp(0.0, 1.0),
+            health: 1.0,
+            adapters: Vec::new(),
+        }
+    }
+}
+
+/// Runs `policy` over `workload`. `config` is the router's configuration
+/// (its pods are the simulated pods, see [`sim_pods`]); `seed` drives the
+/// random baseline.
+pub fn simulate(
+    workload: &Workload,
+    spec: &PodSpec,
+    policy: Policy,
+    config: &Config,
+    seed: u64,
+) -> RunResult {
+    Simulation::new(workload, spec, policy, config, seed).run()
+}
+
+struct Simulation<'a> {
+    requests: &'a [Request],
+    spec: &'a PodSpec,
+    policy: Policy,
+    pods: Vec<Pod>,
+    events: BinaryHeap<Reverse<Event>>,
+    seq: u64,
+    outcomes: Vec<RequestOutcome>,
+    /// Arrivals (first tries and retries) not yet handled.
+    pending_arrivals: usize,
+    chooser: Chooser<'a>,
+    retry_after_us: u64,
+    interval_us: u64,
+}
+
+enum Chooser<'a> {
+    Kvroute(Box<KvrouteView<'a>>),
+    RoundRobin(usize),
+    LeastRequest,
+    Random(u64),
+    RingHash(Vec<(u64, usize)>),
+}
+
+impl<'a> Simulation<'a> {
+    fn new(
+        workload: &'a Workload,
+        spec: &'a PodSpec,
+        policy: Policy,
+        config: &'a Config,
+        seed: u64,
+    ) -> Simulation<'a> {
+        let pods = (0..spec.count)
+            .map(|_| Pod {
+                cache: KvCache::new(spec.kv_blocks, DEFAULT_LOG_EVENTS),
+                running: 0,
+                waiting: VecDeque::new(),
+                inflight: 0,
+            })
+            .collect();
+        let chooser = match policy {
+            Policy::Kvroute => Chooser::Kvroute(Box::new(KvrouteView::new(config, spec.count))),
+            Policy::RoundRobin => Chooser::RoundRobin(0),
+            Policy::LeastRequest => Chooser::LeastRequest,
+            Policy::Random => Chooser::Random(seed ^ 0x5eed_0000_7a6d_0001),
+            Policy::RingHash => Chooser::RingHash(ring(spec.count)),
+        };
+        let outcomes = workload
+            .requests
+            .iter()
+            .map(|r| RequestOutcome {
+                line: r.line,
+                pod: 0,
+                arrival_us: r.arrival_us,
+                ttft_us: 0,
+                prompt_tokens: r.prompt_tokens,
+                cached_tokens: 0,
+                rejections: 0,
+            })
+            .collect();
+        let mut sim = Simulation {
+            requests: &workload.requests,
+            spec,
+            policy,
+            pods,
+            events: BinaryHeap::new(),
+            seq: 0,
+            outcomes,
+            pending_arrivals: 0,
+            chooser,
+            retry_after_us: u64::from(config.retry_after_seconds.max(1)) * 1_000_000,
+            interval_us: config.pod_report_interval_ms * 1000,
+        };
+        for (i, r) in workload.requests.iter().enumerate() {
+            sim.push(r.arrival_us, Kind::Arrival, i, 0);
+            sim.pending_arrivals += 1;
+        }
+        if policy == Policy::Kvroute && !workload.requests.is_empty() {
+            sim.push(0, Kind::Tick, 0, 0);
+        }
+        sim
+    }
+
+    fn push(&mut self, time_us: u64, kind: Kind, request: usize, pod: usize) {
+        self.seq += 1;
+        self.events.push(Reverse(Event {
+            time_us,
+            kind,
+            seq: self.seq,
+            request,
+            pod,
+        }));
+    }
+
+    fn run(mut self) -> RunResult {
+        while let Some(Reverse(event)) = self.events.pop() {
+            let now = event.time_us;
+            match event.kind {
+                Kind::PrefillDone => {
+                    let requests = self.requests;
+                    let chain = &requests[event.request].chain;
+                    self.pods[event.pod].cache.insert_chain(chain);
+                }
+                Kind::Finish => {
+                    let pod = &mut self.pods[event.pod];
+                    pod.running -= 1;
+                    pod.inflight -= 1;
+                    if let Some(next) = pod.waiting.pop_front() {
+                        self.start(event.pod, next, now);
+                    }
+                }
+                Kind::Tick => {
+                    if let Chooser::Kvroute(view) = &mut self.chooser {
+                        view.tick(now, &self.pods, self.spec.max_batch);
+                    }
+                    if self.pending_arrivals > 0 {
+                        self.push(now + self.interval_us, Kind::Tick, 0, 0);
+                    }
+                }
+                Kind::Arrival => {
+                    self.pending_arrivals -= 1;
+                    self.arrive(event.request, now);
+                }
+            }
+        }
+        let summary = Summary::of(&self.outcomes, self.spec.count);
+        RunResult {
+            policy: self.policy,
+            outcomes: self.outcomes,
+            summary,
+        }
+    }
+
+    fn arrive(&mut self, index: usize, now: u64) {
+        let requests = self.requests;
+        let request = &requests[index];
+        let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
+        let n = self.pods.len();
+        let chosen = match &mut self.chooser {
+            Chooser::Kvroute(view) => view.choose(request, &inflight),
+            Chooser::RoundRobin(next) => {
+                let pod = *next % n;
+                *next += 1;
+                Some(pod)
+            }
+            Chooser::LeastRequest => (0..n).min_by_key(|&p| (inflight[p], p)),
+            Chooser::Random(state) => Some((splitmix(state) % n as u64) as usize),
+            Chooser::RingHash(ring) => Some(ring_pick(ring, request.session_key)),
+        };
+        let Some(pod) = chosen else {
+            self.outcomes[index].rejections += 1;
+            self.pending_arrivals += 1;
+            self.push(now + self.retry_after_us, Kind::Arrival, index, 0);
+            return;
+        };
+        self.outcomes[index].pod = pod;
+        let state = &mut self.pods[pod];
+        state.inflight += 1;
+        if state.running < self.spec.max_batch && state.waiting.is_empty() {
+            self.start(pod, index, now);
+        } else {
+            state.waiting.push_back(index);
+        }
+    }
+
+    /// `index` gets a batch slot on `pod` at `now`.
+    fn start(&mut self, pod: usize, index: usize, now: u64) {
+        let requests = self.requests;
+        let request = &requests[index];
+        let state = &mut self.pods[pod];
+        state.running += 1;
+        let cached = cached_tokens(
+            state.cache.cached_prefix(&request.chain),
+            request.block_tokens,
+            request.prompt_tokens,
+        );
+        let cost = &self.spec.cost;
+        let prefill = cost.prefill(request.prompt_tokens - cached).as_micros() as u64;
+        let decode = cost
+            .generation_after_first(request.output_tokens)
+            .as_micros() as u64;
+        let outcome = &mut self.outcomes[index];
+        outcome.cached_tokens = cached;
+        outcome.ttft_us = now + prefill - outcome.arrival_us;
+        self.push(now + prefill, Kind::PrefillDone, index, pod);
+        self.push(now + prefill + decode, Kind::Finish, index, pod);
+    }
+}
+
+/// splitmix64 step.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Virtual nodes per pod on the hash ring.
+const RING_VNODES: usize = 160;
+
+/// A consistent-hash ring: sorted (point, pod).
+fn ring(pods: usize) -> Vec<(u64, usize)> {
+    let mut points: Vec<(u64, usize)> = (0..pods)
+        .flat_map(|p| {
+            (0..RING_VNODES).map(move |v| (xxh64(format!("pod-{p}_{v}").as_bytes(), 0), p))
+        })
+        .collect();
+    points.sort_unstable();
+    points
+}
+
+/// The pod owning `key`: the first point at or after its hash, wrapping.
+fn ring_pick(ring: &[(u64, usize)], key: u64) -> usize {
+    let hash = xxh64(&key.to_le_bytes(), 0);
+    let at = ring.partition_point(|&(point, _)| point < hash);
+    ring[at % ring.len()].1
+}
+
+/// The report epoch every simulated pod uses (no restarts).
+const EPOCH: &str = "replay";
+
+/// The router's side of the kvroute policy: the service's cluster state and
+/// what it last published, the filter's overlay and scoring policy.
+struct KvrouteView<'a> {
+    config: &'a Config,
+    cluster: ClusterState,
+    router: Router,
+    table: PodTable,
+    /// The published index buckets (Envoy shared data).
+    buckets: HashMap<u32, Vec<u8>>,
+    /// Approximate mode: the worker's own decisions, seen at once.
+    overlay: Option<DecisionRecorder>,
+    /// Per pod, the `since` of its next report (None: never reported).
+    since: Vec<Option<u64>>,
+    pod_ids: Vec<String>,
+    requests: u64,
+}
+
+/// Blocks a filter worker remembers of its own decisions (as
+/// `OVERLAY_BLOCKS` in the filter).
+const OVERLAY_BLOCKS: usize = 65_536;
+
+impl<'a> KvrouteView<'a> {
+    fn new(config: &'a Config, pods: usize) -> KvrouteView<'a> {
+        let overlay = (config.mode == IndexMode::Approximate).then(|| {
+            DecisionRecorder::new(
+                PrefixTree::new(OVERLAY_BLOCKS.min(config.max_index_blocks)),
+                config.pod_capacity_blocks,
+            )
+        });
+        KvrouteView {
+            config,
+            cluster: ClusterState::new(config, 0),
+            router: Router::new(config.clone()),
+            table: PodTable::default(),
+            buckets: HashMap::new(),
+            overlay,
+            since: vec![None; pods],
+            pod_ids: config.pods.iter().map(|p| p.id.clone()).collect(),
+            requests: 0,
+        }
+    }
+
+    /// The report service's tick: pull every pod's report (precise mode),
+    /// then publish.
+    fn tick(&mut self, now_us: u64, pods: &[Pod], max_batch: usize) {
+        let now_ms = now_us / 1000;
+        if self.config.mode == IndexMode::Precise {
+            for (slot, pod) in pods.iter().enumerate() {
+                let since = self.since[slot];
+                let body = pod
+                    .cache
+                    .report(
+                        &self.pod_ids[slot],
+                        EPOCH,
+                        since,
+                        since.map(|_| EPOCH),
+                        &pod.load(max_batch),
+                    )
+                    .to_string();
+                let (result, _) = self.cluster.apply_report(
+                    &self.pod_ids[slot],
+                    body.as_bytes(),
+                    now_ms,
+                    pod.inflight,
+                );
+                result.expect("a simulated pod's report folds");
+                self.since[slot] = Some(pod.cache.seq());
+            }
+        }
+        let publication = self.cluster.publish(now_ms);
+        for (bucket, bytes) in publication.buckets {
+            self.buckets.insert(bucket, bytes);
+        }
+        self.table = publication.table;
+    }
+
+    /// The filter's decision for `request` (the core's own
+    /// [`Router::route_prepared`] on the published view); `None` is a 503.
+    fn choose(&mut self, request: &Request, inflight: &[u32]) -> Option<usize> {
+        self.requests += 1;
+        if self.table.pods.is_empty() {
+            return None; // nothing published yet
+        }
+        let prepared = if request.routable {
+            RoutingRequest {
+                model: String::new(),
+                adapter: None,
+                chain: request.chain.clone(),
+                tokens_per_block: request.block_tokens,
+                degraded: None,
+            }
+        } else {
+            RoutingRequest {
+                model: String::new(),
+                adapter: None,
+                chain: Vec::new(),
+                tokens_per_block: 0,
+                degraded: Some("request body exceeds maxBodyBytes".into()),
+            }
+        };
+        let snapshot = SnapshotIndex {
+            buckets: self.table.buckets,
+            fetch: |b| self.buckets.get(&b).cloned(),
+        };
+        let empty = PrefixTree::new(1);
+        let overlay: &dyn PrefixLookup = match &self.overlay {
+            Some(overlay) => overlay,
+            None => &empty,
+        };
+        let view = ClusterView {
+            table: &self.table,
+            index: &Merged(&snapshot, overlay),
+            inflight,
+        };
+        let Outcome::Routed(routed) = self.router.route_prepared(prepared, &view, self.requests)
+        else {
+            return None;
+        };
+        if let Some(overlay) = &mut self.overlay {
+            overlay.record(routed.slot, &routed.chain);
+            self.cluster.record_decision(routed.slot, &routed.chain);
+        }
+        Some(routed.slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{AdapterSlots, PodModel};
+    use crate::replay::workload::DEFAULT_MODEL;
+    use crate::trace::{completions_body, TraceRequest};
+    use kvroute::config::ModelTarget;
+    use kvroute::request::Prompt;
+    use kvroute::router::{ClusterView, Outcome, Router};
+
+    fn trace(n: usize) -> Vec<TraceRequest> {
+        (0..n)
+            .map(|i| {
+                let family = (i % 3) as u64;
+                let mut ids: Vec<u64> = (0..4).map(|b| family * 100 + b).collect();
+                ids.push(1000 + i as u64);
+                TraceRequest {
+                    line: i + 1,
+                    timestamp_ms: i as f64 * 300.0,
+                    input_length: 5 * 512 - 100,
+                    output_length: 20,
+                    hash_ids: ids,
+                }
+            })
+            .collect()
+    }
+
+    fn config(mode: IndexMode) -> Config {
+        let config = Config {
+            block_size_bytes: 2048,
+            block_size_tokens: 512,
+            mode,
+            pod_capacity_blocks: 12,
+            pods: sim_pods(3),
+            ..Config::default()
+        };
+        config.validate().unwrap();
+        config
+    }
+
+    /// The replay's kvroute decision is `Router::route`'s on the real body
+    /// with the same published view, and the replay's chain is the one the
+    /// filter hashes.
+    #[test]
+    fn decisions_match_the_router_on_real_bodies() {
+        for mode in [IndexMode::Precise, IndexMode::Approximate] {
+            let config = config(mode);
+            let requests = trace(30);
+            let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
+            let router = Router::new(config.clone());
+            let mut view = KvrouteView::new(&config, 3);
+            let mut pods: Vec<Pod> = (0..3)
+                .map(|_| Pod {
+                    cache: KvCache::new(12, 1000),
+                    running: 0,
+                    waiting: VecDeque::new(),
+                    inflight: 0,
+                })
+                .collect();
+            for (i, (r, t)) in workload.requests.iter().zip(&requests).enumerate() {
+                if i % 4 == 0 {
+                    view.tick(i as u64 * 1_000_000, &pods, 8);
+                }
+                let inflight: Vec<u32> = pods.iter().map(|p| p.inflight).collect();
+                let body = completions_body(t, DEFAULT_MODEL, false).to_string();
+                let expected = {
+                    let snapshot = SnapshotIndex {
+                        buckets: view.table.buckets,
+                        fetch: |b| view.buckets.get(&b).cloned(),
+                    };
+                    let empty = PrefixTree::new(1);
+                    let overlay: &dyn PrefixLookup = match &view.overlay {
+                        Some(o) => o,
+                        None => &empty,
+                    };
+                    let cluster = ClusterView {
+                        table: &view.table,
+                        index: &Merged(&snapshot, overlay),
+                        inflight: &inflight,
+                    };
+                    match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
+                        Outcome::Routed(routed) => {
+                            assert_eq!(routed.chain, r.chain, "request {i}");
+                            Some(routed.slot)
+                        }
+                        Outcome::Rejected(_) => None,
+                    }
+                };
+                let chosen = view.choose(r, &inflight);
+                assert_eq!(chosen, expected, "{mode:?} request {i}");
+                let pod = chosen.unwrap();
+                pods[pod].cache.insert_chain(&r.chain);
+                pods[pod].inflight += (i % 2) as u32;
+            }
+        }
+    }
+
+    /// Admission counts cached tokens and prefill as `PodModel::admit` does.
+    #[test]
+    fn admission_matches_the_pod_model() {
+        let config = config(IndexMode::Precise);
+        let requests = trace(6);
+        let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
+        let cost = CostModel::gpu_8b(1.0);
+        let mut model = PodModel::new(
+            &config,
+            KvCache::new(8, 100),
+            AdapterSlots::new(1, Default::default()),
+            cost.clone(),
+        );
+        let target = ModelTarget {
+            base_model: DEFAULT_MODEL.into(),
+            adapter: None,
+        };
+        for (r, t) in workload.requests.iter().zip(&requests) {
+            let prompt = Prompt::Text(crate::trace::prompt_text(t).into_bytes());
+            let admission = model.admit(&target, &prompt);
+            assert_eq!(admission.chain, r.chain);
+            assert_eq!(admission.prompt_tokens, r.prompt_tokens);
+            let cached = cached_tokens(
+                model.cache.cached_prefix(&r.chain),
+                r.block_tokens,
+                r.prompt_tokens,
+            );
+            assert_eq!(admission.cached_tokens, cached);
+            assert_eq!(admission.prefill, cost.prefill(r.prompt_tokens - cached));
+            model.finish_prefill(&admission);
+        }
+        assert!(!model.cache.is_empty());
+    }
+
+    #[test]
+    fn ring_is_stable_and_spreads() {
+        let ring = ring(8);
+        let mut counts = [0usize; 8];
+        for key in 0..8000u64 {
+            counts[ring_pick(&ring, key)] += 1;
+            assert_eq!(ring_pick(&ring, key), ring_pick(&ring, key));
+        }
+        assert!(counts.iter().all(|&c| c > 600 && c < 1500), "{counts:?}");
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 0.5), 50);
+        assert_eq!(percentile(&v, 0.99), 99);
+        assert_eq!(percentile(&[7], 0.99), 7);
+        assert_eq!(percentile(&[], 0.5), 0);
+    }
+}
