@@ -163,8 +163,10 @@ pub enum LogLevel {
     Trace,
 }
 
-/// Optional pod discovery: a URL (through an Envoy cluster) answering
-/// `{"pods": [{"id": .., "address": .., "attributes": {..}}]}`.
+/// Optional pod discovery: `GET path` through an Envoy cluster, answering
+/// `{"pods": [{"id": .., "address": .., "attributes": {..}}]}`. `authority`
+/// (`host:port`) is sent as `:authority` and `x-envoy-original-dst-host`, so
+/// an ORIGINAL_DST cluster such as `kvroute_reports` reaches it.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct DiscoveryConfig {

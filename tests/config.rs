@@ -440,6 +440,7 @@ fn chains_separate_adapters_and_share_aliases() {
     // Token prompts: 16-token blocks.
     let tokens = Prompt::Tokens((0..100).collect());
     assert_eq!(hasher.chain(&target("llama-3-8b", None), &tokens).len(), 6);
-    assert_eq!(hasher.tokens_in_blocks(&prompt, 16), 256);
-    assert_eq!(hasher.tokens_in_blocks(&tokens, 6), 96);
+    // A 64-byte text block counts as 16 tokens; a token block is 16 tokens.
+    assert_eq!(hasher.tokens_per_block(&prompt), 16);
+    assert_eq!(hasher.tokens_per_block(&tokens), 16);
 }

@@ -617,3 +617,120 @@ fn approximate_mode_follows_its_own_decisions_without_reports() {
         .sum();
     assert_eq!(reports, 0, "approximate mode pulls no reports");
 }
+
+#[test]
+fn no_eligible_pod_answers_503_with_retry_after() {
+    let cluster = start(2, base_config(), &[], vec![]);
+    for sim in &cluster.sims {
+        sim.fault(json!({"health": 0.1}));
+    }
+    cluster.wait_reports(3);
+    let r = cluster.post("/v1/completions", &completion("anyone?", 2));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let error = &r.json().expect("OpenAI-style error")["error"];
+    assert_eq!(error["type"], "ServiceUnavailableError");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("pod-0 health 0.10 below threshold"),
+        "{error}"
+    );
+    assert_eq!(requests_per_pod(&cluster), vec![0, 0]);
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_requests_rejected_total", &[("status", "503")]),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn vllm_metrics_supply_load_when_pods_send_no_reports() {
+    let mut config = base_config();
+    config["mode"] = json!("approximate");
+    config["metricsPath"] = json!("/metrics");
+    let cluster = start(4, config, &[], vec![]);
+    for (i, load) in [0.7, 0.9, 0.6, 0.2].iter().enumerate() {
+        cluster.sims[i].fault(json!({"gpuUtilization": load, "queueDepth": 1}));
+    }
+    cluster.wait_reports(3);
+    let r = cluster.post(
+        "/v1/completions",
+        &completion(&text("cold metrics", 512), 2),
+    );
+    assert_eq!(
+        served_by(&r),
+        "pod-3",
+        "least loaded by vllm:kv_cache_usage_perc"
+    );
+    assert_eq!(
+        cluster.envoy.metric("epp_pod_load", &[("pod", "pod-1")]),
+        Some(90.0)
+    );
+    assert_eq!(
+        cluster.envoy.metric("epp_queue_depth", &[("pod", "pod-1")]),
+        Some(1.0)
+    );
+}
+
+/// A one-route HTTP server answering every request with the current
+/// `body` (JSON), for 30 s.
+fn serve_json(body: Arc<std::sync::Mutex<String>>) -> String {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    stream.set_nonblocking(false).unwrap();
+                    let mut request = [0u8; 4096];
+                    let _ = stream.read(&mut request);
+                    let body = body.lock().unwrap().clone();
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    address
+}
+
+#[test]
+fn discovery_replaces_the_static_pod_list() {
+    let pod_list = Arc::new(std::sync::Mutex::new(String::from("not yet")));
+    let server = serve_json(pod_list.clone());
+    let mut config = base_config();
+    // Reached through the reports' ORIGINAL_DST cluster.
+    config["discovery"] =
+        json!({"cluster": "kvroute_reports", "path": "/pods", "authority": server});
+    let cluster = start(4, config, &[], vec![]);
+    // Until discovery answers with a valid list the static pods stay.
+    let kept: Vec<Value> = cluster.sims[2..]
+        .iter()
+        .map(|s| json!({"id": s.id, "address": s.address}))
+        .collect();
+    *pod_list.lock().unwrap() = json!({ "pods": kept }).to_string();
+    cluster.wait_reports(3);
+    for i in 0..12 {
+        let r = cluster.post(
+            "/v1/completions",
+            &completion(&text(&format!("discovered {i}"), 512), 2),
+        );
+        let pod = served_by(&r);
+        assert!(
+            pod == "pod-2" || pod == "pod-3",
+            "request {i} went to {pod}, which discovery removed"
+        );
+    }
+    let per_pod = requests_per_pod(&cluster);
+    assert!(per_pod[2] > 0 && per_pod[3] > 0, "{per_pod:?}");
+}

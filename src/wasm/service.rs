@@ -46,23 +46,19 @@ impl ServiceRoot {
             .map_or(0, |d| d.as_millis() as u64)
     }
 
-    fn call(&mut self, pod: &str, address: &str, path: &str, pull: Pull) {
+    /// GETs `path` from `destination` (`host:port`, also the `:authority`)
+    /// through `cluster`; an ORIGINAL_DST cluster connects to the
+    /// `x-envoy-original-dst-host` set here, a static one ignores it.
+    fn call(&mut self, pod: &str, cluster: &str, destination: &str, path: &str, pull: Pull) {
         let config = self.config.as_ref().expect("configured");
-        let (cluster, authority) = match (pull, &config.discovery) {
-            (Pull::Discovery, Some(d)) => (
-                d.cluster.clone(),
-                d.authority.clone().unwrap_or_else(|| d.cluster.clone()),
-            ),
-            _ => (config.report_cluster.clone(), address.to_string()),
-        };
         let headers = vec![
             (":method", "GET"),
             (":path", path),
-            (":authority", authority.as_str()),
-            ("x-envoy-original-dst-host", address),
+            (":authority", destination),
+            ("x-envoy-original-dst-host", destination),
         ];
         let timeout = Duration::from_millis(config.report_timeout_ms);
-        match self.dispatch_http_call(&cluster, headers, None, vec![], timeout) {
+        match self.dispatch_http_call(cluster, headers, None, vec![], timeout) {
             Ok(token) => {
                 self.pending.insert(token, (pod.to_string(), pull));
             }
@@ -270,10 +266,22 @@ impl RootContext for ServiceRoot {
                     .as_ref()
                     .and_then(|s| s.report_query(&pod.id, &config.report_path))
                     .unwrap_or_else(|| config.report_path.clone());
-                self.call(&pod.id, &pod.address, &query, Pull::Report);
+                self.call(
+                    &pod.id,
+                    &config.report_cluster,
+                    &pod.address,
+                    &query,
+                    Pull::Report,
+                );
             }
             if let Some(path) = &config.metrics_path {
-                self.call(&pod.id, &pod.address, path, Pull::Metrics);
+                self.call(
+                    &pod.id,
+                    &config.report_cluster,
+                    &pod.address,
+                    path,
+                    Pull::Metrics,
+                );
             }
         }
         if let Some(discovery) = &config.discovery {
@@ -282,7 +290,14 @@ impl RootContext for ServiceRoot {
                 .values()
                 .any(|(_, pull)| *pull == Pull::Discovery)
             {
-                self.call("discovery", "", &discovery.path, Pull::Discovery);
+                let destination = discovery.authority.as_deref().unwrap_or(&discovery.cluster);
+                self.call(
+                    "discovery",
+                    &discovery.cluster,
+                    destination,
+                    &discovery.path,
+                    Pull::Discovery,
+                );
             }
         }
     }
