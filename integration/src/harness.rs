@@ -52,6 +52,19 @@ fn not_found(message: String) -> io::Error {
     io::Error::new(io::ErrorKind::NotFound, message)
 }
 
+/// Deterministic filler text of exactly `bytes` bytes, distinct per `seed`
+/// from the first block on (prompts for tests, demos and benchmarks).
+pub fn filler_text(seed: &str, bytes: usize) -> String {
+    let mut out = String::with_capacity(bytes + 64);
+    let mut i = 0;
+    while out.len() < bytes {
+        out.push_str(&format!("{seed} sentence {i} of the shared context. "));
+        i += 1;
+    }
+    out.truncate(bytes);
+    out
+}
+
 /// A free loopback port (bound then released).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

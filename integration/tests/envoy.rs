@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    free_port, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
+    filler_text as text, free_port, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -40,18 +40,6 @@ fn start(pods: usize, config: Value, sim_args: &[&str], per_pod: Vec<Vec<&str>>)
         .map(|args| args.into_iter().map(String::from).collect())
         .collect();
     Cluster::start(SIM.as_ref(), spec).expect("cluster starts")
-}
-
-/// Deterministic filler text of about `bytes` bytes, distinct per `seed`.
-fn text(seed: &str, bytes: usize) -> String {
-    let mut out = String::with_capacity(bytes + 64);
-    let mut i = 0;
-    while out.len() < bytes {
-        out.push_str(&format!("{seed} sentence {i} of the shared context. "));
-        i += 1;
-    }
-    out.truncate(bytes);
-    out
 }
 
 fn completion(prompt: &str, max_tokens: u32) -> Value {

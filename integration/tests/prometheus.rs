@@ -33,7 +33,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvroute_integration::harness::{free_port, repo_root, Cluster, ClusterSpec, Process};
+use kvroute_integration::harness::{
+    filler_text as text, free_port, repo_root, Cluster, ClusterSpec, Process,
+};
 use kvroute_integration::http;
 use serde_json::{json, Value};
 
@@ -322,18 +324,6 @@ fn split_comparison(expr: &str) -> Option<(String, String)> {
 
 fn chat(messages: &[Value]) -> Value {
     json!({"model": "sim-model", "messages": messages, "max_tokens": 16})
-}
-
-/// Deterministic filler text of about `bytes` bytes, distinct per `seed`.
-fn text(seed: &str, bytes: usize) -> String {
-    let mut out = String::with_capacity(bytes + 64);
-    let mut i = 0;
-    while out.len() < bytes {
-        out.push_str(&format!("{seed} sentence {i} of the shared context. "));
-        i += 1;
-    }
-    out.truncate(bytes);
-    out
 }
 
 /// Sends a completion and returns the pod kvroute chose.

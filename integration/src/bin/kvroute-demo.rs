@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvroute_integration::harness::{Cluster, ClusterSpec, Sim};
+use kvroute_integration::harness::{filler_text, Cluster, ClusterSpec, Sim};
 use kvroute_integration::http;
 use serde_json::{json, Value};
 
@@ -26,24 +26,10 @@ fn config() -> Value {
     })
 }
 
-/// A deterministic paragraph of `bytes` bytes.
-fn paragraph(topic: &str, bytes: usize) -> String {
-    let mut text = String::new();
-    let mut i = 0;
-    while text.len() < bytes {
-        text.push_str(&format!(
-            "{topic}, point {i}: details that matter to the answer. "
-        ));
-        i += 1;
-    }
-    text.truncate(bytes);
-    text
-}
-
 /// Runs the multi-turn workload: each user's turn is a chat request with
 /// the shared system prompt and the user's whole history, sent by `send`.
 fn workload(mut send: impl FnMut(&Value) -> Value) {
-    let system = paragraph(
+    let system = filler_text(
         "You are the support assistant for the ACME cloud; policies",
         3072,
     );
@@ -51,7 +37,7 @@ fn workload(mut send: impl FnMut(&Value) -> Value) {
         .map(|u| {
             vec![
                 json!({"role": "system", "content": system}),
-                json!({"role": "user", "content": paragraph(&format!("customer {u} describes the incident"), 1536)}),
+                json!({"role": "user", "content": filler_text(&format!("customer {u} describes the incident"), 1536)}),
             ]
         })
         .collect();
@@ -61,7 +47,7 @@ fn workload(mut send: impl FnMut(&Value) -> Value) {
             let response = send(&body);
             let answer = response["choices"][0]["message"]["content"].clone();
             history.push(json!({"role": "assistant", "content": answer}));
-            history.push(json!({"role": "user", "content": paragraph(&format!("customer {user} follow-up {turn}"), 384)}));
+            history.push(json!({"role": "user", "content": filler_text(&format!("customer {user} follow-up {turn}"), 384)}));
         }
         // Users read the answer before the next turn; pods report meanwhile.
         std::thread::sleep(std::time::Duration::from_millis(600));
