@@ -10,7 +10,7 @@ ENVOY_STAMP := $(VENV)/.envoy-$(ENVOY_VERSION)
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 CARGO ?= cargo
 
-.PHONY: all setup envoy prometheus wasm lint test test-host test-wasm test-integration observability replay bench run clean
+.PHONY: all setup envoy prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean
 
 all: wasm
 
@@ -77,7 +77,15 @@ replay:
 
 test: lint test-host test-wasm test-integration
 
-bench: wasm envoy
+## bench: kvroute vs Envoy's built-in balancers on simulated pods, proxy
+## overhead, 1M-block scale (~17 min on 2 cores; BENCH_ARGS=--quick for a
+## few minutes) -> integration/results/; then the core's micro-benchmarks
+bench: wasm envoy bench-micro
+	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench
+	target/release/kvroute-bench all $(BENCH_ARGS)
+
+## bench-micro: the routing core's Criterion benchmarks (lookup + scoring)
+bench-micro:
 	$(CARGO) bench -p kvroute --bench routing
 
 run: wasm envoy

@@ -2,6 +2,7 @@
 //! its pure cache/cost model (reused by offline replay), and a std-only
 //! HTTP/1.1 client for tests and harnesses.
 
+pub mod bench;
 pub mod harness;
 pub mod http;
 pub mod model;

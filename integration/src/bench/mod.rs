@@ -1,0 +1,304 @@
+//! `kvroute-bench`: kvroute against Envoy's built-in balancers on the same
+//! Envoy binary and the same simulated pods, in one run.
+//!
+//! - [`workload`]: the four workloads (shared-prefix groups, multi-turn
+//!   chat, LoRA multi-tenant, Mooncake trace replay), KV sizing and the
+//!   offline bounds (pooled LRU, infinite cache);
+//! - [`stack`]: fresh pods + Envoy per policy (kvroute precise/approximate,
+//!   round robin, least request, random, ring hash);
+//! - [`load`]: the open-loop streaming load generator;
+//! - [`overhead`]: proxy overhead and the 1M-block scale figures;
+//! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
+//!
+//! ```text
+//! kvroute-bench [all|workload NAME..|overhead|scale] [--quick] [--out DIR]
+//! ```
+//! Results merge into `DIR/results.json` (a later `workload lora` replaces
+//! only that workload), and README.md and the charts are re-rendered from it.
+
+pub mod load;
+pub mod overhead;
+pub mod plot;
+pub mod report;
+pub mod stack;
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use serde_json::{json, Value};
+
+use crate::harness::repo_root;
+use load::Limits;
+use workload::{GenOptions, WORKLOADS};
+
+/// Command line of `kvroute-bench`.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvroute-bench",
+    about = "Benchmark kvroute against Envoy's built-in load balancers on simulated vLLM pods"
+)]
+pub struct BenchArgs {
+    /// all | workload | overhead | scale | render (re-render README.md and
+    /// the charts from results.json)
+    #[arg(default_value = "all")]
+    pub command: String,
+    /// Workload names for `workload` (shared-prefix, multi-turn, lora, trace).
+    pub names: Vec<String>,
+    /// Smaller workloads and shorter phases (a few minutes in all).
+    #[arg(long)]
+    pub quick: bool,
+    /// Results folder (default: integration/results in the repository).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Policies to run (default: all six).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Offered load as a share of the cache-blind cluster capacity.
+    #[arg(long, default_value_t = 0.7)]
+    pub load: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Trace replay speedup (default: the one offering `--load`).
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// Mooncake trace file (default: ../shared/traces/mooncake_synthetic_trace.jsonl
+    /// next to the repository, or $KVROUTE_TRACE).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Trace lines replayed (default 1000, quick 300).
+    #[arg(long)]
+    pub trace_requests: Option<usize>,
+    /// First trace line replayed, 0-based (default: the last N lines, the
+    /// trace's steady state).
+    #[arg(long)]
+    pub trace_offset: Option<usize>,
+    /// JSON merged into the kvroute plugin configuration of every workload
+    /// (e.g. '{"maxQueue": 4}'); recorded in the results.
+    #[arg(long)]
+    pub kvroute_config: Option<String>,
+    /// The kvroute-sim binary (default: next to this one).
+    #[arg(long)]
+    pub sim: Option<PathBuf>,
+}
+
+fn default_trace() -> PathBuf {
+    if let Ok(path) = std::env::var("KVROUTE_TRACE") {
+        return PathBuf::from(path);
+    }
+    let beside = repo_root().join("../shared/traces/mooncake_synthetic_trace.jsonl");
+    if beside.exists() {
+        return beside;
+    }
+    PathBuf::from("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+}
+
+fn sim_binary(args: &BenchArgs) -> PathBuf {
+    args.sim.clone().unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.join("kvroute-sim")))
+            .unwrap_or_else(|| repo_root().join("target/release/kvroute-sim"))
+    })
+}
+
+fn shell(cmd: &str, args: &[&str]) -> String {
+    std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn host() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cores} cores, {cpu}")
+}
+
+/// Runs `kvroute-bench`; returns the results document.
+pub fn run(args: &BenchArgs) -> Result<Value, String> {
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| repo_root().join("integration/results"));
+    std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let sim = sim_binary(args);
+    if !sim.exists() {
+        return Err(format!(
+            "{} not found: build it with `cargo build --release -p kvroute-integration --bin kvroute-sim`",
+            sim.display()
+        ));
+    }
+    let results_path = out.join("results.json");
+    let mut results: Value = std::fs::read_to_string(&results_path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_else(|| json!({}));
+    if !results["workloads"].is_object() {
+        results["workloads"] = json!({});
+    }
+    let (workloads, overhead, scale): (Vec<String>, bool, bool) = match args.command.as_str() {
+        "all" => (
+            WORKLOADS.iter().map(|s| s.to_string()).collect(),
+            true,
+            true,
+        ),
+        "workload" => {
+            if args.names.is_empty() {
+                return Err(format!("workload needs a name: {}", WORKLOADS.join(", ")));
+            }
+            (args.names.clone(), false, false)
+        }
+        "overhead" => (Vec::new(), true, false),
+        "scale" => (Vec::new(), false, true),
+        "render" => (Vec::new(), false, false),
+        other => {
+            return Err(format!(
+                "unknown command {other:?}: all | workload NAME.. | overhead | scale"
+            ))
+        }
+    };
+    let policies: Vec<String> = if args.policies.is_empty() {
+        stack::POLICIES.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.policies.clone()
+    };
+    let opts = GenOptions {
+        quick: args.quick,
+        seed: args.seed,
+        load: args.load,
+        pods: 4,
+        trace_path: args.trace.clone().unwrap_or_else(default_trace),
+        speedup: args.speedup,
+        trace_requests: args.trace_requests,
+        trace_offset: args.trace_offset,
+        plugin_extra: match &args.kvroute_config {
+            Some(text) => {
+                serde_json::from_str(text).map_err(|e| format!("--kvroute-config: {e}"))?
+            }
+            None => json!({}),
+        },
+    };
+    let command = std::iter::once("kvroute-bench".to_string())
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ");
+    if args.command == "render" {
+        write_results(&out, &mut results)?;
+        return Ok(results);
+    }
+    if args.command == "all" {
+        results["command"] = json!(command);
+        results["reruns"] = json!([]);
+    } else {
+        let mut reruns = results["reruns"].as_array().cloned().unwrap_or_default();
+        reruns.push(json!(command));
+        results["reruns"] = Value::Array(reruns);
+    }
+    results["date"] = json!(shell("date", &["-u", "+%Y-%m-%d %H:%M UTC"]));
+    results["host"] = json!(host());
+    results["quick"] = json!(args.quick);
+    let started = Instant::now();
+    for name in &workloads {
+        let w = workload::build(name, &opts)?;
+        let mut entry = report::workload_json(&w);
+        eprintln!(
+            "== {name}: {} requests, {:.1} req/s offered, kv {} blocks/pod, bounds pooled {:.3} infinite {:.3}",
+            w.requests.len(),
+            w.offered_rps,
+            w.kv_blocks,
+            w.bounds.pooled,
+            w.bounds.infinite
+        );
+        let mut rows = Vec::new();
+        for policy in &policies {
+            let row = run_policy(policy, &w, &sim)?;
+            eprintln!(
+                "   {policy:16} hit {:.3}  ttft p50 {} p99 {}  errors {}  share {}  ({:.0} s elapsed)",
+                row["hitRate"].as_f64().unwrap_or(0.0),
+                row["ttftMs"]["p50"],
+                row["ttftMs"]["p99"],
+                row["errors"],
+                row["maxShareOverFair"],
+                started.elapsed().as_secs_f64()
+            );
+            rows.push(row);
+        }
+        entry["policies"] = Value::Array(rows);
+        results["workloads"][name.as_str()] = entry;
+        write_results(&out, &mut results)?;
+    }
+    if overhead {
+        let o = overhead::overhead(&sim, args.quick).map_err(|e| format!("overhead: {e}"))?;
+        results["overhead"] = o;
+        write_results(&out, &mut results)?;
+    }
+    if scale {
+        let s = overhead::scale(&sim, args.quick).map_err(|e| format!("scale: {e}"))?;
+        results["scale"] = s;
+        write_results(&out, &mut results)?;
+    }
+    eprintln!(
+        "done in {:.0} s; results in {}",
+        started.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(results)
+}
+
+/// One policy on one workload, on fresh pods.
+fn run_policy(policy: &str, w: &workload::Workload, sim: &Path) -> Result<Value, String> {
+    let stack = stack::start(policy, w, sim).map_err(|e| format!("{policy}: {e}"))?;
+    let offset = std::fs::metadata(&stack.envoy().log_path).map_or(0, |m| m.len() as usize);
+    let last = w.requests.last().map_or(0.0, |r| r.at_s);
+    let limits = Limits {
+        max_in_flight: 2000,
+        request_timeout: Duration::from_secs(120),
+        max_send_window: Duration::from_secs_f64(last * 1.5 + 30.0),
+    };
+    let (outcomes, wall) = load::run(stack.listen(), &w.requests, limits);
+    std::thread::sleep(Duration::from_millis(200));
+    let stats: Vec<Value> = stack.sims().iter().map(|s| s.stats()).collect();
+    let filter = if policy.starts_with("kvroute") {
+        let log = stack.envoy().log();
+        overhead::route_latencies(log.get(offset..).unwrap_or(""))
+    } else {
+        Vec::new()
+    };
+    Ok(report::policy_figures(
+        policy, w, &outcomes, wall, &stats, &filter,
+    ))
+}
+
+/// Writes results.json, README.md and the charts.
+fn write_results(out: &Path, results: &mut Value) -> Result<(), String> {
+    results["targets"] = report::targets(results);
+    let text = serde_json::to_string_pretty(results).map_err(|e| e.to_string())?;
+    std::fs::write(out.join("results.json"), text + "\n").map_err(|e| e.to_string())?;
+    let mut command = results["command"]
+        .as_str()
+        .unwrap_or("kvroute-bench")
+        .to_string();
+    for rerun in results["reruns"].as_array().into_iter().flatten() {
+        command.push_str(&format!("`, then `{}", rerun.as_str().unwrap_or("")));
+    }
+    std::fs::write(out.join("README.md"), report::markdown(results, &command))
+        .map_err(|e| e.to_string())?;
+    let workloads = &results["workloads"];
+    if workloads.as_object().is_some_and(|o| !o.is_empty()) {
+        plot::hit_rate(&out.join("hit_rate.png"), workloads).map_err(|e| e.to_string())?;
+        plot::ttft_p50(&out.join("ttft_p50.png"), workloads).map_err(|e| e.to_string())?;
+        plot::ttft_cdf(&out.join("ttft_cdf.png"), workloads).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

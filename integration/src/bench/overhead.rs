@@ -1,0 +1,654 @@
+//! What kvroute costs in the proxy.
+//!
+//! - [`overhead`]: one simulated pod answering at once (`--time-scale 0`,
+//!   `max_tokens` 1), two Envoys in front of it — kvroute, and the same
+//!   Envoy with a plain STATIC cluster and no filter. Closed-loop
+//!   keep-alive clients at fixed concurrency, the two measured in
+//!   alternating phases (A B, B A, …) so drift hits both; the filter's own
+//!   time from the `latencyUs` of its `route` log lines.
+//! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
+//!   ingest time, index gauges, main-thread CPU per tick (from
+//!   `/proc/<envoy>/task/<main>/stat`), the filter's time at that index
+//!   size; and the same folding and publication natively (exact snapshot
+//!   size).
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvroute::cluster::ClusterState;
+use kvroute::config::Config;
+use kvroute::hashing::BlockHasher;
+use kvroute::request::Prompt;
+use serde_json::{json, Value};
+
+use super::report::percentile;
+use super::stack::render_baseline;
+use super::workload::words;
+use crate::harness::{
+    free_port, prometheus_value, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
+};
+use crate::model::{KvCache, PodLoad};
+use crate::sim::preload_prompt;
+
+/// A keep-alive HTTP/1.1 connection.
+struct Conn {
+    addr: String,
+    reader: Option<BufReader<TcpStream>>,
+}
+
+impl Conn {
+    fn new(addr: &str) -> Conn {
+        Conn {
+            addr: addr.to_string(),
+            reader: None,
+        }
+    }
+
+    /// POSTs `body` to `path`; returns the status.
+    fn post(&mut self, path: &str, body: &[u8]) -> io::Result<u16> {
+        let result = self.try_post(path, body);
+        if result.is_err() {
+            self.reader = None;
+        }
+        result
+    }
+
+    fn try_post(&mut self, path: &str, body: &[u8]) -> io::Result<u16> {
+        if self.reader.is_none() {
+            let stream = TcpStream::connect(&self.addr)?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+            self.reader = Some(BufReader::with_capacity(64 * 1024, stream));
+        }
+        let reader = self.reader.as_mut().expect("connected");
+        let mut message = format!(
+            "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        message.extend_from_slice(body);
+        reader.get_mut().write_all(&message)?;
+        let mut line = String::new();
+        read_line(reader, &mut line)?;
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| io::Error::other(format!("bad status line {line:?}")))?;
+        let (mut length, mut chunked, mut close) = (None, false, false);
+        loop {
+            read_line(reader, &mut line)?;
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            let lower = l.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                length = v.trim().parse::<usize>().ok();
+            } else if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+                chunked = true;
+            } else if lower.starts_with("connection:") && lower.contains("close") {
+                close = true;
+            }
+        }
+        if chunked {
+            loop {
+                read_line(reader, &mut line)?;
+                let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+                    .map_err(|_| io::Error::other("bad chunk size"))?;
+                let mut skip = vec![0u8; size + 2];
+                reader.read_exact(&mut skip)?;
+                if size == 0 {
+                    break;
+                }
+            }
+        } else if let Some(n) = length {
+            let mut skip = vec![0u8; n];
+            reader.read_exact(&mut skip)?;
+        }
+        if close {
+            self.reader = None;
+        }
+        Ok(status)
+    }
+}
+
+fn read_line(reader: &mut impl BufRead, line: &mut String) -> io::Result<()> {
+    line.clear();
+    if reader.read_line(line)? == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed"));
+    }
+    Ok(())
+}
+
+/// One closed-loop phase: latencies (µs) of successful requests, errors,
+/// elapsed seconds.
+struct Phase {
+    latencies_us: Vec<f64>,
+    errors: u64,
+    elapsed_s: f64,
+}
+
+fn closed_loop(addr: &str, bodies: &[String], concurrency: usize, duration: Duration) -> Phase {
+    let stop = AtomicBool::new(false);
+    let errors = AtomicU64::new(0);
+    let start = Instant::now();
+    let latencies = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..concurrency)
+            .map(|worker| {
+                let (stop, errors) = (&stop, &errors);
+                scope.spawn(move || {
+                    let mut conn = Conn::new(addr);
+                    let mut out = Vec::new();
+                    let mut i = worker;
+                    while !stop.load(Ordering::Relaxed) {
+                        let body = bodies[i % bodies.len()].as_bytes();
+                        i += concurrency;
+                        let t = Instant::now();
+                        match conn.post("/v1/completions", body) {
+                            Ok(200) => out.push(t.elapsed().as_secs_f64() * 1e6),
+                            _ => {
+                                errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect::<Vec<f64>>()
+    });
+    Phase {
+        latencies_us: latencies,
+        errors: errors.load(Ordering::Relaxed),
+        elapsed_s: start.elapsed().as_secs_f64(),
+    }
+}
+
+/// `count` distinct completion bodies of exactly `size` bytes.
+fn bodies(size: usize, count: usize) -> Vec<String> {
+    (0..count)
+        .map(|i| {
+            let empty = json!({"model": "sim-model", "prompt": "", "max_tokens": 1}).to_string();
+            let text = words(
+                &format!("request {i} of {size}: "),
+                (size as u64) << 20 | i as u64,
+                size.saturating_sub(empty.len()),
+            );
+            let body = json!({"model": "sim-model", "prompt": text, "max_tokens": 1}).to_string();
+            debug_assert_eq!(body.len(), size);
+            body
+        })
+        .collect()
+}
+
+/// `latencyUs` values of the filter's `route` log lines in `log`.
+pub fn route_latencies(log: &str) -> Vec<f64> {
+    log.lines()
+        .filter_map(|l| {
+            let at = l.find("\"latencyUs\":")? + "\"latencyUs\":".len();
+            let digits: String = l[at..].chars().take_while(|c| c.is_ascii_digit()).collect();
+            digits.parse().ok()
+        })
+        .collect()
+}
+
+fn log_len(envoy: &Envoy) -> usize {
+    std::fs::metadata(&envoy.log_path).map_or(0, |m| m.len() as usize)
+}
+
+fn log_since(envoy: &Envoy, offset: usize) -> String {
+    std::thread::sleep(Duration::from_millis(150)); // --file-flush-interval-msec 50
+    let log = envoy.log();
+    log.get(offset..).unwrap_or("").to_string()
+}
+
+fn stats(values: &mut [f64]) -> Value {
+    values.sort_by(f64::total_cmp);
+    json!({
+        "p50": percentile(values, 50.0).map(|v| v.round()),
+        "p99": percentile(values, 99.0).map(|v| v.round()),
+        "n": values.len(),
+    })
+}
+
+/// Runs the overhead measurement.
+pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
+    let plugin =
+        json!({"podReportIntervalMs": 500, "models": {"sim-model": {"baseModel": "sim-model"}}});
+    let mut spec = ClusterSpec::new(1, plugin);
+    spec.sim_args = vec![
+        "--time-scale".into(),
+        "0".into(),
+        "--max-batch".into(),
+        "4096".into(),
+    ];
+    let cluster = Cluster::start(sim_binary, spec)?;
+    let plain_dir = cluster.dir.join("plain");
+    std::fs::create_dir_all(&plain_dir)?;
+    let (listen, admin) = (free_port(), free_port());
+    let yaml = render_baseline(
+        "ROUND_ROBIN",
+        listen,
+        admin,
+        &[cluster.sims[0].address.clone()],
+    );
+    let plain = Envoy::start(&plain_dir, &yaml, listen, admin)?;
+    // The same kvroute Envoy with the filter's per-request INFO log off.
+    let quiet_dir = cluster.dir.join("quiet");
+    std::fs::create_dir_all(&quiet_dir)?;
+    let mut quiet_config = cluster.config.clone();
+    quiet_config["logLevel"] = json!("warn");
+    let (listen, admin) = (free_port(), free_port());
+    let yaml = render_envoy_config(
+        &wasm_path(),
+        listen,
+        admin,
+        &quiet_config,
+        &[cluster.sims[0].address.clone()],
+    );
+    let quiet = Envoy::start(&quiet_dir, &yaml, listen, admin)?;
+    let kv = &cluster.envoy;
+    let (rounds, phase) = if quick {
+        (2, Duration::from_secs(2))
+    } else {
+        (3, Duration::from_secs(3))
+    };
+    let mut latency = Vec::new();
+    for (size, concurrency) in [1024usize, 16 * 1024, 128 * 1024]
+        .into_iter()
+        .flat_map(|s| [(s, 1usize), (s, 8)])
+    {
+        let set = bodies(size, 32);
+        closed_loop(&kv.listen, &set, concurrency, Duration::from_millis(700));
+        closed_loop(&plain.listen, &set, concurrency, Duration::from_millis(700));
+        let (mut a, mut b, mut filter) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut a_err, mut b_err) = (0, 0);
+        for round in 0..rounds {
+            for kvroute_first in [round % 2 == 0, round % 2 != 0] {
+                if kvroute_first {
+                    let offset = log_len(kv);
+                    let p = closed_loop(&kv.listen, &set, concurrency, phase);
+                    a.extend(p.latencies_us);
+                    a_err += p.errors;
+                    filter.extend(route_latencies(&log_since(kv, offset)));
+                } else {
+                    let p = closed_loop(&plain.listen, &set, concurrency, phase);
+                    b.extend(p.latencies_us);
+                    b_err += p.errors;
+                }
+            }
+        }
+        let (sa, sb) = (stats(&mut a), stats(&mut b));
+        let added = |q: &str| match (sa[q].as_f64(), sb[q].as_f64()) {
+            (Some(x), Some(y)) => json!(x - y),
+            _ => Value::Null,
+        };
+        let entry = json!({
+            "bodyBytes": size,
+            "concurrency": concurrency,
+            "kvrouteUs": sa,
+            "plainUs": sb,
+            "addedUs": {"p50": added("p50"), "p99": added("p99")},
+            "filterUs": stats(&mut filter),
+            "errors": {"kvroute": a_err, "plain": b_err},
+        });
+        eprintln!("overhead latency: {entry}");
+        latency.push(entry);
+    }
+    let mut saturation = Vec::new();
+    let sat_concurrency = 32;
+    for size in [1024usize, 16 * 1024] {
+        let set = bodies(size, 32);
+        // (requests, seconds) of kvroute, plain, kvroute without INFO logs.
+        let mut sums = [(0usize, 0.0f64); 3];
+        let targets = [&kv.listen, &plain.listen, &quiet.listen];
+        for round in 0..rounds {
+            let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+            for which in order {
+                let p = closed_loop(targets[which], &set, sat_concurrency, phase);
+                sums[which].0 += p.latencies_us.len();
+                sums[which].1 += p.elapsed_s;
+            }
+        }
+        let [ra, rb, rq] = sums.map(|(n, t)| n as f64 / t);
+        let entry = json!({
+            "bodyBytes": size,
+            "concurrency": sat_concurrency,
+            "kvrouteRps": ra.round(),
+            "plainRps": rb.round(),
+            "ratio": (ra / rb * 1000.0).round() / 1000.0,
+            "kvrouteNoLogRps": rq.round(),
+            "noLogRatio": (rq / rb * 1000.0).round() / 1000.0,
+        });
+        eprintln!("overhead saturation: {entry}");
+        saturation.push(entry);
+    }
+    Ok(json!({
+        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1) behind two Envoy 1.40 (--concurrency 2): kvroute (ORIGINAL_DST + filter) and plain (STATIC cluster, no filter); closed-loop keep-alive clients on the same 2 cores, {rounds} alternating rounds of {} s per side; added = kvroute − plain percentile", phase.as_secs()),
+        "latency": latency,
+        "saturation": saturation,
+    }))
+}
+
+/// The overhead section of the results document.
+pub fn overhead_markdown(o: &Value) -> String {
+    let mut out = String::from("## Overhead\n\n");
+    out.push_str(&format!("{}.\n\n", o["method"].as_str().unwrap_or("")));
+    out.push_str("| body | concurrency | plain p50 / p99 µs | kvroute p50 / p99 µs | added p50 / p99 µs | filter's own time p50 / p99 µs (`latencyUs`) |\n|---:|---:|---:|---:|---:|---:|\n");
+    for l in o["latency"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "| {} KiB | {} | {} / {} | {} / {} | {} / {} | {} / {} |\n",
+            l["bodyBytes"].as_u64().unwrap_or(0) / 1024,
+            l["concurrency"],
+            l["plainUs"]["p50"],
+            l["plainUs"]["p99"],
+            l["kvrouteUs"]["p50"],
+            l["kvrouteUs"]["p99"],
+            l["addedUs"]["p50"],
+            l["addedUs"]["p99"],
+            l["filterUs"]["p50"],
+            l["filterUs"]["p99"],
+        ));
+    }
+    out.push_str("\n| body | concurrency | plain req/s | kvroute req/s | ratio | kvroute, filter INFO log off | ratio |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+    for s in o["saturation"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "| {} KiB | {} | {} | {} | {:.1}% | {} | {:.1}% |\n",
+            s["bodyBytes"].as_u64().unwrap_or(0) / 1024,
+            s["concurrency"],
+            s["plainRps"],
+            s["kvrouteRps"],
+            s["ratio"].as_f64().unwrap_or(0.0) * 100.0,
+            s["kvrouteNoLogRps"],
+            s["noLogRatio"].as_f64().unwrap_or(0.0) * 100.0,
+        ));
+    }
+    out.push('\n');
+    out
+}
+
+/// The pid of the Envoy whose command line names `config`.
+fn envoy_pid(config: &Path) -> Option<u32> {
+    let wanted = config.display().to_string();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.contains("envoy") && cmdline.split('\0').any(|a| a == wanted) {
+                return Some(pid);
+            }
+        }
+    }
+    None
+}
+
+/// CPU seconds (user + system) of thread `tid` of `pid`.
+fn thread_cpu_s(pid: u32, tid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // After the command: state is field 3, utime 14, stime 15 (1-based).
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0) // USER_HZ
+}
+
+fn metric(envoy: &Envoy, name: &str) -> Option<f64> {
+    prometheus_value(&envoy.prometheus(), name, &[])
+}
+
+/// Runs the 1M-block scale measurement.
+pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
+    let pods = 64usize;
+    let prompt_bytes = 16384; // 256 blocks of 64 bytes
+    let blocks_per_prompt = 256usize;
+    let target_blocks: usize = if quick { 250_000 } else { 1_000_000 };
+    let prompts = target_blocks.div_ceil(pods * blocks_per_prompt);
+    let per_pod = prompts * blocks_per_prompt;
+    let interval_ms = 1000u64;
+    let native = native_scale(pods, prompts, prompt_bytes)?;
+    eprintln!("scale native: {native}");
+    let plugin = json!({
+        "podReportIntervalMs": interval_ms,
+        "reportTimeoutMs": 2000,
+        "maxIndexBlocks": 1_048_576,
+        "models": {"sim-model": {"baseModel": "sim-model"}},
+    });
+    let mut spec = ClusterSpec::new(pods, plugin);
+    spec.sim_args = vec![
+        "--time-scale".into(),
+        "0.01".into(),
+        "--kv-blocks".into(),
+        (per_pod + 2048).to_string(),
+        "--preload-prompts".into(),
+        prompts.to_string(),
+        "--preload-prompt-bytes".into(),
+        prompt_bytes.to_string(),
+    ];
+    let started = Instant::now();
+    let cluster = Cluster::start(sim_binary, spec)?;
+    let startup_s = started.elapsed().as_secs_f64();
+    let pid = envoy_pid(&cluster.dir.join("envoy.yaml"))
+        .ok_or_else(|| io::Error::other("cannot find the Envoy process"))?;
+    let expected = (per_pod * pods) as f64;
+    let ingest_start = Instant::now();
+    let cpu0 = thread_cpu_s(pid, pid).unwrap_or(0.0);
+    let mut nodes = 0.0;
+    while ingest_start.elapsed() < Duration::from_secs(240) {
+        nodes = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
+        if nodes >= expected * 0.999 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let ingest_s = ingest_start.elapsed().as_secs_f64();
+    let _ = cpu0;
+    // Cumulative since Envoy started: startup, the first ticks folding all
+    // full reports, publication.
+    let ingest_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0);
+    let memory = metric(&cluster.envoy, "epp_index_memory_bytes");
+    eprintln!("scale: {nodes} nodes after {ingest_s:.1} s (cluster start {startup_s:.1} s)");
+    let window = Duration::from_secs(if quick { 6 } else { 15 });
+    // Idle: every tick pulls 64 empty deltas and republishes the pod table.
+    std::thread::sleep(Duration::from_millis(1500));
+    let c0 = thread_cpu_s(pid, pid).unwrap_or(0.0);
+    std::thread::sleep(window);
+    let idle_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0) - c0;
+    // Churn: half the requests hit a preloaded prompt (lookups at full
+    // index), half are new 256-block prompts (256 stored + up to 256
+    // evicted blocks each, folded and republished by the service).
+    let offset = log_len(&cluster.envoy);
+    let c1 = thread_cpu_s(pid, pid).unwrap_or(0.0);
+    let rate = 20.0;
+    let sent = churn(&cluster, prompts, prompt_bytes, rate, window);
+    let churn_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0) - c1;
+    let mut filter = route_latencies(&log_since(&cluster.envoy, offset));
+    let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
+    let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
+    Ok(json!({
+        "pods": pods,
+        "preloadedBlocks": per_pod * pods,
+        "indexNodes": nodes,
+        "indexNodesAfterChurn": nodes_after,
+        "indexMemoryBytes": memory,
+        "clusterStartS": (startup_s * 10.0).round() / 10.0,
+        "ingestS": (ingest_s * 10.0).round() / 10.0,
+        "ingestMainThreadCpuS": (ingest_cpu * 100.0).round() / 100.0,
+        "reportIntervalMs": interval_ms,
+        "idle": {"windowS": window.as_secs(), "mainThreadCpuS": idle_cpu, "msPerTick": idle_cpu * 1000.0 / ticks},
+        "churn": {"windowS": window.as_secs(), "requests": sent, "newBlocksPerS": rate / 2.0 * blocks_per_prompt as f64,
+                  "mainThreadCpuS": churn_cpu, "msPerTick": churn_cpu * 1000.0 / ticks},
+        "filterUsAtFullIndex": stats(&mut filter),
+        "native": native,
+        "method": "in Envoy: CPU time of Envoy's main thread (where the singleton service runs; it also flushes stats every 1 s and serves the admin page) from /proc/<pid>/task/<pid>/stat at 10 ms resolution, divided by the ticks in the window; native: the same ClusterState code (kvroute::cluster) on the host, timed with Instant, snapshot size = bytes of all published buckets + pod table + in-flight array",
+    }))
+}
+
+/// Sends `rate` requests/s for `window`: even ones reuse a preloaded
+/// prompt, odd ones are new. Returns the number sent.
+fn churn(cluster: &Cluster, prompts: usize, bytes: usize, rate: f64, window: Duration) -> usize {
+    let start = Instant::now();
+    let mut n = 0usize;
+    std::thread::scope(|scope| {
+        while start.elapsed() < window {
+            let due = start + Duration::from_secs_f64(n as f64 / rate);
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            let prompt = if n.is_multiple_of(2) {
+                let pod = &cluster.sims[(n / 2) % cluster.sims.len()].id;
+                preload_prompt(pod, (n / 2 / cluster.sims.len()) % prompts, bytes)
+            } else {
+                preload_prompt("bench-new", n, bytes)
+            };
+            let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1}).to_string();
+            let addr = cluster.envoy.listen.clone();
+            scope.spawn(move || {
+                let _ = crate::http::post_json(&addr, "/v1/completions", &body);
+            });
+            n += 1;
+        }
+    });
+    n
+}
+
+/// Folds the same preloaded caches into a native [`ClusterState`]: full
+/// reports, one publication (the whole snapshot), then a churn tick.
+fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> {
+    let pod_list: Vec<Value> = (0..pods)
+        .map(|i| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{}", 20000 + i)}))
+        .collect();
+    let config = Config::parse(
+        json!({"maxIndexBlocks": 1_048_576, "pods": pod_list, "models": {"sim-model": {"baseModel": "sim-model"}}})
+            .to_string()
+            .as_bytes(),
+    )
+    .map_err(io::Error::other)?;
+    let hasher = BlockHasher::from_config(&config);
+    let target = config.resolve_model("sim-model").expect("model");
+    let load = PodLoad {
+        health: 1.0,
+        ..PodLoad::default()
+    };
+    let mut caches = Vec::new();
+    let mut bodies = Vec::new();
+    for i in 0..pods {
+        let id = format!("pod-{i}");
+        let mut cache = KvCache::new(prompts * 256 + 2048, 100_000);
+        for p in 0..prompts {
+            let text = preload_prompt(&id, p, bytes);
+            cache.insert_chain(&hasher.chain(&target, &Prompt::Text(text.into_bytes())));
+        }
+        bodies.push(cache.report(&id, "E", None, None, &load).to_string());
+        caches.push(cache);
+    }
+    let mut state = ClusterState::new(&config, 0);
+    let t = Instant::now();
+    for (i, body) in bodies.iter().enumerate() {
+        let (result, _) = state.apply_report(&format!("pod-{i}"), body.as_bytes(), 1, 0);
+        result.map_err(|e| io::Error::other(format!("{e:?}")))?;
+    }
+    let fold_full_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let publication = state.publish(2);
+    let publish_full_s = t.elapsed().as_secs_f64();
+    let bucket_bytes: usize = publication.buckets.iter().map(|(_, v)| v.len()).sum();
+    let table_bytes = publication.table.encode().len();
+    let snapshot_bytes = bucket_bytes + table_bytes + 4 * pods + 8;
+    let nodes = state.index().len();
+    let memory = state.memory_bytes();
+    // Churn tick: 5 pods each store one new 256-block prompt.
+    let mut delta_bodies = Vec::new();
+    for (i, cache) in caches.iter_mut().enumerate().take(5) {
+        let id = format!("pod-{i}");
+        let since = cache.seq();
+        let text = preload_prompt("native-new", i, bytes);
+        cache.insert_chain(&hasher.chain(&target, &Prompt::Text(text.into_bytes())));
+        delta_bodies.push((
+            id.clone(),
+            cache
+                .report(&id, "E", Some(since), Some("E"), &load)
+                .to_string(),
+        ));
+    }
+    let t = Instant::now();
+    for (id, body) in &delta_bodies {
+        let _ = state.apply_report(id, body.as_bytes(), 3, 0);
+    }
+    let p = state.publish(4);
+    let churn_tick_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let idle = state.publish(5);
+    let idle_publish_s = t.elapsed().as_secs_f64();
+    Ok(json!({
+        "indexNodes": nodes,
+        "memoryBytes": memory,
+        "bytesPerBlock": (memory as f64 / nodes.max(1) as f64 * 10.0).round() / 10.0,
+        "snapshotBytes": snapshot_bytes,
+        "snapshotBuckets": publication.buckets.len(),
+        "podTableBytes": table_bytes,
+        "reportBytesPerPod": bodies.first().map(|b| b.len()),
+        "foldFullReportsMs": (fold_full_s * 1e4).round() / 10.0,
+        "publishFullMs": (publish_full_s * 1e4).round() / 10.0,
+        "churnTickMs": (churn_tick_s * 1e4).round() / 10.0,
+        "churnTickBucketsWritten": p.buckets.len(),
+        "idlePublishMs": (idle_publish_s * 1e4).round() / 10.0,
+        "idleBucketsWritten": idle.buckets.len(),
+    }))
+}
+
+/// The scale section of the results document.
+pub fn scale_markdown(s: &Value) -> String {
+    let n = &s["native"];
+    let f = |v: &Value, d: usize| v.as_f64().map_or("–".into(), |x| format!("{x:.d$}"));
+    format!(
+        "## Scale: {} indexed blocks over {} pods\n\n\
+         | figure | value |\n|---|---:|\n\
+         | blocks preloaded (64 sims, `--preload-prompts`) | {} |\n\
+         | `epp_prefix_tree_nodes` after ingest | {} |\n\
+         | `epp_index_memory_bytes` | {} MB |\n\
+         | sims + Envoy start until all blocks are indexed (full reports) | {} s wall; {} s Envoy main-thread CPU since its start |\n\
+         | service tick, idle (64 empty deltas + publish), main-thread CPU | {} ms per tick |\n\
+         | service tick under churn ({} new blocks/s), main-thread CPU | {} ms per tick |\n\
+         | filter's own time at full index (`latencyUs`) p50 / p99 | {} / {} µs |\n\
+         | shared-data snapshot (native, exact) | {:.1} MB in {} buckets + {} B pod table |\n\
+         | native: fold 64 full reports / publish everything | {} ms / {} ms |\n\
+         | native: churn tick (5 deltas of 256 blocks + publish) / idle publish | {} ms / {} ms |\n\
+         | native: index bytes per block | {} |\n\n\
+         Method: {}.\n\n",
+        s["preloadedBlocks"],
+        s["pods"],
+        s["preloadedBlocks"],
+        f(&s["indexNodes"], 0),
+        f(
+            &json!(s["indexMemoryBytes"].as_f64().unwrap_or(0.0) / 1e6),
+            1
+        ),
+        ((s["clusterStartS"].as_f64().unwrap_or(0.0) + s["ingestS"].as_f64().unwrap_or(0.0)) * 10.0).round() / 10.0,
+        s["ingestMainThreadCpuS"],
+        f(&s["idle"]["msPerTick"], 1),
+        f(&s["churn"]["newBlocksPerS"], 0),
+        f(&s["churn"]["msPerTick"], 1),
+        s["filterUsAtFullIndex"]["p50"],
+        s["filterUsAtFullIndex"]["p99"],
+        n["snapshotBytes"].as_f64().unwrap_or(0.0) / 1e6,
+        n["snapshotBuckets"],
+        n["podTableBytes"],
+        n["foldFullReportsMs"],
+        n["publishFullMs"],
+        n["churnTickMs"],
+        n["idlePublishMs"],
+        n["bytesPerBlock"],
+        s["method"].as_str().unwrap_or(""),
+    )
+}

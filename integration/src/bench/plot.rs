@@ -1,0 +1,238 @@
+//! PNG charts of the results (plotters, text in DejaVu Sans embedded from
+//! the `dejavu` crate): hit rate and TTFT p50 by policy, and TTFT CDFs,
+//! one panel per workload.
+
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use serde_json::Value;
+
+use super::stack::POLICIES;
+use super::workload::WORKLOADS;
+
+const COLORS: [RGBColor; 6] = [
+    RGBColor(0, 114, 178),
+    RGBColor(86, 180, 233),
+    RGBColor(213, 94, 0),
+    RGBColor(230, 159, 0),
+    RGBColor(204, 121, 167),
+    RGBColor(0, 158, 115),
+];
+const POOLED: RGBColor = RGBColor(70, 70, 70);
+const INFINITE: RGBColor = RGBColor(170, 170, 170);
+
+fn fonts() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = plotters::style::register_font(
+            "sans-serif",
+            FontStyle::Normal,
+            dejavu::sans::regular(),
+        );
+    });
+}
+
+type Error = Box<dyn std::error::Error>;
+
+/// One panel: its title and its bars (label, value, color).
+type Panel = (String, Vec<(String, f64, RGBColor)>);
+
+fn policy_of<'a>(w: &'a Value, name: &str) -> Option<&'a Value> {
+    w["policies"]
+        .as_array()?
+        .iter()
+        .find(|p| p["policy"] == name)
+}
+
+fn present(workloads: &Value) -> Vec<(&'static str, &Value)> {
+    WORKLOADS
+        .iter()
+        .filter_map(|n| workloads.get(*n).map(|w| (*n, w)))
+        .collect()
+}
+
+/// A bar chart per workload: one bar per (label, value, color).
+fn bars(
+    path: &Path,
+    title: &str,
+    y_desc: &str,
+    panels: &[Panel],
+    format: &dyn Fn(f64) -> String,
+) -> Result<(), Error> {
+    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 26))?;
+    let cells = root.split_evenly((2, 2));
+    for (area, (name, values)) in cells.iter().zip(panels) {
+        let top = values.iter().map(|v| v.1).fold(0.0, f64::max).max(1e-9) * 1.6;
+        let mut chart = ChartBuilder::on(area)
+            .caption(name, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(10)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..values.len() as f64, 0f64..top)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_desc(y_desc)
+            .y_label_formatter(&|v| format(*v))
+            .label_style(("sans-serif", 14))
+            .draw()?;
+        for (i, (label, value, color)) in values.iter().enumerate() {
+            let x = i as f64;
+            chart
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(x + 0.12, 0.0), (x + 0.88, *value)],
+                    color.filled(),
+                )))?
+                .label(label.clone())
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 6), (x + 14, y + 6)], color.filled())
+                });
+            chart.draw_series(std::iter::once(Text::new(
+                format(*value),
+                (x + 0.14, *value + top * 0.06),
+                ("sans-serif", 13),
+            )))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .label_font(("sans-serif", 12))
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+/// Hit rate by policy, with the two bounds.
+pub fn hit_rate(path: &Path, workloads: &Value) -> Result<(), Error> {
+    fonts();
+    let panels: Vec<Panel> = present(workloads)
+        .into_iter()
+        .map(|(name, w)| {
+            let mut values: Vec<(String, f64, RGBColor)> = POLICIES
+                .iter()
+                .zip(COLORS)
+                .filter_map(|(p, c)| {
+                    policy_of(w, p)
+                        .map(|r| (p.to_string(), r["hitRate"].as_f64().unwrap_or(0.0), c))
+                })
+                .collect();
+            values.push((
+                "pooled LRU bound".into(),
+                w["bounds"]["pooledLru"].as_f64().unwrap_or(0.0),
+                POOLED,
+            ));
+            values.push((
+                "infinite cache".into(),
+                w["bounds"]["infinite"].as_f64().unwrap_or(0.0),
+                INFINITE,
+            ));
+            (name.to_string(), values)
+        })
+        .collect();
+    bars(
+        path,
+        "Token-weighted prefix cache hit rate",
+        "hit rate",
+        &panels,
+        &|v| format!("{:.0}%", v * 100.0),
+    )
+}
+
+/// TTFT p50 by policy.
+pub fn ttft_p50(path: &Path, workloads: &Value) -> Result<(), Error> {
+    fonts();
+    let panels: Vec<Panel> = present(workloads)
+        .into_iter()
+        .map(|(name, w)| {
+            let values = POLICIES
+                .iter()
+                .zip(COLORS)
+                .filter_map(|(p, c)| {
+                    policy_of(w, p)
+                        .map(|r| (p.to_string(), r["ttftMs"]["p50"].as_f64().unwrap_or(0.0), c))
+                })
+                .collect();
+            (name.to_string(), values)
+        })
+        .collect();
+    bars(path, "TTFT p50 (ms, client-side)", "ms", &panels, &|v| {
+        format!("{v:.0}")
+    })
+}
+
+/// TTFT CDFs, log-scaled time axis.
+pub fn ttft_cdf(path: &Path, workloads: &Value) -> Result<(), Error> {
+    fonts();
+    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled("TTFT CDF (client-side)", ("sans-serif", 26))?;
+    let cells = root.split_evenly((2, 2));
+    for (area, (name, w)) in cells.iter().zip(present(workloads)) {
+        let series: Vec<(&str, Vec<f64>, RGBColor)> = POLICIES
+            .iter()
+            .zip(COLORS)
+            .filter_map(|(p, c)| {
+                let q: Vec<f64> = policy_of(w, p)?["ttftQuantilesMs"]
+                    .as_array()?
+                    .iter()
+                    .filter_map(Value::as_f64)
+                    .collect();
+                (!q.is_empty()).then_some((*p, q, c))
+            })
+            .collect();
+        let lo = series
+            .iter()
+            .flat_map(|s| s.1.first().copied())
+            .fold(f64::INFINITY, f64::min)
+            .max(0.1)
+            * 0.8;
+        let hi = series
+            .iter()
+            .flat_map(|s| s.1.last().copied())
+            .fold(1.0, f64::max)
+            * 1.2;
+        let mut chart = ChartBuilder::on(area)
+            .caption(name, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((lo.min(hi / 2.0)..hi).log_scale(), 0f64..1.0)?;
+        chart
+            .configure_mesh()
+            .x_desc("TTFT ms (log)")
+            .y_desc("fraction of requests")
+            .label_style(("sans-serif", 14))
+            .draw()?;
+        for (policy, q, color) in series {
+            let n = q.len() as f64;
+            let points: Vec<(f64, f64)> = q
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (v.max(lo), (i + 1) as f64 / n))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(3)))?
+                .label(policy)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .label_font(("sans-serif", 12))
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}

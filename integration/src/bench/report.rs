@@ -1,0 +1,343 @@
+//! Figures of one run and the results document (JSON + markdown).
+
+use serde_json::{json, Value};
+
+use super::load::Outcome;
+use super::workload::Workload;
+
+/// Nearest-rank percentile of sorted values (`p` in 0..=100).
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+fn sorted(values: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// `n` evenly spaced quantiles of `sorted` (for CDF plots).
+fn quantiles(sorted: &[f64], n: usize) -> Vec<f64> {
+    if sorted.is_empty() {
+        return Vec::new();
+    }
+    (1..=n)
+        .map(|i| percentile(sorted, 100.0 * i as f64 / n as f64).unwrap_or(0.0))
+        .map(|v| (v * 100.0).round() / 100.0)
+        .collect()
+}
+
+fn round(v: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (v * f).round() / f
+}
+
+/// The figures of one policy on one workload. `pod_stats` are the sims'
+/// `/admin/stats` after the run (fresh sims: no deltas needed).
+pub fn policy_figures(
+    policy: &str,
+    workload: &Workload,
+    outcomes: &[Outcome],
+    wall_s: f64,
+    pod_stats: &[Value],
+    filter_latency_us: &[f64],
+) -> Value {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+    let ttft = sorted(ok.iter().filter_map(|o| o.ttft_ms));
+    let e2e = sorted(ok.iter().filter_map(|o| o.e2e_ms));
+    let cached: u64 = pod_stats
+        .iter()
+        .map(|s| s["cachedTokens"].as_u64().unwrap_or(0))
+        .sum();
+    let prompt: u64 = pod_stats
+        .iter()
+        .map(|s| s["promptTokens"].as_u64().unwrap_or(0))
+        .sum();
+    let usage_cached: u64 = ok.iter().filter_map(|o| o.cached_tokens).sum();
+    let usage_prompt: u64 = ok.iter().filter_map(|o| o.prompt_tokens).sum();
+    let per_pod: Vec<u64> = pod_stats
+        .iter()
+        .map(|s| s["requests"].as_u64().unwrap_or(0))
+        .collect();
+    let total: u64 = per_pod.iter().sum();
+    let max_share = if total == 0 {
+        0.0
+    } else {
+        *per_pod.iter().max().unwrap_or(&0) as f64 / total as f64
+    };
+    let first = outcomes
+        .iter()
+        .map(|o| o.sent_s)
+        .fold(f64::INFINITY, f64::min);
+    let last = ok.iter().map(|o| o.end_s).fold(0.0, f64::max);
+    let span = (last - first).max(1e-3);
+    let mut error_kinds: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| o.error.clone())
+        .map(|e| e.chars().take(60).collect())
+        .collect();
+    error_kinds.sort();
+    error_kinds.dedup();
+    error_kinds.truncate(5);
+    let filter = sorted(filter_latency_us.iter().copied());
+    json!({
+        "policy": policy,
+        "requests": outcomes.len(),
+        "completed": ok.len(),
+        "errors": outcomes.len() - ok.len(),
+        "errorKinds": error_kinds,
+        "hitRate": round(cached as f64 / prompt.max(1) as f64, 4),
+        "hitRateUsage": round(usage_cached as f64 / usage_prompt.max(1) as f64, 4),
+        "cachedTokens": cached,
+        "promptTokens": prompt,
+        "ttftMs": {"p50": percentile(&ttft, 50.0).map(|v| round(v, 2)), "p99": percentile(&ttft, 99.0).map(|v| round(v, 2)),
+                   "mean": round(ttft.iter().sum::<f64>() / ttft.len().max(1) as f64, 2)},
+        "e2eMs": {"p50": percentile(&e2e, 50.0).map(|v| round(v, 2)), "p99": percentile(&e2e, 99.0).map(|v| round(v, 2))},
+        "completedPerS": round(ok.len() as f64 / span, 2),
+        "wallS": round(wall_s, 1),
+        "perPodRequests": per_pod,
+        "maxPodShare": round(max_share, 4),
+        "maxShareOverFair": round(max_share * workload.pods as f64, 3),
+        "maxQueueSeen": pod_stats.iter().map(|s| s["maxQueueSeen"].as_u64().unwrap_or(0)).max(),
+        "filterLatencyUs": {"p50": percentile(&filter, 50.0), "p99": percentile(&filter, 99.0), "samples": filter.len()},
+        "ttftQuantilesMs": quantiles(&ttft, 100),
+    })
+}
+
+/// The workload's parameters as JSON.
+pub fn workload_json(workload: &Workload) -> Value {
+    let tokens: u64 = workload.requests.iter().map(|r| r.prompt_tokens).sum();
+    json!({
+        "name": workload.name,
+        "description": workload.description,
+        "requests": workload.requests.len(),
+        "meanPromptTokens": tokens / workload.requests.len().max(1) as u64,
+        "pods": workload.pods,
+        "maxBatch": workload.max_batch,
+        "timeScale": workload.time_scale,
+        "kvBlocksPerPod": workload.kv_blocks,
+        "uniqueBlocks": workload.unique_blocks,
+        "workingSetBlocks": workload.working_set_blocks,
+        "workingSetShare": round(workload.working_set_blocks as f64 / (workload.kv_blocks * workload.pods) as f64, 3),
+        "capacityRps": round(workload.capacity_rps, 2),
+        "offeredRps": round(workload.offered_rps, 2),
+        "offeredLoad": round(workload.offered_rps / workload.capacity_rps, 3),
+        "plugin": workload.plugin,
+        "bounds": {"pooledLru": round(workload.bounds.pooled, 4), "infinite": round(workload.bounds.infinite, 4)},
+    })
+}
+
+fn ms(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if x >= 100.0 => format!("{x:.0}"),
+        Some(x) => format!("{x:.1}"),
+        None => "–".into(),
+    }
+}
+
+fn pct(v: f64) -> String {
+    format!("{:.1}%", v * 100.0)
+}
+
+/// The markdown of the workload section.
+pub fn workload_markdown(w: &Value) -> String {
+    let mut out = String::new();
+    let pooled = w["bounds"]["pooledLru"].as_f64().unwrap_or(0.0);
+    let infinite = w["bounds"]["infinite"].as_f64().unwrap_or(0.0);
+    out.push_str(&format!(
+        "### {}\n\n{}.\n\n{} requests, mean prompt {} tokens; {} pods × {} batch slots, time scale {}; \
+         KV cache {} blocks per pod (working set {} blocks = {:.0}% of the cluster's {} blocks); \
+         offered {:.1} req/s = {:.0}% of the cache-blind capacity ({:.1} req/s).\n\n",
+        w["name"].as_str().unwrap_or(""),
+        w["description"].as_str().unwrap_or(""),
+        w["requests"],
+        w["meanPromptTokens"],
+        w["pods"],
+        w["maxBatch"],
+        w["timeScale"],
+        w["kvBlocksPerPod"],
+        w["workingSetBlocks"],
+        w["workingSetShare"].as_f64().unwrap_or(0.0) * 100.0,
+        w["kvBlocksPerPod"].as_u64().unwrap_or(0) * w["pods"].as_u64().unwrap_or(0),
+        w["offeredRps"].as_f64().unwrap_or(0.0),
+        w["offeredLoad"].as_f64().unwrap_or(0.0) * 100.0,
+        w["capacityRps"].as_f64().unwrap_or(0.0),
+    ));
+    out.push_str("| policy | hit rate | of pooled bound | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | done req/s | errors | max pod share (× fair) |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in w["policies"].as_array().into_iter().flatten() {
+        let hit = r["hitRate"].as_f64().unwrap_or(0.0);
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} ({:.2}×) |\n",
+            r["policy"].as_str().unwrap_or(""),
+            pct(hit),
+            if pooled > 0.0 {
+                pct(hit / pooled)
+            } else {
+                "–".into()
+            },
+            ms(&r["ttftMs"]["p50"]),
+            ms(&r["ttftMs"]["p99"]),
+            ms(&r["e2eMs"]["p50"]),
+            ms(&r["e2eMs"]["p99"]),
+            r["completedPerS"].as_f64().unwrap_or(0.0),
+            r["errors"],
+            pct(r["maxPodShare"].as_f64().unwrap_or(0.0)),
+            r["maxShareOverFair"].as_f64().unwrap_or(0.0),
+        ));
+    }
+    out.push_str(&format!(
+        "| *bound: pooled LRU ({} blocks)* | {} | 100% | | | | | | | |\n",
+        w["kvBlocksPerPod"].as_u64().unwrap_or(0) * w["pods"].as_u64().unwrap_or(0),
+        pct(pooled)
+    ));
+    out.push_str(&format!(
+        "| *bound: infinite cache* | {} | {} | | | | | | | |\n\n",
+        pct(infinite),
+        if pooled > 0.0 {
+            pct(infinite / pooled)
+        } else {
+            "–".into()
+        }
+    ));
+    out
+}
+
+/// The whole results document.
+pub fn markdown(results: &Value, command: &str) -> String {
+    let mut out = String::from("# kvroute benchmark results\n\n");
+    out.push_str(&format!(
+        "Produced by `{command}` on {} ({}); Envoy 1.40 with `--concurrency 2`, simulated vLLM pods \
+         (`kvroute-sim`), all on 127.0.0.1. Raw figures: `results.json`. Every policy of a workload \
+         gets the same seeded request sequence at the same offsets, against fresh pods (empty caches). \
+         Hit rate: token-weighted, Σ cached_tokens / Σ prompt_tokens as the pods counted them. TTFT: \
+         client-side, time to the first server-sent event. kvroute runs: reports every {} ms \
+         (precise) or decisions only (`\"mode\": \"approximate\"`). Baselines: the same Envoy with a \
+         STATIC cluster of the same pods (`envoy/baseline.template.yaml`); ring hash keys on \
+         `x-session-id` (group / user / tenant / first hash id).\n\n",
+        results["date"].as_str().unwrap_or("?"),
+        results["host"].as_str().unwrap_or("?"),
+        super::stack::REPORT_INTERVAL_MS,
+    ));
+    if let Some(targets) = results["targets"].as_array() {
+        out.push_str("## Targets\n\n| target | measured | met |\n|---|---|---|\n");
+        for t in targets {
+            out.push_str(&format!(
+                "| {} | {} | {} |\n",
+                t["target"].as_str().unwrap_or(""),
+                t["measured"].as_str().unwrap_or(""),
+                match t["met"].as_bool() {
+                    Some(true) => "yes",
+                    Some(false) => "**no**",
+                    None => "–",
+                }
+            ));
+        }
+        out.push('\n');
+    }
+    if let Some(workloads) = results["workloads"].as_object() {
+        out.push_str("## Workloads\n\n![hit rate](hit_rate.png)\n\n![TTFT p50](ttft_p50.png)\n\n![TTFT CDF](ttft_cdf.png)\n\n");
+        for name in super::workload::WORKLOADS {
+            if let Some(w) = workloads.get(name) {
+                out.push_str(&workload_markdown(w));
+            }
+        }
+    }
+    if let Some(o) = results.get("overhead").filter(|o| !o.is_null()) {
+        out.push_str(&super::overhead::overhead_markdown(o));
+    }
+    if let Some(s) = results.get("scale").filter(|s| !s.is_null()) {
+        out.push_str(&super::overhead::scale_markdown(s));
+    }
+    out
+}
+
+fn policy<'a>(w: &'a Value, name: &str) -> Option<&'a Value> {
+    w["policies"]
+        .as_array()?
+        .iter()
+        .find(|p| p["policy"] == name)
+}
+
+/// The issue's targets, checked against the results.
+pub fn targets(results: &Value) -> Value {
+    let mut out = Vec::new();
+    let workloads = &results["workloads"];
+    for name in ["shared-prefix", "multi-turn", "trace"] {
+        let w = &workloads[name];
+        let pooled = w["bounds"]["pooledLru"].as_f64();
+        if let (Some(pooled), Some(p), Some(rr)) = (
+            pooled,
+            policy(w, "kvroute-precise"),
+            policy(w, "round-robin"),
+        ) {
+            let hit = p["hitRate"].as_f64().unwrap_or(0.0);
+            let rr_hit = rr["hitRate"].as_f64().unwrap_or(0.0);
+            out.push(json!({
+                "target": format!("{name}: precise hit rate ≥ 95% of pooled bound, round robin far below"),
+                "measured": format!("{:.1}% of bound ({} vs {}); round robin {:.1}% of bound", 100.0 * hit / pooled, pct(hit), pct(pooled), 100.0 * rr_hit / pooled),
+                "met": hit >= 0.95 * pooled,
+            }));
+        }
+    }
+    let w = &workloads["shared-prefix"];
+    if let (Some(p), Some(rr)) = (policy(w, "kvroute-precise"), policy(w, "round-robin")) {
+        if let (Some(a), Some(b)) = (p["ttftMs"]["p50"].as_f64(), rr["ttftMs"]["p50"].as_f64()) {
+            out.push(json!({
+                "target": "shared-prefix: TTFT p50 ≥ 10× lower than round robin at ~70% load",
+                "measured": format!("{:.1}× ({a:.1} ms vs {b:.1} ms)", b / a),
+                "met": b / a >= 10.0,
+            }));
+        }
+    }
+    for name in super::workload::WORKLOADS {
+        if let Some(p) = policy(&workloads[name], "kvroute-precise") {
+            let r = p["maxShareOverFair"].as_f64().unwrap_or(0.0);
+            out.push(json!({
+                "target": format!("{name}: max pod share ≤ 1.3× fair share (precise)"),
+                "measured": format!("{r:.2}×"),
+                "met": r <= 1.3,
+            }));
+        }
+    }
+    let o = &results["overhead"];
+    if let Some(sizes) = o["latency"].as_array() {
+        for s in sizes.iter().filter(|s| s["bodyBytes"] == 16384) {
+            let c = &s["concurrency"];
+            let p50 = s["addedUs"]["p50"].as_f64().unwrap_or(f64::NAN);
+            let p99 = s["addedUs"]["p99"].as_f64().unwrap_or(f64::NAN);
+            out.push(json!({"target": format!("added latency ≤ 100 µs p50 at 16 KiB (concurrency {c})"), "measured": format!("{p50:.0} µs"), "met": p50 <= 100.0}));
+            out.push(json!({"target": format!("added latency ≤ 500 µs p99 at 16 KiB (concurrency {c})"), "measured": format!("{p99:.0} µs"), "met": p99 <= 500.0}));
+        }
+    }
+    if let Some(sat) = o["saturation"].as_array() {
+        for s in sat {
+            let ratio = s["ratio"].as_f64().unwrap_or(0.0);
+            out.push(json!({
+                "target": format!("saturation req/s ≥ 90% of plain Envoy ({} B bodies)", s["bodyBytes"]),
+                "measured": format!("{:.1}% ({:.0} vs {:.0} req/s)", ratio * 100.0, s["kvrouteRps"].as_f64().unwrap_or(0.0), s["plainRps"].as_f64().unwrap_or(0.0)),
+                "met": ratio >= 0.9,
+            }));
+        }
+    }
+    Value::Array(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&v, 100.0), Some(100.0));
+        assert_eq!(percentile(&[], 50.0), None);
+        assert_eq!(percentile(&[3.0], 1.0), Some(3.0));
+    }
+}

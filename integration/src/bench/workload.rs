@@ -1,0 +1,723 @@
+//! The benchmark's four workloads as concrete request sequences (seeded, so
+//! every policy gets exactly the same requests at the same offsets), the
+//! per-pod KV sizing, the arrival rate, and the two offline cache bounds.
+//!
+//! Every request is streamed (`"stream": true` with usage) and carries an
+//! `x-session-id` (group, user, tenant, or the trace line's first hash id)
+//! for the ring-hash baseline.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use kvroute::config::Config;
+use kvroute::hashing::BlockHasher;
+use kvroute::request::parse_request;
+use serde_json::{json, Value};
+
+use crate::model::{prompt_tokens, CostModel, KvCache};
+use crate::sim::token_text;
+use crate::trace;
+
+/// Names accepted by `kvroute-bench workload NAME`, in report order.
+pub const WORKLOADS: [&str; 4] = ["shared-prefix", "multi-turn", "lora", "trace"];
+
+/// The working set (see [`knee`]) is this share of the cluster's KV blocks.
+pub const WORKING_SET_SHARE: f64 = 0.72;
+
+/// One request of a workload.
+#[derive(Debug, Clone)]
+pub struct BenchRequest {
+    /// Arrival offset from the start of the run, seconds.
+    pub at_s: f64,
+    pub path: &'static str,
+    /// The JSON body as sent.
+    pub body: String,
+    /// `x-session-id` (ring-hash key).
+    pub session: String,
+    /// Block chain the router and the pods compute for this prompt.
+    pub chain: Vec<u64>,
+    /// Prompt tokens (simulated tokenizer) and tokens per hashed block.
+    pub prompt_tokens: u64,
+    pub block_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl BenchRequest {
+    /// Tokens a cache holding the first `blocks` blocks saves.
+    pub fn cached_tokens(&self, blocks: usize) -> u64 {
+        (blocks as u64 * self.block_tokens).min(self.prompt_tokens)
+    }
+}
+
+/// Offline bounds over the request sequence (token-weighted hit rates).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Bounds {
+    /// One LRU cache with all pods' blocks pooled.
+    pub pooled: f64,
+    /// An unbounded cache.
+    pub infinite: f64,
+}
+
+/// A workload, ready to run.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub name: String,
+    pub description: String,
+    /// kvroute configuration without `pods` and mode (models, block sizes).
+    pub plugin: Value,
+    pub requests: Vec<BenchRequest>,
+    pub pods: usize,
+    pub max_batch: usize,
+    pub max_loras: usize,
+    pub time_scale: f64,
+    /// Per-pod KV cache, blocks.
+    pub kv_blocks: usize,
+    /// The working set: smallest pooled LRU reaching 99% of the infinite
+    /// cache's hits.
+    pub working_set_blocks: usize,
+    pub unique_blocks: usize,
+    /// Cache-blind capacity estimate (requests/s) and the offered rate.
+    pub capacity_rps: f64,
+    pub offered_rps: f64,
+    pub bounds: Bounds,
+}
+
+/// Knobs shared by the generators.
+#[derive(Debug, Clone)]
+pub struct GenOptions {
+    pub quick: bool,
+    pub seed: u64,
+    /// Offered load as a share of the cache-blind capacity.
+    pub load: f64,
+    pub pods: usize,
+    pub trace_path: std::path::PathBuf,
+    /// Overrides the trace's computed speedup.
+    pub speedup: Option<f64>,
+    /// Trace requests (first N lines); `None`: 1000, quick 300.
+    pub trace_requests: Option<usize>,
+    /// First trace line replayed (0-based); `None`: the last N lines.
+    pub trace_offset: Option<usize>,
+    /// Merged into every workload's plugin configuration.
+    pub plugin_extra: Value,
+}
+
+/// splitmix64: a small seeded generator.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+
+    /// Exponential with the given mean.
+    pub fn exp(&mut self, mean: f64) -> f64 {
+        -(1.0 - self.unit()).ln() * mean
+    }
+
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            items.swap(i, j);
+        }
+    }
+}
+
+/// `bytes` bytes of lowercase words, starting with `header`, seeded.
+pub fn words(header: &str, seed: u64, bytes: usize) -> String {
+    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
+    let mut rng = Rng::new(seed);
+    let mut out = String::with_capacity(bytes + 16);
+    out.push_str(header);
+    while out.len() < bytes {
+        let len = rng.range(2, 9);
+        for _ in 0..len {
+            out.push(LETTERS[(rng.next_u64() % 26) as usize] as char);
+        }
+        out.push(' ');
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// A draft request before hashing and timing.
+struct Draft {
+    path: &'static str,
+    body: Value,
+    session: String,
+    output_tokens: u64,
+}
+
+fn stream_fields(body: &mut Value) {
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+}
+
+/// Hashes drafts the way the router and the pods will.
+fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest> {
+    let config = parse_plugin(plugin);
+    let hasher = BlockHasher::from_config(&config);
+    drafts
+        .into_iter()
+        .zip(times)
+        .map(|(mut d, &at_s)| {
+            stream_fields(&mut d.body);
+            let body = d.body.to_string();
+            let parsed = parse_request(body.as_bytes(), d.path.contains("chat"))
+                .expect("generated body parses");
+            let target = config
+                .resolve_model(&parsed.model)
+                .expect("generated model is configured");
+            let chain = hasher.chain(&target, &parsed.prompt);
+            BenchRequest {
+                at_s,
+                path: d.path,
+                body,
+                session: d.session,
+                chain,
+                prompt_tokens: prompt_tokens(&parsed.prompt),
+                block_tokens: hasher.tokens_per_block(&parsed.prompt),
+                output_tokens: d.output_tokens,
+            }
+        })
+        .collect()
+}
+
+/// The plugin JSON as a validated [`Config`] (with a placeholder pod).
+pub fn parse_plugin(plugin: &Value) -> Config {
+    let mut value = plugin.clone();
+    value["pods"] = json!([{"id": "pod-0", "address": "127.0.0.1:1"}]);
+    Config::parse(value.to_string().as_bytes()).expect("benchmark plugin config is valid")
+}
+
+/// Cache-blind service time of one request on a pod (its batch slot).
+fn service_s(cost: &CostModel, tokens: u64, output: u64) -> f64 {
+    (cost.prefill(tokens) + cost.generation_after_first(output)).as_secs_f64()
+}
+
+/// Poisson arrival offsets at `rate` per second.
+fn poisson(rng: &mut Rng, n: usize, rate: f64) -> Vec<f64> {
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            t += rng.exp(1.0 / rate);
+            t
+        })
+        .collect()
+}
+
+/// Cache-blind capacity of the cluster for these (tokens, output) pairs.
+fn capacity(pairs: &[(u64, u64)], time_scale: f64, pods: usize, max_batch: usize) -> f64 {
+    let cost = CostModel::gpu_8b(time_scale);
+    let mean = pairs
+        .iter()
+        .map(|&(t, o)| service_s(&cost, t, o))
+        .sum::<f64>()
+        / pairs.len() as f64;
+    (pods * max_batch) as f64 / mean
+}
+
+fn token_pairs(drafts: &[Draft]) -> Vec<(u64, u64)> {
+    drafts
+        .iter()
+        .map(|d| {
+            let body = d.body.to_string();
+            let parsed = parse_request(body.as_bytes(), d.path.contains("chat")).expect("parses");
+            (prompt_tokens(&parsed.prompt), d.output_tokens)
+        })
+        .collect()
+}
+
+/// Builds workload `name`.
+pub fn build(name: &str, opts: &GenOptions) -> Result<Workload, String> {
+    match name {
+        "shared-prefix" => Ok(shared_prefix(opts)),
+        "multi-turn" => Ok(multi_turn(opts)),
+        "lora" => Ok(lora(opts)),
+        "trace" => trace_replay(opts),
+        other => Err(format!(
+            "unknown workload {other:?} (one of {})",
+            WORKLOADS.join(", ")
+        )),
+    }
+}
+
+fn base_plugin() -> Value {
+    json!({"models": {"sim-model": {"baseModel": "sim-model"}}})
+}
+
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    name: &str,
+    description: String,
+    plugin: Value,
+    requests: Vec<BenchRequest>,
+    opts: &GenOptions,
+    max_batch: usize,
+    max_loras: usize,
+    time_scale: f64,
+    capacity_rps: f64,
+    offered_rps: f64,
+) -> Workload {
+    let mut plugin = plugin;
+    if let (Some(target), Some(extra)) = (plugin.as_object_mut(), opts.plugin_extra.as_object()) {
+        for (k, v) in extra {
+            target.insert(k.clone(), v.clone());
+        }
+    }
+    let unique_blocks = unique_blocks(&requests);
+    let working_set_blocks = knee(&requests, unique_blocks);
+    let longest = requests.iter().map(|r| r.chain.len()).max().unwrap_or(1);
+    let total = (working_set_blocks as f64 / WORKING_SET_SHARE).ceil() as usize;
+    let kv_blocks = total.div_ceil(opts.pods).max(longest + 1);
+    let bounds = Bounds {
+        pooled: lru_hit_rate(&requests, kv_blocks * opts.pods),
+        infinite: infinite_hit_rate(&requests),
+    };
+    Workload {
+        name: name.to_string(),
+        description,
+        plugin,
+        requests,
+        pods: opts.pods,
+        max_batch,
+        max_loras,
+        time_scale,
+        kv_blocks,
+        working_set_blocks,
+        unique_blocks,
+        capacity_rps,
+        offered_rps,
+        bounds,
+    }
+}
+
+/// 1. llm-d's shared-prefix profile: groups × prompts, a 2048-token system
+///    prompt per group, a 256-token question, 256 output tokens, in random
+///    order, Poisson arrivals.
+fn shared_prefix(opts: &GenOptions) -> Workload {
+    let (groups, prompts) = if opts.quick { (16, 16) } else { (32, 32) };
+    let (time_scale, max_batch) = (0.15, 8);
+    let mut rng = Rng::new(opts.seed ^ 1);
+    let system: Vec<String> = (0..groups)
+        .map(|g| words(&format!("group {g} system prompt. "), 1000 + g, 2048 * 4))
+        .collect();
+    let mut order: Vec<(u64, u64)> = (0..groups)
+        .flat_map(|g| (0..prompts).map(move |p| (g, p)))
+        .collect();
+    rng.shuffle(&mut order);
+    let drafts: Vec<Draft> = order
+        .iter()
+        .map(|&(g, p)| {
+            let question = words(
+                &format!(" question {g}-{p}: "),
+                (g << 32) | p | 1 << 60,
+                256 * 4,
+            );
+            Draft {
+                path: "/v1/completions",
+                body: json!({"model": "sim-model", "prompt": format!("{}{}", system[g as usize], question),
+                             "max_tokens": 256, "temperature": 0}),
+                session: format!("group-{g}"),
+                output_tokens: 256,
+            }
+        })
+        .collect();
+    let plugin = base_plugin();
+    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
+    let rate = cap * opts.load;
+    let times = poisson(&mut rng, drafts.len(), rate);
+    let requests = finish(drafts, &plugin, &times);
+    assemble(
+        "shared-prefix",
+        format!("{groups} groups × {prompts} prompts, 2,048-token system prompt per group, 256-token question, 256 output tokens; random order, Poisson arrivals"),
+        plugin,
+        requests,
+        opts,
+        max_batch,
+        4,
+        time_scale,
+        cap,
+        rate,
+    )
+}
+
+/// 2. Multi-turn chat: conversations of `rounds` rounds over a shared
+///    1,000-token system prompt, questions of 100–200 tokens, 100-token
+///    answers (the simulator's deterministic output, appended to the
+///    history). A fixed number of conversations is active at once; each
+///    Poisson arrival is the next round of an active conversation whose
+///    previous round has had time to finish.
+fn multi_turn(opts: &GenOptions) -> Workload {
+    let (users, rounds) = if opts.quick { (48, 4) } else { (128, 6) };
+    let (time_scale, max_batch) = (0.3, 8);
+    let answer_tokens = 100u64;
+    let mut rng = Rng::new(opts.seed ^ 2);
+    let system = words("You are a helpful assistant. ", 7, 1000 * 4);
+    let answer: String = (0..answer_tokens).map(token_text).collect();
+    // Conversation texts first (independent of timing).
+    let questions: Vec<Vec<String>> = (0..users)
+        .map(|u| {
+            (0..rounds)
+                .map(|r| {
+                    let tokens = rng.range(100, 200) as usize;
+                    words(
+                        &format!("user {u} round {r}: "),
+                        (u << 16) | r | 2 << 60,
+                        tokens * 4,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    let body = |u: usize, r: usize| -> Value {
+        let mut messages = vec![json!({"role": "system", "content": system})];
+        for (i, q) in questions[u].iter().enumerate().take(r + 1) {
+            messages.push(json!({"role": "user", "content": q}));
+            if i < r {
+                messages.push(json!({"role": "assistant", "content": answer}));
+            }
+        }
+        json!({"model": "sim-model", "messages": messages, "max_tokens": answer_tokens, "temperature": 0})
+    };
+    let plugin = base_plugin();
+    // Capacity from all rounds of all users.
+    let all: Vec<Draft> = (0..users as usize)
+        .flat_map(|u| (0..rounds as usize).map(move |r| (u, r)))
+        .map(|(u, r)| Draft {
+            path: "/v1/chat/completions",
+            body: body(u, r),
+            session: String::new(),
+            output_tokens: answer_tokens,
+        })
+        .collect();
+    let cap = capacity(&token_pairs(&all), time_scale, opts.pods, max_batch);
+    let rate = cap * opts.load;
+    let cost = CostModel::gpu_8b(time_scale);
+    // A round may only start 1.2× its cache-blind latency after the last;
+    // enough conversations are active to offer `rate` with that gap.
+    let min_gap = 1.2 * service_s(&cost, 2500, answer_tokens);
+    let active = ((rate * min_gap * 1.5).ceil() as usize).clamp(4, users as usize);
+    let total = (users * rounds) as usize;
+    let mut next_user = 0usize;
+    let mut live: Vec<(usize, usize, f64)> = Vec::new(); // (user, next round, last sent)
+    let mut drafts = Vec::with_capacity(total);
+    let mut times = Vec::with_capacity(total);
+    let mut t = 0.0;
+    while drafts.len() < total {
+        while live.len() < active && next_user < users as usize {
+            live.push((next_user, 0, f64::NEG_INFINITY));
+            next_user += 1;
+        }
+        t += rng.exp(1.0 / rate);
+        let eligible: Vec<usize> = (0..live.len())
+            .filter(|&i| t - live[i].2 >= min_gap)
+            .collect();
+        let pick = if eligible.is_empty() {
+            // Nobody is ready: the one waiting longest goes, a bit later.
+            let i = (0..live.len())
+                .min_by(|&a, &b| live[a].2.total_cmp(&live[b].2))
+                .expect("a live conversation");
+            t = t.max(live[i].2 + min_gap);
+            i
+        } else {
+            eligible[(rng.next_u64() % eligible.len() as u64) as usize]
+        };
+        let (u, r, _) = live[pick];
+        drafts.push(Draft {
+            path: "/v1/chat/completions",
+            body: body(u, r),
+            session: format!("user-{u}"),
+            output_tokens: answer_tokens,
+        });
+        times.push(t);
+        if r + 1 == rounds as usize {
+            live.swap_remove(pick);
+        } else {
+            live[pick] = (u, r + 1, t);
+        }
+    }
+    let offered = total as f64 / t;
+    let requests = finish(drafts, &plugin, &times);
+    assemble(
+        "multi-turn",
+        format!("{users} users × {rounds} rounds ({active} conversations active at once, ≥ {min_gap:.2} s between a user's rounds), shared 1,000-token system prompt, 100–200-token questions, 100-token answers kept in the history; chat API"),
+        plugin,
+        requests,
+        opts,
+        max_batch,
+        4,
+        time_scale,
+        cap,
+        offered,
+    )
+}
+
+/// 3. LoRA multi-tenant: 10 tenants, each its own adapter on the same base
+///    model, Zipf(1.0) popularity, a 1,536-token tenant system prompt, a
+///    128-token question, 64 output tokens; 4 adapter slots per pod.
+fn lora(opts: &GenOptions) -> Workload {
+    let tenants = 10u64;
+    let n = if opts.quick { 300 } else { 800 };
+    let (time_scale, max_batch) = (0.5, 8);
+    let mut rng = Rng::new(opts.seed ^ 3);
+    let weights: Vec<f64> = (1..=tenants).map(|k| 1.0 / k as f64).collect();
+    let sum: f64 = weights.iter().sum();
+    let system: Vec<String> = (0..tenants)
+        .map(|k| words(&format!("tenant {k} instructions. "), 3000 + k, 1536 * 4))
+        .collect();
+    let mut models = serde_json::Map::new();
+    for k in 0..tenants {
+        models.insert(
+            format!("tenant-{k}"),
+            json!({"baseModel": "sim-model", "adapter": format!("lora-{k}")}),
+        );
+    }
+    let plugin = json!({"models": models});
+    let drafts: Vec<Draft> = (0..n)
+        .map(|i| {
+            let mut x = rng.unit() * sum;
+            let mut k = 0;
+            while k + 1 < tenants as usize && x >= weights[k] {
+                x -= weights[k];
+                k += 1;
+            }
+            let question = words(&format!(" ticket {i}: "), i | 3 << 60, 128 * 4);
+            Draft {
+                path: "/v1/completions",
+                body: json!({"model": format!("tenant-{k}"), "prompt": format!("{}{}", system[k], question),
+                             "max_tokens": 64, "temperature": 0}),
+                session: format!("tenant-{k}"),
+                output_tokens: 64,
+            }
+        })
+        .collect();
+    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
+    let rate = cap * opts.load;
+    let times = poisson(&mut rng, drafts.len(), rate);
+    let requests = finish(drafts, &plugin, &times);
+    assemble(
+        "lora",
+        format!("{n} requests over 10 tenants (adapters lora-0..9 of sim-model), Zipf(1.0) popularity (top tenant {:.0}%), 1,536-token tenant system prompt, 128-token question, 64 output tokens, 4 adapter slots per pod", 100.0 / sum),
+        plugin,
+        requests,
+        opts,
+        max_batch,
+        4,
+        time_scale,
+        cap,
+        rate,
+    )
+}
+
+/// 4. Mooncake trace replay: the first N lines of the trace, each hash id a
+///    fixed 512-token text chunk ([`trace::prompt_text`]); arrival times
+///    divided by `speedup` (by default the speedup that offers the target
+///    load). Blocks are 2,048 bytes (one Mooncake block) so every prompt
+///    (up to 256k tokens) is hashed whole.
+fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
+    let lines = trace::read_mooncake(&opts.trace_path)
+        .map_err(|e| format!("{}: {e}", opts.trace_path.display()))?;
+    let n = opts
+        .trace_requests
+        .unwrap_or(if opts.quick { 300 } else { 1000 })
+        .min(lines.len());
+    // Default window: the last n lines (the trace's steady state; its first
+    // lines are cold, every prefix new).
+    let from = opts
+        .trace_offset
+        .unwrap_or(lines.len() - n)
+        .min(lines.len() - n);
+    let lines = &lines[from..from + n];
+    let (time_scale, max_batch) = (0.1, 8);
+    let plugin = json!({
+        "models": {"sim-model": {"baseModel": "sim-model"}},
+        "blockSizeBytes": trace::CHUNK_BYTES,
+        "maxPrefixBlocks": 512,
+    });
+    let drafts: Vec<Draft> = lines
+        .iter()
+        .map(|line| Draft {
+            path: "/v1/completions",
+            body: trace::completions_body(line, "sim-model", true),
+            session: format!(
+                "h{}",
+                line.hash_ids.first().copied().unwrap_or(line.line as u64)
+            ),
+            output_tokens: line.output_length.max(1),
+        })
+        .collect();
+    let pairs: Vec<(u64, u64)> = lines
+        .iter()
+        .map(|l| (l.input_length, l.output_length.max(1)))
+        .collect();
+    let cap = capacity(&pairs, time_scale, opts.pods, max_batch);
+    let first = lines.first().map_or(0.0, |l| l.timestamp_ms) / 1000.0;
+    let span = (lines.last().map_or(0.0, |l| l.timestamp_ms) / 1000.0 - first).max(1e-3);
+    let native = n as f64 / span;
+    let speedup = opts.speedup.unwrap_or(cap * opts.load / native);
+    let times: Vec<f64> = lines
+        .iter()
+        .map(|l| (l.timestamp_ms / 1000.0 - first) / speedup)
+        .collect();
+    let offered = n as f64 / (span / speedup);
+    let requests = finish(drafts, &plugin, &times);
+    Ok(assemble(
+        "trace",
+        format!(
+            "lines {}–{} of {} (Mooncake format; {:.0} s of trace at {speedup:.1}× speed), 512-token chunk per hash id, 2,048-byte blocks",
+            from + 1,
+            from + n,
+            file_name(&opts.trace_path),
+            span
+        ),
+        plugin,
+        requests,
+        opts,
+        max_batch,
+        4,
+        time_scale,
+        cap,
+        offered,
+    ))
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn unique_blocks(requests: &[BenchRequest]) -> usize {
+    let mut seen = HashSet::new();
+    for r in requests {
+        seen.extend(r.chain.iter().copied());
+    }
+    seen.len()
+}
+
+fn total_tokens(requests: &[BenchRequest]) -> u64 {
+    requests.iter().map(|r| r.prompt_tokens).sum::<u64>().max(1)
+}
+
+/// Cached tokens of one pooled LRU of `capacity` blocks over the sequence.
+fn lru_hits(requests: &[BenchRequest], capacity: usize) -> u64 {
+    let mut cache = KvCache::new(capacity, 1);
+    let mut hits = 0;
+    for r in requests {
+        hits += r.cached_tokens(cache.cached_prefix(&r.chain));
+        cache.insert_chain(&r.chain);
+    }
+    hits
+}
+
+/// Token-weighted hit rate of one pooled LRU of `capacity` blocks.
+pub fn lru_hit_rate(requests: &[BenchRequest], capacity: usize) -> f64 {
+    lru_hits(requests, capacity) as f64 / total_tokens(requests) as f64
+}
+
+fn infinite_hits(requests: &[BenchRequest]) -> u64 {
+    let mut seen = HashSet::new();
+    let mut hits = 0;
+    for r in requests {
+        let held = r.chain.iter().take_while(|h| seen.contains(*h)).count();
+        hits += r.cached_tokens(held);
+        seen.extend(r.chain.iter().copied());
+    }
+    hits
+}
+
+/// Token-weighted hit rate of an unbounded cache.
+pub fn infinite_hit_rate(requests: &[BenchRequest]) -> f64 {
+    infinite_hits(requests) as f64 / total_tokens(requests) as f64
+}
+
+/// The working set: the smallest pooled LRU capacity whose hits reach 99%
+/// of the infinite cache's (binary search; LRU hits grow with capacity).
+pub fn knee(requests: &[BenchRequest], unique: usize) -> usize {
+    let goal = (infinite_hits(requests) as f64 * 0.99).ceil() as u64;
+    let (mut lo, mut hi) = (1usize, unique.max(1));
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if lru_hits(requests, mid) >= goal {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    lo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> GenOptions {
+        GenOptions {
+            quick: true,
+            seed: 42,
+            load: 0.7,
+            pods: 4,
+            trace_path: std::path::PathBuf::new(),
+            speedup: None,
+            trace_requests: None,
+            trace_offset: None,
+            plugin_extra: json!({}),
+        }
+    }
+
+    #[test]
+    fn workloads_are_deterministic_and_sized() {
+        for name in ["shared-prefix", "multi-turn", "lora"] {
+            let a = build(name, &opts()).unwrap();
+            let b = build(name, &opts()).unwrap();
+            assert_eq!(a.requests.len(), b.requests.len());
+            assert!(a
+                .requests
+                .iter()
+                .zip(&b.requests)
+                .all(|(x, y)| x.body == y.body && x.at_s == y.at_s));
+            assert!(a.requests.windows(2).all(|w| w[0].at_s <= w[1].at_s));
+            // More than one pod holds, less than all pods together.
+            assert!(a.working_set_blocks > a.kv_blocks, "{name}");
+            assert!(a.working_set_blocks < a.kv_blocks * a.pods, "{name}");
+            assert!(a.bounds.pooled <= a.bounds.infinite + 1e-9);
+            assert!(a.bounds.pooled > 0.9 * a.bounds.infinite, "{name}");
+        }
+    }
+
+    #[test]
+    fn multi_turn_rounds_extend_their_history() {
+        let w = build("multi-turn", &opts()).unwrap();
+        let first = w
+            .requests
+            .iter()
+            .find(|r| r.session == "user-0")
+            .expect("user 0");
+        let later = w
+            .requests
+            .iter()
+            .rfind(|r| r.session == "user-0")
+            .expect("user 0");
+        assert!(later.chain.len() > first.chain.len());
+        assert_eq!(later.chain[..first.chain.len()], first.chain[..]);
+    }
+}
