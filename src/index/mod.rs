@@ -16,9 +16,11 @@
 //! Both rely on the invariant the tree maintains: a pod is in a block's mask
 //! only if it is in the parent's mask, so masks shrink along a chain.
 
+mod recent;
 mod recorder;
 mod tree;
 
+pub use recent::RecentDecisions;
 pub use recorder::DecisionRecorder;
 pub use tree::{InsertOutcome, PrefixTree};
 

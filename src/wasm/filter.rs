@@ -22,21 +22,19 @@ use serde_json::json;
 use super::logging::event;
 use super::{load_config, metrics, shared};
 use crate::config::IndexMode;
-use crate::index::{DecisionRecorder, Merged, PrefixTree};
+use crate::index::{Merged, RecentDecisions};
 use crate::router::{ClusterView, Outcome, Rejected, Routed, Router};
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
 
 const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
-/// Blocks a worker remembers of its own decisions in approximate mode.
-const OVERLAY_BLOCKS: usize = 65_536;
 
 /// Per-worker state shared by the worker's requests.
 struct Worker {
     router: Router,
     tables: shared::TableCache,
-    /// Approximate mode: this worker's own recent decisions, seen at once.
-    overlay: Option<DecisionRecorder>,
+    /// Approximate mode: this worker's own decisions, seen at once.
+    recent: RecentDecisions,
     decision_queue: Option<u32>,
     requests: u64,
 }
@@ -53,16 +51,10 @@ impl RootContext for FilterRoot {
         let Some(config) = load_config(self.get_plugin_configuration(), "filter") else {
             return false;
         };
-        let overlay = (config.mode == IndexMode::Approximate).then(|| {
-            DecisionRecorder::new(
-                PrefixTree::new(OVERLAY_BLOCKS.min(config.max_index_blocks)),
-                config.pod_capacity_blocks,
-            )
-        });
         self.worker = Some(Rc::new(RefCell::new(Worker {
+            recent: RecentDecisions::new(&config),
             router: Router::new(config),
             tables: shared::TableCache::default(),
-            overlay,
             decision_queue: None,
             requests: 0,
         })));
@@ -215,14 +207,9 @@ impl RequestContext {
             buckets: table.buckets,
             fetch: shared::bucket,
         };
-        let empty = PrefixTree::new(1);
-        let overlay: &dyn crate::index::PrefixLookup = match &worker.overlay {
-            Some(recorder) => recorder,
-            None => &empty,
-        };
         let view = ClusterView {
             table: &table,
-            index: &Merged(&snapshot, overlay),
+            index: &Merged(&snapshot, &worker.recent),
             inflight: &inflight,
         };
         let outcome = worker.router.route(body, chat, &view, tie_breaker);
@@ -248,8 +235,8 @@ impl RequestContext {
                                "chain": routed.chain.iter().take(8).map(|h| crate::report::hash_to_hex(*h)).collect::<Vec<_>>()}),
                     );
                 }
-                if let Some(recorder) = worker.overlay.as_mut() {
-                    recorder.record(routed.slot, &routed.chain);
+                worker.recent.record(routed.slot, &routed.chain);
+                if worker.router.config().mode == IndexMode::Approximate {
                     if worker.decision_queue.is_none() {
                         worker.decision_queue = resolve_decision_queue();
                     }

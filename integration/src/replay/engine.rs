@@ -27,7 +27,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use kvroute::cluster::ClusterState;
 use kvroute::config::{Config, IndexMode, PodConfig};
-use kvroute::index::{DecisionRecorder, Merged, PrefixLookup, PrefixTree};
+use kvroute::index::{Merged, RecentDecisions};
 use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
 use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
@@ -482,33 +482,23 @@ struct KvrouteView<'a> {
     table: PodTable,
     /// The published index buckets (Envoy shared data).
     buckets: HashMap<u32, Vec<u8>>,
-    /// Approximate mode: the worker's own decisions, seen at once.
-    overlay: Option<DecisionRecorder>,
+    /// Approximate mode: the worker's own decisions, as the filter keeps them.
+    recent: RecentDecisions,
     /// Per pod, the `since` of its next report (None: never reported).
     since: Vec<Option<u64>>,
     pod_ids: Vec<String>,
     requests: u64,
 }
 
-/// Blocks a filter worker remembers of its own decisions (as
-/// `OVERLAY_BLOCKS` in the filter).
-const OVERLAY_BLOCKS: usize = 65_536;
-
 impl<'a> KvrouteView<'a> {
     fn new(config: &'a Config, pods: usize) -> KvrouteView<'a> {
-        let overlay = (config.mode == IndexMode::Approximate).then(|| {
-            DecisionRecorder::new(
-                PrefixTree::new(OVERLAY_BLOCKS.min(config.max_index_blocks)),
-                config.pod_capacity_blocks,
-            )
-        });
         KvrouteView {
             config,
             cluster: ClusterState::new(config, 0),
             router: Router::new(config.clone()),
             table: PodTable::default(),
             buckets: HashMap::new(),
-            overlay,
+            recent: RecentDecisions::new(config),
             since: vec![None; pods],
             pod_ids: config.pods.iter().map(|p| p.id.clone()).collect(),
             requests: 0,
@@ -577,24 +567,17 @@ impl<'a> KvrouteView<'a> {
             buckets: self.table.buckets,
             fetch: |b| self.buckets.get(&b).cloned(),
         };
-        let empty = PrefixTree::new(1);
-        let overlay: &dyn PrefixLookup = match &self.overlay {
-            Some(overlay) => overlay,
-            None => &empty,
-        };
         let view = ClusterView {
             table: &self.table,
-            index: &Merged(&snapshot, overlay),
+            index: &Merged(&snapshot, &self.recent),
             inflight,
         };
         let Outcome::Routed(routed) = self.router.route_prepared(prepared, &view, self.requests)
         else {
             return None;
         };
-        if let Some(overlay) = &mut self.overlay {
-            overlay.record(routed.slot, &routed.chain);
-            self.cluster.record_decision(routed.slot, &routed.chain);
-        }
+        self.recent.record(routed.slot, &routed.chain);
+        self.cluster.record_decision(routed.slot, &routed.chain);
         Some(routed.slot)
     }
 }
@@ -669,14 +652,9 @@ mod tests {
                         buckets: view.table.buckets,
                         fetch: |b| view.buckets.get(&b).cloned(),
                     };
-                    let empty = PrefixTree::new(1);
-                    let overlay: &dyn PrefixLookup = match &view.overlay {
-                        Some(o) => o,
-                        None => &empty,
-                    };
                     let cluster = ClusterView {
                         table: &view.table,
-                        index: &Merged(&snapshot, overlay),
+                        index: &Merged(&snapshot, &view.recent),
                         inflight: &inflight,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {

@@ -1,0 +1,78 @@
+//! [`RecentDecisions`]: a filter worker's own routing decisions, looked up
+//! beside the published index (per pod, the longer match wins).
+//!
+//! - Approximate mode: decisions are the only signal. Each worker keeps its
+//!   own in a [`DecisionRecorder`] (at most `OVERLAY_BLOCKS` blocks, per pod
+//!   `podCapacityBlocks`), so it sees them at once, before the service has
+//!   folded them from the shared queue into the published index.
+//! - Precise mode: nothing is recorded; the pods' reports are the truth.
+//!   (Remembering decisions until the next report was tried: a burst on one
+//!   prefix then fills one pod to `maxQueue` before touching the next, and
+//!   conversations sharing a system prompt collapse onto one pod at low
+//!   load — worse spread for no measured hit-rate gain.)
+
+use super::{DecisionRecorder, PrefixLookup, PrefixMatch, PrefixTree};
+use crate::config::{Config, IndexMode};
+
+/// Blocks a worker remembers of its own decisions.
+pub const OVERLAY_BLOCKS: usize = 65_536;
+
+/// See the module documentation.
+#[derive(Debug, Clone)]
+pub struct RecentDecisions {
+    recorder: Option<DecisionRecorder>,
+}
+
+impl RecentDecisions {
+    pub fn new(config: &Config) -> RecentDecisions {
+        let recorder = (config.mode == IndexMode::Approximate).then(|| {
+            DecisionRecorder::new(
+                PrefixTree::new(OVERLAY_BLOCKS.min(config.max_index_blocks)),
+                config.pod_capacity_blocks,
+            )
+        });
+        RecentDecisions { recorder }
+    }
+
+    /// Records that pod `slot` was sent a request whose prompt is `chain`
+    /// (approximate mode only).
+    pub fn record(&mut self, slot: usize, chain: &[u64]) {
+        if let Some(recorder) = &mut self.recorder {
+            recorder.record(slot, chain);
+        }
+    }
+}
+
+impl PrefixLookup for RecentDecisions {
+    fn lookup(&self, chain: &[u64]) -> PrefixMatch {
+        self.recorder
+            .as_ref()
+            .map_or_else(PrefixMatch::default, |recorder| recorder.lookup(chain))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(mode: IndexMode) -> Config {
+        Config {
+            mode,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn approximate_mode_remembers_decisions() {
+        let mut recent = RecentDecisions::new(&config(IndexMode::Approximate));
+        recent.record(1, &[5, 6, 7]);
+        assert_eq!(recent.lookup(&[5, 6, 7]).blocks(1), 3);
+    }
+
+    #[test]
+    fn precise_mode_trusts_reports_only() {
+        let mut recent = RecentDecisions::new(&config(IndexMode::Precise));
+        recent.record(1, &[5, 6, 7]);
+        assert_eq!(recent.lookup(&[5, 6, 7]).blocks(1), 0);
+    }
+}
