@@ -1,7 +1,8 @@
 //! The simulated pod's model: KV-cache LRU with its report event log, LoRA
-//! adapter slots and the latency cost model. Pure (no I/O, no clock, no
-//! async), so the live `kvroute-sim` server and an offline replay simulator
-//! share exactly the same cache and costs.
+//! adapter slots, the latency cost model and the prefill engine. Pure (no
+//! I/O, no clock, no async: times are [`Duration`]s since an epoch the
+//! caller picks), so the live `kvroute-sim` server and the offline replay
+//! simulator share exactly the same cache, costs and prefill queueing.
 //!
 //! KV cache: block hash → parent hash, bounded to `capacity` blocks with
 //! least-recently-used eviction. A request's chain is touched leaf-first
@@ -11,11 +12,30 @@
 //! bounded log with sequence numbers, from which protocol v1 reports (see
 //! `kvroute::report`) are built: coalesced deltas, or full resyncs.
 //!
-//! Latency (defaults: an 8B-class model on one GPU, all × `time_scale`):
-//! `TTFT = queue wait + adapter load + lookup overhead (45 ms) + uncached
-//! prompt tokens × 0.9 s / 4096`; then one more token every 20 ms. The first
-//! output token is produced by prefill, so a request of `n` output tokens
-//! ends `(n - 1) × decode` after its first token.
+//! Latency (defaults: an 8B-class model on one GPU, all × `time_scale`),
+//! vLLM-like: prefill is compute-bound and shares the GPU, decode is cheap
+//! per sequence under continuous batching.
+//! - A request first waits for one of the pod's `max_batch` sequence slots
+//!   (vLLM's `max_num_seqs`), which it holds until its last token.
+//! - With a slot (and its LoRA adapter loaded, if it needed a load), it joins
+//!   the pod's single [`PrefillEngine`], which computes prefills one after
+//!   another, first come first served, at 0.9 s per 4096 *uncached* prompt
+//!   tokens: its prefill starts when the previous one is done. Its cached
+//!   prefix is counted against the cache plus the prefills scheduled before
+//!   it (they are done by the time it starts), so a request queued behind
+//!   another with the same prefix reuses it.
+//! - The fixed 45 ms per request (prefix lookup, scheduling, sampling) is
+//!   latency, not engine time: it overlaps with other requests' prefills and
+//!   is added after the request's own prefill. A full cache hit on an idle
+//!   pod thus costs 45 ms and keeps the engine free.
+//! - `TTFT = slot wait + adapter load + prefill-engine wait + own prefill
+//!   (uncached tokens × 0.9 s / 4096) + 45 ms`; then one more token every
+//!   20 ms, concurrently with everything else (decode never contends). The
+//!   first output token is produced by prefill, so a request of `n` output
+//!   tokens ends `(n - 1) × decode` after its first token.
+//!
+//! Under load, uncached prefill work queues on the engine and delays every
+//! request behind it; a cache hit removes that work for everyone.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -89,10 +109,27 @@ impl CostModel {
         Duration::from_secs_f64((seconds * self.time_scale).max(0.0))
     }
 
-    /// Prefill time of a prompt with `uncached_tokens` tokens to compute:
-    /// overhead + tokens × per-token cost.
+    /// Uncontended prefill latency of a prompt with `uncached_tokens` tokens
+    /// to compute: overhead + tokens × per-token cost
+    /// ([`CostModel::lookup_overhead`] + [`CostModel::prefill_compute`]).
     pub fn prefill(&self, uncached_tokens: u64) -> Duration {
         self.scaled(self.lookup_overhead_s + uncached_tokens as f64 * self.prefill_s_per_token)
+    }
+
+    /// Prefill-engine time of `uncached_tokens` tokens (tokens × per-token
+    /// cost): what a request occupies the pod's [`PrefillEngine`] for.
+    pub fn prefill_compute(&self, uncached_tokens: u64) -> Duration {
+        self.scaled(uncached_tokens as f64 * self.prefill_s_per_token)
+    }
+
+    /// The fixed per-request overhead (latency only, not engine time).
+    pub fn lookup_overhead(&self) -> Duration {
+        self.scaled(self.lookup_overhead_s)
+    }
+
+    /// Uncached prompt tokens one pod's prefill engine computes per second.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        1.0 / (self.prefill_s_per_token * self.time_scale)
     }
 
     /// Time to decode `tokens` tokens.
@@ -112,8 +149,8 @@ impl CostModel {
         self.scaled(seconds.max(0.01))
     }
 
-    /// Time to first token: queue wait (already real time) + adapter load +
-    /// prefill of the uncached tokens.
+    /// Time to first token without contention: queue wait (already real
+    /// time) + adapter load + prefill of the uncached tokens.
     pub fn ttft(
         &self,
         queue_wait: Duration,
@@ -580,6 +617,91 @@ impl AdapterSlots {
     }
 }
 
+/// When one request's prefill runs on its pod's [`PrefillEngine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillSlot {
+    /// The engine starts computing it (the previous prefill is done).
+    pub start: Duration,
+    /// Its prefill is done: its blocks enter the cache.
+    pub end: Duration,
+    /// Its first token: `end` + the per-request overhead.
+    pub first_token: Duration,
+}
+
+/// One pod's prefill compute: a single engine computing prefills one after
+/// another in the order they were scheduled (FIFO), at the cost model's
+/// per-token rate. Times are durations since an epoch the caller picks (the
+/// server's start, or simulated time zero).
+///
+/// It also remembers the chains of prefills scheduled and not yet finished:
+/// they are done before any later prefill starts, so their blocks count as
+/// cached for it ([`PrefillEngine::cached_prefix`]).
+#[derive(Debug, Clone, Default)]
+pub struct PrefillEngine {
+    busy_until: Duration,
+    pending: VecDeque<Vec<u64>>,
+}
+
+impl PrefillEngine {
+    pub fn new() -> PrefillEngine {
+        PrefillEngine::default()
+    }
+
+    /// When the last scheduled prefill is done.
+    pub fn busy_until(&self) -> Duration {
+        self.busy_until
+    }
+
+    /// Prefills scheduled and not yet finished.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Leading blocks of `chain` a prefill scheduled now finds cached when
+    /// it starts: held by `cache`, or computed by a prefill scheduled before.
+    /// (Chained hashes: a shared block means a shared prefix, so this is the
+    /// longest of the two.)
+    pub fn cached_prefix(&self, cache: &KvCache, chain: &[u64]) -> usize {
+        let held = cache.cached_prefix(chain);
+        self.pending
+            .iter()
+            .map(|p| p.iter().zip(chain).take_while(|(a, b)| a == b).count())
+            .fold(held, usize::max)
+    }
+
+    /// Schedules a prefill of `uncached_tokens` tokens that can start at
+    /// `ready` (slot held, adapter loaded): it starts at `ready` or when the
+    /// previous prefill is done, whichever is later, and occupies the engine
+    /// for [`CostModel::prefill_compute`]; its first token follows
+    /// [`CostModel::lookup_overhead`] later. `chain` is pending until
+    /// [`PrefillEngine::finish`].
+    pub fn schedule(
+        &mut self,
+        cost: &CostModel,
+        ready: Duration,
+        uncached_tokens: u64,
+        chain: &[u64],
+    ) -> PrefillSlot {
+        let start = ready.max(self.busy_until);
+        let end = start + cost.prefill_compute(uncached_tokens);
+        self.busy_until = end;
+        self.pending.push_back(chain.to_vec());
+        PrefillSlot {
+            start,
+            end,
+            first_token: end + cost.lookup_overhead(),
+        }
+    }
+
+    /// A scheduled prefill of `chain` is done (its blocks are now in the
+    /// cache) or abandoned: it no longer counts as pending.
+    pub fn finish(&mut self, chain: &[u64]) {
+        if let Some(at) = self.pending.iter().position(|p| p == chain) {
+            self.pending.remove(at);
+        }
+    }
+}
+
 /// A request admitted to prefill: what it costs before its first token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Admission {
@@ -589,17 +711,19 @@ pub struct Admission {
     pub cached_tokens: u64,
     /// Adapter load time (zero when loaded already or no adapter).
     pub adapter_load: Duration,
-    /// Prefill time of the uncached tokens, overhead included.
+    /// Uncontended prefill latency of the uncached tokens, overhead included
+    /// ([`CostModel::prefill`]).
     pub prefill: Duration,
 }
 
-/// One simulated pod: cache, adapters and costs together.
+/// One simulated pod: cache, adapters, costs and prefill engine together.
 #[derive(Debug, Clone)]
 pub struct PodModel {
     pub cache: KvCache,
     pub adapters: AdapterSlots,
     pub cost: CostModel,
     pub hasher: BlockHasher,
+    pub engine: PrefillEngine,
 }
 
 impl PodModel {
@@ -614,12 +738,14 @@ impl PodModel {
             adapters,
             cost,
             hasher: BlockHasher::from_config(config),
+            engine: PrefillEngine::new(),
         }
     }
 
-    /// Starts a request's prefill: loads its adapter if needed and counts
-    /// its cached prefix. The cache is not changed until
-    /// [`PodModel::finish_prefill`].
+    /// Admits a request to prefill: loads its adapter if needed and counts
+    /// its cached prefix (the cache plus the prefills scheduled on the
+    /// engine, see [`PrefillEngine::cached_prefix`]). The cache is not
+    /// changed until [`PodModel::finish_prefill`].
     pub fn admit(&mut self, target: &ModelTarget, prompt: &Prompt) -> Admission {
         let adapter_load = match &target.adapter {
             Some(name) => {
@@ -633,7 +759,7 @@ impl PodModel {
             None => Duration::ZERO,
         };
         let chain = self.hasher.chain(target, prompt);
-        let cached_blocks = self.cache.cached_prefix(&chain);
+        let cached_blocks = self.engine.cached_prefix(&self.cache, &chain);
         let tokens = prompt_tokens(prompt);
         let cached_tokens =
             cached_tokens(cached_blocks, self.hasher.tokens_per_block(prompt), tokens);
@@ -647,9 +773,28 @@ impl PodModel {
         }
     }
 
-    /// Prefill done: the request's blocks are now cached.
+    /// Schedules an admitted request's prefill on the engine; `slot_at` is
+    /// when it got its sequence slot (the adapter load comes first).
+    pub fn schedule_prefill(&mut self, admission: &Admission, slot_at: Duration) -> PrefillSlot {
+        self.engine.schedule(
+            &self.cost,
+            slot_at + admission.adapter_load,
+            admission.prompt_tokens - admission.cached_tokens,
+            &admission.chain,
+        )
+    }
+
+    /// Prefill done: the request's blocks are now cached (and no longer
+    /// pending on the engine).
     pub fn finish_prefill(&mut self, admission: &Admission) -> InsertOutcome {
+        self.engine.finish(&admission.chain);
         self.cache.insert_chain(&admission.chain)
+    }
+
+    /// A scheduled prefill that will not finish (the client went away): its
+    /// blocks will not be cached.
+    pub fn abandon_prefill(&mut self, admission: &Admission) {
+        self.engine.finish(&admission.chain);
     }
 }
 
@@ -791,6 +936,80 @@ mod tests {
         assert_eq!((t.prompt_tokens, t.chain.len()), (40, 2));
         pod.finish_prefill(&t);
         assert_eq!(pod.admit(&target, &tokens).cached_tokens, 32);
+    }
+
+    #[test]
+    fn prefill_engine_is_fifo_and_shares_pending_prefixes() {
+        let cost = CostModel::gpu_8b(1.0);
+        let ms = |m: u64| Duration::from_millis(m);
+        let mut engine = PrefillEngine::new();
+        let cache = KvCache::new(100, 100);
+        // 4096 uncached tokens: 900 ms on the engine, first token 45 ms later.
+        let a = engine.schedule(&cost, ms(100), 4096, &[1, 2, 3]);
+        assert_eq!(
+            (a.start, a.end, a.first_token),
+            (ms(100), ms(1000), ms(1045))
+        );
+        // Arrives while a computes: starts when a is done.
+        let b = engine.schedule(&cost, ms(200), 2048, &[7, 8]);
+        assert_eq!(
+            (b.start, b.end, b.first_token),
+            (ms(1000), ms(1450), ms(1495))
+        );
+        // A full hit takes no engine time but still waits its turn.
+        let c = engine.schedule(&cost, ms(300), 0, &[7, 8]);
+        assert_eq!(
+            (c.start, c.end, c.first_token),
+            (ms(1450), ms(1450), ms(1495))
+        );
+        // After an idle gap the engine starts at once.
+        let d = engine.schedule(&cost, ms(5000), 0, &[9]);
+        assert_eq!((d.start, d.first_token), (ms(5000), ms(5045)));
+        assert_eq!(engine.busy_until(), ms(5000));
+        // Pending prefills count as cached for later ones.
+        assert_eq!(engine.pending(), 4);
+        assert_eq!(engine.cached_prefix(&cache, &[1, 2, 4]), 2);
+        assert_eq!(engine.cached_prefix(&cache, &[7, 8, 9]), 2);
+        engine.finish(&[1, 2, 3]);
+        engine.finish(&[7, 8]);
+        assert_eq!(engine.cached_prefix(&cache, &[1, 2, 4]), 0);
+        assert_eq!(
+            engine.cached_prefix(&cache, &[7, 8, 9]),
+            2,
+            "c still pending"
+        );
+        engine.finish(&[7, 8]);
+        engine.finish(&[9]);
+        engine.finish(&[9]); // unknown: no-op
+        assert_eq!(engine.pending(), 0);
+
+        // Through the pod: the second request queues behind the first and
+        // reuses its prefix.
+        let config = Config::default(); // 16-token blocks
+        let mut pod = PodModel::new(
+            &config,
+            KvCache::new(1000, 1000),
+            AdapterSlots::new(2, HashMap::new()),
+            cost.clone(),
+        );
+        let target = ModelTarget {
+            base_model: "m".into(),
+            adapter: None,
+        };
+        let prompt = Prompt::Text(vec![b'x'; 64 * 256]); // 4096 tokens
+        let first = pod.admit(&target, &prompt);
+        let s1 = pod.schedule_prefill(&first, ms(0));
+        let second = pod.admit(&target, &prompt);
+        assert_eq!(second.cached_tokens, 4096);
+        let s2 = pod.schedule_prefill(&second, ms(10));
+        assert_eq!(
+            (s1.end, s2.start, s2.first_token),
+            (ms(900), ms(900), ms(945))
+        );
+        pod.finish_prefill(&first);
+        pod.abandon_prefill(&second);
+        assert_eq!(pod.engine.pending(), 0);
+        assert_eq!(pod.cache.cached_prefix(&first.chain), 256);
     }
 
     #[test]

@@ -1,7 +1,16 @@
 //! The `kvroute-sim` server: a simulated vLLM pod speaking the OpenAI API,
 //! vLLM's `/metrics` and kvroute's report protocol v1, with fault injection
-//! under `/admin`. The cache and cost model live in [`crate::model`]; this
-//! module adds time (tokio), the batch slots and queue, and HTTP.
+//! under `/admin`. The cache, cost model and prefill engine live in
+//! [`crate::model`]; this module adds time (tokio, sleeping until the times
+//! the model computes), the sequence slots and their queue, and HTTP.
+//!
+//! A request waits for one of `--max-batch` sequence slots (FIFO), then its
+//! prefill is scheduled on the pod's [`crate::model::PrefillEngine`] (FIFO,
+//! one prefill at a time); its first token comes after its prefill plus the
+//! per-request overhead, the rest one per decode step, holding the slot
+//! until the last. `queueDepth` / `vllm:num_requests_waiting` counts
+//! requests waiting for a slot or for their prefill to start; `running`
+//! those in prefill or decode.
 //!
 //! Endpoints:
 //! - `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
@@ -30,7 +39,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Parser;
-use kvroute::config::{Config, ModelTarget};
+use kvroute::config::Config;
 use kvroute::request::{parse_request, Prompt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -58,8 +67,9 @@ pub struct SimOptions {
     /// KV cache capacity in blocks.
     #[arg(long, default_value_t = 4096)]
     pub kv_blocks: usize,
-    /// Requests running at once; the rest wait in a FIFO queue.
-    #[arg(long, default_value_t = 8)]
+    /// Sequence slots (vLLM's `max_num_seqs`): requests admitted at once,
+    /// from prefill to their last token; the rest wait in a FIFO queue.
+    #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
     /// Multiplies every simulated duration.
     #[arg(long, default_value_t = 1.0)]
@@ -174,7 +184,9 @@ struct Inner {
     /// Lifetime counters for `/metrics` (never reset).
     query_tokens_total: u64,
     hit_tokens_total: u64,
+    /// Waiting for a slot, or holding one with the prefill not started.
     waiting: u32,
+    /// In prefill or decode.
     running: u32,
     faults: Faults,
     rng: u64,
@@ -188,6 +200,8 @@ struct Sim {
     max_batch: usize,
     cost: CostModel,
     slots: Arc<Semaphore>,
+    /// The prefill engine's epoch.
+    origin: Instant,
     hang: watch::Sender<bool>,
     next_id: AtomicU64,
     inner: Mutex<Inner>,
@@ -196,6 +210,16 @@ struct Sim {
 impl Sim {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Now, on the prefill engine's clock.
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+
+    /// A time on the prefill engine's clock, for `sleep_until`.
+    fn at(&self, time: Duration) -> tokio::time::Instant {
+        tokio::time::Instant::from_std(self.origin + time)
     }
 
     fn load(&self, inner: &Inner) -> PodLoad {
@@ -333,6 +357,7 @@ pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
         max_batch,
         cost,
         slots: Arc::new(Semaphore::new(max_batch)),
+        origin: Instant::now(),
         hang: watch::channel(false).0,
         next_id: AtomicU64::new(1),
         inner: Mutex::new(Inner {
@@ -424,7 +449,8 @@ impl Drop for Waiting {
     }
 }
 
-/// A running request: holds a batch slot, counted while alive.
+/// A running request (prefill started): holds a sequence slot, counted
+/// while alive.
 struct Running {
     sim: Arc<Sim>,
     _permit: OwnedSemaphorePermit,
@@ -443,6 +469,30 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.sim.lock().running -= 1;
+    }
+}
+
+/// A prefill scheduled on the engine: if the request goes away before its
+/// prefill is done, its chain stops counting as pending.
+struct Scheduled {
+    sim: Arc<Sim>,
+    admission: Option<Admission>,
+}
+
+impl Scheduled {
+    /// Prefill done: the blocks enter the cache.
+    fn finish(mut self) -> Admission {
+        let admission = self.admission.take().expect("finished once");
+        self.sim.lock().pod.finish_prefill(&admission);
+        admission
+    }
+}
+
+impl Drop for Scheduled {
+    fn drop(&mut self) {
+        if let Some(admission) = self.admission.take() {
+            self.sim.lock().pod.abandon_prefill(&admission);
+        }
     }
 }
 
@@ -602,13 +652,25 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
             "ServiceUnavailableError",
         );
     };
+    // A slot: load the adapter if needed, then queue on the prefill engine.
+    let (admission, slot) = {
+        let mut inner = sim.lock();
+        let admission = inner.pod.admit(&target, &parsed.prompt);
+        let slot = inner.pod.schedule_prefill(&admission, sim.now());
+        (admission, slot)
+    };
+    let scheduled = Scheduled {
+        sim: sim.clone(),
+        admission: Some(admission),
+    };
+    tokio::time::sleep_until(sim.at(slot.start)).await;
     drop(waiting);
     let running = Running::new(&sim, permit);
-    let admission = admit(&sim, &target, &parsed.prompt);
-    tokio::time::sleep(admission.adapter_load + admission.prefill).await;
+    tokio::time::sleep_until(sim.at(slot.end)).await;
+    let admission = scheduled.finish();
+    tokio::time::sleep_until(sim.at(slot.first_token)).await;
     {
         let mut inner = sim.lock();
-        inner.pod.finish_prefill(&admission);
         inner.stats.cached_tokens += admission.cached_tokens;
         inner.stats.prompt_tokens += admission.prompt_tokens;
         inner.stats.ttft_ms_sum += arrived.elapsed().as_secs_f64() * 1000.0;
@@ -630,7 +692,8 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
         max_tokens,
     };
     if !parsed.stream {
-        tokio::time::sleep(sim.cost.generation_after_first(max_tokens)).await;
+        let last = slot.first_token + sim.cost.generation_after_first(max_tokens);
+        tokio::time::sleep_until(sim.at(last)).await;
         sim.lock().stats.completed += 1;
         drop(running);
         return Json(reply.full()).into_response();
@@ -678,10 +741,6 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
-}
-
-fn admit(sim: &Sim, target: &ModelTarget, prompt: &kvroute::request::Prompt) -> Admission {
-    sim.lock().pod.admit(target, prompt)
 }
 
 /// A uniform value in [0, 1) from a xorshift64 state.

@@ -149,7 +149,7 @@ pub fn workload_markdown(w: &Value) -> String {
     let pooled = w["bounds"]["pooledLru"].as_f64().unwrap_or(0.0);
     let infinite = w["bounds"]["infinite"].as_f64().unwrap_or(0.0);
     out.push_str(&format!(
-        "### {}\n\n{}.\n\n{} requests, mean prompt {} tokens; {} pods × {} batch slots, time scale {}; \
+        "### {}\n\n{}.\n\n{} requests, mean prompt {} tokens; {} pods × {} sequence slots, time scale {}; \
          KV cache {} blocks per pod (working set {} blocks = {:.0}% of the cluster's {} blocks); \
          offered {:.1} req/s = {:.0}% of the cache-blind capacity ({:.1} req/s).\n\n",
         w["name"].as_str().unwrap_or(""),
@@ -218,7 +218,15 @@ pub fn markdown(results: &Value, command: &str) -> String {
          client-side, time to the first server-sent event. kvroute runs: reports every {} ms \
          (precise) or decisions only (`\"mode\": \"approximate\"`). Baselines: the same Envoy with a \
          STATIC cluster of the same pods (`envoy/baseline.template.yaml`); ring hash keys on \
-         `x-session-id` (group / user / tenant / first hash id).\n\n",
+         `x-session-id` (group / user / tenant / first hash id).\n\n\
+         Pod model (`integration/src/model.rs`, × each workload's time scale): a request waits for \
+         one of the pod's sequence slots (vLLM's `max_num_seqs`), then its prefill queues on the \
+         pod's single prefill engine, FIFO, at 0.9 s per 4,096 *uncached* prompt tokens; its first \
+         token follows a 45 ms per-request overhead (latency, not engine time); decode is 20 ms per \
+         token per sequence, concurrent. So uncached prefill work queues and delays everyone behind \
+         it, and a cache hit removes it. Cache-blind capacity = pods × the prefill engine's \
+         throughput with no cache hits (4,096 / (0.9 × time scale) tokens/s ÷ mean prompt tokens), \
+         or the slot bound (slots ÷ mean uncontended request time) if lower.\n\n",
         results["date"].as_str().unwrap_or("?"),
         results["host"].as_str().unwrap_or("?"),
         super::stack::REPORT_INTERVAL_MS,

@@ -1,14 +1,19 @@
 //! The discrete-event simulation: requests arrive at trace times, a policy
-//! picks a pod, each pod runs the simulated pod's model ([`KvCache`] +
-//! [`CostModel`] from [`crate::model`]) with `max_batch` slots and a FIFO
-//! queue, in simulated microseconds (no sleeping).
+//! picks a pod, each pod runs the simulated pod's model ([`KvCache`],
+//! [`CostModel`] and [`PrefillEngine`] from [`crate::model`]) with
+//! `max_batch` sequence slots and a FIFO queue, in simulated microseconds
+//! (no sleeping).
 //!
-//! Pods behave like `kvroute-sim`: a request waits for a batch slot; on
-//! getting one its cached prefix is counted (as [`crate::model::PodModel::admit`]
-//! does) and its prefill takes `CostModel::prefill(uncached tokens)`; at the
-//! end of prefill its blocks enter the cache and its first token is out
-//! (TTFT = queue wait + prefill); it keeps the slot for
-//! `(output_tokens − 1) × decode step` more.
+//! Pods behave like `kvroute-sim`: a request waits for a sequence slot; on
+//! getting one its cached prefix is counted against the cache and the
+//! prefills already scheduled (as [`crate::model::PodModel::admit`] does)
+//! and its prefill is scheduled on the pod's single FIFO prefill engine
+//! ([`PrefillEngine::schedule`]: it starts when the previous prefill is
+//! done and takes `CostModel::prefill_compute(uncached tokens)`); at the
+//! end of prefill its blocks enter the cache, its first token follows the
+//! per-request overhead (TTFT = slot wait + engine wait + own prefill +
+//! overhead); it keeps the slot for `(output_tokens − 1) × decode step`
+//! more, decoding concurrently with everything else.
 //!
 //! The kvroute policy runs the routing core for real on the router's view:
 //! a [`ClusterState`] fed the pods' protocol v1 reports every report
@@ -24,6 +29,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::time::Duration;
 
 use kvroute::cluster::ClusterState;
 use kvroute::config::{Config, IndexMode, PodConfig};
@@ -33,7 +39,7 @@ use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
 use super::workload::{Request, Workload};
-use crate::model::{cached_tokens, CostModel, KvCache, PodLoad, DEFAULT_LOG_EVENTS};
+use crate::model::{cached_tokens, CostModel, KvCache, PodLoad, PrefillEngine, DEFAULT_LOG_EVENTS};
 
 /// The simulated pods (all identical).
 #[derive(Debug, Clone, PartialEq)]
@@ -41,7 +47,8 @@ pub struct PodSpec {
     pub count: usize,
     /// KV cache capacity per pod, in blocks.
     pub kv_blocks: usize,
-    /// Requests running at once per pod.
+    /// Sequence slots per pod (requests admitted at once, prefill to last
+    /// token).
     pub max_batch: usize,
     pub cost: CostModel,
 }
@@ -202,6 +209,8 @@ pub fn sim_pods(count: usize) -> Vec<PodConfig> {
 enum Kind {
     /// A pod finished a prefill: blocks enter its cache.
     PrefillDone,
+    /// A pod's prefill engine starts a request's prefill.
+    PrefillStart,
     /// A request's last token: its slot frees.
     Finish,
     /// The report service's tick (kvroute only).
@@ -221,18 +230,41 @@ struct Event {
 
 struct Pod {
     cache: KvCache,
-    running: usize,
+    engine: PrefillEngine,
+    /// Requests holding a sequence slot.
+    slots_used: usize,
+    /// Requests waiting for a slot.
     waiting: VecDeque<usize>,
+    /// Requests holding a slot whose prefill has not started.
+    prefill_queued: usize,
     /// Routed and not finished (the filter's in-flight counter).
     inflight: u32,
 }
 
 impl Pod {
+    fn new(kv_blocks: usize, log_events: usize) -> Pod {
+        Pod {
+            cache: KvCache::new(kv_blocks, log_events),
+            engine: PrefillEngine::new(),
+            slots_used: 0,
+            waiting: VecDeque::new(),
+            prefill_queued: 0,
+            inflight: 0,
+        }
+    }
+
+    /// In prefill or decode (as `kvroute-sim` reports `running`).
+    fn running(&self) -> usize {
+        self.slots_used - self.prefill_queued
+    }
+
+    /// As `kvroute-sim` reports it: queue = waiting for a slot or for the
+    /// prefill to start.
     fn load(&self, max_batch: usize) -> PodLoad {
         PodLoad {
-            queue_depth: self.waiting.len() as u32,
-            running: self.running as u32,
-            gpu_utilization: (self.running as f64 / max_batch as f64).clamp(0.0, 1.0),
+            queue_depth: (self.waiting.len() + self.prefill_queued) as u32,
+            running: self.running() as u32,
+            gpu_utilization: (self.running() as f64 / max_batch as f64).clamp(0.0, 1.0),
             health: 1.0,
             adapters: Vec::new(),
         }
@@ -284,12 +316,7 @@ impl<'a> Simulation<'a> {
         seed: u64,
     ) -> Simulation<'a> {
         let pods = (0..spec.count)
-            .map(|_| Pod {
-                cache: KvCache::new(spec.kv_blocks, DEFAULT_LOG_EVENTS),
-                running: 0,
-                waiting: VecDeque::new(),
-                inflight: 0,
-            })
+            .map(|_| Pod::new(spec.kv_blocks, DEFAULT_LOG_EVENTS))
             .collect();
         let chooser = match policy {
             Policy::Kvroute => Chooser::Kvroute(Box::new(KvrouteView::new(config, spec.count))),
@@ -352,11 +379,16 @@ impl<'a> Simulation<'a> {
                 Kind::PrefillDone => {
                     let requests = self.requests;
                     let chain = &requests[event.request].chain;
-                    self.pods[event.pod].cache.insert_chain(chain);
+                    let pod = &mut self.pods[event.pod];
+                    pod.engine.finish(chain);
+                    pod.cache.insert_chain(chain);
+                }
+                Kind::PrefillStart => {
+                    self.pods[event.pod].prefill_queued -= 1;
                 }
                 Kind::Finish => {
                     let pod = &mut self.pods[event.pod];
-                    pod.running -= 1;
+                    pod.slots_used -= 1;
                     pod.inflight -= 1;
                     if let Some(next) = pod.waiting.pop_front() {
                         self.start(event.pod, next, now);
@@ -409,34 +441,42 @@ impl<'a> Simulation<'a> {
         self.outcomes[index].pod = pod;
         let state = &mut self.pods[pod];
         state.inflight += 1;
-        if state.running < self.spec.max_batch && state.waiting.is_empty() {
+        if state.slots_used < self.spec.max_batch && state.waiting.is_empty() {
             self.start(pod, index, now);
         } else {
             state.waiting.push_back(index);
         }
     }
 
-    /// `index` gets a batch slot on `pod` at `now`.
+    /// `index` gets a sequence slot on `pod` at `now`: its prefill joins
+    /// the pod's prefill engine.
     fn start(&mut self, pod: usize, index: usize, now: u64) {
         let requests = self.requests;
         let request = &requests[index];
         let state = &mut self.pods[pod];
-        state.running += 1;
+        state.slots_used += 1;
+        state.prefill_queued += 1;
         let cached = cached_tokens(
-            state.cache.cached_prefix(&request.chain),
+            state.engine.cached_prefix(&state.cache, &request.chain),
             request.block_tokens,
             request.prompt_tokens,
         );
         let cost = &self.spec.cost;
-        let prefill = cost.prefill(request.prompt_tokens - cached).as_micros() as u64;
-        let decode = cost
-            .generation_after_first(request.output_tokens)
-            .as_micros() as u64;
+        let slot = state.engine.schedule(
+            cost,
+            Duration::from_micros(now),
+            request.prompt_tokens - cached,
+            &request.chain,
+        );
+        let micros = |d: Duration| d.as_micros() as u64;
+        let first_token = micros(slot.first_token);
+        let decode = micros(cost.generation_after_first(request.output_tokens));
         let outcome = &mut self.outcomes[index];
         outcome.cached_tokens = cached;
-        outcome.ttft_us = now + prefill - outcome.arrival_us;
-        self.push(now + prefill, Kind::PrefillDone, index, pod);
-        self.push(now + prefill + decode, Kind::Finish, index, pod);
+        outcome.ttft_us = first_token - outcome.arrival_us;
+        self.push(micros(slot.start), Kind::PrefillStart, index, pod);
+        self.push(micros(slot.end), Kind::PrefillDone, index, pod);
+        self.push(first_token + decode, Kind::Finish, index, pod);
     }
 }
 
@@ -633,14 +673,7 @@ mod tests {
             let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
             let router = Router::new(config.clone());
             let mut view = KvrouteView::new(&config, 3);
-            let mut pods: Vec<Pod> = (0..3)
-                .map(|_| Pod {
-                    cache: KvCache::new(12, 1000),
-                    running: 0,
-                    waiting: VecDeque::new(),
-                    inflight: 0,
-                })
-                .collect();
+            let mut pods: Vec<Pod> = (0..3).map(|_| Pod::new(12, 1000)).collect();
             for (i, (r, t)) in workload.requests.iter().zip(&requests).enumerate() {
                 if i % 4 == 0 {
                     view.tick(i as u64 * 1_000_000, &pods, 8);

@@ -61,8 +61,8 @@ pub struct ReplayArgs {
     /// trace's working set is 72% of the pods' total capacity).
     #[arg(long)]
     pub kv_blocks: Option<usize>,
-    /// Requests running at once per pod (the rest queue, FIFO).
-    #[arg(long, default_value_t = 8)]
+    /// Sequence slots per pod (vLLM's `max_num_seqs`; the rest queue, FIFO).
+    #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
     /// Divides every trace timestamp.
     #[arg(long, default_value_t = 1.0)]
