@@ -222,8 +222,9 @@ fn stats(values: &mut [f64]) -> Value {
 
 /// Runs the overhead measurement.
 pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
-    let plugin =
-        json!({"podReportIntervalMs": 500, "models": {"sim-model": {"baseModel": "sim-model"}}});
+    // Defaults as users run them: no decision headers on responses.
+    let plugin = json!({"podReportIntervalMs": 500, "decisionHeaders": false,
+                        "models": {"sim-model": {"baseModel": "sim-model"}}});
     let mut spec = ClusterSpec::new(1, plugin);
     spec.sim_args = vec![
         "--time-scale".into(),
