@@ -89,7 +89,8 @@ bench-micro:
 	$(CARGO) bench -p kvroute --bench routing
 
 run: wasm envoy
-	$(CARGO) run --release -p kvroute-integration --bin kvroute-demo
+	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-demo
+	target/release/kvroute-demo
 
 clean:
 	$(CARGO) clean
