@@ -105,7 +105,7 @@ pub struct RoutingRequest {
 
 impl RoutingRequest {
     /// A request routed by load alone.
-    fn by_load(model: String, degraded: String) -> RoutingRequest {
+    pub fn by_load(model: String, degraded: String) -> RoutingRequest {
         RoutingRequest {
             model,
             adapter: None,

@@ -595,13 +595,7 @@ impl<'a> KvrouteView<'a> {
                 degraded: None,
             }
         } else {
-            RoutingRequest {
-                model: String::new(),
-                adapter: None,
-                chain: Vec::new(),
-                tokens_per_block: 0,
-                degraded: Some("request body exceeds maxBodyBytes".into()),
-            }
+            RoutingRequest::by_load(String::new(), "request body exceeds maxBodyBytes".into())
         };
         let snapshot = SnapshotIndex {
             buckets: self.table.buckets,
