@@ -163,10 +163,23 @@ fn main() {
         cluster.envoy.log_path.display()
     );
     println!("\nCtrl-C to stop.");
+    wait_for_stop_signal();
+    eprintln!("stopping ...");
+}
+
+/// Blocks until Ctrl-C or SIGTERM, so the pods and Envoy are torn down (by
+/// the harness's drop) either way.
+fn wait_for_stop_signal() {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    let _ = runtime.block_on(tokio::signal::ctrl_c());
-    eprintln!("stopping ...");
+    runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    });
 }
