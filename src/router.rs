@@ -129,10 +129,6 @@ impl Router {
         &self.config
     }
 
-    pub fn policy(&self) -> &ScoringPolicy {
-        &self.policy
-    }
-
     /// Whether `path` (without query) is one kvroute routes, and if so
     /// whether it is the chat form.
     pub fn route_kind(&self, path: &str) -> Option<bool> {
