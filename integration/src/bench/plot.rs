@@ -66,7 +66,8 @@ fn bars(
     let root = root.titled(title, ("sans-serif", 26))?;
     let cells = root.split_evenly((2, 2));
     for (area, (name, values)) in cells.iter().zip(panels) {
-        let top = values.iter().map(|v| v.1).fold(0.0, f64::max).max(1e-9) * 1.6;
+        // Headroom above the tallest bar keeps its value label clear of the legend.
+        let top = values.iter().map(|v| v.1).fold(0.0, f64::max).max(1e-9) * 1.9;
         let mut chart = ChartBuilder::on(area)
             .caption(name, ("sans-serif", 20))
             .margin(12)
