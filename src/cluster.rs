@@ -11,12 +11,9 @@
 //! - queue: vLLM's `num_requests_waiting` when scraped, else the report's
 //!   `queueDepth`; load: the report's `gpuUtilization`, else vLLM's
 //!   `kv_cache_usage_perc`; adapters: both sources together;
-//! - health: the reported health (1.0 until a pod reports one), times a
-//!   staleness factor: 1 while the last good answer is younger than
-//!   `podReportIntervalMs + reportTimeoutMs`, then falling linearly to 0
-//!   over three more intervals, so a silent pod is excluded after about
-//!   three missed reports and recovers on its next good one. A pod nobody
-//!   polls (approximate mode without `metricsPath`) keeps health 1.0;
+//! - health: the reported health (1.0 until a pod reports one), times the
+//!   staleness factor of [`crate::staleness`], so a silent pod is excluded
+//!   after about three missed reports and recovers on its next good one;
 //! - failures (unreachable, HTTP status, malformed, wrong pod) are counted
 //!   per pod; [`ClusterState::record_failure`] and the report/metrics paths
 //!   return a [`Transition`] only when the pod's state changes, so logs say
@@ -26,6 +23,7 @@ use crate::config::{Config, IndexMode, PodConfig};
 use crate::index::{DecisionRecorder, PrefixTree};
 use crate::report::{parse_report, parse_vllm_metrics};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
+use crate::staleness::Staleness;
 
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +34,8 @@ pub enum Failure {
     Status(u32),
     /// A body that is not a valid report or metrics page.
     Malformed(String),
+    /// A body larger than `maxReportBytes`, left unread.
+    TooLarge { size: usize, limit: usize },
 }
 
 impl std::fmt::Display for Failure {
@@ -44,6 +44,10 @@ impl std::fmt::Display for Failure {
             Failure::Unreachable => f.write_str("unreachable or timed out"),
             Failure::Status(code) => write!(f, "answered HTTP {code}"),
             Failure::Malformed(why) => write!(f, "sent a malformed answer: {why}"),
+            Failure::TooLarge { size, limit } => write!(
+                f,
+                "answered {size} bytes, more than maxReportBytes ({limit}); the body was not read"
+            ),
         }
     }
 }
@@ -55,8 +59,18 @@ impl Failure {
             Failure::Unreachable => "unreachable",
             Failure::Status(_) => "status",
             Failure::Malformed(_) => "malformed",
+            Failure::TooLarge { .. } => "too_large",
         }
     }
+}
+
+/// What a pull asks a pod for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullKind {
+    /// The report protocol v1 endpoint.
+    Report,
+    /// vLLM's Prometheus `/metrics`.
+    Metrics,
 }
 
 /// A change of a pod's reporting state, to log once.
@@ -98,10 +112,8 @@ struct PodRecord {
 
 /// See the module documentation.
 pub struct ClusterState {
-    mode: IndexMode,
-    polled: bool,
-    interval_ms: u64,
-    grace_ms: u64,
+    config: Config,
+    staleness: Staleness,
     pods: Vec<PodRecord>,
     index: DecisionRecorder,
     publisher: SnapshotPublisher,
@@ -112,10 +124,8 @@ impl ClusterState {
     pub fn new(config: &Config, now_ms: u64) -> ClusterState {
         let tree = PrefixTree::with_change_log(config.max_index_blocks);
         let mut state = ClusterState {
-            mode: config.mode,
-            polled: config.mode == IndexMode::Precise || config.metrics_path.is_some(),
-            interval_ms: config.pod_report_interval_ms,
-            grace_ms: config.pod_report_interval_ms + config.report_timeout_ms,
+            config: config.clone(),
+            staleness: Staleness::from_config(config),
             pods: Vec::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
             publisher: SnapshotPublisher::new(config.snapshot_buckets()),
@@ -166,6 +176,8 @@ impl ClusterState {
         }
         records.sort_by_key(|r| r.slot);
         self.pods = records;
+        let share = self.config.pod_index_share(self.pods.len());
+        self.index.tree_mut().set_max_pod_blocks(share);
     }
 
     /// Ids and addresses of the current pods, in slot order.
@@ -185,6 +197,54 @@ impl ClusterState {
             Some(epoch) => format!("{report_path}?since={}&epoch={epoch}", record.seq),
             None => format!("{report_path}?since=0"),
         })
+    }
+
+    /// Folds the answer to a pull of `pod_id`, as the host delivered it:
+    /// `status` is the HTTP status (`None`: no response — connection
+    /// failure, reset mid-body, timeout); `body` reads the `body_size`
+    /// bytes, and is called only when the answer is worth reading (a 200
+    /// within `maxReportBytes`, or the start of an error page). `inflight`
+    /// is the pod's current in-flight count (the new queue baseline).
+    pub fn apply_pull(
+        &mut self,
+        pod_id: &str,
+        kind: PullKind,
+        status: Option<&str>,
+        body_size: usize,
+        body: impl FnOnce(usize) -> Vec<u8>,
+        now_ms: u64,
+        inflight: u32,
+    ) -> (Result<Option<ReportSummary>, Failure>, Option<Transition>) {
+        let limit = self.config.max_report_bytes;
+        let failure = match status {
+            None => Failure::Unreachable,
+            Some("200") if body_size > limit => Failure::TooLarge {
+                size: body_size,
+                limit,
+            },
+            Some("200") => {
+                let body = body(body_size);
+                return match kind {
+                    PullKind::Report => {
+                        let (result, transition) =
+                            self.apply_report(pod_id, &body, now_ms, inflight);
+                        (result.map(Some), transition)
+                    }
+                    PullKind::Metrics => {
+                        let (result, transition) =
+                            self.apply_metrics(pod_id, &body, now_ms, inflight);
+                        (result.map(|()| None), transition)
+                    }
+                };
+            }
+            // Envoy answers 503 itself when the pod cannot be reached.
+            Some("503") if body(body_size.min(64)).starts_with(b"upstream connect error") => {
+                Failure::Unreachable
+            }
+            Some(code) => Failure::Status(code.parse().unwrap_or(0)),
+        };
+        let transition = self.record_failure(pod_id, failure.clone());
+        (Err(failure), transition)
     }
 
     /// Folds a report body from `pod_id`. `inflight` is the pod's current
@@ -318,18 +378,13 @@ impl ClusterState {
     }
 
     fn decayed_health(&self, record: &PodRecord, now_ms: u64) -> f64 {
-        if !self.polled {
-            return record.reported_health;
-        }
         let age = now_ms.saturating_sub(record.last_success_ms);
-        let overdue = age.saturating_sub(self.grace_ms) as f64;
-        let factor = (1.0 - overdue / (3 * self.interval_ms) as f64).max(0.0);
-        record.reported_health * factor
+        record.reported_health * self.staleness.health_factor(age)
     }
 
     /// Approximate mode: a filter routed `chain` to pod `slot`.
     pub fn record_decision(&mut self, slot: usize, chain: &[u64]) {
-        if self.mode == IndexMode::Approximate && self.pods.iter().any(|r| r.slot == slot) {
+        if self.config.mode == IndexMode::Approximate && self.pods.iter().any(|r| r.slot == slot) {
             self.index.record(slot, chain);
         }
     }
@@ -346,6 +401,14 @@ impl ClusterState {
     /// The next snapshot: the pod table (always) and the index buckets that
     /// changed since the last call.
     pub fn publish(&mut self, now_ms: u64) -> Publication {
+        self.publish_some(now_ms, usize::MAX)
+    }
+
+    /// Like [`ClusterState::publish`] with at most `max_buckets` changed
+    /// buckets; the rest wait for the next call
+    /// ([`Publication::pending_buckets`]), so a large resync is published
+    /// over several calls instead of stalling one.
+    pub fn publish_some(&mut self, now_ms: u64, max_buckets: usize) -> Publication {
         let changes = self.index.tree_mut().take_changes();
         self.publisher.apply(&changes);
         self.generation += 1;
@@ -359,6 +422,8 @@ impl ClusterState {
                 queue: r.metrics_queue.unwrap_or(r.report_queue),
                 load: r.report_load.or(r.metrics_load).unwrap_or(0.0),
                 health: self.decayed_health(r, now_ms),
+                reported_health: r.reported_health,
+                last_report_ms: r.last_success_ms,
                 adapters: union(&r.report_adapters, &r.metrics_adapters),
                 attributes: r.config.attributes.clone(),
                 inflight_at_report: r.inflight_at_report,
@@ -366,12 +431,15 @@ impl ClusterState {
             .collect();
         let table = PodTable {
             generation: self.generation,
+            published_at_ms: now_ms,
             buckets: self.publisher.bucket_count(),
             pods,
         };
+        let buckets = self.publisher.take_dirty(max_buckets);
         Publication {
             table,
-            buckets: self.publisher.take_dirty(),
+            buckets,
+            pending_buckets: self.publisher.dirty_count(),
         }
     }
 
@@ -393,4 +461,6 @@ pub struct Publication {
     pub table: PodTable,
     /// (bucket, encoded value) of changed buckets.
     pub buckets: Vec<(u32, Vec<u8>)>,
+    /// Changed buckets left for the next publication.
+    pub pending_buckets: usize,
 }

@@ -195,6 +195,12 @@ pub struct Config {
     pub max_index_blocks: usize,
     /// Per-pod bound in approximate mode (the pod's KV capacity in blocks).
     pub pod_capacity_blocks: usize,
+    /// Most blocks one pod may hold in the index; `None`: twice its fair
+    /// share, `2 × maxIndexBlocks / pods` (at most `maxIndexBlocks`).
+    pub max_pod_index_blocks: Option<usize>,
+    /// Largest report or metrics body the service reads; a larger one is a
+    /// failed pull (`too_large`).
+    pub max_report_bytes: usize,
     pub pod_report_interval_ms: u64,
     /// A report older than this many intervals starts decaying the pod's health.
     pub report_timeout_ms: u64,
@@ -233,6 +239,8 @@ impl Default for Config {
             mode: IndexMode::Precise,
             max_index_blocks: 1_000_000,
             pod_capacity_blocks: 32_768,
+            max_pod_index_blocks: None,
+            max_report_bytes: 4 * 1024 * 1024,
             pod_report_interval_ms: 2000,
             report_timeout_ms: 1000,
             pods: Vec::new(),
@@ -319,6 +327,10 @@ impl Config {
         positive("reportTimeoutMs", self.report_timeout_ms)?;
         positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;
         positive("maxBodyBytes", self.max_body_bytes as u64)?;
+        positive("maxReportBytes", self.max_report_bytes as u64)?;
+        if let Some(blocks) = self.max_pod_index_blocks {
+            positive("maxPodIndexBlocks", blocks as u64)?;
+        }
         if self.max_index_blocks < self.max_prefix_blocks {
             return Err(invalid(
                 "maxIndexBlocks",
@@ -408,6 +420,13 @@ impl Config {
             });
         }
         self.models.get(requested).cloned()
+    }
+
+    /// Most blocks one of `pods` pods may hold in the index.
+    pub fn pod_index_share(&self, pods: usize) -> usize {
+        self.max_pod_index_blocks.unwrap_or_else(|| {
+            (self.max_index_blocks.saturating_mul(2) / pods.max(1)).min(self.max_index_blocks)
+        })
     }
 
     /// Number of shared-data buckets the published index is spread over:

@@ -14,6 +14,7 @@ pub mod request;
 pub mod router;
 pub mod scoring;
 pub mod snapshot;
+pub mod staleness;
 pub mod usage;
 
 #[cfg(all(target_arch = "wasm32", feature = "envoy", not(test)))]

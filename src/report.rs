@@ -51,16 +51,20 @@ pub struct PodReport {
     pub adapters: Vec<String>,
 }
 
+// Hashes are borrowed from the body (hex never needs JSON escapes), so a
+// large report allocates no string per hash.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct WireChain {
-    parent: Option<String>,
-    hashes: Vec<String>,
+struct WireChain<'a> {
+    #[serde(borrow)]
+    parent: Option<&'a str>,
+    #[serde(borrow)]
+    hashes: Vec<&'a str>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct WireReport {
+struct WireReport<'a> {
     version: u32,
     pod_id: String,
     epoch: String,
@@ -68,10 +72,10 @@ struct WireReport {
     #[serde(default)]
     since: u64,
     full: bool,
-    #[serde(default)]
-    stored: Vec<WireChain>,
-    #[serde(default)]
-    removed: Vec<String>,
+    #[serde(default, borrow)]
+    stored: Vec<WireChain<'a>>,
+    #[serde(default, borrow)]
+    removed: Vec<&'a str>,
     queue_depth: u32,
     #[serde(default)]
     running: u32,
@@ -119,7 +123,6 @@ pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
             Ok(StoredChain {
                 parent: chain
                     .parent
-                    .as_deref()
                     .map(|p| parse_hash(p, "stored.parent"))
                     .transpose()?,
                 hashes: chain
@@ -182,10 +185,13 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
         }
         let (name, labels, rest) = match line.find('{') {
             Some(open) => {
-                let close = line
-                    .rfind('}')
-                    .ok_or_else(|| format!("metrics line {}: unclosed label set", number + 1))?;
-                (&line[..open], &line[open + 1..close], &line[close + 1..])
+                let unclosed = || format!("metrics line {}: unclosed label set", number + 1);
+                let close = line.rfind('}').filter(|&close| close > open).ok_or_else(unclosed)?;
+                // `{` and `}` are one byte each, so these are char boundaries.
+                match (line.get(..open), line.get(open + 1..close), line.get(close + 1..)) {
+                    (Some(name), Some(labels), Some(rest)) => (name, labels, rest),
+                    _ => return Err(unclosed()),
+                }
             }
             None => match line.split_once(' ') {
                 Some((name, rest)) => (name, "", rest),
@@ -232,9 +238,9 @@ fn sample_value(rest: &str, number: usize) -> Result<f64, String> {
 
 /// The value of `key="..."` in a Prometheus label set.
 fn label(labels: &str, key: &str) -> Option<String> {
-    let start = labels.find(&format!("{key}=\""))? + key.len() + 2;
-    let end = labels[start..].find('"')? + start;
-    Some(labels[start..end].to_string())
+    let pattern = format!("{key}=\"");
+    let value = labels.get(labels.find(&pattern)? + pattern.len()..)?;
+    Some(value.get(..value.find('"')?)?.to_string())
 }
 
 #[cfg(test)]
@@ -289,5 +295,12 @@ mod tests {
         assert!(parse_vllm_metrics("vllm:num_requests_waiting{a=\"b\"} x\n")
             .unwrap_err()
             .contains("line 1"));
+    }
+
+    #[test]
+    fn a_closing_brace_before_the_opening_one_is_an_error() {
+        let error = parse_vllm_metrics("ok 1\n}{\n").unwrap_err();
+        assert!(error.contains("line 2: unclosed label set"), "{error}");
+        assert!(parse_vllm_metrics("vllm:num_requests_waiting} 3 {\n").is_err());
     }
 }

@@ -13,6 +13,10 @@
 //!    burst between two reports spreads instead of piling on the hot pod.
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
 //!    `onNoEligiblePod` answers 503 with `retry-after` or uses `fallbackPod`.
+//!
+//! A snapshot the service stopped refreshing ([`Staleness`]) is not
+//! trusted for cache: the request is routed by load, with each pod's health
+//! decayed from its last report as the service would have done.
 
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::BlockHasher;
@@ -20,6 +24,7 @@ use crate::index::{PrefixLookup, PrefixMatch};
 use crate::request::parse_request;
 use crate::scoring::{Candidate, Decision, ScoringPolicy};
 use crate::snapshot::PodTable;
+use crate::staleness::Staleness;
 
 /// The router's view of the cluster for one request.
 pub struct ClusterView<'a> {
@@ -27,6 +32,8 @@ pub struct ClusterView<'a> {
     pub index: &'a dyn PrefixLookup,
     /// In-flight requests per pod slot.
     pub inflight: &'a [u32],
+    /// Now, on the clock of `table.published_at_ms`.
+    pub now_ms: u64,
 }
 
 /// A request sent to a pod.
@@ -52,6 +59,8 @@ pub struct Routed {
     pub degraded: Option<String>,
     /// Sent to `fallbackPod` because every pod was excluded.
     pub fallback: bool,
+    /// The snapshot was stale: routed by load with self-decayed health.
+    pub stale_snapshot: bool,
     pub decision: Decision,
 }
 
@@ -66,6 +75,29 @@ pub struct Rejected {
 }
 
 impl Rejected {
+    /// The answer to `method` (not POST) on a route path: inference
+    /// endpoints take only POST, as vLLM's do.
+    pub fn method_not_allowed(method: &str) -> Rejected {
+        Rejected {
+            status: 405,
+            kind: "MethodNotAllowedError",
+            message: format!("method {method:?} is not allowed here; use POST"),
+            retry_after: None,
+        }
+    }
+
+    /// Response headers: JSON, `retry-after` when set, `allow` on a 405.
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut headers = vec![("content-type", "application/json".to_string())];
+        if let Some(seconds) = self.retry_after {
+            headers.push(("retry-after", seconds.to_string()));
+        }
+        if self.status == 405 {
+            headers.push(("allow", "POST".to_string()));
+        }
+        headers
+    }
+
     /// OpenAI-style error body.
     pub fn body(&self) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({
@@ -87,6 +119,7 @@ pub struct Router {
     config: Config,
     hasher: BlockHasher,
     policy: ScoringPolicy,
+    staleness: Staleness,
 }
 
 /// A request reduced to what routing needs: parsed, model resolved, hashed.
@@ -121,6 +154,7 @@ impl Router {
         Router {
             hasher: BlockHasher::from_config(&config),
             policy: ScoringPolicy::from_config(&config),
+            staleness: Staleness::from_config(&config),
             config,
         }
     }
@@ -163,7 +197,15 @@ impl Router {
         tie_breaker: u64,
     ) -> Outcome {
         let chain = request.chain;
-        let matches = if chain.is_empty() {
+        let mut degraded = request.degraded;
+        let snapshot_age_ms = view.now_ms.saturating_sub(view.table.published_at_ms);
+        let stale_snapshot = snapshot_age_ms > self.staleness.snapshot_stale_after_ms();
+        if stale_snapshot {
+            degraded.get_or_insert_with(|| {
+                format!("the report service's snapshot is {snapshot_age_ms} ms old: routing by load")
+            });
+        }
+        let matches = if chain.is_empty() || stale_snapshot {
             PrefixMatch::default()
         } else {
             view.index.lookup(&chain)
@@ -184,11 +226,16 @@ impl Router {
                     } else {
                         f64::from(matched) / chain.len() as f64
                     },
+                    health: if stale_snapshot {
+                        let age = view.now_ms.saturating_sub(pod.last_report_ms);
+                        pod.reported_health * self.staleness.health_factor(age)
+                    } else {
+                        pod.health
+                    },
                     load: pod.load,
                     queue: pod
                         .queue
                         .saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
-                    health: pod.health,
                     adapter_loaded: adapter.as_ref().is_some_and(|a| pod.adapters.contains(a)),
                     attributes: &pod.attributes,
                 }
@@ -238,8 +285,9 @@ impl Router {
             matched_blocks,
             composite,
             predicted_cached_tokens: u64::from(matched_blocks) * request.tokens_per_block,
-            degraded: request.degraded,
+            degraded,
             fallback,
+            stale_snapshot,
             decision,
         }))
     }

@@ -132,16 +132,23 @@ impl SnapshotPublisher {
         }
     }
 
-    /// Encoded values of the buckets changed since the last call.
-    pub fn take_dirty(&mut self) -> Vec<(u32, Vec<u8>)> {
-        let dirty = std::mem::take(&mut self.dirty);
-        dirty
+    /// Encoded values of at most `max` buckets changed since they were
+    /// last taken, oldest change first.
+    pub fn take_dirty(&mut self, max: usize) -> Vec<(u32, Vec<u8>)> {
+        let take = self.dirty.len().min(max);
+        let taken: Vec<u32> = self.dirty.drain(..take).collect();
+        taken
             .into_iter()
             .map(|b| {
                 self.is_dirty[b as usize] = false;
                 (b, encode_bucket(&self.buckets[b as usize]))
             })
             .collect()
+    }
+
+    /// Buckets changed and not yet taken.
+    pub fn dirty_count(&self) -> usize {
+        self.dirty.len()
     }
 
     /// Heap bytes of the mirror (≈ what Envoy holds for the buckets).
@@ -169,6 +176,10 @@ pub struct PublishedPod {
     pub load: f64,
     /// Reported health decayed by staleness.
     pub health: f64,
+    /// Health as last reported, and when (ms since the Unix epoch): what a
+    /// filter decays from when the snapshot itself is stale.
+    pub reported_health: f64,
+    pub last_report_ms: u64,
     pub adapters: Vec<String>,
     #[serde(default)]
     pub attributes: BTreeMap<String, f64>,
@@ -182,6 +193,8 @@ pub struct PublishedPod {
 #[serde(rename_all = "camelCase")]
 pub struct PodTable {
     pub generation: u64,
+    /// When the service published it (ms since the Unix epoch).
+    pub published_at_ms: u64,
     pub buckets: u32,
     pub pods: Vec<PublishedPod>,
 }
@@ -250,17 +263,17 @@ mod tests {
         tree.insert_chain(2, None, &chain[..3]);
         let mut publisher = SnapshotPublisher::new(64);
         publisher.apply(&tree.take_changes());
-        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
         let snapshot = SnapshotIndex {
             buckets: 64,
             fetch: |b| store.get(&b).cloned(),
         };
         assert_eq!(snapshot.lookup(&chain), tree.lookup(&chain));
         assert_eq!(snapshot.lookup(&chain).blocks(1), 40);
-        assert!(publisher.take_dirty().is_empty(), "nothing changed since");
+        assert!(publisher.take_dirty(usize::MAX).is_empty(), "nothing changed since");
         tree.remove_blocks(1, &[chain[10]]);
         publisher.apply(&tree.take_changes());
-        assert!(!publisher.take_dirty().is_empty());
+        assert!(!publisher.take_dirty(usize::MAX).is_empty());
     }
 
     #[test]

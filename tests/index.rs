@@ -290,7 +290,7 @@ proptest! {
         let mut published = PrefixTree::new(1_000); // the tree as of the last publish
         let mut publish = |tree: &mut PrefixTree, published: &mut PrefixTree, store: &mut HashMap<u32, Vec<u8>>| {
             publisher.apply(&tree.take_changes());
-            for (bucket, bytes) in publisher.take_dirty() {
+            for (bucket, bytes) in publisher.take_dirty(usize::MAX) {
                 store.insert(bucket, bytes);
             }
             *published = strip_log(tree);
@@ -327,7 +327,7 @@ proptest! {
                 prop_assert_eq!(snapshot.lookup(&path[..p]), tree.lookup(&path[..p]));
             }
         }
-        prop_assert!(publisher.take_dirty().is_empty());
+        prop_assert!(publisher.take_dirty(usize::MAX).is_empty());
     }
 }
 
@@ -345,7 +345,7 @@ fn snapshot_buckets_absent_from_the_store_read_as_empty() {
     tree.insert_chain(5, None, &[11, 12, 13]);
     let mut publisher = SnapshotPublisher::new(4);
     publisher.apply(&tree.take_changes());
-    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
     let snapshot = SnapshotIndex {
         buckets: 4,
         fetch: |b| store.get(&b).cloned(),
@@ -877,7 +877,7 @@ fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
     tree.insert_chain(1, None, &[11, 12, 13]);
     let mut publisher = SnapshotPublisher::new(4);
     publisher.apply(&tree.take_changes());
-    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
     let snapshot = SnapshotIndex {
         buckets: 4,
         fetch: |b| store.get(&b).cloned(),

@@ -3,24 +3,24 @@
 //! labels are encoded in the name (`epp_queue_depth.pod.<id>`), turned into
 //! Prometheus labels by the `stats_tags` regexes shipped in `envoy/`.
 //! Label values have `.` replaced by `_` so the regexes can split them.
+//! A metric the host refuses is skipped: metrics never fail a request.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::MetricType;
+use super::host::{self, MetricKind};
 
 thread_local! {
     // One VM per thread; metric ids are per VM.
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
 }
 
-fn id(kind: MetricType, name: &str) -> Option<u32> {
+fn id(kind: MetricKind, name: &str) -> Option<u32> {
     IDS.with(|ids| {
         if let Some(id) = ids.borrow().get(name) {
             return Some(*id);
         }
-        let id = hostcalls::define_metric(kind, name).ok()?;
+        let id = host::define_metric(kind, name).ok()?;
         ids.borrow_mut().insert(name.to_string(), id);
         Some(id)
     })
@@ -32,20 +32,20 @@ pub fn labelled(base: &str, label: &str, value: &str) -> String {
 }
 
 pub fn increment(name: &str) {
-    if let Some(id) = id(MetricType::Counter, name) {
-        let _ = hostcalls::increment_metric(id, 1);
+    if let Some(id) = id(MetricKind::Counter, name) {
+        let _ = host::increment_metric(id, 1);
     }
 }
 
 pub fn gauge(name: &str, value: u64) {
-    if let Some(id) = id(MetricType::Gauge, name) {
-        let _ = hostcalls::record_metric(id, value);
+    if let Some(id) = id(MetricKind::Gauge, name) {
+        let _ = host::record_metric(id, value);
     }
 }
 
 pub fn histogram(name: &str, value: u64) {
-    if let Some(id) = id(MetricType::Histogram, name) {
-        let _ = hostcalls::record_metric(id, value);
+    if let Some(id) = id(MetricKind::Histogram, name) {
+        let _ = host::record_metric(id, value);
     }
 }
 

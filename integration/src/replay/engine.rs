@@ -605,6 +605,9 @@ impl<'a> KvrouteView<'a> {
             table: &self.table,
             index: &Merged(&snapshot, &self.recent),
             inflight,
+            // The simulated service publishes every interval and never
+            // freezes, so its snapshot is never stale.
+            now_ms: self.table.published_at_ms,
         };
         let Outcome::Routed(routed) = self.router.route_prepared(prepared, &view, self.requests)
         else {
@@ -683,6 +686,7 @@ mod tests {
                         table: &view.table,
                         index: &Merged(&snapshot, &view.recent),
                         inflight: &inflight,
+                        now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
                         Outcome::Routed(routed) => {
