@@ -156,7 +156,7 @@ fn build() -> Fixture {
 
     let mut publisher = SnapshotPublisher::new(config.snapshot_buckets());
     publisher.apply(&tree.take_changes());
-    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
 
     let pods = PodState {
         ids: (0..PODS).map(|i| format!("pod-{i}")).collect(),

@@ -73,6 +73,14 @@ pub enum PullKind {
     Metrics,
 }
 
+/// How the host answered a pull: the HTTP status (`None`: no response —
+/// connection failure, reset mid-body, timeout) and the body's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullAnswer<'a> {
+    pub status: Option<&'a str>,
+    pub body_size: usize,
+}
+
 /// A change of a pod's reporting state, to log once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Transition {
@@ -108,6 +116,17 @@ struct PodRecord {
     inflight_at_report: u32,
     failing: Option<Failure>,
     failures: u64,
+}
+
+impl PodRecord {
+    /// A good answer: the pod is fresh again.
+    fn succeeded(&mut self, now_ms: u64, inflight: u32) -> Option<Transition> {
+        self.last_success_ms = now_ms;
+        self.inflight_at_report = inflight;
+        self.failing.take().map(|_| Transition::Recovered {
+            pod: self.config.id.clone(),
+        })
+    }
 }
 
 /// See the module documentation.
@@ -153,9 +172,12 @@ impl ClusterState {
                 record.config = pod.clone();
                 continue;
             }
-            let slot = (0..crate::config::MAX_PODS)
-                .find(|s| records.iter().all(|r| r.slot != *s))
-                .expect("at most MAX_PODS pods");
+            // Always found: at most MAX_PODS pods are taken.
+            let Some(slot) =
+                (0..crate::config::MAX_PODS).find(|s| records.iter().all(|r| r.slot != *s))
+            else {
+                break;
+            };
             records.push(PodRecord {
                 config: pod.clone(),
                 slot,
@@ -199,24 +221,23 @@ impl ClusterState {
         })
     }
 
-    /// Folds the answer to a pull of `pod_id`, as the host delivered it:
-    /// `status` is the HTTP status (`None`: no response — connection
-    /// failure, reset mid-body, timeout); `body` reads the `body_size`
-    /// bytes, and is called only when the answer is worth reading (a 200
-    /// within `maxReportBytes`, or the start of an error page). `inflight`
-    /// is the pod's current in-flight count (the new queue baseline).
+    /// Folds the answer to a pull of `pod_id`, as the host delivered it.
+    /// `body(n)` reads the first `n` bytes of the body, and is called only
+    /// when the answer is worth reading (a 200 within `maxReportBytes`, or
+    /// the start of an error page). `inflight` is the pod's current
+    /// in-flight count (the new queue baseline).
     pub fn apply_pull(
         &mut self,
         pod_id: &str,
         kind: PullKind,
-        status: Option<&str>,
-        body_size: usize,
+        answer: PullAnswer<'_>,
         body: impl FnOnce(usize) -> Vec<u8>,
         now_ms: u64,
         inflight: u32,
     ) -> (Result<Option<ReportSummary>, Failure>, Option<Transition>) {
         let limit = self.config.max_report_bytes;
-        let failure = match status {
+        let body_size = answer.body_size;
+        let failure = match answer.status {
             None => Failure::Unreachable,
             Some("200") if body_size > limit => Failure::TooLarge {
                 size: body_size,
@@ -275,15 +296,14 @@ impl ClusterState {
                 return (Err(failure), transition);
             }
         };
-        let Some(at) = self.pods.iter().position(|r| r.config.id == pod_id) else {
+        let Some(record) = self.pods.iter_mut().find(|r| r.config.id == pod_id) else {
             return (Err(Failure::Malformed("unknown pod".into())), None);
         };
-        let slot = self.pods[at].slot;
+        let slot = record.slot;
         let mut summary = ReportSummary {
             full: report.full,
             ..ReportSummary::default()
         };
-        let record = &mut self.pods[at];
         let continues =
             record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
         if report.full || !continues {
@@ -311,8 +331,7 @@ impl ClusterState {
         record.report_load = report.gpu_utilization;
         record.reported_health = report.health;
         record.report_adapters = report.adapters;
-        let transition = self.succeeded(at, now_ms, inflight);
-        (Ok(summary), transition)
+        (Ok(summary), record.succeeded(now_ms, inflight))
     }
 
     /// Folds a vLLM `/metrics` page from `pod_id`.
@@ -334,23 +353,13 @@ impl ClusterState {
                 return (Err(failure), transition);
             }
         };
-        let Some(at) = self.pods.iter().position(|r| r.config.id == pod_id) else {
+        let Some(record) = self.pods.iter_mut().find(|r| r.config.id == pod_id) else {
             return (Err(Failure::Malformed("unknown pod".into())), None);
         };
-        let record = &mut self.pods[at];
         record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
         record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
         record.metrics_adapters = metrics.running_adapters.unwrap_or_default();
-        (Ok(()), self.succeeded(at, now_ms, inflight))
-    }
-
-    fn succeeded(&mut self, at: usize, now_ms: u64, inflight: u32) -> Option<Transition> {
-        let record = &mut self.pods[at];
-        record.last_success_ms = now_ms;
-        record.inflight_at_report = inflight;
-        record.failing.take().map(|_| Transition::Recovered {
-            pod: record.config.id.clone(),
-        })
+        (Ok(()), record.succeeded(now_ms, inflight))
     }
 
     /// Counts a failed pull; a transition when the pod was not already

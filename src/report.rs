@@ -186,9 +186,16 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
         let (name, labels, rest) = match line.find('{') {
             Some(open) => {
                 let unclosed = || format!("metrics line {}: unclosed label set", number + 1);
-                let close = line.rfind('}').filter(|&close| close > open).ok_or_else(unclosed)?;
+                let close = line
+                    .rfind('}')
+                    .filter(|&close| close > open)
+                    .ok_or_else(unclosed)?;
                 // `{` and `}` are one byte each, so these are char boundaries.
-                match (line.get(..open), line.get(open + 1..close), line.get(close + 1..)) {
+                match (
+                    line.get(..open),
+                    line.get(open + 1..close),
+                    line.get(close + 1..),
+                ) {
                     (Some(name), Some(labels), Some(rest)) => (name, labels, rest),
                     _ => return Err(unclosed()),
                 }

@@ -103,7 +103,7 @@ impl Rejected {
         serde_json::to_vec(&serde_json::json!({
             "error": {"message": self.message, "type": self.kind, "code": self.status}
         }))
-        .expect("error body serialises")
+        .unwrap_or_default()
     }
 }
 
@@ -202,7 +202,9 @@ impl Router {
         let stale_snapshot = snapshot_age_ms > self.staleness.snapshot_stale_after_ms();
         if stale_snapshot {
             degraded.get_or_insert_with(|| {
-                format!("the report service's snapshot is {snapshot_age_ms} ms old: routing by load")
+                format!(
+                    "the report service's snapshot is {snapshot_age_ms} ms old: routing by load"
+                )
             });
         }
         let matches = if chain.is_empty() || stale_snapshot {
@@ -258,7 +260,9 @@ impl Router {
                             decision
                                 .excluded
                                 .iter()
-                                .map(|(i, why)| format!("{} {why}", candidates[*i].id))
+                                .filter_map(|(i, why)| {
+                                    candidates.get(*i).map(|c| format!("{} {why}", c.id))
+                                })
                                 .collect::<Vec<_>>()
                                 .join("; ")
                         ),
@@ -267,7 +271,16 @@ impl Router {
                 }
             },
         };
-        let chosen = &view.table.pods[pod];
+        // Candidates are the table's pods in order, so `pod` indexes both.
+        let (Some(chosen), Some(candidate)) = (view.table.pods.get(pod), candidates.get(pod))
+        else {
+            return Outcome::Rejected(Rejected {
+                status: 503,
+                kind: "ServiceUnavailableError",
+                message: format!("kvroute chose pod {pod}, which is not in the pod table"),
+                retry_after: Some(self.config.retry_after_seconds),
+            });
+        };
         let matched_blocks = matches.blocks(chosen.slot);
         let composite = decision.winner().map_or(0.0, |w| w.composite);
         Outcome::Routed(Box::new(Routed {
@@ -280,7 +293,7 @@ impl Router {
                 .as_ref()
                 .is_some_and(|a| !chosen.adapters.contains(a)),
             adapter,
-            cache_match: candidates[pod].cache_match,
+            cache_match: candidate.cache_match,
             chain,
             matched_blocks,
             composite,
@@ -356,20 +369,109 @@ impl Router {
                     .zip(&s.factors)
                     .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
                     .collect();
-                serde_json::json!({"pod": table.pods[s.index].id, "factors": factors, "composite": round4(s.composite)})
+                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite)})
             })
             .collect();
         let excluded: Vec<serde_json::Value> = decision
             .excluded
             .iter()
             .map(
-                |(i, why)| serde_json::json!({"pod": table.pods[*i].id, "reason": why.to_string()}),
+                |(i, why)| serde_json::json!({"pod": pod_id(table, *i), "reason": why.to_string()}),
             )
             .collect();
         serde_json::json!({"candidates": candidates, "excluded": excluded}).to_string()
     }
 }
 
+fn pod_id(table: &PodTable, index: usize) -> &str {
+    table.pods.get(index).map_or("", |p| p.id.as_str())
+}
+
 fn round4(value: f64) -> f64 {
     (value * 10_000.0).round() / 10_000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ClusterState;
+    use crate::index::PrefixTree;
+
+    fn config() -> Config {
+        Config::parse(
+            br#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"},
+                          {"id": "b", "address": "127.0.0.1:9002"}]}"#,
+        )
+        .unwrap()
+    }
+
+    fn report(pod: &str, queue: u32, hashes: &[u64]) -> Vec<u8> {
+        let hashes: Vec<String> = hashes
+            .iter()
+            .map(|h| format!("\"{}\"", crate::report::hash_to_hex(*h)))
+            .collect();
+        format!(
+            r#"{{"version":1,"podId":"{pod}","epoch":"e","seq":1,"full":true,"queueDepth":{queue},
+                "health":1.0,"stored":[{{"parent":null,"hashes":[{}]}}]}}"#,
+            hashes.join(",")
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_stale_snapshot_routes_by_load_with_health_decayed_as_the_service_would() {
+        let config = config();
+        let router = Router::new(config.clone());
+        let body = br#"{"model": "m", "prompt": "PROMPT"}"#;
+        let prompt = "x".repeat(640);
+        let body = String::from_utf8_lossy(body).replace("PROMPT", &prompt);
+        let chain = router.prepare(body.as_bytes(), false).unwrap().chain;
+        let mut cluster = ClusterState::new(&config, 0);
+        // `a` holds the prompt but is busier; `b` holds nothing.
+        cluster.apply_report("a", &report("a", 5, &chain), 1000, 0);
+        cluster.apply_report("b", &report("b", 0, &[]), 1000, 0);
+        let published = cluster.publish(1000).table;
+        let mut tree = PrefixTree::new(1000);
+        tree.insert_chain(0, None, &chain);
+        let inflight = [0, 0];
+        let view = |now_ms| ClusterView {
+            table: &published,
+            index: &tree,
+            inflight: &inflight,
+            now_ms,
+        };
+        let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
+            Outcome::Routed(routed) => routed,
+            Outcome::Rejected(rejected) => panic!("{rejected:?}"),
+        };
+
+        let fresh = route(1500);
+        assert_eq!((fresh.pod_id.as_str(), fresh.stale_snapshot), ("a", false));
+        assert_eq!(fresh.cache_match, 1.0);
+
+        // Stale after grace (2000 + 1000) + 2 intervals = 7000 ms.
+        let stale = route(1000 + 7001);
+        assert!(stale.stale_snapshot);
+        assert_eq!((stale.pod_id.as_str(), stale.cache_match), ("b", 0.0));
+        assert!(stale.degraded.unwrap().contains("snapshot is 7001 ms old"));
+        // Reports 7001 ms old: 1 − 4001/6000 of health, as the service decays.
+        let health = stale.decision.scored[0].factors[3];
+        assert!((health - (1.0 - 4001.0 / 6000.0)).abs() < 1e-3, "{health}");
+
+        // Once every report is too old, nothing is eligible.
+        match router.route(body.as_bytes(), false, &view(1000 + 9001), 1) {
+            Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
+            Outcome::Routed(routed) => panic!("routed to {}", routed.pod_id),
+        }
+    }
+
+    #[test]
+    fn other_methods_get_405_naming_post() {
+        let rejected = Rejected::method_not_allowed("GET");
+        assert_eq!(rejected.status, 405);
+        assert!(rejected.headers().contains(&("allow", "POST".to_string())));
+        let body: serde_json::Value = serde_json::from_slice(&rejected.body()).unwrap();
+        assert_eq!(body["error"]["type"], "MethodNotAllowedError");
+        assert!(body["error"]["message"].as_str().unwrap().contains("GET"));
+    }
 }

@@ -889,3 +889,141 @@ fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
         "tree says 0 blocks for pod 1, snapshot 4"
     );
 }
+
+#[test]
+fn pulls_are_classified_before_the_body_is_read() {
+    use kvroute::cluster::{PullAnswer, PullKind};
+    let mut config = cluster_config();
+    config.max_report_bytes = 1000;
+    let mut cluster = ClusterState::new(&config, 0);
+    let answer = |status, body_size| PullAnswer { status, body_size };
+    let unread = |_: usize| -> Vec<u8> { panic!("the body must not be read") };
+
+    // No response at all: the pod died mid-body, timed out or refused.
+    let (result, transition) =
+        cluster.apply_pull("a", PullKind::Report, answer(None, 0), unread, 10, 0);
+    assert_eq!(result, Err(Failure::Unreachable));
+    assert!(matches!(transition, Some(Transition::Failing { .. })));
+
+    // Too large: refused unread, named, a state change of its own.
+    let (result, transition) = cluster.apply_pull(
+        "a",
+        PullKind::Report,
+        answer(Some("200"), 5000),
+        unread,
+        20,
+        0,
+    );
+    assert_eq!(
+        result,
+        Err(Failure::TooLarge {
+            size: 5000,
+            limit: 1000
+        })
+    );
+    let Some(Transition::Failing { failure, .. }) = transition else {
+        panic!("a new failure kind is logged once");
+    };
+    assert!(
+        failure.to_string().contains("maxReportBytes (1000)"),
+        "{failure}"
+    );
+
+    // Envoy's own 503 for an unreachable pod reads only the page's start.
+    let (result, _) = cluster.apply_pull(
+        "a",
+        PullKind::Metrics,
+        answer(Some("503"), 90),
+        |n| {
+            assert_eq!(n, 64);
+            b"upstream connect error or disconnect/reset before headers"[..n.min(57)].to_vec()
+        },
+        30,
+        0,
+    );
+    assert_eq!(result, Err(Failure::Unreachable));
+    let (result, _) = cluster.apply_pull(
+        "a",
+        PullKind::Report,
+        answer(Some("404"), 3),
+        |_| b"no".to_vec(),
+        40,
+        0,
+    );
+    assert_eq!(result, Err(Failure::Status(404)));
+
+    // A good report within the limit is folded; a `}{` metrics page is malformed.
+    let body = report("a", "e1", 1, 0, true, &[(None, &[7, 8])], &[], 1.0);
+    let size = body.len();
+    let (result, transition) = cluster.apply_pull(
+        "a",
+        PullKind::Report,
+        answer(Some("200"), size),
+        |_| body,
+        50,
+        0,
+    );
+    assert_eq!(result.unwrap().unwrap().stored, 2);
+    assert!(matches!(transition, Some(Transition::Recovered { .. })));
+    let (result, _) = cluster.apply_pull(
+        "a",
+        PullKind::Metrics,
+        answer(Some("200"), 3),
+        |_| b"}{\n".to_vec(),
+        60,
+        0,
+    );
+    assert!(matches!(result, Err(Failure::Malformed(why)) if why.contains("unclosed")));
+}
+
+#[test]
+fn one_pod_holds_at_most_its_share_of_the_index() {
+    // Two pods, 4096 blocks: each may hold 2 × 4096 / 2 = 4096 by default;
+    // with maxPodIndexBlocks 100 a flood of 1000 stops at 100.
+    let mut config = cluster_config();
+    assert_eq!(config.pod_index_share(2), 4096);
+    assert_eq!(config.pod_index_share(8), 1024);
+    config.max_pod_index_blocks = Some(100);
+    let mut cluster = ClusterState::new(&config, 0);
+    let flood: Vec<u64> = (1..=1000).collect();
+    let body = report("a", "e1", 1, 0, true, &[(None, &flood)], &[], 1.0);
+    let summary = cluster.apply_report("a", &body, 10, 0).0.unwrap();
+    assert_eq!((summary.stored, summary.orphaned), (100, 900));
+    let slot = cluster.slot("a").unwrap();
+    assert_eq!(cluster.index().pod_block_count(slot), 100);
+    // The other pod is unaffected.
+    let body = report("b", "e1", 1, 0, true, &[(None, &flood[..50])], &[], 1.0);
+    assert_eq!(
+        cluster.apply_report("b", &body, 10, 0).0.unwrap().stored,
+        50
+    );
+}
+
+#[test]
+fn a_large_change_is_published_over_several_calls() {
+    let config = cluster_config();
+    let mut cluster = ClusterState::new(&config, 0);
+    let chain: Vec<u64> = (1..=2000u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    let body = report("a", "e1", 1, 0, true, &[(None, &chain)], &[], 1.0);
+    cluster.apply_report("a", &body, 10, 0).0.unwrap();
+    let mut shared = SharedData {
+        buckets: 0,
+        store: HashMap::new(),
+    };
+    let mut calls = 0;
+    loop {
+        let publication = cluster.publish_some(20, 64);
+        assert!(publication.buckets.len() <= 64);
+        shared.buckets = publication.table.buckets;
+        shared.store.extend(publication.buckets);
+        calls += 1;
+        if publication.pending_buckets == 0 {
+            break;
+        }
+    }
+    assert!(calls > 1, "256 changed buckets take several calls of 64");
+    let a = cluster.slot("a").unwrap();
+    assert_eq!(shared.lookup(&chain).blocks(a), 2000);
+}

@@ -66,9 +66,11 @@ impl DecisionRecorder {
 
     /// Records that `pod` was sent a request whose prompt is `chain`.
     pub fn record(&mut self, pod: usize, chain: &[u64]) {
+        let Some(lru) = self.pods.get_mut(pod) else {
+            return;
+        };
         let stored = self.tree.insert_chain(pod, None, chain).stored;
-        let lru = &mut self.pods[pod];
-        for &hash in chain[..stored].iter().rev() {
+        for &hash in chain.get(..stored).unwrap_or_default().iter().rev() {
             self.clock += 1;
             lru.touch(hash, self.clock);
         }
@@ -83,7 +85,9 @@ impl DecisionRecorder {
     /// Forgets a pod (it left the pod list).
     pub fn drop_pod(&mut self, pod: usize) {
         self.tree.drop_pod(pod);
-        self.pods[pod] = PodLru::default();
+        if let Some(lru) = self.pods.get_mut(pod) {
+            *lru = PodLru::default();
+        }
     }
 
     pub fn tree(&self) -> &PrefixTree {

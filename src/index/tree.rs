@@ -20,6 +20,11 @@
 //! Costs: lookup O(n) probes for an n-block chain; insert O(n) amortised;
 //! remove O(size of the pruned subtree); memory ≈ 40 B/node + the table.
 
+// Node ids index the slab and come only from the tree itself (the table,
+// links and free list), never from input: indexing them cannot go out of
+// bounds while the tree's own invariants hold, which its tests check.
+#![allow(clippy::indexing_slicing)]
+
 use hashbrown::HashTable;
 
 use super::{pod_bit, PodMask, PrefixLookup, PrefixMatch};
@@ -157,6 +162,12 @@ impl PrefixTree {
         hashes: &[u64],
     ) -> InsertOutcome {
         let bit = pod_bit(pod);
+        if bit == 0 {
+            return InsertOutcome {
+                stored: 0,
+                orphaned: hashes.len(),
+            };
+        }
         let mut parent_slot = match parent {
             None => NIL,
             Some(hash) => match self.find(hash) {

@@ -199,7 +199,10 @@ impl ScoringPolicy {
                 None => eligible.push(index),
             }
         }
-        let eligible_pods: Vec<Candidate<'_>> = eligible.iter().map(|&i| pods[i].clone()).collect();
+        let eligible_pods: Vec<Candidate<'_>> = eligible
+            .iter()
+            .filter_map(|&i| pods.get(i).cloned())
+            .collect();
         let context = DecisionContext {
             candidates: &eligible_pods,
             needs_adapter,
@@ -244,8 +247,11 @@ impl ScoringPolicy {
         scored: &[ScoredPod],
         tie_breaker: u64,
     ) -> Option<usize> {
-        let load_score = |s: &ScoredPod| unit(1.0 - pods[s.index].load);
-        let queue_score = |s: &ScoredPod| factors::queue_score(pods[s.index].queue, self.max_queue);
+        let load_score = |s: &ScoredPod| pods.get(s.index).map_or(0.0, |p| unit(1.0 - p.load));
+        let queue_score = |s: &ScoredPod| {
+            pods.get(s.index)
+                .map_or(0.0, |p| factors::queue_score(p.queue, self.max_queue))
+        };
         let key = |s: &ScoredPod| (s.composite, load_score(s), queue_score(s));
         let better = |a: (f64, f64, f64), b: (f64, f64, f64)| {
             for (x, y) in [(a.0, b.0), (a.1, b.1), (a.2, b.2)] {
@@ -267,7 +273,8 @@ impl ScoringPolicy {
             .filter(|s| better(key(s), best).is_none())
             .map(|s| s.index)
             .collect();
-        Some(ties[(tie_breaker % ties.len() as u64) as usize])
+        let turn = tie_breaker % (ties.len().max(1) as u64);
+        ties.get(turn as usize).copied()
     }
 }
 

@@ -25,7 +25,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use serde_json::json;
 
-use super::host::{self, Buffer, Map};
+use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
 use crate::config::IndexMode;
@@ -115,21 +115,21 @@ impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // An ORIGINAL_DST cluster connects wherever this header says: never
         // let a client choose. If the host cannot remove it, refuse.
-        if host::remove_header(Map::RequestHeaders, ROUTING_HEADER).is_err() {
+        if host::remove_header(HeaderMap::Request, ROUTING_HEADER).is_err() {
             return self.reject(&internal_error("cannot strip x-envoy-original-dst-host"));
         }
         let Some(worker) = self.worker.clone() else {
             return self.reject(&internal_error("kvroute filter is not configured"));
         };
-        let path = host::header_text(Map::RequestHeaders, ":path");
+        let path = host::header_text(HeaderMap::Request, ":path");
         let Some(chat) = worker.borrow().router.route_kind(&path) else {
             return Action::Continue;
         };
-        let method = host::header_text(Map::RequestHeaders, ":method");
+        let method = host::header_text(HeaderMap::Request, ":method");
         if method != "POST" {
             return self.reject(&Rejected::method_not_allowed(&method));
         }
-        self.request_id = host::header_text(Map::RequestHeaders, "x-request-id");
+        self.request_id = host::header_text(HeaderMap::Request, "x-request-id");
         self.chat = Some(chat);
         if end_of_stream {
             self.route(&[])
@@ -158,7 +158,7 @@ impl HttpContext for RequestContext {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.response_ok = host::header_text(Map::ResponseHeaders, ":status") == "200";
+        self.response_ok = host::header_text(HeaderMap::Response, ":status") == "200";
         let (Some(routed), Some(worker)) = (&self.routed, &self.worker) else {
             return Action::Continue;
         };
@@ -166,10 +166,13 @@ impl HttpContext for RequestContext {
             let headers = [
                 ("x-kvroute-pod", routed.pod_id.clone()),
                 ("x-kvroute-score", format!("{:.4}", routed.composite)),
-                ("x-kvroute-cache-match", format!("{:.4}", routed.cache_match)),
+                (
+                    "x-kvroute-cache-match",
+                    format!("{:.4}", routed.cache_match),
+                ),
             ];
             for (name, value) in headers {
-                let _ = host::set_header(Map::ResponseHeaders, name, &value);
+                let _ = host::set_header(HeaderMap::Response, name, &value);
             }
         }
         Action::Continue
@@ -315,7 +318,7 @@ impl RequestContext {
     }
 
     fn send(&mut self, routed: &Routed, elapsed_us: u64) -> Action {
-        if host::set_header(Map::RequestHeaders, ROUTING_HEADER, &routed.address).is_err() {
+        if host::set_header(HeaderMap::Request, ROUTING_HEADER, &routed.address).is_err() {
             return self.reject(&internal_error("cannot set the routing header"));
         }
         let counted = shared::adjust_inflight(routed.slot, 1);
@@ -385,7 +388,10 @@ impl RequestContext {
         let headers = rejected.headers();
         let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
         if let Err(status) = host::send_response(rejected.status, &headers, &rejected.body()) {
-            log::error!("kvroute filter: local reply {} failed: {status}", rejected.status);
+            log::error!(
+                "kvroute filter: local reply {} failed: {status}",
+                rejected.status
+            );
         }
         Action::Pause
     }

@@ -52,10 +52,10 @@ pub type HostResult<T> = Result<T, Status>;
 /// Header maps (proxy-wasm `MapType`).
 #[derive(Debug, Clone, Copy)]
 #[repr(u32)]
-pub enum Map {
-    RequestHeaders = 0,
-    ResponseHeaders = 2,
-    CallResponseHeaders = 6,
+pub enum HeaderMap {
+    Request = 0,
+    Response = 2,
+    CallResponse = 6,
 }
 
 /// Buffers (proxy-wasm `BufferType`).
@@ -202,21 +202,21 @@ pub fn buffer(kind: Buffer, start: usize, max_size: usize) -> HostResult<Option<
     })
 }
 
-pub fn header(map: Map, name: &str) -> HostResult<Option<Vec<u8>>> {
+pub fn header(map: HeaderMap, name: &str) -> HostResult<Option<Vec<u8>>> {
     bytes_from(|data, size| unsafe {
         proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), data, size)
     })
 }
 
 /// A header as text (lossy); absent, failed or not UTF-8 reads as "".
-pub fn header_text(map: Map, name: &str) -> String {
+pub fn header_text(map: HeaderMap, name: &str) -> String {
     match header(map, name) {
         Ok(Some(bytes)) => String::from_utf8(bytes).unwrap_or_default(),
         _ => String::new(),
     }
 }
 
-pub fn set_header(map: Map, name: &str, value: &str) -> HostResult<()> {
+pub fn set_header(map: HeaderMap, name: &str, value: &str) -> HostResult<()> {
     check(unsafe {
         proxy_replace_header_map_value(
             map as u32,
@@ -228,7 +228,7 @@ pub fn set_header(map: Map, name: &str, value: &str) -> HostResult<()> {
     })
 }
 
-pub fn remove_header(map: Map, name: &str) -> HostResult<()> {
+pub fn remove_header(map: HeaderMap, name: &str) -> HostResult<()> {
     check(unsafe { proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()) })
 }
 
@@ -270,7 +270,13 @@ pub fn register_queue(name: &str) -> HostResult<u32> {
 pub fn resolve_queue(vm_id: &str, name: &str) -> HostResult<u32> {
     let mut id = 0;
     check(unsafe {
-        proxy_resolve_shared_queue(vm_id.as_ptr(), vm_id.len(), name.as_ptr(), name.len(), &mut id)
+        proxy_resolve_shared_queue(
+            vm_id.as_ptr(),
+            vm_id.len(),
+            name.as_ptr(),
+            name.len(),
+            &mut id,
+        )
     })
     .map(|_| id)
 }

@@ -29,10 +29,10 @@ use std::time::Duration;
 use proxy_wasm::traits::{Context, RootContext};
 use serde_json::json;
 
-use super::host::{self, Buffer, Map};
+use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::cluster::{ClusterState, Failure, PullKind, Transition};
+use crate::cluster::{ClusterState, Failure, PullAnswer, PullKind, Transition};
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::snapshot::{bucket_key, decode_decision, DECISION_QUEUE};
 
@@ -242,7 +242,7 @@ impl Context for ServiceRoot {
             return;
         };
         // No headers: the call failed (see the module documentation).
-        let status = host::header(Map::CallResponseHeaders, ":status")
+        let status = host::header(HeaderMap::CallResponse, ":status")
             .ok()
             .flatten()
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
@@ -258,15 +258,11 @@ impl Context for ServiceRoot {
             return;
         };
         let now = host::now_ms();
-        let (result, transition) = state.apply_pull(
-            &pod,
-            kind,
-            status.as_deref(),
+        let answer = PullAnswer {
+            status: status.as_deref(),
             body_size,
-            call_body,
-            now,
-            inflight,
-        );
+        };
+        let (result, transition) = state.apply_pull(&pod, kind, answer, call_body, now, inflight);
         log_transition(transition);
         match result {
             Ok(Some(summary)) => event(
@@ -276,11 +272,9 @@ impl Context for ServiceRoot {
                        "orphaned": summary.orphaned, "resync": summary.resync}),
             ),
             Ok(None) => {}
-            Err(_) => metrics::increment(&metrics::labelled(
-                "epp_report_failures_total",
-                "pod",
-                &pod,
-            )),
+            Err(_) => {
+                metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod))
+            }
         }
         self.round_done();
     }
