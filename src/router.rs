@@ -428,8 +428,14 @@ mod tests {
         let chain = router.prepare(body.as_bytes(), false).unwrap().chain;
         let mut cluster = ClusterState::new(&config, 0);
         // `a` holds the prompt but is busier; `b` holds nothing.
-        cluster.apply_report("a", &report("a", 5, &chain), 1000, 0);
-        cluster.apply_report("b", &report("b", 0, &[]), 1000, 0);
+        cluster
+            .apply_report("a", &report("a", 5, &chain), 1000, 0)
+            .0
+            .unwrap();
+        cluster
+            .apply_report("b", &report("b", 0, &[]), 1000, 0)
+            .0
+            .unwrap();
         let published = cluster.publish(1000).table;
         let mut tree = PrefixTree::new(1000);
         tree.insert_chain(0, None, &chain);
