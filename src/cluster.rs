@@ -1,9 +1,12 @@
 //! [`ClusterState`]: what the singleton service knows of the pods, folded
 //! from their reports and published as a snapshot.
 //!
-//! Per tick the service asks each pod for its report (`?since=SEQ&epoch=E`)
-//! and, when `metricsPath` is set, its vLLM metrics, then calls
-//! [`ClusterState::publish`]. Folding rules:
+//! Per round the service asks each pod for its report (`?since=SEQ&epoch=E`)
+//! and, when `metricsPath` is set, its vLLM metrics. Each answer goes to
+//! [`ClusterState::accept_pull`] (failures count at once, good bodies wait
+//! in an inbox), [`ClusterState::fold_next`] folds them as the service's
+//! time budget allows, and [`ClusterState::publish_some`] publishes a
+//! bounded part of what changed. Folding rules:
 //! - a full report replaces the pod's blocks; a delta applies `stored` then
 //!   `removed`; a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
@@ -19,11 +22,17 @@
 //!   return a [`Transition`] only when the pod's state changes, so logs say
 //!   it once.
 
+use std::collections::VecDeque;
+
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::index::{DecisionRecorder, PrefixTree};
 use crate::report::{parse_report, parse_vllm_metrics};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
 use crate::staleness::Staleness;
+
+/// Changed buckets the service writes per publication: a few ms of Envoy's
+/// main thread; a large resync is published over several ticks.
+pub const PUBLISH_BUCKETS: usize = 4096;
 
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +71,25 @@ impl Failure {
             Failure::TooLarge { .. } => "too_large",
         }
     }
+}
+
+/// An answer waiting in the inbox.
+#[derive(Debug, Clone)]
+struct Accepted {
+    pod: String,
+    kind: PullKind,
+    body: Vec<u8>,
+    inflight: u32,
+}
+
+/// What folding one accepted answer did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Folded {
+    pub pod: String,
+    pub kind: PullKind,
+    /// The report's summary (`None` for metrics), or why it was refused.
+    pub result: Result<Option<ReportSummary>, Failure>,
+    pub transition: Option<Transition>,
 }
 
 /// What a pull asks a pod for.
@@ -132,6 +160,9 @@ impl PodRecord {
 /// See the module documentation.
 pub struct ClusterState {
     config: Config,
+    /// Good answers not folded yet, oldest first (at most one per pull in
+    /// flight, each within `maxReportBytes`).
+    inbox: VecDeque<Accepted>,
     staleness: Staleness,
     pods: Vec<PodRecord>,
     index: DecisionRecorder,
@@ -144,6 +175,7 @@ impl ClusterState {
         let tree = PrefixTree::with_change_log(config.max_index_blocks);
         let mut state = ClusterState {
             config: config.clone(),
+            inbox: VecDeque::new(),
             staleness: Staleness::from_config(config),
             pods: Vec::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
@@ -221,20 +253,22 @@ impl ClusterState {
         })
     }
 
-    /// Folds the answer to a pull of `pod_id`, as the host delivered it.
-    /// `body(n)` reads the first `n` bytes of the body, and is called only
-    /// when the answer is worth reading (a 200 within `maxReportBytes`, or
-    /// the start of an error page). `inflight` is the pod's current
-    /// in-flight count (the new queue baseline).
-    pub fn apply_pull(
+    /// Takes the answer to a pull of `pod_id`, as the host delivered it:
+    /// a failure is recorded at once; a good body is queued for
+    /// [`ClusterState::fold_next`], so the service can spread folding over
+    /// its ticks. `body(n)` reads the first `n` bytes of the body and is
+    /// called only when the answer is worth reading (a 200 within
+    /// `maxReportBytes`, or the start of an error page). `inflight` is the
+    /// pod's in-flight count now, when its report was made (the new queue
+    /// baseline).
+    pub fn accept_pull(
         &mut self,
         pod_id: &str,
         kind: PullKind,
         answer: PullAnswer<'_>,
         body: impl FnOnce(usize) -> Vec<u8>,
-        now_ms: u64,
         inflight: u32,
-    ) -> (Result<Option<ReportSummary>, Failure>, Option<Transition>) {
+    ) -> (Result<(), Failure>, Option<Transition>) {
         let limit = self.config.max_report_bytes;
         let body_size = answer.body_size;
         let failure = match answer.status {
@@ -244,19 +278,13 @@ impl ClusterState {
                 limit,
             },
             Some("200") => {
-                let body = body(body_size);
-                return match kind {
-                    PullKind::Report => {
-                        let (result, transition) =
-                            self.apply_report(pod_id, &body, now_ms, inflight);
-                        (result.map(Some), transition)
-                    }
-                    PullKind::Metrics => {
-                        let (result, transition) =
-                            self.apply_metrics(pod_id, &body, now_ms, inflight);
-                        (result.map(|()| None), transition)
-                    }
-                };
+                self.inbox.push_back(Accepted {
+                    pod: pod_id.to_string(),
+                    kind,
+                    body: body(body_size),
+                    inflight,
+                });
+                return (Ok(()), None);
             }
             // Envoy answers 503 itself when the pod cannot be reached.
             Some("503") if body(body_size.min(64)).starts_with(b"upstream connect error") => {
@@ -266,6 +294,39 @@ impl ClusterState {
         };
         let transition = self.record_failure(pod_id, failure.clone());
         (Err(failure), transition)
+    }
+
+    /// Folds the oldest accepted answer, if any.
+    pub fn fold_next(&mut self, now_ms: u64) -> Option<Folded> {
+        let accepted = self.inbox.pop_front()?;
+        let (pod, body, inflight) = (accepted.pod, accepted.body, accepted.inflight);
+        let (result, transition) = match accepted.kind {
+            PullKind::Report => {
+                let (result, transition) = self.apply_report(&pod, &body, now_ms, inflight);
+                (result.map(Some), transition)
+            }
+            PullKind::Metrics => {
+                let (result, transition) = self.apply_metrics(&pod, &body, now_ms, inflight);
+                (result.map(|()| None), transition)
+            }
+        };
+        Some(Folded {
+            pod,
+            kind: accepted.kind,
+            result,
+            transition,
+        })
+    }
+
+    /// Whether an accepted answer of `pod_id` waits to be folded (a new
+    /// report pull would ask for the same `since` again).
+    pub fn has_unfolded(&self, pod_id: &str) -> bool {
+        self.inbox.iter().any(|a| a.pod == pod_id)
+    }
+
+    /// Accepted answers not yet folded.
+    pub fn unfolded(&self) -> usize {
+        self.inbox.len()
     }
 
     /// Folds a report body from `pod_id`. `inflight` is the pod's current

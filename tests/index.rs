@@ -901,19 +901,13 @@ fn pulls_are_classified_before_the_body_is_read() {
 
     // No response at all: the pod died mid-body, timed out or refused.
     let (result, transition) =
-        cluster.apply_pull("a", PullKind::Report, answer(None, 0), unread, 10, 0);
+        cluster.accept_pull("a", PullKind::Report, answer(None, 0), unread, 0);
     assert_eq!(result, Err(Failure::Unreachable));
     assert!(matches!(transition, Some(Transition::Failing { .. })));
 
     // Too large: refused unread, named, a state change of its own.
-    let (result, transition) = cluster.apply_pull(
-        "a",
-        PullKind::Report,
-        answer(Some("200"), 5000),
-        unread,
-        20,
-        0,
-    );
+    let (result, transition) =
+        cluster.accept_pull("a", PullKind::Report, answer(Some("200"), 5000), unread, 0);
     assert_eq!(
         result,
         Err(Failure::TooLarge {
@@ -930,50 +924,63 @@ fn pulls_are_classified_before_the_body_is_read() {
     );
 
     // Envoy's own 503 for an unreachable pod reads only the page's start.
-    let (result, _) = cluster.apply_pull(
+    let page = b"upstream connect error or disconnect/reset before headers. reset reason: x";
+    let (result, _) = cluster.accept_pull(
         "a",
         PullKind::Metrics,
-        answer(Some("503"), 90),
+        answer(Some("503"), page.len()),
         |n| {
             assert_eq!(n, 64);
-            b"upstream connect error or disconnect/reset before headers"[..n.min(57)].to_vec()
+            page[..n].to_vec()
         },
-        30,
         0,
     );
     assert_eq!(result, Err(Failure::Unreachable));
-    let (result, _) = cluster.apply_pull(
+    let (result, _) = cluster.accept_pull(
         "a",
         PullKind::Report,
-        answer(Some("404"), 3),
+        answer(Some("404"), 2),
         |_| b"no".to_vec(),
-        40,
         0,
     );
     assert_eq!(result, Err(Failure::Status(404)));
+    assert_eq!(cluster.unfolded(), 0, "failures are not queued");
+    assert_eq!(cluster.fold_next(10), None);
 
-    // A good report within the limit is folded; a `}{` metrics page is malformed.
+    // Good bodies wait in order; a report folds, a `}{` metrics page is malformed.
     let body = report("a", "e1", 1, 0, true, &[(None, &[7, 8])], &[], 1.0);
     let size = body.len();
-    let (result, transition) = cluster.apply_pull(
+    let (result, transition) = cluster.accept_pull(
         "a",
         PullKind::Report,
         answer(Some("200"), size),
         |_| body,
-        50,
-        0,
+        3,
     );
-    assert_eq!(result.unwrap().unwrap().stored, 2);
-    assert!(matches!(transition, Some(Transition::Recovered { .. })));
-    let (result, _) = cluster.apply_pull(
-        "a",
+    assert_eq!((result, transition), (Ok(()), None));
+    let (result, _) = cluster.accept_pull(
+        "b",
         PullKind::Metrics,
         answer(Some("200"), 3),
         |_| b"}{\n".to_vec(),
-        60,
         0,
     );
-    assert!(matches!(result, Err(Failure::Malformed(why)) if why.contains("unclosed")));
+    assert_eq!(result, Ok(()));
+    assert!(cluster.has_unfolded("a") && cluster.has_unfolded("b"));
+    assert_eq!(cluster.unfolded(), 2);
+
+    let folded = cluster.fold_next(50).unwrap();
+    assert_eq!((folded.pod.as_str(), folded.kind), ("a", PullKind::Report));
+    assert_eq!(folded.result.unwrap().unwrap().stored, 2);
+    assert!(matches!(
+        folded.transition,
+        Some(Transition::Recovered { .. })
+    ));
+    let folded = cluster.fold_next(60).unwrap();
+    assert_eq!(folded.pod, "b");
+    assert!(matches!(folded.result, Err(Failure::Malformed(why)) if why.contains("unclosed")));
+    assert_eq!(cluster.fold_next(70), None);
+    assert!(!cluster.has_unfolded("a"));
 }
 
 #[test]

@@ -363,15 +363,19 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// Waits until every pod's health gauge is on `/stats/prometheus` (the
-    /// service has published a snapshot with all pods).
+    /// Waits until the service has published a snapshot with every pod
+    /// (gauges are defined at 0 from startup, so the generation tells).
     pub fn wait_published(&self, timeout: Duration) -> io::Result<()> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             let text = self.envoy.prometheus();
-            if self.sims.iter().all(|s| {
-                prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some()
-            }) {
+            let published = prometheus_value(&text, "epp_snapshot_generation", &[])
+                .is_some_and(|generation| generation > 0.0);
+            if published
+                && self.sims.iter().all(|s| {
+                    prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some()
+                })
+            {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));

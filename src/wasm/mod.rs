@@ -41,6 +41,7 @@ fn load_config(bytes: Option<Vec<u8>>, role: &str) -> Option<crate::config::Conf
     match crate::config::Config::parse(&bytes.unwrap_or_default()) {
         Ok(config) => {
             logging::apply_level(config.log_level);
+            metrics::export_from_zero(&config);
             Some(config)
         }
         Err(error) => {

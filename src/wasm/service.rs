@@ -12,10 +12,12 @@
 //! arrive on a shared queue.
 //!
 //! The main thread also serves Envoy's admin and xDS, so no callback may
-//! stall it: the service ticks every [`TICK_MS`] (rounds start on the tick
-//! that finds one due), a publication writes at most [`PUBLISH_BUCKETS`]
-//! changed buckets and leaves the rest to the following ticks, and bodies
-//! over `maxReportBytes` are never read.
+//! stall it — and answers of many pods can land in one pass of Envoy's event
+//! loop: the service ticks every [`TICK_MS`] (rounds start on the tick that
+//! finds one due); an answer is only classified and queued when it arrives,
+//! and folded within a [`FOLD_BUDGET_US`] per tick; a publication writes at
+//! most [`PUBLISH_BUCKETS`] changed buckets and leaves the rest to the
+//! following ticks; bodies over `maxReportBytes` are never read.
 //!
 //! Host behaviour: a pull that fails (connection refused, reset mid-body,
 //! timeout, a body over the host's buffer limit) still calls
@@ -24,7 +26,7 @@
 //! reads through [`super::host`], for which it is just "no answer".
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proxy_wasm::traits::{Context, RootContext};
 use serde_json::json;
@@ -32,16 +34,17 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::cluster::{ClusterState, Failure, PullAnswer, PullKind, Transition};
+use crate::cluster::{ClusterState, Failure, PullAnswer, PullKind, Transition, PUBLISH_BUCKETS};
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::snapshot::{bucket_key, decode_decision, DECISION_QUEUE};
 
-/// Housekeeping period: the longest a due round or a pending publication
-/// waits.
+/// Housekeeping period: the longest a due round, an unfolded answer or a
+/// pending publication waits.
 const TICK_MS: u64 = 50;
 
-/// Changed buckets written per publication (≈ 4 ms of main thread).
-const PUBLISH_BUCKETS: usize = 4096;
+/// Main-thread time per tick for folding answers (one fold may overrun
+/// it; its size is bounded by `maxReportBytes`).
+const FOLD_BUDGET_US: u64 = 5_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pull {
@@ -59,6 +62,8 @@ pub struct ServiceRoot {
     next_round_ms: u64,
     /// Changed buckets a publication left for the next tick.
     unpublished: usize,
+    /// What is left of this tick's folding time.
+    fold_budget_us: u64,
 }
 
 impl ServiceRoot {
@@ -130,6 +135,8 @@ impl ServiceRoot {
                 metrics::percent(pod.load),
             );
         }
+        // Last: once it moves, the whole table above is visible.
+        metrics::gauge("epp_snapshot_generation", publication.table.generation);
         if log::log_enabled!(log::Level::Trace) {
             event(
                 log::Level::Trace,
@@ -151,6 +158,9 @@ impl ServiceRoot {
         let mut candidate = self.config.clone().ok_or("not configured")?;
         candidate.pods = list.pods;
         candidate.validate().map_err(|e| e.to_string())?;
+        for pod in &candidate.pods {
+            metrics::export_pod_from_zero(&pod.id);
+        }
         if let Some(state) = self.state.as_mut() {
             state.set_pods(&candidate.pods, host::now_ms());
         }
@@ -177,12 +187,17 @@ impl ServiceRoot {
     fn start_round(&mut self, config: &Config) {
         self.publish();
         let busy: Vec<String> = self.pending.values().map(|(pod, _)| pod.clone()).collect();
-        let pods: Vec<PodConfig> = self
-            .state
-            .as_ref()
-            .map(|s| s.pods().cloned().collect())
-            .unwrap_or_default();
-        for pod in pods.iter().filter(|p| !busy.contains(&p.id)) {
+        let Some(state) = self.state.as_ref() else {
+            return;
+        };
+        // A pod whose last answer is not folded yet would be asked for the
+        // same `since` again.
+        let pods: Vec<PodConfig> = state
+            .pods()
+            .filter(|p| !busy.contains(&p.id) && !state.has_unfolded(&p.id))
+            .cloned()
+            .collect();
+        for pod in &pods {
             if config.mode == IndexMode::Precise {
                 let query = self
                     .state
@@ -216,9 +231,44 @@ impl ServiceRoot {
     }
 
     fn round_done(&mut self) {
-        if self.pending.is_empty() {
+        if self.pending.is_empty() && self.state.as_ref().is_some_and(|s| s.unfolded() == 0) {
             self.publish();
         }
+    }
+
+    /// Folds accepted answers while this tick's budget lasts; a fold that
+    /// is not done waits for the next tick. Returns whether any was folded.
+    fn fold(&mut self) -> bool {
+        let Some(state) = self.state.as_mut() else {
+            return false;
+        };
+        let now = host::now_ms();
+        let mut folded_any = false;
+        while self.fold_budget_us > 0 {
+            let started = Instant::now();
+            let Some(folded) = state.fold_next(now) else {
+                break;
+            };
+            let spent = started.elapsed().as_micros() as u64;
+            self.fold_budget_us = self.fold_budget_us.saturating_sub(spent.max(1));
+            folded_any = true;
+            log_transition(folded.transition);
+            match folded.result {
+                Ok(Some(summary)) => event(
+                    log::Level::Trace,
+                    "report",
+                    json!({"pod": folded.pod, "full": summary.full, "stored": summary.stored, "removed": summary.removed,
+                           "orphaned": summary.orphaned, "resync": summary.resync, "foldUs": spent}),
+                ),
+                Ok(None) => {}
+                Err(_) => metrics::increment(&metrics::labelled(
+                    "epp_report_failures_total",
+                    "pod",
+                    &folded.pod,
+                )),
+            }
+        }
+        folded_any
     }
 }
 
@@ -257,25 +307,16 @@ impl Context for ServiceRoot {
         let Some(state) = self.state.as_mut() else {
             return;
         };
-        let now = host::now_ms();
         let answer = PullAnswer {
             status: status.as_deref(),
             body_size,
         };
-        let (result, transition) = state.apply_pull(&pod, kind, answer, call_body, now, inflight);
+        let (result, transition) = state.accept_pull(&pod, kind, answer, call_body, inflight);
         log_transition(transition);
-        match result {
-            Ok(Some(summary)) => event(
-                log::Level::Trace,
-                "report",
-                json!({"pod": pod, "full": summary.full, "stored": summary.stored, "removed": summary.removed,
-                       "orphaned": summary.orphaned, "resync": summary.resync}),
-            ),
-            Ok(None) => {}
-            Err(_) => {
-                metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod))
-            }
+        if result.is_err() {
+            metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod));
         }
+        self.fold();
         self.round_done();
     }
 }
@@ -309,11 +350,13 @@ impl RootContext for ServiceRoot {
         if self.queue.is_none() && config.mode == IndexMode::Approximate {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
+        self.fold_budget_us = FOLD_BUDGET_US;
+        let folded = self.fold();
         let now = host::now_ms();
         if now >= self.next_round_ms {
             self.next_round_ms = now.saturating_add(config.pod_report_interval_ms);
             self.start_round(&config);
-        } else if self.unpublished > 0 {
+        } else if folded || self.unpublished > 0 {
             self.publish();
         }
     }
