@@ -124,6 +124,7 @@ struct Request {
 
 impl Server {
     fn serve(&self, stream: TcpStream) -> io::Result<()> {
+        stream.set_nonblocking(false)?;
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
