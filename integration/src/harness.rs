@@ -154,6 +154,13 @@ impl Sim {
         self.stats()["requests"].as_u64().unwrap_or(0)
     }
 
+    /// Kills the sim with SIGKILL (no goodbye: the kernel resets its open
+    /// connections, a report being sent included) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.process.child.kill();
+        let _ = self.process.child.wait();
+    }
+
     /// Whether the sim process is still alive.
     pub fn running(&mut self) -> bool {
         matches!(self.process.child.try_wait(), Ok(None))
@@ -286,6 +293,9 @@ pub struct ClusterSpec {
     pub sim_args: Vec<String>,
     /// Extra flags per pod index.
     pub per_pod_args: Vec<Vec<String>>,
+    /// Pods the harness does not run, `(id, address)` (a test's own
+    /// server): listed in `pods` after the sims, not waited for.
+    pub extra_pods: Vec<(String, String)>,
     /// kvroute configuration without `pods` (filled in by the harness).
     pub plugin_config: Value,
     /// Envoy's listener and admin ports (`None`: free ports).
@@ -299,6 +309,7 @@ impl ClusterSpec {
             pods,
             sim_args: vec!["--time-scale".into(), "0.02".into()],
             per_pod_args: Vec::new(),
+            extra_pods: Vec::new(),
             plugin_config,
             listen_port: None,
             admin_port: None,
@@ -333,6 +344,11 @@ impl Cluster {
                 .iter()
                 .enumerate()
                 .map(|(i, port)| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")}))
+                .chain(
+                    spec.extra_pods
+                        .iter()
+                        .map(|(id, address)| json!({"id": id, "address": address})),
+                )
                 .collect(),
         );
         if config.get("decisionHeaders").is_none() {
