@@ -285,6 +285,60 @@ fn metrics_line_closing_before_it_opens_does_not_stop_the_service() {
     service_survives(Behaviour::BadMetrics, config, HostilePod::metrics_pulls);
 }
 
+/// The precondition of the next test: `{"report": "stall"}` sends the
+/// report's headers and half its body, then holds the rest.
+#[test]
+fn sim_stall_fault_sends_half_a_report_and_holds_the_rest() {
+    let dir = std::env::temp_dir().join(format!("kvroute-stall-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config_file = dir.join("kvroute.json");
+    std::fs::write(
+        &config_file,
+        json!({"pods": [{"id": "pod-0", "address": "127.0.0.1:1"}]}).to_string(),
+    )
+    .unwrap();
+    let sim = kvroute_integration::harness::Sim::start(SIM.as_ref(), "pod-0", &config_file, &[])
+        .expect("sim starts");
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.fault(json!({"report": "stall"}));
+    let mut stream = TcpStream::connect(&sim.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_millis(1000)))
+        .unwrap();
+    stream
+        .write_all(b"GET /kvroute/v1/report?since=0 HTTP/1.1\r\nhost: x\r\n\r\n")
+        .unwrap();
+    let mut received = Vec::new();
+    let mut buf = [0u8; 4096];
+    let silence = loop {
+        match stream.read(&mut buf) {
+            Ok(0) => panic!("closed: {}", String::from_utf8_lossy(&received)),
+            Ok(n) => received.extend_from_slice(&buf[..n]),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(
+            silence.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        "{silence}"
+    );
+    let text = String::from_utf8_lossy(&received);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response head");
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length: ")
+                .map(str::to_string)
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("content-length in {head}"));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(body.len(), length / 2, "{head}\n{body}");
+}
+
 #[test]
 fn pod_killed_mid_report_does_not_stop_the_service() {
     // Pulls may take 2 s, so the stalled report is still being received
