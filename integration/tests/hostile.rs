@@ -3,13 +3,16 @@
 //! or answered deliberately.
 //!
 //! The hostile-pod tests each start three `kvroute-sim` pods, a hostile pod
-//! (`kvroute_integration::hostile`, configured as a fourth pod) and Envoy,
-//! let the hostile answers happen for a few report ticks, then check the
-//! service still works: a prefix warmed on a healthy pod is routed to it
-//! (the index still folds reports), and once that pod is killed with
-//! SIGKILL its `epp_pod_health_score` drops below the exclusion threshold
-//! within a bounded time, no request goes to it any more, the surviving
-//! pods keep being routed to, and Envoy's log has no `panicked`.
+//! (`kvroute_integration::hostile`, configured as a fourth pod) and Envoy —
+//! or, for the pod killed mid-report, four sims — and let the hostile
+//! answers happen for a few report ticks. Then a healthy sim holding a
+//! prefix of its own is killed with SIGKILL, and the service must still
+//! work: the victim's `epp_pod_health_score` drops below the exclusion
+//! threshold within a bounded time, no request (its prefix or cold) goes to
+//! it any more, the surviving pods keep being routed to, a prefix warmed on
+//! a survivor is routed to it (the index still follows reports), and
+//! Envoy's log has no `panicked`. On a frozen service the first check fails,
+//! with the log's panic line in the message.
 //!
 //! Run serially (`--test-threads=1`): each test owns the machine.
 
