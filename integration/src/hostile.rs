@@ -335,3 +335,113 @@ fn read_request(reader: &mut impl BufRead) -> io::Result<Request> {
     }
     Ok(Request { method, path })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sends `request` and reads the head and whatever body arrives before
+    /// the close (or `limit`, or a 2 s silence).
+    fn exchange(address: &str, request: &str, limit: usize) -> (String, Vec<u8>) {
+        let mut stream = TcpStream::connect(address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut head = String::new();
+        loop {
+            let line = read_line(&mut reader).unwrap();
+            if line.is_empty() {
+                break;
+            }
+            head.push_str(&line);
+            head.push('\n');
+        }
+        let mut body = Vec::new();
+        let mut buf = [0u8; 65536];
+        while body.len() < limit {
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => body.extend_from_slice(&buf[..n]),
+            }
+        }
+        (head, body)
+    }
+
+    fn content_length(head: &str) -> usize {
+        head.lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .and_then(|v| v.parse().ok())
+            .expect("content-length")
+    }
+
+    const REPORT: &str = "GET /kvroute/v1/report?since=0 HTTP/1.1\r\nhost: x\r\n\r\n";
+
+    #[test]
+    fn cut_off_report_closes_short_of_its_length() {
+        let pod = HostilePod::start("h", Behaviour::CutOffReport).unwrap();
+        let (head, body) = exchange(&pod.address, REPORT, usize::MAX);
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(!body.is_empty() && body.len() + 100_000 <= content_length(&head));
+        assert_eq!(pod.report_pulls(), 1);
+    }
+
+    #[test]
+    fn trickled_report_arrives_a_byte_at_a_time() {
+        let every = Duration::from_millis(100);
+        let pod = HostilePod::start("h", Behaviour::TrickleReport { every }).unwrap();
+        let started = Instant::now();
+        let (head, body) = exchange(&pod.address, REPORT, 4);
+        assert!(content_length(&head) > 100, "{head}");
+        assert_eq!(body.len(), 4);
+        assert!(started.elapsed() >= every * 3, "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn oversized_report_is_a_valid_full_report() {
+        // Small enough to parse here; the tests use 34 MiB.
+        let pod = HostilePod::start("h", Behaviour::OversizedReport { bytes: 1 << 20 }).unwrap();
+        let (head, body) = exchange(&pod.address, REPORT, usize::MAX);
+        assert_eq!(body.len(), content_length(&head));
+        assert!(body.len() >= 1 << 20);
+        let report = kvroute::report::parse_report(&body).expect("valid report");
+        assert!(report.full);
+        assert_eq!(report.pod_id, "h");
+        let hashes: usize = report.stored.iter().map(|c| c.hashes.len()).sum();
+        assert!(hashes > (1 << 20) / 20, "{hashes} hashes");
+        let big = big_report("h", 34 << 20);
+        assert!(big.len() > 32 << 20);
+    }
+
+    #[test]
+    fn bad_metrics_pod_reports_well_and_scrapes_badly() {
+        let pod = HostilePod::start("h", Behaviour::BadMetrics).unwrap();
+        let (_, report) = exchange(&pod.address, REPORT, usize::MAX);
+        kvroute::report::parse_report(&report).expect("valid report");
+        let (head, metrics) = exchange(
+            &pod.address,
+            "GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n",
+            usize::MAX,
+        );
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let metrics = String::from_utf8(metrics).unwrap();
+        assert!(metrics.lines().any(|l| l == "}{"), "{metrics}");
+        assert_eq!(pod.metrics_pulls(), 1);
+    }
+
+    #[test]
+    fn inference_is_answered_like_a_pod() {
+        let pod = HostilePod::start("h", Behaviour::CutOffReport).unwrap();
+        let body = r#"{"model":"sim-model","prompt":"hi"}"#;
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let (head, answer) = exchange(&pod.address, &request, usize::MAX);
+        assert!(head.contains("x-sim-pod: h"), "{head}");
+        let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(answer["choices"][0]["text"], "ok");
+        assert_eq!(pod.inference_requests(), 1);
+    }
+}

@@ -3,13 +3,16 @@
 //! or answered deliberately.
 //!
 //! The hostile-pod tests each start three `kvroute-sim` pods, a hostile pod
-//! (`kvroute_integration::hostile`, configured as a fourth pod) and Envoy,
-//! let the hostile answers happen for a few report ticks, then check the
-//! service still works: a prefix warmed on a healthy pod is routed to it
-//! (the index still folds reports), and once that pod is killed with
-//! SIGKILL its `epp_pod_health_score` drops below the exclusion threshold
-//! within a bounded time, no request goes to it any more, the surviving
-//! pods keep being routed to, and Envoy's log has no `panicked`.
+//! (`kvroute_integration::hostile`, configured as a fourth pod) and Envoy —
+//! or, for the pod killed mid-report, four sims — and let the hostile
+//! answers happen for a few report ticks. Then a healthy sim holding a
+//! prefix of its own is killed with SIGKILL, and the service must still
+//! work: the victim's `epp_pod_health_score` drops below the exclusion
+//! threshold within a bounded time, no request (its prefix or cold) goes to
+//! it any more, the surviving pods keep being routed to, a prefix warmed on
+//! a survivor is routed to it (the index still follows reports), and
+//! Envoy's log has no `panicked`. On a frozen service the first check fails,
+//! with the log's panic line in the message.
 //!
 //! Run serially (`--test-threads=1`): each test owns the machine.
 
@@ -51,10 +54,52 @@ fn completion(prompt: &str, max_tokens: u32) -> Value {
     json!({"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens})
 }
 
+/// A response from any of the clients here.
+trait Answer {
+    fn status(&self) -> u16;
+    fn header(&self, name: &str) -> Option<&str>;
+    fn body(&self) -> &str;
+}
+
+impl Answer for http::Response {
+    fn status(&self) -> u16 {
+        self.status
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        http::Response::header(self, name)
+    }
+    fn body(&self) -> &str {
+        &self.body
+    }
+}
+
+/// A response read by the raw HTTP/1.1 or the HTTP/2 client.
+struct Raw {
+    status: u16,
+    /// Names lowercased.
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Answer for Raw {
+    fn status(&self) -> u16 {
+        self.status
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    fn body(&self) -> &str {
+        &self.body
+    }
+}
+
 /// The pod that served a response, as the pod itself says; checks the
 /// router's decision header agrees.
-fn served_by(response: &http::Response, what: &str) -> String {
-    assert_eq!(response.status, 200, "{what}: body {}", response.body);
+fn served_by(response: &impl Answer, what: &str) -> String {
+    assert_eq!(response.status(), 200, "{what}: body {}", response.body());
     let pod = response
         .header("x-sim-pod")
         .unwrap_or_else(|| panic!("{what}: no x-sim-pod"))
@@ -285,6 +330,60 @@ fn metrics_line_closing_before_it_opens_does_not_stop_the_service() {
     service_survives(Behaviour::BadMetrics, config, HostilePod::metrics_pulls);
 }
 
+/// The precondition of the next test: `{"report": "stall"}` sends the
+/// report's headers and half its body, then holds the rest.
+#[test]
+fn sim_stall_fault_sends_half_a_report_and_holds_the_rest() {
+    let dir = std::env::temp_dir().join(format!("kvroute-stall-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config_file = dir.join("kvroute.json");
+    std::fs::write(
+        &config_file,
+        json!({"pods": [{"id": "pod-0", "address": "127.0.0.1:1"}]}).to_string(),
+    )
+    .unwrap();
+    let sim = kvroute_integration::harness::Sim::start(SIM.as_ref(), "pod-0", &config_file, &[])
+        .expect("sim starts");
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.fault(json!({"report": "stall"}));
+    let mut stream = TcpStream::connect(&sim.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_millis(1000)))
+        .unwrap();
+    stream
+        .write_all(b"GET /kvroute/v1/report?since=0 HTTP/1.1\r\nhost: x\r\n\r\n")
+        .unwrap();
+    let mut received = Vec::new();
+    let mut buf = [0u8; 4096];
+    let silence = loop {
+        match stream.read(&mut buf) {
+            Ok(0) => panic!("closed: {}", String::from_utf8_lossy(&received)),
+            Ok(n) => received.extend_from_slice(&buf[..n]),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(
+            silence.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        "{silence}"
+    );
+    let text = String::from_utf8_lossy(&received);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response head");
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length: ")
+                .map(str::to_string)
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("content-length in {head}"));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(body.len(), length / 2, "{head}\n{body}");
+}
+
 #[test]
 fn pod_killed_mid_report_does_not_stop_the_service() {
     // Pulls may take 2 s, so the stalled report is still being received
@@ -327,16 +426,9 @@ fn warmed_cluster() -> (Cluster, String, String) {
     (cluster, prefix, holder)
 }
 
-/// An HTTP/2 response: status, headers (lowercase names), body.
-struct H2Response {
-    status: u16,
-    headers: http_crate::HeaderMap,
-    body: String,
-}
-
 /// POSTs `body` to `path` over HTTP/2 with prior knowledge (h2c), in two
 /// DATA frames followed by a trailers frame.
-fn h2_post_with_trailers(address: &str, path: &str, body: &[u8]) -> Result<H2Response, String> {
+fn h2_post_with_trailers(address: &str, path: &str, body: &[u8]) -> Result<Raw, String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -388,9 +480,19 @@ fn h2_post_with_trailers(address: &str, path: &str, body: &[u8]) -> Result<H2Res
                 let _ = body.flow_control().release_capacity(chunk.len());
                 bytes.extend_from_slice(&chunk);
             }
-            Ok(H2Response {
+            let headers = parts
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.as_str().to_string(),
+                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                    )
+                })
+                .collect();
+            Ok(Raw {
                 status: parts.status.as_u16(),
-                headers: parts.headers,
+                headers,
                 body: String::from_utf8_lossy(&bytes).into_owned(),
             })
         };
@@ -407,23 +509,11 @@ fn http2_request_with_trailers_is_routed_by_cache() {
         let body = completion(&format!("{prefix} h2 question {i}"), 4).to_string();
         let r = h2_post_with_trailers(&cluster.envoy.listen, "/v1/completions", body.as_bytes())
             .expect("HTTP/2 exchange with Envoy");
-        let header = |name: &str| {
-            r.headers
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
         assert_eq!(
-            r.status, 200,
-            "HTTP/2 request {i} with trailers: body {}",
-            r.body
-        );
-        assert_eq!(
-            header("x-kvroute-pod").as_deref(),
-            Some(holder.as_str()),
+            served_by(&r, &format!("HTTP/2 request {i} with trailers")),
+            holder,
             "HTTP/2 request {i} with trailers left the pod holding its prefix"
         );
-        assert_eq!(header("x-sim-pod").as_deref(), Some(holder.as_str()));
         let cached = cached_tokens(&r.body);
         assert!(cached >= 4000, "pod served {cached} cached tokens");
     }
@@ -431,7 +521,7 @@ fn http2_request_with_trailers_is_routed_by_cache() {
 
 /// A raw HTTP/1.1 exchange: writes `request` as is and reads the answer
 /// (the request says `connection: close`).
-fn raw_http1(address: &str, request: &[u8]) -> http::Response {
+fn raw_http1(address: &str, request: &[u8]) -> Raw {
     let mut stream = TcpStream::connect(address).expect("connect to Envoy");
     stream
         .set_read_timeout(Some(Duration::from_secs(20)))
@@ -482,7 +572,7 @@ fn raw_http1(address: &str, request: &[u8]) -> http::Response {
     } else {
         let _ = reader.read_to_end(&mut body);
     }
-    http::Response {
+    Raw {
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
