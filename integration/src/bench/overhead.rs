@@ -453,7 +453,12 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             while ingesting.load(std::sync::atomic::Ordering::Relaxed) {
                 let t = Instant::now();
                 if crate::http::get(&cluster.envoy.admin, "/ready").is_ok() {
-                    latencies.push(t.elapsed().as_secs_f64() * 1000.0);
+                    let ms = t.elapsed().as_secs_f64() * 1000.0;
+                    if ms > 10.0 {
+                        let at = t.duration_since(ingest_start).as_secs_f64();
+                        eprintln!("scale: main thread stalled {ms:.1} ms at {at:.2} s");
+                    }
+                    latencies.push(ms);
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -509,6 +514,7 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "p50": admin_ms.get(admin_ms.len() / 2),
             "p99": admin_ms.get(admin_ms.len() * 99 / 100),
             "max": admin_ms.last(),
+            "over10Ms": admin_ms.iter().filter(|&&ms| ms > 10.0).count(),
         },
         "reportIntervalMs": interval_ms,
         "idle": {"windowS": window.as_secs(), "mainThreadCpuS": idle_cpu, "msPerTick": idle_cpu * 1000.0 / ticks},
