@@ -204,6 +204,10 @@ pub struct Config {
     pub pod_report_interval_ms: u64,
     /// A report older than this many intervals starts decaying the pod's health.
     pub report_timeout_ms: u64,
+    /// Long-poll pods for their reports (`wait` = `podReportIntervalMs`),
+    /// falling back to interval polling for pods that ignore it; see
+    /// [`crate::polling`].
+    pub report_long_poll: bool,
     pub pods: Vec<PodConfig>,
     pub models: BTreeMap<String, ModelTarget>,
     /// Request paths kvroute routes; others pass through untouched.
@@ -243,6 +247,7 @@ impl Default for Config {
             max_report_bytes: 4 * 1024 * 1024,
             pod_report_interval_ms: 2000,
             report_timeout_ms: 1000,
+            report_long_poll: true,
             pods: Vec::new(),
             models: BTreeMap::new(),
             route_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
