@@ -127,6 +127,14 @@ pub struct ReportSummary {
     pub resync: bool,
 }
 
+impl ReportSummary {
+    /// Whether the report changed the pod's index (a report that did not
+    /// came without events: see [`crate::polling`]).
+    pub fn changed_index(&self) -> bool {
+        self.stored + self.removed + self.orphaned > 0 || self.resync
+    }
+}
+
 #[derive(Debug, Clone)]
 struct PodRecord {
     config: PodConfig,

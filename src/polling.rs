@@ -148,8 +148,8 @@ impl ReportPolling {
         if state.outstanding.is_some() || now_ms < state.next_ms {
             return None;
         }
-        let waited = long_poll
-            && (state.cadence == Cadence::LongPoll || now_ms >= state.probe_at_ms);
+        let waited =
+            long_poll && (state.cadence == Cadence::LongPoll || now_ms >= state.probe_at_ms);
         state.outstanding = Some(Outstanding {
             sent_ms: now_ms,
             waited,
@@ -190,9 +190,8 @@ impl ReportPolling {
         let state = self.pods.get_mut(pod)?;
         let call = state.outstanding.take()?;
         let answered = call.answered_ms.unwrap_or(now_ms);
-        let early_idle = call.waited
-            && !changed
-            && answered.saturating_sub(call.sent_ms) < wait / EARLY_DIVISOR;
+        let early_idle =
+            call.waited && !changed && answered.saturating_sub(call.sent_ms) < wait / EARLY_DIVISOR;
         let before = state.cadence;
         if call.waited {
             state.early_idle = if early_idle {
@@ -268,7 +267,10 @@ mod tests {
         let call = p.next_call("a", 0).unwrap();
         assert_eq!(call.wait_ms, Some(2000));
         assert_eq!(call.timeout_ms, 3000);
-        assert_eq!(call.path("/r?since=4&epoch=e"), "/r?since=4&epoch=e&wait=2000");
+        assert_eq!(
+            call.path("/r?since=4&epoch=e"),
+            "/r?since=4&epoch=e&wait=2000"
+        );
         // One call at a time: in flight, then answered but not folded.
         assert_eq!(p.next_call("a", 5), None);
         p.answered("a", 5);

@@ -3,13 +3,18 @@
 //!
 //! Every `podReportIntervalMs` a round starts: the service publishes the
 //! current snapshot (so health decay shows even when nothing answers), then
-//! asks each pod without a call in flight for its report and, with
-//! `metricsPath`, its vLLM metrics, through `reportCluster`: an
-//! ORIGINAL_DST cluster that connects to the `x-envoy-original-dst-host`
-//! set on each call to the pod's address. When the last answer of a round
-//! arrives the snapshot is published again, so fresh reports reach the
-//! filters without waiting a whole interval. Approximate-mode decisions
-//! arrive on a shared queue.
+//! asks each pod without a metrics call in flight for its vLLM metrics
+//! (with `metricsPath`) and pulls the pod list (with `discovery`). Report
+//! calls follow [`crate::polling`] per pod instead: precise mode keeps one
+//! long-poll (`?since=SEQ&epoch=E&wait=W`) pending per pod and sends the
+//! next one as soon as the previous answer is folded, or polls on the
+//! interval a pod that ignores `wait`. Every call goes through
+//! `reportCluster`: an ORIGINAL_DST cluster that connects to the
+//! `x-envoy-original-dst-host` set on each call to the pod's address.
+//! After folding answers the snapshot is published at once (at most every
+//! [`PUBLISH_GAP_MS`], else on the next tick), so a pod's new blocks reach
+//! the filters milliseconds after the pod stored them. Approximate-mode
+//! decisions arrive on a shared queue.
 //!
 //! The main thread also serves Envoy's admin and xDS, so no callback may
 //! stall it — and answers of many pods can land in one pass of Envoy's event
@@ -36,6 +41,7 @@ use super::logging::event;
 use super::{load_config, metrics, shared};
 use crate::cluster::{ClusterState, Failure, PullAnswer, PullKind, Transition, PUBLISH_BUCKETS};
 use crate::config::{Config, IndexMode, PodConfig};
+use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
 use crate::snapshot::{bucket_key, decode_decision, DECISION_QUEUE};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
@@ -45,6 +51,10 @@ const TICK_MS: u64 = 50;
 /// Main-thread time per tick for folding answers (one fold may overrun
 /// it; its size is bounded by `maxReportBytes`).
 const FOLD_BUDGET_US: u64 = 5_000;
+
+/// Least time between two publications triggered by answers (folds closer
+/// together are published together, by the next answer or tick).
+const PUBLISH_GAP_MS: u64 = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pull {
@@ -58,35 +68,50 @@ pub struct ServiceRoot {
     state: Option<ClusterState>,
     /// Calls in flight: token → (pod id, what was asked).
     pending: HashMap<u32, (String, Pull)>,
+    /// When each pod's next report call goes out.
+    polling: Option<ReportPolling>,
     queue: Option<u32>,
     next_round_ms: u64,
     /// Changed buckets a publication left for the next tick.
     unpublished: usize,
     /// What is left of this tick's folding time.
     fold_budget_us: u64,
+    /// Answers were folded since the last publication.
+    folds_unpublished: bool,
+    last_publish_ms: u64,
 }
 
 impl ServiceRoot {
     /// GETs `path` from `destination` (`host:port`, also the `:authority`)
     /// through `cluster`; an ORIGINAL_DST cluster connects to the
     /// `x-envoy-original-dst-host` set here, a static one ignores it.
-    fn call(&mut self, pod: &str, cluster: &str, destination: &str, path: &str, pull: Pull) {
-        let Some(config) = self.config.as_ref() else {
-            return;
-        };
+    fn call(
+        &mut self,
+        pod: &str,
+        cluster: &str,
+        destination: &str,
+        path: &str,
+        pull: Pull,
+        timeout_ms: u64,
+    ) {
         let headers = vec![
             (":method", "GET"),
             (":path", path),
             (":authority", destination),
             ("x-envoy-original-dst-host", destination),
         ];
-        let timeout = Duration::from_millis(config.report_timeout_ms);
+        let timeout = Duration::from_millis(timeout_ms);
         match self.dispatch_http_call(cluster, headers, None, vec![], timeout) {
             Ok(token) => {
                 self.pending.insert(token, (pod.to_string(), pull));
             }
             Err(status) => {
                 log::error!("kvroute service: cannot call cluster {cluster:?} for {pod}: {status:?} (is the cluster defined?)");
+                if pull == Pull::Pod(PullKind::Report) {
+                    if let Some(polling) = self.polling.as_mut() {
+                        polling.failed(pod, host::now_ms());
+                    }
+                }
                 if pull != Pull::Discovery {
                     self.fail(pod, Failure::Unreachable);
                 }
@@ -110,6 +135,7 @@ impl ServiceRoot {
 
     fn publish(&mut self) {
         let now = host::now_ms();
+        (self.last_publish_ms, self.folds_unpublished) = (now, false);
         let Some(state) = self.state.as_mut() else {
             return;
         };
@@ -164,6 +190,9 @@ impl ServiceRoot {
         if let Some(state) = self.state.as_mut() {
             state.set_pods(&candidate.pods, host::now_ms());
         }
+        if let Some(polling) = self.polling.as_mut() {
+            polling.retain(candidate.pods.iter().map(|p| p.id.as_str()));
+        }
         Ok(())
     }
 
@@ -186,30 +215,27 @@ impl ServiceRoot {
 
     fn start_round(&mut self, config: &Config) {
         self.publish();
-        let busy: Vec<String> = self.pending.values().map(|(pod, _)| pod.clone()).collect();
-        let Some(state) = self.state.as_ref() else {
-            return;
-        };
-        // A pod whose last answer is not folded yet would be asked for the
-        // same `since` again.
-        let pods: Vec<PodConfig> = state
-            .pods()
-            .filter(|p| !busy.contains(&p.id) && !state.has_unfolded(&p.id))
-            .cloned()
-            .collect();
-        for pod in &pods {
-            if config.mode == IndexMode::Precise {
-                let query = self
-                    .state
-                    .as_ref()
-                    .and_then(|s| s.report_query(&pod.id, &config.report_path))
-                    .unwrap_or_else(|| config.report_path.clone());
-                let pull = Pull::Pod(PullKind::Report);
-                self.call(&pod.id, &config.report_cluster, &pod.address, &query, pull);
-            }
-            if let Some(path) = &config.metrics_path {
-                let pull = Pull::Pod(PullKind::Metrics);
-                self.call(&pod.id, &config.report_cluster, &pod.address, path, pull);
+        if let (Some(path), Some(state)) = (&config.metrics_path, self.state.as_ref()) {
+            let metrics = Pull::Pod(PullKind::Metrics);
+            // A pod whose last metrics are not folded yet is skipped too.
+            let pods: Vec<PodConfig> = state
+                .pods()
+                .filter(|p| {
+                    !state.has_unfolded(&p.id)
+                        && !self.pending.values().any(|c| *c == (p.id.clone(), metrics))
+                })
+                .cloned()
+                .collect();
+            for pod in &pods {
+                let timeout = config.report_timeout_ms;
+                self.call(
+                    &pod.id,
+                    &config.report_cluster,
+                    &pod.address,
+                    path,
+                    metrics,
+                    timeout,
+                );
             }
         }
         if let Some(discovery) = &config.discovery {
@@ -225,14 +251,42 @@ impl ServiceRoot {
                     destination,
                     &discovery.path,
                     Pull::Discovery,
+                    config.report_timeout_ms,
                 );
             }
         }
+        self.poll_reports(config);
     }
 
-    fn round_done(&mut self) {
-        if self.pending.is_empty() && self.state.as_ref().is_some_and(|s| s.unfolded() == 0) {
-            self.publish();
+    /// Sends the report calls [`ReportPolling`] finds due (precise mode).
+    fn poll_reports(&mut self, config: &Config) {
+        if config.mode != IndexMode::Precise {
+            return;
+        }
+        let now = host::now_ms();
+        let (Some(state), Some(polling)) = (self.state.as_ref(), self.polling.as_mut()) else {
+            return;
+        };
+        let calls: Vec<(PodConfig, String, u64)> = state
+            .pods()
+            .filter_map(|pod| {
+                let call = polling.next_call(&pod.id, now)?;
+                let query = state
+                    .report_query(&pod.id, &config.report_path)
+                    .unwrap_or_else(|| config.report_path.clone());
+                Some((pod.clone(), call.path(&query), call.timeout_ms))
+            })
+            .collect();
+        for (pod, path, timeout) in &calls {
+            let pull = Pull::Pod(PullKind::Report);
+            self.call(
+                &pod.id,
+                &config.report_cluster,
+                &pod.address,
+                path,
+                pull,
+                *timeout,
+            );
         }
     }
 
@@ -244,6 +298,7 @@ impl ServiceRoot {
         };
         let now = host::now_ms();
         let mut folded_any = false;
+        let polling = &mut self.polling;
         while self.fold_budget_us > 0 {
             let started = Instant::now();
             let Some(folded) = state.fold_next(now) else {
@@ -253,6 +308,14 @@ impl ServiceRoot {
             self.fold_budget_us = self.fold_budget_us.saturating_sub(spent.max(1));
             folded_any = true;
             log_transition(folded.transition);
+            if let (PullKind::Report, Some(polling)) = (folded.kind, polling.as_mut()) {
+                match &folded.result {
+                    Ok(Some(summary)) => {
+                        log_cadence(polling.folded(&folded.pod, now, summary.changed_index()));
+                    }
+                    _ => polling.failed(&folded.pod, now),
+                }
+            }
             match folded.result {
                 Ok(Some(summary)) => event(
                     log::Level::Trace,
@@ -268,6 +331,7 @@ impl ServiceRoot {
                 )),
             }
         }
+        self.folds_unpublished |= folded_any;
         folded_any
     }
 }
@@ -297,16 +361,17 @@ impl Context for ServiceRoot {
             .flatten()
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
         let kind = match pull {
-            Pull::Discovery => {
-                self.on_discovery_answer(status, body_size);
-                return self.round_done();
-            }
+            Pull::Discovery => return self.on_discovery_answer(status, body_size),
             Pull::Pod(kind) => kind,
         };
+        let now = host::now_ms();
         let inflight = self.inflight_of(&pod);
-        let Some(state) = self.state.as_mut() else {
+        let (Some(state), Some(polling)) = (self.state.as_mut(), self.polling.as_mut()) else {
             return;
         };
+        if kind == PullKind::Report {
+            polling.answered(&pod, now);
+        }
         let answer = PullAnswer {
             status: status.as_deref(),
             body_size,
@@ -314,10 +379,18 @@ impl Context for ServiceRoot {
         let (result, transition) = state.accept_pull(&pod, kind, answer, call_body, inflight);
         log_transition(transition);
         if result.is_err() {
+            if kind == PullKind::Report {
+                polling.failed(&pod, now);
+            }
             metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod));
         }
         self.fold();
-        self.round_done();
+        if self.folds_unpublished && now.saturating_sub(self.last_publish_ms) >= PUBLISH_GAP_MS {
+            self.publish();
+        }
+        if let Some(config) = self.config.clone() {
+            self.poll_reports(&config);
+        }
     }
 }
 
@@ -337,6 +410,7 @@ impl RootContext for ServiceRoot {
         // A new configuration starts a new view; the first one only once.
         if self.config.as_ref() != Some(&config) {
             self.state = Some(ClusterState::new(&config, host::now_ms()));
+            self.polling = Some(ReportPolling::new(&config));
             self.config = Some(config);
             self.next_round_ms = 0;
         }
@@ -351,13 +425,16 @@ impl RootContext for ServiceRoot {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
         self.fold_budget_us = FOLD_BUDGET_US;
-        let folded = self.fold();
+        self.fold();
         let now = host::now_ms();
         if now >= self.next_round_ms {
             self.next_round_ms = now.saturating_add(config.pod_report_interval_ms);
             self.start_round(&config);
-        } else if folded || self.unpublished > 0 {
-            self.publish();
+        } else {
+            if self.folds_unpublished || self.unpublished > 0 {
+                self.publish();
+            }
+            self.poll_reports(&config);
         }
     }
 
@@ -374,6 +451,29 @@ impl RootContext for ServiceRoot {
                 ),
             }
         }
+    }
+}
+
+fn log_cadence(change: Option<CadenceChange>) {
+    match change {
+        Some(CadenceChange {
+            pod,
+            cadence: Cadence::Interval,
+        }) => event(
+            log::Level::Warn,
+            "pod_report_long_poll_unsupported",
+            json!({"pod": pod, "detail": "answers `wait` at once with nothing new: polled every podReportIntervalMs",
+                   "longPollRecheckMs": LONG_POLL_RECHECK_MS}),
+        ),
+        Some(CadenceChange {
+            pod,
+            cadence: Cadence::LongPoll,
+        }) => event(
+            log::Level::Info,
+            "pod_report_long_poll",
+            json!({"pod": pod}),
+        ),
+        None => {}
     }
 }
 
