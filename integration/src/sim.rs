@@ -15,7 +15,12 @@
 //! Endpoints:
 //! - `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
 //!   `GET /v1/models`, `GET /health`, `GET /metrics`;
-//! - `GET {reportPath}?since=SEQ&epoch=E` (`/kvroute/v1/report` by default);
+//! - `GET {reportPath}?since=SEQ&epoch=E&wait=MS` (`/kvroute/v1/report` by
+//!   default): with `wait`, a request for this epoch whose `since` is the
+//!   cache's current `seq` is held until the cache logs an event or `wait`
+//!   (at most [`MAX_REPORT_WAIT_MS`]) ends; at most [`REPORT_WAITERS`] are
+//!   held at once, others answer at once, as do the report faults and a sim
+//!   started with `--no-long-poll`;
 //! - `POST /admin/fault`, `GET /admin/stats`, `POST /admin/reset-stats`.
 //!
 //! Every response carries `x-sim-pod: <pod id>`.
@@ -48,6 +53,12 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use crate::model::{
     AdapterSlots, Admission, CostModel, KvCache, PodLoad, PodModel, DEFAULT_LOG_EVENTS,
 };
+
+/// Longest `wait` the report endpoint honours.
+pub const MAX_REPORT_WAIT_MS: u64 = 60_000;
+
+/// Report requests held at once (the router keeps one pending per pod).
+pub const REPORT_WAITERS: usize = 4;
 
 /// Command-line options of `kvroute-sim`.
 #[derive(Debug, Clone, Parser)]
@@ -96,6 +107,9 @@ pub struct SimOptions {
     /// Size of each preloaded prompt in bytes.
     #[arg(long, default_value_t = 16384)]
     pub preload_prompt_bytes: usize,
+    /// Ignore the report endpoint's `wait` (a pod without long-poll).
+    #[arg(long)]
+    pub no_long_poll: bool,
 }
 
 /// The `i`-th synthetic prompt a pod preloads: distinct per pod and index
@@ -207,6 +221,10 @@ struct Sim {
     /// The prefill engine's epoch.
     origin: Instant,
     hang: watch::Sender<bool>,
+    /// The cache's `seq`, for report requests waiting for an event.
+    cache_seq: watch::Sender<u64>,
+    report_waiters: Semaphore,
+    long_poll: bool,
     next_id: AtomicU64,
     inner: Mutex<Inner>,
 }
@@ -224,6 +242,12 @@ impl Sim {
     /// A time on the prefill engine's clock, for `sleep_until`.
     fn at(&self, time: Duration) -> tokio::time::Instant {
         tokio::time::Instant::from_std(self.origin + time)
+    }
+
+    /// Wakes the report requests waiting for a cache event (call after
+    /// changing the cache, with the lock held).
+    fn cache_changed(&self, inner: &Inner) {
+        self.cache_seq.send_replace(inner.pod.cache.seq());
     }
 
     fn load(&self, inner: &Inner) -> PodLoad {
@@ -353,6 +377,7 @@ pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
         }
     }
     let report_path = config.report_path.clone();
+    let seq = pod.cache.seq();
     let sim = Arc::new(Sim {
         pod_id,
         epoch: format!("{:016x}", random_u64()),
@@ -363,6 +388,9 @@ pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
         slots: Arc::new(Semaphore::new(max_batch)),
         origin: Instant::now(),
         hang: watch::channel(false).0,
+        cache_seq: watch::channel(seq).0,
+        report_waiters: Semaphore::new(REPORT_WAITERS),
+        long_poll: !options.no_long_poll,
         next_id: AtomicU64::new(1),
         inner: Mutex::new(Inner {
             pod,
@@ -487,7 +515,10 @@ impl Scheduled {
     /// Prefill done: the blocks enter the cache.
     fn finish(mut self) -> Admission {
         let admission = self.admission.take().expect("finished once");
-        self.sim.lock().pod.finish_prefill(&admission);
+        let mut inner = self.sim.lock();
+        inner.pod.finish_prefill(&admission);
+        self.sim.cache_changed(&inner);
+        drop(inner);
         admission
     }
 }
@@ -897,6 +928,12 @@ async fn report(
     }
     let since = query.get("since").and_then(|s| s.parse::<u64>().ok());
     let epoch = query.get("epoch").map(String::as_str);
+    let wait = query.get("wait").and_then(|w| w.parse::<u64>().ok());
+    if let (Some(wait), Some(since), true, ReportMode::Ok) =
+        (wait, since, epoch == Some(sim.epoch.as_str()), mode)
+    {
+        hold_report(&sim, since, wait).await;
+    }
     let inner = sim.lock();
     let load = sim.load(&inner);
     let body = inner
@@ -908,6 +945,21 @@ async fn report(
         return stalled_json(body.to_string().into_bytes());
     }
     Json(body).into_response()
+}
+
+/// Long-poll: waits until the cache's `seq` is no longer `since` (there
+/// are events to report, or `since` is not ours) or `wait_ms` ends. Answers
+/// at once without long-poll or when [`REPORT_WAITERS`] already wait.
+async fn hold_report(sim: &Sim, since: u64, wait_ms: u64) {
+    if !sim.long_poll {
+        return;
+    }
+    let Ok(_waiter) = sim.report_waiters.try_acquire() else {
+        return;
+    };
+    let mut seq = sim.cache_seq.subscribe();
+    let wait = Duration::from_millis(wait_ms.min(MAX_REPORT_WAIT_MS));
+    let _ = tokio::time::timeout(wait, seq.wait_for(|seq| *seq != since)).await;
 }
 
 /// `body` as JSON with its full `content-length`, of which only the first
@@ -1025,6 +1077,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         if flag("flushSilent") == Some(true) {
             flushed = Some(inner.pod.cache.flush_silent());
         }
+        sim.cache_changed(&inner);
     }
     if let Some(hang) = flag("hang") {
         sim.hang.send_replace(hang);

@@ -392,3 +392,84 @@ fn queue_forms_behind_max_batch() {
     assert_eq!(stats["running"], 0);
     assert!(get(&addr, "/v1/models").unwrap().body.contains("sim-model"));
 }
+
+/// `GET` a report, returning it and how long the answer took.
+fn timed_report(addr: &str, query: &str) -> (serde_json::Value, Duration) {
+    let started = std::time::Instant::now();
+    let answer = get(addr, &format!("/kvroute/v1/report?{query}")).unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    (answer.json().unwrap(), started.elapsed())
+}
+
+#[test]
+fn report_wait_holds_until_an_event_or_the_wait_ends() {
+    let sim = Sim::start(&["--time-scale", "0.05"]);
+    let addr = sim.addr.clone();
+    let completion = |text: &str| {
+        let body = format!(r#"{{"model":"any","prompt":"{text}","max_tokens":1}}"#);
+        assert_eq!(
+            post_json(&addr, "/v1/completions", &body).unwrap().status,
+            200
+        );
+    };
+    // A cache event first: `since=0` always asks for a full report.
+    completion(&"x".repeat(2048));
+    let (full, _) = timed_report(&addr, "since=0");
+    let (epoch, seq) = (
+        full["epoch"].as_str().unwrap().to_string(),
+        full["seq"].clone(),
+    );
+    // Nothing new: held for the whole wait, then an empty delta.
+    let (idle, took) = timed_report(&addr, &format!("since={seq}&epoch={epoch}&wait=300"));
+    assert!(
+        took >= Duration::from_millis(290),
+        "answered after {took:?}"
+    );
+    assert_eq!(
+        (idle["full"].as_bool(), idle["seq"].clone()),
+        (Some(false), seq.clone())
+    );
+    assert_eq!(idle["stored"], serde_json::json!([]));
+    // An event while held: answered as soon as the prefill stored its blocks.
+    let query = format!("since={seq}&epoch={epoch}&wait=5000");
+    let held = {
+        let addr = addr.clone();
+        std::thread::spawn(move || timed_report(&addr, &query))
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    completion(&"y".repeat(2048));
+    let (delta, took) = held.join().unwrap();
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_millis(1500),
+        "answered after {took:?}"
+    );
+    assert_eq!(delta["full"].as_bool(), Some(false));
+    assert!(!delta["stored"].as_array().unwrap().is_empty(), "{delta}");
+    // Events already there, or another epoch: answered at once.
+    let (_, took) = timed_report(&addr, &format!("since={seq}&epoch={epoch}&wait=5000"));
+    assert!(took < Duration::from_millis(500), "answered after {took:?}");
+    let (other, took) = timed_report(&addr, &format!("since={seq}&epoch=other&wait=5000"));
+    assert!(took < Duration::from_millis(500) && other["full"].as_bool() == Some(true));
+    // Report faults answer at once, as before.
+    post_json(&addr, "/admin/fault", r#"{"report":"error"}"#).unwrap();
+    let started = std::time::Instant::now();
+    let seq = delta["seq"].clone();
+    let failed = get(
+        &addr,
+        &format!("/kvroute/v1/report?since={seq}&epoch={epoch}&wait=5000"),
+    );
+    assert_eq!(failed.unwrap().status, 500);
+    assert!(started.elapsed() < Duration::from_millis(500));
+
+    // A pod without long-poll ignores `wait`.
+    let plain = Sim::start(&["--no-long-poll"]);
+    let (full, _) = timed_report(&plain.addr, "since=0");
+    let query = format!(
+        "since={}&epoch={}&wait=2000",
+        full["seq"],
+        full["epoch"].as_str().unwrap()
+    );
+    // (At `seq` 0 a long-polling sim would hold this too.)
+    let (_, took) = timed_report(&plain.addr, &query);
+    assert!(took < Duration::from_millis(500), "answered after {took:?}");
+}
