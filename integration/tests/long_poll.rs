@@ -115,6 +115,7 @@ fn follow_up_finds_its_prefix_within_milliseconds_with_long_poll() {
 fn interval_polling_alone_misses_fresh_prefixes() {
     let cluster = start(json!({"reportLongPoll": false}), vec![]);
     let hits = follow_up_hits(&cluster);
+    eprintln!("interval polling: {hits}/{PAIRS} follow-ups hit");
     assert!(
         hits <= PAIRS / 2,
         "{hits}/{PAIRS} follow-ups hit without long-poll"
