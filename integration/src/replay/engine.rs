@@ -16,9 +16,17 @@
 //! more, decoding concurrently with everything else.
 //!
 //! The kvroute policy runs the routing core for real on the router's view:
-//! a [`ClusterState`] fed the pods' protocol v1 reports every report
-//! interval (precise mode) or the router's own decisions (approximate
-//! mode), published as a snapshot and read through [`SnapshotIndex`] exactly
+//! a [`ClusterState`] fed the pods' protocol v1 reports (precise mode) or
+//! the router's own decisions (approximate mode). Report calls follow the
+//! service's own [`ReportPolling`]: long-poll by default (a pod holds the
+//! call until its cache logs an event, then answers [`REPORT_LATENCY_US`]
+//! later, or answers empty when the wait ends; the next call goes out at
+//! once), interval polling with `reportLongPoll: false` (each call answered
+//! [`REPORT_LATENCY_US`] after it was sent). Every answer is folded and
+//! published at once (the service publishes within 5 ms of it, or on
+//! its next 50 ms tick); the service's round, every interval,
+//! publishes too and sends the calls that are due. The published snapshot
+//! is read through [`SnapshotIndex`] exactly
 //! like the filter (plus, in approximate mode, the worker's overlay of its
 //! own decisions); queue = reported waiting + routed since the report;
 //! [`ScoringPolicy::decide`] picks. A 503 (every pod excluded) is retried by
@@ -34,12 +42,17 @@ use std::time::Duration;
 use kvroute::cluster::ClusterState;
 use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
+use kvroute::polling::ReportPolling;
 use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
 use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
 use super::workload::{Request, Workload};
 use crate::model::{cached_tokens, CostModel, KvCache, PodLoad, PrefillEngine, DEFAULT_LOG_EVENTS};
+
+/// How long a simulated pod takes to answer a report call once it has
+/// something to say (build, send, Envoy, fold): a few ms on loopback.
+pub const REPORT_LATENCY_US: u64 = 2_000;
 
 /// The simulated pods (all identical).
 #[derive(Debug, Clone, PartialEq)]
@@ -213,6 +226,8 @@ enum Kind {
     PrefillStart,
     /// A request's last token: its slot frees.
     Finish,
+    /// A pod answers report call number `request` (kvroute, precise mode).
+    ReportAnswer,
     /// The report service's tick (kvroute only).
     Tick,
     /// A request reaches the router (first try or retry).
@@ -239,6 +254,16 @@ struct Pod {
     prefill_queued: usize,
     /// Routed and not finished (the filter's in-flight counter).
     inflight: u32,
+    /// The report call this pod has not answered yet.
+    report_call: Option<HeldCall>,
+}
+
+/// A report call a pod has not answered.
+#[derive(Debug, Clone, Copy)]
+struct HeldCall {
+    id: usize,
+    /// Waiting for a cache event (long-poll), not yet scheduled to answer.
+    waiting: bool,
 }
 
 impl Pod {
@@ -250,6 +275,7 @@ impl Pod {
             waiting: VecDeque::new(),
             prefill_queued: 0,
             inflight: 0,
+            report_call: None,
         }
     }
 
@@ -297,6 +323,8 @@ struct Simulation<'a> {
     chooser: Chooser<'a>,
     retry_after_us: u64,
     interval_us: u64,
+    /// Report calls sent so far (call ids).
+    report_calls: usize,
 }
 
 enum Chooser<'a> {
@@ -350,6 +378,7 @@ impl<'a> Simulation<'a> {
             chooser,
             retry_after_us: u64::from(config.retry_after_seconds.max(1)) * 1_000_000,
             interval_us: config.pod_report_interval_ms * 1000,
+            report_calls: 0,
         };
         for (i, r) in workload.requests.iter().enumerate() {
             sim.push(r.arrival_us, Kind::Arrival, i, 0);
@@ -382,6 +411,12 @@ impl<'a> Simulation<'a> {
                     let pod = &mut self.pods[event.pod];
                     pod.engine.finish(chain);
                     pod.cache.insert_chain(chain);
+                    // A held long-poll answers now that there is an event.
+                    if let Some(call) = pod.report_call.as_mut().filter(|c| c.waiting) {
+                        call.waiting = false;
+                        let id = call.id;
+                        self.push(now + REPORT_LATENCY_US, Kind::ReportAnswer, id, event.pod);
+                    }
                 }
                 Kind::PrefillStart => {
                     self.pods[event.pod].prefill_queued -= 1;
@@ -394,10 +429,22 @@ impl<'a> Simulation<'a> {
                         self.start(event.pod, next, now);
                     }
                 }
+                Kind::ReportAnswer => {
+                    let pod = &mut self.pods[event.pod];
+                    if pod.report_call.is_some_and(|c| c.id == event.request) {
+                        pod.report_call = None;
+                        if let Chooser::Kvroute(view) = &mut self.chooser {
+                            view.answer(event.pod, now, &self.pods[event.pod], self.spec.max_batch);
+                            view.publish(now);
+                        }
+                        self.send_reports(now);
+                    }
+                }
                 Kind::Tick => {
                     if let Chooser::Kvroute(view) = &mut self.chooser {
-                        view.tick(now, &self.pods, self.spec.max_batch);
+                        view.publish(now);
                     }
+                    self.send_reports(now);
                     if self.pending_arrivals > 0 {
                         self.push(now + self.interval_us, Kind::Tick, 0, 0);
                     }
@@ -413,6 +460,40 @@ impl<'a> Simulation<'a> {
             policy: self.policy,
             outcomes: self.outcomes,
             summary,
+        }
+    }
+
+    /// Sends the report calls the router's [`ReportPolling`] finds due: a
+    /// pod answers [`REPORT_LATENCY_US`] later, unless the call waits and
+    /// the pod has nothing after the call's `since`: then it holds it
+    /// until its next cache event or the end of the wait.
+    fn send_reports(&mut self, now: u64) {
+        let Chooser::Kvroute(view) = &mut self.chooser else {
+            return;
+        };
+        // Once every request has arrived, later reports change nothing.
+        if view.config.mode != IndexMode::Precise || self.pending_arrivals == 0 {
+            return;
+        }
+        let mut answers = Vec::new();
+        for (slot, pod) in self.pods.iter_mut().enumerate() {
+            let Some(call) = view.polling.next_call(&view.pod_ids[slot], now / 1000) else {
+                continue;
+            };
+            self.report_calls += 1;
+            let id = self.report_calls;
+            let hold = call
+                .wait_ms
+                .filter(|_| view.since[slot] == Some(pod.cache.seq()));
+            pod.report_call = Some(HeldCall {
+                id,
+                waiting: hold.is_some(),
+            });
+            let delay = hold.map_or(REPORT_LATENCY_US, |wait| wait * 1000);
+            answers.push((now + delay, id, slot));
+        }
+        for (time, id, slot) in answers {
+            self.push(time, Kind::ReportAnswer, id, slot);
         }
     }
 
@@ -526,6 +607,7 @@ struct KvrouteView<'a> {
     recent: RecentDecisions,
     /// Per pod, the `since` of its next report (None: never reported).
     since: Vec<Option<u64>>,
+    polling: ReportPolling,
     pod_ids: Vec<String>,
     requests: u64,
 }
@@ -540,39 +622,34 @@ impl<'a> KvrouteView<'a> {
             buckets: HashMap::new(),
             recent: RecentDecisions::new(config),
             since: vec![None; pods],
+            polling: ReportPolling::new(config),
             pod_ids: config.pods.iter().map(|p| p.id.clone()).collect(),
             requests: 0,
         }
     }
 
-    /// The report service's tick: pull every pod's report (precise mode),
-    /// then publish.
-    fn tick(&mut self, now_us: u64, pods: &[Pod], max_batch: usize) {
+    /// Pod `slot` answers its report call: the service folds it and tells
+    /// its [`ReportPolling`].
+    fn answer(&mut self, slot: usize, now_us: u64, pod: &Pod, max_batch: usize) {
         let now_ms = now_us / 1000;
-        if self.config.mode == IndexMode::Precise {
-            for (slot, pod) in pods.iter().enumerate() {
-                let since = self.since[slot];
-                let body = pod
-                    .cache
-                    .report(
-                        &self.pod_ids[slot],
-                        EPOCH,
-                        since,
-                        since.map(|_| EPOCH),
-                        &pod.load(max_batch),
-                    )
-                    .to_string();
-                let (result, _) = self.cluster.apply_report(
-                    &self.pod_ids[slot],
-                    body.as_bytes(),
-                    now_ms,
-                    pod.inflight,
-                );
-                result.expect("a simulated pod's report folds");
-                self.since[slot] = Some(pod.cache.seq());
-            }
-        }
-        let publication = self.cluster.publish(now_ms);
+        let id = &self.pod_ids[slot];
+        let since = self.since[slot];
+        let body = pod
+            .cache
+            .report(id, EPOCH, since, since.map(|_| EPOCH), &pod.load(max_batch))
+            .to_string();
+        self.polling.answered(id, now_ms);
+        let (result, _) = self
+            .cluster
+            .apply_report(id, body.as_bytes(), now_ms, pod.inflight);
+        let summary = result.expect("a simulated pod's report folds");
+        self.polling.folded(id, now_ms, summary.changed_index());
+        self.since[slot] = Some(pod.cache.seq());
+    }
+
+    /// The service publishes its snapshot.
+    fn publish(&mut self, now_us: u64) {
+        let publication = self.cluster.publish(now_us / 1000);
         for (bucket, bytes) in publication.buckets {
             self.buckets.insert(bucket, bytes);
         }
@@ -673,7 +750,13 @@ mod tests {
             let mut pods: Vec<Pod> = (0..3).map(|_| Pod::new(12, 1000)).collect();
             for (i, (r, t)) in workload.requests.iter().zip(&requests).enumerate() {
                 if i % 4 == 0 {
-                    view.tick(i as u64 * 1_000_000, &pods, 8);
+                    let now = i as u64 * 1_000_000;
+                    if mode == IndexMode::Precise {
+                        for (slot, pod) in pods.iter().enumerate() {
+                            view.answer(slot, now, pod, 8);
+                        }
+                    }
+                    view.publish(now);
                 }
                 let inflight: Vec<u32> = pods.iter().map(|p| p.inflight).collect();
                 let body = completions_body(t, DEFAULT_MODEL, false).to_string();

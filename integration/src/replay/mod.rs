@@ -75,6 +75,10 @@ pub struct ReplayArgs {
     /// The router's report interval (default: the config's podReportIntervalMs).
     #[arg(long)]
     pub report_interval_ms: Option<u64>,
+    /// Poll reports on the interval only (`reportLongPoll: false`); by
+    /// default the router long-polls (see `kvroute::polling`).
+    #[arg(long)]
+    pub interval_reports: bool,
     /// `precise` (pods report their caches) or `approximate` (the router
     /// records its decisions); default: the config's mode.
     #[arg(long, value_parser = parse_mode)]
@@ -201,6 +205,9 @@ pub fn router_config(args: &ReplayArgs) -> Result<Config, String> {
     }
     if let Some(ms) = args.report_interval_ms {
         config.pod_report_interval_ms = ms;
+    }
+    if args.interval_reports {
+        config.report_long_poll = false;
     }
     if args.pods == 0 || args.pods > kvroute::config::MAX_PODS {
         return Err(format!(
@@ -371,8 +378,9 @@ fn markdown(args: &ReplayArgs, report: &Report, workload: &Workload) -> String {
     let w = &c.weights;
     let _ = writeln!(
         s,
-        "- router: {} mode, reports every {} ms, blocks of {} bytes (max {} per prompt), weights cache {:.3} load {:.3} queue {:.3} health {:.3} adapter {:.3}, maxQueue {}\n",
+        "- router: {} mode, reports {} {} ms, blocks of {} bytes (max {} per prompt), weights cache {:.3} load {:.3} queue {:.3} health {:.3} adapter {:.3}, maxQueue {}\n",
         mode_name(c.mode),
+        if c.report_long_poll { "long-polled, wait" } else { "every" },
         c.pod_report_interval_ms,
         c.block_size_bytes,
         c.max_prefix_blocks,
@@ -494,6 +502,7 @@ pub fn router_config_json(config: &Config) -> Value {
         "podCapacityBlocks": config.pod_capacity_blocks,
         "podReportIntervalMs": config.pod_report_interval_ms,
         "reportTimeoutMs": config.report_timeout_ms,
+        "reportLongPoll": config.report_long_poll,
         "retryAfterSeconds": config.retry_after_seconds,
     })
 }
