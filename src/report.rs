@@ -1,6 +1,7 @@
 //! Pod reports: kvroute's report protocol v1 and vLLM's Prometheus metrics.
 //!
-//! Protocol v1 (the contract with pods; `GET {reportPath}?since=SEQ&epoch=E`):
+//! Protocol v1 (the contract with pods;
+//! `GET {reportPath}?since=SEQ&epoch=E&wait=MS`):
 //!
 //! ```json
 //! {"version": 1, "podId": "pod-a", "epoch": "3f9c...", "seq": 42, "since": 40, "full": false,
@@ -22,6 +23,14 @@
 //! - `queueDepth` (waiting requests) and `health` in [0, 1] are required;
 //!   `gpuUtilization` in [0, 1], `running` and `adapters` are optional.
 //! - Unknown fields are ignored, so pods may add their own.
+//! - Long-poll (`wait`, optional for pods): a pod that supports it holds
+//!   the request while it has no event after `since` of the epoch asked and
+//!   answers as soon as it has one, or with an empty delta when `wait` ms
+//!   end; it answers at once when it already has events or owes a full
+//!   resync. kvroute asks `wait` = `podReportIntervalMs` with a call
+//!   timeout of `wait + reportTimeoutMs`, keeps one call pending per pod,
+//!   and polls a pod that ignores `wait` (answers at once with nothing
+//!   new) on the interval instead: see [`crate::polling`].
 
 use serde::Deserialize;
 
