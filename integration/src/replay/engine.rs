@@ -822,6 +822,52 @@ mod tests {
         assert!(!model.cache.is_empty());
     }
 
+    /// Follow-ups sent 0.2 s after their predecessor (a fresh 4-block
+    /// prefix) finished that found the prefix cached, with `long_poll` or
+    /// 2 s interval reports. No report round falls between a prefill and
+    /// its follow-up, so only long-poll can tell the router in time.
+    fn follow_up_hits(long_poll: bool) -> usize {
+        let pairs = 12u64;
+        let requests: Vec<TraceRequest> = (0..pairs * 2)
+            .map(|i| {
+                let pair = i / 2;
+                TraceRequest {
+                    line: i as usize + 1,
+                    // The first ends about 0.85 s after it arrives.
+                    timestamp_ms: pair as f64 * 4000.0 + 100.0 + (i % 2) as f64 * 1050.0,
+                    input_length: 4 * 512 - 100,
+                    output_length: 20,
+                    hash_ids: (0..4).map(|b| pair * 100 + b).collect(),
+                }
+            })
+            .collect();
+        let config = Config {
+            report_long_poll: long_poll,
+            ..config(IndexMode::Precise)
+        };
+        let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
+        let spec = PodSpec {
+            count: 3,
+            kv_blocks: 1000,
+            max_batch: 8,
+            cost: CostModel::gpu_8b(1.0),
+        };
+        let run = simulate(&workload, &spec, Policy::Kvroute, &config, 1);
+        run.outcomes
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .filter(|o| o.cached_tokens > 0)
+            .count()
+    }
+
+    #[test]
+    fn long_poll_reports_a_fresh_prefix_before_its_follow_up() {
+        assert_eq!(follow_up_hits(true), 12);
+        let interval = follow_up_hits(false);
+        assert!(interval <= 6, "{interval}/12 hits with interval reports");
+    }
+
     #[test]
     fn ring_is_stable_and_spreads() {
         let ring = ring(8);
