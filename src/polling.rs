@@ -7,8 +7,10 @@
 //!   request until it has events after `since` (answers at once if it
 //!   already has) or W ends (an empty delta). The service keeps exactly one
 //!   report call pending per pod: the next one goes out as soon as the
-//!   previous answer is folded, so the index trails a pod's cache by the
-//!   pod's answer latency plus one fold, not by an interval. A silent pod
+//!   previous answer is folded, but not sooner than [`MIN_CALL_GAP_MS`]
+//!   after the previous call was sent, so the index trails a pod's cache by
+//!   the pod's answer latency plus one fold (a busy pod's, by up to the
+//!   gap), not by an interval. A silent pod
 //!   still answers every W, so health staleness works unchanged. The call
 //!   timeout is W + `reportTimeoutMs`: a held call is never a timeout.
 //! - **A pod that ignores `wait`** answers at once. An answer that changed
@@ -33,9 +35,12 @@
 //!   [`ReportPolling::folded`] end the call.
 //!
 //! A busy pod that supports long-poll answers every call at once (it always
-//! has events): the call rate then follows its event rate, paced by the
-//! round trip and the service's per-tick fold budget (no new call while an
-//! answer waits unfolded).
+//! has events): its calls then go out every [`MIN_CALL_GAP_MS`] at most,
+//! each answer carrying the events of the gap coalesced, and slower when
+//! the service's per-tick fold budget runs out (no new call while an
+//! answer waits unfolded). This bounds the main thread's work per pod
+//! to at most 1000 / [`MIN_CALL_GAP_MS`] calls, folds and publications a
+//! second.
 
 use std::collections::HashMap;
 
@@ -46,6 +51,10 @@ pub const EARLY_DIVISOR: u64 = 2;
 
 /// Early idle answers in a row that switch a pod to interval polling.
 pub const EARLY_IDLE_LIMIT: u32 = 2;
+
+/// Least time between two long-poll calls to one pod: a pod with events
+/// all the time is asked at most this often.
+pub const MIN_CALL_GAP_MS: u64 = 20;
 
 /// How often a pod polled on the interval is probed with `wait` again.
 pub const LONG_POLL_RECHECK_MS: u64 = 30_000;
@@ -206,7 +215,7 @@ impl ReportPolling {
             };
         }
         state.next_ms = match state.cadence {
-            Cadence::LongPoll => now_ms,
+            Cadence::LongPoll => call.sent_ms.saturating_add(MIN_CALL_GAP_MS),
             Cadence::Interval => {
                 if call.waited {
                     state.probe_at_ms = now_ms.saturating_add(LONG_POLL_RECHECK_MS);
@@ -284,25 +293,35 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_pod_is_asked_at_most_every_gap() {
+        let mut p = polling(true);
+        p.next_call("a", 1000).unwrap();
+        p.answered("a", 1002);
+        p.folded("a", 1002, true);
+        assert_eq!(p.next_call("a", 1000 + MIN_CALL_GAP_MS - 1), None);
+        assert!(p.next_call("a", 1000 + MIN_CALL_GAP_MS).is_some());
+    }
+
+    #[test]
     fn a_pod_ignoring_wait_falls_back_to_the_interval_and_is_probed_again() {
         let mut p = polling(true);
         // A first answer at once that changed nothing is tolerated.
         assert_eq!(round_trip(&mut p, 0, 2, false).1, None);
         // A busy pod answering at once with events is long-polling fine.
-        assert_eq!(round_trip(&mut p, 2, 2, true).1, None);
-        assert_eq!(round_trip(&mut p, 4, 2, false).1, None);
-        let (_, change) = round_trip(&mut p, 6, 2, false);
+        assert_eq!(round_trip(&mut p, 30, 2, true).1, None);
+        assert_eq!(round_trip(&mut p, 60, 2, false).1, None);
+        let (_, change) = round_trip(&mut p, 90, 2, false);
         assert_eq!(change.map(|c| c.cadence), Some(Cadence::Interval));
         // Now one plain call per interval after the last one was sent.
         assert_eq!(p.next_call("a", 1000), None);
-        let (call, _) = round_trip(&mut p, 2006, 2, false);
+        let (call, _) = round_trip(&mut p, 2090, 2, false);
         assert_eq!((call.wait_ms, call.timeout_ms), (None, 1000));
-        assert_eq!(p.next_call("a", 4005), None);
+        assert_eq!(p.next_call("a", 4089), None);
         // Plain calls never count as evidence either way.
-        assert_eq!(round_trip(&mut p, 4006, 2, true).1, None);
+        assert_eq!(round_trip(&mut p, 4090, 2, true).1, None);
         // The probe, 30 s after the fallback: still ignoring.
-        let probe_at = 8 + LONG_POLL_RECHECK_MS;
-        let mut now = 6006;
+        let probe_at = 92 + LONG_POLL_RECHECK_MS;
+        let mut now = 6090;
         while now < probe_at {
             assert_eq!(round_trip(&mut p, now, 2, false).0.wait_ms, None);
             now += 2000;

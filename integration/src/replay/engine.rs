@@ -20,12 +20,14 @@
 //! the router's own decisions (approximate mode). Report calls follow the
 //! service's own [`ReportPolling`]: long-poll by default (a pod holds the
 //! call until its cache logs an event, then answers [`REPORT_LATENCY_US`]
-//! later, or answers empty when the wait ends; the next call goes out at
-//! once), interval polling with `reportLongPoll: false` (each call answered
+//! later, or answers empty when the wait ends; the next call goes out
+//! once the answer is folded, at most every `MIN_CALL_GAP_MS`), interval
+//! polling with `reportLongPoll: false` (each call answered
 //! [`REPORT_LATENCY_US`] after it was sent). Every answer is folded and
 //! published at once (the service publishes within 5 ms of it, or on
-//! its next 50 ms tick); the service's round, every interval,
-//! publishes too and sends the calls that are due. The published snapshot
+//! its next 50 ms tick); on its 50 ms tick the service sends the calls
+//! that are due, and every interval a round publishes too. The published
+//! snapshot
 //! is read through [`SnapshotIndex`] exactly
 //! like the filter (plus, in approximate mode, the worker's overlay of its
 //! own decisions); queue = reported waiting + routed since the report;
@@ -49,6 +51,10 @@ use xxhash_rust::xxh64::xxh64;
 
 use super::workload::{Request, Workload};
 use crate::model::{cached_tokens, CostModel, KvCache, PodLoad, PrefillEngine, DEFAULT_LOG_EVENTS};
+
+/// The report service's tick: due report calls go out on it (or on an
+/// answer), a round (publication) on the first tick it is due.
+const SERVICE_TICK_US: u64 = 50_000;
 
 /// How long a simulated pod takes to answer a report call once it has
 /// something to say (build, send, Envoy, fold): a few ms on loopback.
@@ -323,6 +329,8 @@ struct Simulation<'a> {
     chooser: Chooser<'a>,
     retry_after_us: u64,
     interval_us: u64,
+    /// When the service's next round (publication) is due.
+    next_round_us: u64,
     /// Report calls sent so far (call ids).
     report_calls: usize,
 }
@@ -378,6 +386,7 @@ impl<'a> Simulation<'a> {
             chooser,
             retry_after_us: u64::from(config.retry_after_seconds.max(1)) * 1_000_000,
             interval_us: config.pod_report_interval_ms * 1000,
+            next_round_us: 0,
             report_calls: 0,
         };
         for (i, r) in workload.requests.iter().enumerate() {
@@ -441,12 +450,16 @@ impl<'a> Simulation<'a> {
                     }
                 }
                 Kind::Tick => {
-                    if let Chooser::Kvroute(view) = &mut self.chooser {
-                        view.publish(now);
+                    if now >= self.next_round_us {
+                        self.next_round_us = now + self.interval_us;
+                        if let Chooser::Kvroute(view) = &mut self.chooser {
+                            view.publish(now);
+                        }
                     }
                     self.send_reports(now);
                     if self.pending_arrivals > 0 {
-                        self.push(now + self.interval_us, Kind::Tick, 0, 0);
+                        let tick = self.interval_us.min(SERVICE_TICK_US);
+                        self.push(now + tick, Kind::Tick, 0, 0);
                     }
                 }
                 Kind::Arrival => {
