@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvroute_integration::bench::overhead::{envoy_pid, thread_cpu_s};
 use kvroute_integration::harness::{filler_text as text, Cluster, ClusterSpec};
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -168,4 +169,42 @@ fn a_pod_ignoring_wait_is_polled_on_the_interval() {
         .envoy
         .metric("epp_report_failures_total", &[("pod", "pod-0")]);
     assert_eq!(failures.unwrap_or(0.0), 0.0);
+}
+
+/// Not part of the suite (`-- --ignored --nocapture`): Envoy's main-thread
+/// CPU and the report calls per pod, idle and under 16 sequential requests
+/// a second with fresh prefixes, with long-poll and with interval polling.
+#[test]
+#[ignore]
+fn measure_main_thread_cpu() {
+    let window = Duration::from_secs(20);
+    for long_poll in [true, false] {
+        let cluster = start(json!({"reportLongPoll": long_poll}), vec![]);
+        let pid = envoy_pid(&cluster.dir.join("envoy.yaml")).expect("envoy pid");
+        let cpu = || thread_cpu_s(pid, pid).unwrap_or(0.0);
+        let calls_per_pod_s = |before: &[u64]| {
+            let after: u64 = report_requests(&cluster).iter().sum();
+            (after - before.iter().sum::<u64>()) as f64 / window.as_secs_f64() / 4.0
+        };
+        std::thread::sleep(Duration::from_secs(2));
+        let (cpu_before, calls_before) = (cpu(), report_requests(&cluster));
+        std::thread::sleep(window);
+        let idle_cpu = cpu() - cpu_before;
+        let idle_calls = calls_per_pod_s(&calls_before);
+        let (cpu_before, calls_before) = (cpu(), report_requests(&cluster));
+        let started = Instant::now();
+        let mut sent = 0;
+        while started.elapsed() < window {
+            let prompt = text(&format!("measure {long_poll} {sent}"), 4096);
+            served_by(&cluster.post("/v1/completions", &completion(&prompt)));
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!(
+            "reportLongPoll {long_poll}: idle {idle_cpu:.2} s main-thread CPU per {window:?}, \
+             {idle_calls:.2} report calls/s/pod; {sent} requests: {:.2} s CPU, {:.2} calls/s/pod",
+            cpu() - cpu_before,
+            calls_per_pod_s(&calls_before),
+        );
+    }
 }

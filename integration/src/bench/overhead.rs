@@ -378,7 +378,7 @@ pub fn overhead_markdown(o: &Value) -> String {
 }
 
 /// The pid of the Envoy whose command line names `config`.
-fn envoy_pid(config: &Path) -> Option<u32> {
+pub fn envoy_pid(config: &Path) -> Option<u32> {
     let wanted = config.display().to_string();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -395,7 +395,7 @@ fn envoy_pid(config: &Path) -> Option<u32> {
 }
 
 /// CPU seconds (user + system) of thread `tid` of `pid`.
-fn thread_cpu_s(pid: u32, tid: u32) -> Option<f64> {
+pub fn thread_cpu_s(pid: u32, tid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     // After the command: state is field 3, utime 14, stime 15 (1-based).
