@@ -227,6 +227,13 @@ fn every_numeric_rule_names_its_field() {
         "podReportIntervalMs",
     );
     rejects(&with_pods(r#""reportTimeoutMs": 0"#), "reportTimeoutMs");
+    assert!(parse(&with_pods("")).unwrap().report_long_poll);
+    assert!(
+        !parse(&with_pods(r#""reportLongPoll": false"#))
+            .unwrap()
+            .report_long_poll
+    );
+    rejects(&with_pods(r#""reportLongPoll": "no""#), "reportLongPoll");
     rejects(&with_pods(r#""podCapacityBlocks": 0"#), "podCapacityBlocks");
     rejects(&with_pods(r#""maxBodyBytes": 0"#), "maxBodyBytes");
     rejects(&with_pods(r#""maxIndexBlocks": 255"#), "maxIndexBlocks");
