@@ -7,7 +7,8 @@
 //! Defaults are the ones of the design: weights cache 0.60, load 0.20,
 //! queue 0.10, health 0.05, adapter 0.05; `maxQueue` 20; health exclusion
 //! below 0.3; 64-byte text blocks, 16-token blocks; at most 256 blocks hashed
-//! per request; reports pulled every 2000 ms.
+//! per request; reports pulled every 2000 ms; with no eligible pod a
+//! request waits in the gateway (at most 256 per worker, at most 30 s).
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -144,8 +145,12 @@ pub enum BadRequestPolicy {
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub enum NoPodPolicy {
-    /// 503 with `retry-after`.
+    /// Hold the request in the gateway until a pod can take it, at most
+    /// `maxWaitMs`, at most `maxWaitingRequests` per worker
+    /// ([`crate::queueing`]); then 503 with `retry-after`.
     #[default]
+    Wait,
+    /// 503 with `retry-after` at once.
     Reject,
     /// Send to `fallbackPod` anyway.
     Fallback,
@@ -212,6 +217,10 @@ pub struct Config {
     pub on_bad_request: BadRequestPolicy,
     pub on_unknown_model: BadRequestPolicy,
     pub on_no_eligible_pod: NoPodPolicy,
+    /// Most requests waiting for a pod, per proxy worker (`"wait"`).
+    pub max_waiting_requests: usize,
+    /// Longest a request waits for a pod before its 503 (`"wait"`).
+    pub max_wait_ms: u64,
     pub fallback_pod: Option<String>,
     pub retry_after_seconds: u32,
     /// Adds `x-kvroute-pod`, `x-kvroute-score`, `x-kvroute-cache-match`.
@@ -249,7 +258,9 @@ impl Default for Config {
             max_body_bytes: 8 * 1024 * 1024,
             on_bad_request: BadRequestPolicy::Route,
             on_unknown_model: BadRequestPolicy::Route,
-            on_no_eligible_pod: NoPodPolicy::Reject,
+            on_no_eligible_pod: NoPodPolicy::Wait,
+            max_waiting_requests: 256,
+            max_wait_ms: 30_000,
             fallback_pod: None,
             retry_after_seconds: 1,
             decision_headers: false,
@@ -328,6 +339,8 @@ impl Config {
         positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;
         positive("maxBodyBytes", self.max_body_bytes as u64)?;
         positive("maxReportBytes", self.max_report_bytes as u64)?;
+        positive("maxWaitingRequests", self.max_waiting_requests as u64)?;
+        positive("maxWaitMs", self.max_wait_ms)?;
         if let Some(blocks) = self.max_pod_index_blocks {
             positive("maxPodIndexBlocks", blocks as u64)?;
         }

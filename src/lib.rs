@@ -26,6 +26,7 @@ pub mod cluster;
 pub mod config;
 pub mod hashing;
 pub mod index;
+pub mod queueing;
 pub mod report;
 pub mod request;
 pub mod router;

@@ -12,7 +12,9 @@
 //!    routed to the pod since its report (the in-flight counters), so a
 //!    burst between two reports spreads instead of piling on the hot pod.
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
-//!    `onNoEligiblePod` answers 503 with `retry-after` or uses `fallbackPod`.
+//!    `onNoEligiblePod` hands the request back to wait in the gateway
+//!    ([`Outcome::NoEligiblePod`], the default), answers 503 with
+//!    `retry-after`, or uses `fallbackPod`.
 //!
 //! A snapshot the service stopped refreshing ([`Staleness`]) is not
 //! trusted for cache: the request is routed by load, with each pod's health
@@ -111,6 +113,17 @@ impl Rejected {
 pub enum Outcome {
     Routed(Box<Routed>),
     Rejected(Rejected),
+    /// Every pod is excluded and `onNoEligiblePod` is `"wait"`: the caller
+    /// holds the request ([`crate::queueing`]) and routes it again later.
+    NoEligiblePod(Box<NoEligiblePod>),
+}
+
+/// A request no pod can take now, ready to be routed again.
+#[derive(Debug, Clone)]
+pub struct NoEligiblePod {
+    pub request: RoutingRequest,
+    /// The answer if it cannot wait (queue full, deadline).
+    pub rejected: Rejected,
 }
 
 /// See the module documentation.
@@ -197,6 +210,8 @@ impl Router {
         tie_breaker: u64,
     ) -> Outcome {
         let chain = request.chain;
+        // Kept for a request that waits: it is routed again later.
+        let request_degraded = request.degraded.clone();
         let mut degraded = request.degraded;
         let snapshot_age_ms = view.now_ms.saturating_sub(view.table.published_at_ms);
         let stale_snapshot = snapshot_age_ms > self.staleness.snapshot_stale_after_ms();
@@ -251,23 +266,20 @@ impl Router {
             None => match self.fallback_index(view.table) {
                 Some(index) => (index, true),
                 None => {
-                    return Outcome::Rejected(Rejected {
-                        status: 503,
-                        kind: "ServiceUnavailableError",
-                        message: format!(
-                            "no inference pod can take the request ({} excluded: {})",
-                            decision.excluded.len(),
-                            decision
-                                .excluded
-                                .iter()
-                                .filter_map(|(i, why)| {
-                                    candidates.get(*i).map(|c| format!("{} {why}", c.id))
-                                })
-                                .collect::<Vec<_>>()
-                                .join("; ")
-                        ),
-                        retry_after: Some(self.config.retry_after_seconds),
-                    })
+                    let rejected = self.no_eligible_pod(&decision, &candidates);
+                    if self.config.on_no_eligible_pod != NoPodPolicy::Wait {
+                        return Outcome::Rejected(rejected);
+                    }
+                    return Outcome::NoEligiblePod(Box::new(NoEligiblePod {
+                        request: RoutingRequest {
+                            model: request.model,
+                            adapter,
+                            chain,
+                            tokens_per_block: request.tokens_per_block,
+                            degraded: request_degraded,
+                        },
+                        rejected,
+                    }));
                 }
             },
         };
@@ -303,6 +315,25 @@ impl Router {
             stale_snapshot,
             decision,
         }))
+    }
+
+    /// The 503 for a request no pod can take, naming every exclusion.
+    fn no_eligible_pod(&self, decision: &Decision, candidates: &[Candidate<'_>]) -> Rejected {
+        Rejected {
+            status: 503,
+            kind: "ServiceUnavailableError",
+            message: format!(
+                "no inference pod can take the request ({} excluded: {})",
+                decision.excluded.len(),
+                decision
+                    .excluded
+                    .iter()
+                    .filter_map(|(i, why)| candidates.get(*i).map(|c| format!("{} {why}", c.id)))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            retry_after: Some(self.config.retry_after_seconds),
+        }
     }
 
     fn fallback_index(&self, table: &PodTable) -> Option<usize> {
@@ -448,7 +479,7 @@ mod tests {
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
             Outcome::Routed(routed) => routed,
-            Outcome::Rejected(rejected) => panic!("{rejected:?}"),
+            other => panic!("{other:?}"),
         };
 
         let fresh = route(1500);
@@ -464,10 +495,25 @@ mod tests {
         let health = stale.decision.scored[0].factors[3];
         assert!((health - (1.0 - 4001.0 / 6000.0)).abs() < 1e-3, "{health}");
 
-        // Once every report is too old, nothing is eligible.
+        // Once every report is too old, nothing is eligible: by default
+        // the request comes back to wait, ready to be routed again.
         match router.route(body.as_bytes(), false, &view(1000 + 9001), 1) {
+            Outcome::NoEligiblePod(waiting) => {
+                assert_eq!(waiting.rejected.status, 503);
+                assert_eq!(waiting.request.chain, chain);
+                assert_eq!(waiting.request.degraded, None);
+                assert!(matches!(
+                    router.route_prepared(waiting.request, &view(1500), 2),
+                    Outcome::Routed(_)
+                ));
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut reject = config.clone();
+        reject.on_no_eligible_pod = NoPodPolicy::Reject;
+        match Router::new(reject).route(body.as_bytes(), false, &view(1000 + 9001), 1) {
             Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
-            Outcome::Routed(routed) => panic!("routed to {}", routed.pod_id),
+            other => panic!("{other:?}"),
         }
     }
 

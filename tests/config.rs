@@ -76,7 +76,11 @@ fn defaults() {
     assert_eq!(config.max_body_bytes, 8 << 20);
     assert_eq!(config.on_bad_request, BadRequestPolicy::Route);
     assert_eq!(config.on_unknown_model, BadRequestPolicy::Route);
-    assert_eq!(config.on_no_eligible_pod, NoPodPolicy::Reject);
+    assert_eq!(config.on_no_eligible_pod, NoPodPolicy::Wait);
+    assert_eq!(
+        (config.max_waiting_requests, config.max_wait_ms),
+        (256, 30_000)
+    );
     assert_eq!(config.fallback_pod, None);
     assert_eq!(config.retry_after_seconds, 1);
     assert!(!config.decision_headers);

@@ -693,7 +693,7 @@ mod tests {
                             assert_eq!(routed.chain, r.chain, "request {i}");
                             Some(routed.slot)
                         }
-                        Outcome::Rejected(_) => None,
+                        Outcome::Rejected(_) | Outcome::NoEligiblePod(_) => None,
                     }
                 };
                 let chosen = view.choose(r, &inflight);
