@@ -608,7 +608,10 @@ fn approximate_mode_follows_its_own_decisions_without_reports() {
 
 #[test]
 fn no_eligible_pod_answers_503_with_retry_after() {
-    let cluster = start(2, base_config(), &[], vec![]);
+    // At once under "reject"; the default "wait" is tested in waiting.rs.
+    let mut config = base_config();
+    config["onNoEligiblePod"] = json!("reject");
+    let cluster = start(2, config, &[], vec![]);
     for sim in &cluster.sims {
         sim.fault(json!({"health": 0.1}));
     }
