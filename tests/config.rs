@@ -337,6 +337,29 @@ fn no_eligible_pod_policy() {
 }
 
 #[test]
+fn waiting_in_the_gateway_is_bounded() {
+    let config = parse(&with_pods(
+        r#""onNoEligiblePod": "wait", "maxWaitingRequests": 8, "maxWaitMs": 500"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        (
+            config.on_no_eligible_pod,
+            config.max_waiting_requests,
+            config.max_wait_ms
+        ),
+        (NoPodPolicy::Wait, 8, 500)
+    );
+    let reject = parse(&with_pods(r#""onNoEligiblePod": "reject""#)).unwrap();
+    assert_eq!(reject.on_no_eligible_pod, NoPodPolicy::Reject);
+    rejects(
+        &with_pods(r#""maxWaitingRequests": 0"#),
+        "maxWaitingRequests",
+    );
+    rejects(&with_pods(r#""maxWaitMs": 0"#), "maxWaitMs");
+}
+
+#[test]
 fn malformed_json_and_type_errors_are_rejected() {
     rejects("{", "<configuration>");
     rejects("42", "<configuration>");
