@@ -8,8 +8,8 @@
 //! client gets an answer, `epp_waiting_requests` returns to 0, and the pods
 //! saw exactly the requests that were routed.
 //!
-//! Envoy runs two workers, each with its own queue, so arrival order is
-//! checked per worker: Envoy's log names the thread of each `wait` and
+//! Envoy runs two workers, each with its own queue, so arrival and
+//! priority order are checked per worker: Envoy's log names the thread of each `wait` and
 //! `route` event.
 
 use std::collections::BTreeMap;
@@ -72,6 +72,16 @@ fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 /// Sends request `i` (x-request-id `{tag}-{i}`) on its own connection;
 /// the answer and how long it took.
 fn spawn_request(cluster: &Cluster, tag: &str, i: usize) -> JoinHandle<(http::Response, Duration)> {
+    spawn_with_priority(cluster, tag, i, "standard")
+}
+
+/// [`spawn_request`] with an `x-kvroute-priority` header.
+fn spawn_with_priority(
+    cluster: &Cluster,
+    tag: &str,
+    i: usize,
+    priority: &'static str,
+) -> JoinHandle<(http::Response, Duration)> {
     let listen = cluster.envoy.listen.clone();
     let id = format!("{tag}-{i}");
     std::thread::spawn(move || {
@@ -80,7 +90,11 @@ fn spawn_request(cluster: &Cluster, tag: &str, i: usize) -> JoinHandle<(http::Re
             &listen,
             "POST",
             "/v1/completions",
-            &[("content-type", "application/json"), ("x-request-id", &id)],
+            &[
+                ("content-type", "application/json"),
+                ("x-request-id", &id),
+                ("x-kvroute-priority", priority),
+            ],
             Some(body(i).as_bytes()),
             Duration::from_secs(30),
         )
@@ -174,6 +188,38 @@ fn waiting_requests_are_dispatched_in_arrival_order_when_capacity_frees() {
     let (response, _) = spawn_request(&cluster, "after", 99).join().expect("client");
     assert_eq!(response.status, 200, "{}", response.body);
     assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+#[test]
+fn critical_requests_are_dispatched_before_sheddable_ones_that_came_first() {
+    let cluster = start(json!({}));
+    set_health(&cluster, 0.1);
+    let mut handles = Vec::new();
+    for (tag, priority) in [("shed", "sheddable"), ("crit", "critical")] {
+        for i in 0..4 {
+            handles.push(spawn_with_priority(&cluster, tag, i, priority));
+            std::thread::sleep(Duration::from_millis(30));
+        }
+    }
+    wait_until("8 waiting requests", Duration::from_secs(5), || {
+        waiting(&cluster) == 8.0
+    });
+    set_health(&cluster, 1.0);
+    for handle in handles {
+        let (response, _) = handle.join().expect("client thread");
+        assert_eq!(response.status, 200, "{}", response.body);
+    }
+    let routes = events_by_thread(&cluster.envoy.log(), "route");
+    for (thread, ids) in &routes {
+        // On each worker every critical request goes before every sheddable one.
+        let first_shed = ids.iter().position(|id| id.starts_with("shed-"));
+        let last_crit = ids.iter().rposition(|id| id.starts_with("crit-"));
+        if let (Some(shed), Some(crit)) = (first_shed, last_crit) {
+            assert!(crit < shed, "thread {thread} dispatched {ids:?}");
+        }
+    }
+    assert_eq!(routes.values().map(Vec::len).sum::<usize>(), 8);
+    assert_eq!(pod_requests(&cluster), 8);
 }
 
 #[test]
