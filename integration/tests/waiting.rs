@@ -1,7 +1,7 @@
 //! Gateway waiting in real Envoy 1.40 (`onNoEligiblePod: "wait"`, the
 //! default): a request no pod can take is held paused in the filter and
 //! resumed from the worker's root context (`proxy_set_effective_context`
-//! + `proxy_continue_stream`), or answered from it
+//! then `proxy_continue_stream`), or answered from it
 //! (`proxy_send_local_response`). Saturation is made by the pods reporting
 //! health 0.1 (below the 0.3 exclusion threshold), capacity freed by
 //! reporting 1.0 again. Each test checks that no request is lost: every
@@ -9,8 +9,8 @@
 //! saw exactly the requests that were routed.
 //!
 //! Envoy runs two workers, each with its own queue, so arrival and
-//! priority order are checked per worker: Envoy's log names the thread of each `wait` and
-//! `route` event.
+//! priority order are checked per worker: Envoy's log names the thread of
+//! each `wait` and `route` event.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
