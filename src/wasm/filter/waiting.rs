@@ -14,28 +14,38 @@
 //!   the arrival, or a lower-priority entry it displaces);
 //! - **gone**, when its client disconnects (`on_log` runs for its context).
 //!
-//! Host behaviour this relies on (Envoy 1.40, proxy-wasm ABI 0.2.1),
-//! verified by `integration/tests/waiting.rs` in real Envoy:
-//! - `proxy_set_effective_context(http_context_id)` from the root
-//!   context's `on_tick`, or from another request's callback, returns Ok
-//!   for a live request and makes the following host calls act on it
-//!   until the callback returns: `proxy_replace_header_map_value` on the
-//!   request headers (`x-envoy-original-dst-host`) is seen by the
-//!   ORIGINAL_DST cluster, `proxy_continue_stream(0)` resumes the paused
-//!   request, `proxy_send_local_response` answers it. Envoy defers both
-//!   the resumption and the local reply until the callback returns, so no
-//!   callback of the resumed request runs inside ours.
-//! - For an id the host no longer knows it returns BadArgument (2); the
-//!   entry is then dropped as gone. Entries normally leave before that:
-//!   `on_log` runs for every request, also one whose client reset it while
-//!   paused, and removes it from the queue.
-//! - A local reply sets the VM's "stop next iteration" flag, which forces
-//!   the *current* HTTP callback's result to stop iteration (it is reset
-//!   after each callback). So a request is answered from another context
-//!   only in the root tick: answers due inside an HTTP callback (a
-//!   displaced entry, a failed re-route) are owed until the next tick.
-//! - The routing header must be set before `proxy_continue_stream`: Envoy
-//!   forgets the paused request's headers when it continues.
+//! Host behaviour this relies on (Envoy 1.40, proxy-wasm ABI 0.2.1).
+//! Verified in real Envoy by `integration/tests/waiting.rs`:
+//! - `proxy_set_effective_context(http_context_id)` returns Ok for a
+//!   paused request, from the root context's `on_tick` and from another
+//!   request's callback (`on_log`, a new request's body callback), and
+//!   makes the following host calls act on that request until the
+//!   callback returns: `proxy_replace_header_map_value` on its request
+//!   headers (`x-envoy-original-dst-host`, which the ORIGINAL_DST cluster
+//!   then follows), `proxy_continue_stream(0)` (resumes it), and
+//!   `proxy_send_local_response` (the 503 with `retry-after` arrives).
+//! - A client that resets its connection while its request is paused:
+//!   `on_log` runs for the request's context (within milliseconds), which
+//!   removes it from the queue.
+//! - Probed once by hand (a throwaway build logging the statuses on the
+//!   tick after a request's `on_log`): `proxy_set_effective_context` of a
+//!   request that ended returns BadArgument (2), as does an id never used;
+//!   the effective context then stays the root, where
+//!   `proxy_replace_header_map_value` on request headers returns
+//!   BadArgument but `proxy_continue_stream(0)` returns **Ok** (a no-op).
+//!   So a failed `set_effective_context` must stop there: the entry is
+//!   dropped as gone.
+//!
+//! From Envoy's and proxy-wasm-cpp-host's source, consistent with the
+//! tests: Envoy defers the resumption and the local reply until the
+//! current VM callback returns (`addAfterVmCallAction`), so no callback
+//! of the resumed request runs inside ours; `continueStream` forgets the
+//! request's headers, so the routing header is set before it; a local
+//! reply sets the VM's "stop next iteration" flag, which forces the
+//! *current* HTTP callback's result to stop iteration (reset after each
+//! callback). Hence a request is answered from another context only in
+//! the root tick: answers due inside an HTTP callback (a displaced
+//! entry, a failed re-route) are owed until the next tick.
 //!
 //! Every leave updates the gauge `epp_waiting_requests` (summed over
 //! workers), records `epp_wait_time_ms`; answers count
