@@ -292,6 +292,60 @@ fn a_full_queue_and_the_deadline_answer_503_with_retry_after() {
     assert_eq!(response.status, 200, "{}", response.body);
 }
 
+#[test]
+fn a_full_queue_drops_sheddable_requests_first() {
+    // One worker, so the two places are one queue.
+    let mut spec = ClusterSpec::new(2, config(json!({"maxWaitingRequests": 2})));
+    spec.envoy_workers = 1;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    set_health(&cluster, 0.1);
+    let shed_0 = spawn_with_priority(&cluster, "shed", 0, "sheddable");
+    std::thread::sleep(Duration::from_millis(100));
+    let shed_1 = spawn_with_priority(&cluster, "shed", 1, "sheddable");
+    wait_until("2 waiting requests", Duration::from_secs(5), || {
+        waiting(&cluster) == 2.0
+    });
+    // A critical arrival takes the newest sheddable request's place; that
+    // one is answered from the next tick.
+    let crit_0 = spawn_with_priority(&cluster, "crit", 0, "critical");
+    let (displaced, took) = shed_1.join().expect("client");
+    assert_eq!(displaced.status, 503, "{}", displaced.body);
+    assert_eq!(displaced.header("retry-after"), Some("1"));
+    assert!(
+        displaced
+            .body
+            .contains("wait queue is full (maxWaitingRequests 2)"),
+        "{}",
+        displaced.body
+    );
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    // Full of requests of its class or higher: a sheddable arrival is refused.
+    let (refused, _) = spawn_with_priority(&cluster, "shed", 2, "sheddable")
+        .join()
+        .expect("client");
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(waiting(&cluster), 2.0);
+
+    set_health(&cluster, 1.0);
+    for handle in [crit_0, shed_0] {
+        let (response, _) = handle.join().expect("client");
+        assert_eq!(response.status, 200, "{}", response.body);
+    }
+    let routes: Vec<String> = events_by_thread(&cluster.envoy.log(), "route")
+        .into_values()
+        .flatten()
+        .collect();
+    assert_eq!(routes, vec!["crit-0", "shed-0"]);
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_wait_rejected_total", &[("reason", "queue_full")]),
+        Some(2.0)
+    );
+    assert_eq!(waiting(&cluster), 0.0);
+    assert_eq!(pod_requests(&cluster), 2);
+}
+
 /// Sends request `i` on a raw connection and leaves it open.
 fn open_request(cluster: &Cluster, i: usize) -> TcpStream {
     let mut stream = TcpStream::connect(&cluster.envoy.listen).expect("connect");
