@@ -13,6 +13,10 @@
 //! - `on_log` runs once at the end of every stream (also after local
 //!   replies and client resets): the in-flight count is released there.
 //!
+//! A request no pod can take stays paused and waits in the worker's queue
+//! until a pod can (see [`waiting`], which also lists the host behaviour
+//! that resuming and answering it from other contexts relies on).
+//!
 //! Every host call goes through [`super::host`], which returns the host's
 //! status instead of panicking: a request the host cannot serve is answered
 //! or passed through, never a VM abort.
