@@ -21,8 +21,14 @@
 //! mode), published as a snapshot and read through [`SnapshotIndex`] exactly
 //! like the filter (plus, in approximate mode, the worker's overlay of its
 //! own decisions); queue = reported waiting + routed since the report;
-//! [`ScoringPolicy::decide`] picks. A 503 (every pod excluded) is retried by
-//! the client after `retryAfterSeconds`.
+//! [`ScoringPolicy::decide`] picks. With every pod excluded, under
+//! `onNoEligiblePod: "reject"` the 503 is retried by the client after
+//! `retryAfterSeconds`; under `"wait"` the request waits in the gateway's
+//! [`WaitQueue`] (the proxy's own policy, one queue as for one worker) and
+//! is routed again when a request ends or a report arrives — the moments
+//! the router's view of a pod's queue changes — in the queue's order; a
+//! request the queue refuses, displaces or holds past `maxWaitMs` gets the
+//! 503 and is retried (deadlines are checked at those same moments).
 //!
 //! Same workload, configuration and seed → same numbers: no wall clock,
 //! no hash-order iteration, ties broken by sequence numbers.
@@ -32,8 +38,10 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
 use kvroute::cluster::ClusterState;
+use kvroute::config::NoPodPolicy;
 use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
+use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
 use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
 use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
@@ -297,6 +305,8 @@ struct Simulation<'a> {
     chooser: Chooser<'a>,
     retry_after_us: u64,
     interval_us: u64,
+    /// Requests waiting in the gateway (kvroute under `"wait"`).
+    gateway: Option<WaitQueue<usize>>,
 }
 
 enum Chooser<'a> {
@@ -350,6 +360,8 @@ impl<'a> Simulation<'a> {
             chooser,
             retry_after_us: u64::from(config.retry_after_seconds.max(1)) * 1_000_000,
             interval_us: config.pod_report_interval_ms * 1000,
+            gateway: (policy == Policy::Kvroute && config.on_no_eligible_pod == NoPodPolicy::Wait)
+                .then(|| WaitQueue::new(WaitPolicy::from_config(config))),
         };
         for (i, r) in workload.requests.iter().enumerate() {
             sim.push(r.arrival_us, Kind::Arrival, i, 0);
@@ -393,12 +405,15 @@ impl<'a> Simulation<'a> {
                     if let Some(next) = pod.waiting.pop_front() {
                         self.start(event.pod, next, now);
                     }
+                    self.dispatch_gateway(now);
                 }
                 Kind::Tick => {
                     if let Chooser::Kvroute(view) = &mut self.chooser {
                         view.tick(now, &self.pods, self.spec.max_batch);
                     }
-                    if self.pending_arrivals > 0 {
+                    self.dispatch_gateway(now);
+                    let waiting = self.gateway.as_ref().is_some_and(|q| !q.is_empty());
+                    if self.pending_arrivals > 0 || waiting {
                         self.push(now + self.interval_us, Kind::Tick, 0, 0);
                     }
                 }
@@ -417,11 +432,56 @@ impl<'a> Simulation<'a> {
     }
 
     fn arrive(&mut self, index: usize, now: u64) {
+        // Requests already waiting go first.
+        self.dispatch_gateway(now);
+        if let Some(pod) = self.choose(index) {
+            self.send(index, pod, now);
+            return;
+        }
+        let Some(gateway) = &mut self.gateway else {
+            self.reject(index, now);
+            return;
+        };
+        match gateway.admit(index as u32, Priority::Standard, now / 1000, index) {
+            Admission::Queued => {}
+            Admission::Displaced(victim) => self.reject(victim.item, now),
+            Admission::Refused(index) => self.reject(index, now),
+        }
+    }
+
+    /// A 503: the client retries after `retryAfterSeconds`.
+    fn reject(&mut self, index: usize, now: u64) {
+        self.outcomes[index].rejections += 1;
+        self.pending_arrivals += 1;
+        self.push(now + self.retry_after_us, Kind::Arrival, index, 0);
+    }
+
+    /// Gateway waiting: 503s past the deadline, then a dispatch round.
+    fn dispatch_gateway(&mut self, now: u64) {
+        let Some(mut gateway) = self.gateway.take() else {
+            return;
+        };
+        // The queue keeps time in milliseconds.
+        for waiter in gateway.expire(now / 1000) {
+            self.reject(waiter.item, now);
+        }
+        gateway.dispatch(|waiter| match self.choose(waiter.item) {
+            Some(pod) => {
+                self.send(waiter.item, pod, now);
+                Placement::Placed
+            }
+            None => Placement::Wait,
+        });
+        self.gateway = Some(gateway);
+    }
+
+    /// The pod `policy` picks for request `index`; `None` is a 503.
+    fn choose(&mut self, index: usize) -> Option<usize> {
         let requests = self.requests;
         let request = &requests[index];
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
-        let chosen = match &mut self.chooser {
+        match &mut self.chooser {
             Chooser::Kvroute(view) => view.choose(request, &inflight),
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
@@ -431,13 +491,11 @@ impl<'a> Simulation<'a> {
             Chooser::LeastRequest => (0..n).min_by_key(|&p| (inflight[p], p)),
             Chooser::Random(state) => Some((splitmix(state) % n as u64) as usize),
             Chooser::RingHash(ring) => Some(ring_pick(ring, request.session_key)),
-        };
-        let Some(pod) = chosen else {
-            self.outcomes[index].rejections += 1;
-            self.pending_arrivals += 1;
-            self.push(now + self.retry_after_us, Kind::Arrival, index, 0);
-            return;
-        };
+        }
+    }
+
+    /// Request `index` is sent to `pod` at `now`.
+    fn send(&mut self, index: usize, pod: usize, now: u64) {
         self.outcomes[index].pod = pod;
         let state = &mut self.pods[pod];
         state.inflight += 1;
@@ -737,6 +795,43 @@ mod tests {
             model.finish_prefill(&admission);
         }
         assert!(!model.cache.is_empty());
+    }
+
+    /// A burst far above capacity: under "reject" it is answered with 503s
+    /// (then retried); under "wait" it waits in the gateway and none is
+    /// refused while the queue has room; with a small queue the overflow
+    /// is refused and retried. Every request is served in the end.
+    #[test]
+    fn a_burst_waits_in_the_gateway_instead_of_503s() {
+        let mut requests = trace(60);
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.timestamp_ms = i as f64 * 10.0;
+        }
+        let run = |policy: NoPodPolicy, max_waiting: usize| {
+            let config = Config {
+                max_queue: 2,
+                on_no_eligible_pod: policy,
+                max_waiting_requests: max_waiting,
+                pod_report_interval_ms: 200,
+                ..config(IndexMode::Precise)
+            };
+            let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
+            let spec = PodSpec {
+                count: 3,
+                kv_blocks: 64,
+                max_batch: 1,
+                cost: CostModel::gpu_8b(1.0),
+            };
+            let result = simulate(&workload, &spec, Policy::Kvroute, &config, 1);
+            assert!(
+                result.outcomes.iter().all(|o| o.ttft_us > 0),
+                "{policy:?}: every request is served"
+            );
+            result.summary.rejections
+        };
+        assert!(run(NoPodPolicy::Reject, 256) > 0);
+        assert_eq!(run(NoPodPolicy::Wait, 256), 0);
+        assert!(run(NoPodPolicy::Wait, 4) > 0);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
-use kvroute::config::{Config, IndexMode};
+use kvroute::config::{Config, IndexMode, NoPodPolicy};
 use serde_json::{json, Value};
 
 pub use engine::{
@@ -107,6 +107,11 @@ pub struct ReplayArgs {
     /// Override maxPrefixBlocks.
     #[arg(long)]
     pub max_prefix_blocks: Option<usize>,
+    /// Every pod excluded: `reject` (503, the client retries after
+    /// retryAfterSeconds) or `wait` in the gateway (maxWaitingRequests,
+    /// maxWaitMs of the config), as the proxy does by default.
+    #[arg(long, default_value = "reject", value_parser = parse_no_pod)]
+    pub on_no_eligible_pod: NoPodPolicy,
     /// Model name of Mooncake requests.
     #[arg(long, default_value = workload::DEFAULT_MODEL)]
     pub model: String,
@@ -124,6 +129,14 @@ fn parse_format(text: &str) -> Result<Format, String> {
         "mooncake" => Ok(Format::Mooncake),
         "openai" => Ok(Format::OpenAi),
         other => Err(format!("unknown format {other:?} (mooncake or openai)")),
+    }
+}
+
+fn parse_no_pod(text: &str) -> Result<NoPodPolicy, String> {
+    match text {
+        "reject" => Ok(NoPodPolicy::Reject),
+        "wait" => Ok(NoPodPolicy::Wait),
+        other => Err(format!("unknown policy {other:?} (reject or wait)")),
     }
 }
 
@@ -211,7 +224,7 @@ pub fn router_config(args: &ReplayArgs) -> Result<Config, String> {
     config.pods = sim_pods(args.pods);
     config.discovery = None;
     config.fallback_pod = None;
-    config.on_no_eligible_pod = kvroute::config::NoPodPolicy::Reject;
+    config.on_no_eligible_pod = args.on_no_eligible_pod;
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)
 }
@@ -371,7 +384,7 @@ fn markdown(args: &ReplayArgs, report: &Report, workload: &Workload) -> String {
     let w = &c.weights;
     let _ = writeln!(
         s,
-        "- router: {} mode, reports every {} ms, blocks of {} bytes (max {} per prompt), weights cache {:.3} load {:.3} queue {:.3} health {:.3} adapter {:.3}, maxQueue {}\n",
+        "- router: {} mode, reports every {} ms, blocks of {} bytes (max {} per prompt), weights cache {:.3} load {:.3} queue {:.3} health {:.3} adapter {:.3}, maxQueue {}, no eligible pod: {}\n",
         mode_name(c.mode),
         c.pod_report_interval_ms,
         c.block_size_bytes,
@@ -381,7 +394,14 @@ fn markdown(args: &ReplayArgs, report: &Report, workload: &Workload) -> String {
         w.queue,
         w.health,
         w.adapter,
-        c.max_queue
+        c.max_queue,
+        match c.on_no_eligible_pod {
+            NoPodPolicy::Wait => format!(
+                "wait (≤ {} requests, ≤ {} ms)",
+                c.max_waiting_requests, c.max_wait_ms
+            ),
+            _ => "503 and retry".into(),
+        }
     );
     let _ = writeln!(
         s,
