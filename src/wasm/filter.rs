@@ -36,10 +36,10 @@ use crate::config::{IndexMode, NoPodPolicy};
 use crate::index::{Merged, RecentDecisions};
 use crate::queueing::PRIORITY_HEADER;
 use crate::router::{ClusterView, Outcome, Rejected, Routed, Router, RoutingRequest};
-
-mod waiting;
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
+
+mod waiting;
 
 const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
 
