@@ -201,6 +201,10 @@ pub struct Config {
     /// Largest report or metrics body the service reads; a larger one is a
     /// failed pull (`too_large`).
     pub max_report_bytes: usize,
+    /// Precise mode: how long a routing decision counts as "the pod holds
+    /// this prompt" before a report says so; `None`: two report intervals
+    /// plus the report timeout.
+    pub pending_decision_ms: Option<u64>,
     pub pod_report_interval_ms: u64,
     /// A report older than this many intervals starts decaying the pod's health.
     pub report_timeout_ms: u64,
@@ -241,6 +245,7 @@ impl Default for Config {
             pod_capacity_blocks: 32_768,
             max_pod_index_blocks: None,
             max_report_bytes: 4 * 1024 * 1024,
+            pending_decision_ms: None,
             pod_report_interval_ms: 2000,
             report_timeout_ms: 1000,
             pods: Vec::new(),
@@ -328,6 +333,9 @@ impl Config {
         positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;
         positive("maxBodyBytes", self.max_body_bytes as u64)?;
         positive("maxReportBytes", self.max_report_bytes as u64)?;
+        if let Some(ms) = self.pending_decision_ms {
+            positive("pendingDecisionMs", ms)?;
+        }
         if let Some(blocks) = self.max_pod_index_blocks {
             positive("maxPodIndexBlocks", blocks as u64)?;
         }
@@ -420,6 +428,15 @@ impl Config {
             });
         }
         self.models.get(requested).cloned()
+    }
+
+    /// How long a precise-mode decision counts before a report confirms it.
+    pub fn pending_decision_ttl_ms(&self) -> u64 {
+        self.pending_decision_ms.unwrap_or_else(|| {
+            self.pod_report_interval_ms
+                .saturating_mul(2)
+                .saturating_add(self.report_timeout_ms)
+        })
     }
 
     /// Most blocks one of `pods` pods may hold in the index.

@@ -28,7 +28,6 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::IndexMode;
 use crate::index::{Merged, RecentDecisions};
 use crate::router::{ClusterView, Outcome, Rejected, Routed, Router};
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
@@ -40,7 +39,7 @@ const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
 struct Worker {
     router: Router,
     tables: shared::TableCache,
-    /// This worker's own decisions, seen at once.
+    /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
     decision_queue: Option<u32>,
     requests: u64,
@@ -302,14 +301,13 @@ impl RequestContext {
                     );
                 }
                 worker.recent.record(routed.slot, &routed.chain);
-                if worker.router.config().mode == IndexMode::Approximate {
-                    if worker.decision_queue.is_none() {
-                        worker.decision_queue = resolve_decision_queue();
-                    }
-                    if let Some(queue) = worker.decision_queue {
-                        let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
-                        let _ = host::enqueue(queue, &message);
-                    }
+                // To the service, which shares it with every worker.
+                if worker.decision_queue.is_none() {
+                    worker.decision_queue = resolve_decision_queue();
+                }
+                if let (Some(queue), false) = (worker.decision_queue, routed.chain.is_empty()) {
+                    let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
+                    let _ = host::enqueue(queue, &message);
                 }
                 drop(worker);
                 self.send(&routed, elapsed_us)

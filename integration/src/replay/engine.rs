@@ -31,7 +31,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
-use kvroute::cluster::ClusterState;
+use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
 use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
 use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
@@ -422,7 +422,7 @@ impl<'a> Simulation<'a> {
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
         let chosen = match &mut self.chooser {
-            Chooser::Kvroute(view) => view.choose(request, &inflight),
+            Chooser::Kvroute(view) => view.choose(request, &inflight, now / 1000),
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
                 *next += 1;
@@ -581,7 +581,7 @@ impl<'a> KvrouteView<'a> {
 
     /// The filter's decision for `request` (the core's own
     /// [`Router::route_prepared`] on the published view); `None` is a 503.
-    fn choose(&mut self, request: &Request, inflight: &[u32]) -> Option<usize> {
+    fn choose(&mut self, request: &Request, inflight: &[u32], now_ms: u64) -> Option<usize> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return None; // nothing published yet
@@ -614,7 +614,13 @@ impl<'a> KvrouteView<'a> {
             return None;
         };
         self.recent.record(routed.slot, &routed.chain);
-        self.cluster.record_decision(routed.slot, &routed.chain);
+        // As the service does on the decision queue: recorded and its
+        // buckets published at once.
+        self.cluster
+            .record_decision(routed.slot, &routed.chain, now_ms);
+        for (bucket, bytes) in self.cluster.publish_buckets(now_ms, PUBLISH_BUCKETS) {
+            self.buckets.insert(bucket, bytes);
+        }
         Some(routed.slot)
     }
 }
@@ -696,7 +702,7 @@ mod tests {
                         Outcome::Rejected(_) => None,
                     }
                 };
-                let chosen = view.choose(r, &inflight);
+                let chosen = view.choose(r, &inflight, i as u64 * 1000);
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);
