@@ -71,6 +71,24 @@ impl Default for Weights {
     }
 }
 
+/// The balance guard ([`crate::scoring::balance`]): a pod this far ahead
+/// of the least busy one in in-flight requests loses its cache affinity.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct BalanceConfig {
+    pub abs_threshold: u32,
+    pub rel_threshold: f64,
+}
+
+impl Default for BalanceConfig {
+    fn default() -> Self {
+        BalanceConfig {
+            abs_threshold: 4,
+            rel_threshold: 1.3,
+        }
+    }
+}
+
 /// Which way a numeric pod attribute is preferred.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
@@ -183,6 +201,7 @@ pub struct Config {
     pub weights: Weights,
     pub attribute_scorers: Vec<AttributeScorerConfig>,
     pub max_queue: u32,
+    pub balance: BalanceConfig,
     pub health_exclusion_threshold: f64,
     pub block_size_bytes: usize,
     pub block_size_tokens: usize,
@@ -235,6 +254,7 @@ impl Default for Config {
             weights: Weights::default(),
             attribute_scorers: Vec::new(),
             max_queue: 20,
+            balance: BalanceConfig::default(),
             health_exclusion_threshold: 0.3,
             block_size_bytes: 64,
             block_size_tokens: 16,
@@ -323,6 +343,13 @@ impl Config {
         }
         if self.max_queue < 1 {
             return Err(invalid("maxQueue", "must be >= 1"));
+        }
+        let rel = self.balance.rel_threshold;
+        if !(rel.is_finite() && rel >= 1.0) {
+            return Err(invalid(
+                "balance.relThreshold",
+                format!("must be a number >= 1 (got {rel})"),
+            ));
         }
         check_unit("healthExclusionThreshold", self.health_exclusion_threshold)?;
         positive("blockSizeBytes", self.block_size_bytes as u64)?;

@@ -228,6 +228,7 @@ impl Router {
                     } else {
                         f64::from(matched) / chain.len() as f64
                     },
+                    inflight,
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
                         pod.reported_health * self.staleness.health_factor(age)
