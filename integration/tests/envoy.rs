@@ -98,6 +98,48 @@ fn long_shared_prefix_goes_to_the_pod_that_holds_it() {
     assert_eq!(decisions, Some(11.0));
 }
 
+/// Precise mode's pending decisions: a follow-up 0.2 s after its
+/// predecessor, sharing a fresh 5 KB prefix, lands where the predecessor
+/// went — though the 2 s report interval means no report has said so, and
+/// the follow-up may reach the other Envoy worker.
+#[test]
+fn follow_up_before_any_report_finds_its_predecessors_pod() {
+    let mut config = base_config();
+    config["podReportIntervalMs"] = json!(2000);
+    config["reportTimeoutMs"] = json!(1000);
+    let cluster = start(4, config, &[], vec![]);
+    cluster.wait_reports(1);
+    let mut hits = 0;
+    for i in 0..12 {
+        let prefix = text(&format!("fresh context {i}"), 5 * 1024);
+        let first = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prefix} first"), 2),
+        );
+        let holder = served_by(&first);
+        std::thread::sleep(Duration::from_millis(200));
+        let follow_up = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prefix} follow-up"), 2),
+        );
+        if served_by(&follow_up) == holder && cached_tokens(&follow_up) >= 1024 {
+            hits += 1;
+        }
+    }
+    assert!(
+        hits >= 11,
+        "only {hits} of 12 follow-ups hit their predecessor's cache"
+    );
+    // Nothing expired early or piled up: the pending entries stay in the index.
+    assert!(
+        cluster
+            .envoy
+            .metric("epp_prefix_tree_nodes", &[])
+            .unwrap_or(0.0)
+            > 0.0
+    );
+}
+
 #[test]
 fn multi_turn_conversations_stick_to_their_pod() {
     let cluster = start(4, base_config(), &[], vec![]);
