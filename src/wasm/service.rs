@@ -359,6 +359,11 @@ impl RootContext for ServiceRoot {
             self.start_round(&config);
         } else if folded || self.unpublished > 0 {
             self.publish();
+        } else if let Some(state) = self.state.as_mut() {
+            // Pending decisions expire on time, not at the next round.
+            for (bucket, value) in state.publish_buckets(now, PUBLISH_BUCKETS) {
+                shared::set(&bucket_key(bucket), &value);
+            }
         }
     }
 
