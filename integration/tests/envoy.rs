@@ -804,3 +804,62 @@ fn discovery_replaces_the_static_pod_list() {
     let per_pod = requests_per_pod(&cluster);
     assert!(per_pod[2] > 0 && per_pod[3] > 0, "{per_pod:?}");
 }
+
+/// Clients cannot create metric series: model names outside `models` are
+/// counted as `other`, unparseable bodies as `invalid`.
+#[test]
+fn random_model_names_do_not_grow_the_stats() {
+    let cluster = start(2, base_config(), &[], vec![]);
+    let series = |cluster: &Cluster| {
+        cluster
+            .envoy
+            .prometheus()
+            .lines()
+            .filter(|l| l.starts_with("epp_") && !l.contains("_bucket{"))
+            .count()
+    };
+    // One of each kind first, so their series exist.
+    cluster.post(
+        "/v1/completions",
+        &json!({"model": "warm-up", "prompt": "hi", "max_tokens": 1}),
+    );
+    let bad = http::post_json(&cluster.envoy.listen, "/v1/completions", "not json").unwrap();
+    assert_eq!(bad.status, 200, "bad bodies are routed by load by default");
+    std::thread::sleep(Duration::from_millis(1200)); // a stats flush
+    let before = series(&cluster);
+    let listen = cluster.envoy.listen.clone();
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            let listen = listen.clone();
+            std::thread::spawn(move || {
+                for i in 0..100 {
+                    let model = format!("random {t}-{i} {:x}", (t * 7919 + i) * 104_729);
+                    let body = json!({"model": model, "prompt": "hi", "max_tokens": 1});
+                    let r = http::post_json(&listen, "/v1/completions", &body.to_string()).unwrap();
+                    assert_eq!(r.status, 200, "{}", r.body);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(
+        series(&cluster),
+        before,
+        "800 random model names added series"
+    );
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_routing_decisions_total", &[("model", "other")]),
+        Some(801.0)
+    );
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_routing_decisions_total", &[("model", "invalid")]),
+        Some(1.0)
+    );
+}

@@ -320,10 +320,14 @@ impl RequestContext {
             return self.reject(&internal_error("cannot set the routing header"));
         }
         let counted = shared::adjust_inflight(routed.slot, 1);
+        let model_label = self.worker.as_ref().map_or_else(
+            || "other".to_string(),
+            |w| w.borrow().router.model_label(&routed.model).to_string(),
+        );
         metrics::increment(&metrics::labelled(
             "epp_routing_decisions_total",
             "model",
-            &routed.model,
+            &model_label,
         ));
         metrics::histogram(
             "epp_cache_match_ratio",
