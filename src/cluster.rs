@@ -435,6 +435,7 @@ impl ClusterState {
         };
         record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
         record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
+        // (non-finite samples never get here: they read as not reported)
         record.metrics_adapters = metrics.running_adapters.unwrap_or_default();
         (Ok(()), record.succeeded(now_ms, inflight))
     }

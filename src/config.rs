@@ -18,6 +18,10 @@ use serde::Deserialize;
 /// and the shared-data snapshot.
 pub const MAX_PODS: usize = 64;
 
+/// Largest `maxIndexBlocks`: ~77 bytes per block (tree + snapshot mirror)
+/// make it about 1.3 GB of the service's memory.
+pub const MAX_INDEX_BLOCKS: usize = 16 * 1024 * 1024;
+
 /// Tolerance on "weights sum to 1.0".
 const WEIGHT_SUM_TOLERANCE: f64 = 1e-6;
 
@@ -366,6 +370,12 @@ impl Config {
         if let Some(blocks) = self.max_pod_index_blocks {
             positive("maxPodIndexBlocks", blocks as u64)?;
         }
+        if self.max_index_blocks > MAX_INDEX_BLOCKS {
+            return Err(invalid(
+                "maxIndexBlocks",
+                format!("must be at most {MAX_INDEX_BLOCKS} (about 77 bytes of memory per block)"),
+            ));
+        }
         if self.max_index_blocks < self.max_prefix_blocks {
             return Err(invalid(
                 "maxIndexBlocks",
@@ -476,7 +486,11 @@ impl Config {
     /// Number of shared-data buckets the published index is spread over:
     /// about 16 blocks per bucket at full index, a power of two.
     pub fn snapshot_buckets(&self) -> u32 {
-        ((self.max_index_blocks / 16).max(1) as u32).next_power_of_two()
+        let buckets = (self.max_index_blocks.min(MAX_INDEX_BLOCKS) / 16).max(1);
+        u32::try_from(buckets)
+            .unwrap_or(u32::MAX)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << 31)
     }
 }
 
