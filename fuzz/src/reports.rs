@@ -12,7 +12,7 @@
 //! | `R` pod body | `apply_report(pod, body)` |
 //! | `S` pod flags seq since segments | a report built from bytes (below) |
 //! | `M` pod text | `apply_metrics(pod, text)` |
-//! | `B` pod k | a generated full report of `k · 32` blocks in chains of 16, up to 8160 blocks (~150 KB) and 8192 per input: reports far beyond the index bound (1024 blocks) without large seeds |
+//! | `B` pod k | a generated full report of `k · 16` blocks in chains of 16, up to 4080 blocks (~80 KB) and 4096 per input: reports far beyond the index bound (1024 blocks) without large seeds |
 //! | `T` k | the clock advances `k · 250` ms |
 //! | `P` | publish, then check |
 //!
@@ -56,8 +56,8 @@ const CONFIG: &str = r#", "maxPrefixBlocks": 64, "maxIndexBlocks": 1024"#;
 /// Blocks per chain of generated reports and per `B` step's `k`, and blocks
 /// of generated reports per input (slow inputs slow the whole run).
 const GENERATED_CHAIN: usize = 16;
-const GENERATED_UNIT: usize = 32;
-const GENERATED_BLOCKS: usize = 8192;
+const GENERATED_UNIT: usize = 16;
+const GENERATED_BLOCKS: usize = 4096;
 
 /// One step of the input (see the module documentation).
 enum Step<'a> {
