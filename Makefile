@@ -97,13 +97,14 @@ FUZZ_BIN := $(FUZZ_DIR)/$(FUZZ_HOST)/release
 FUZZ_RUSTFLAGS := -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
   -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
   -Cllvm-args=-sanitizer-coverage-trace-compares
-# $(call fuzz-each,SECONDS): every target in turn; the first crash fails.
-fuzz-each = for t in $(FUZZ_TARGETS); do \
+# $(call fuzz-each,SECONDS): every target in turn; fails after the last one
+# if any crashed.
+fuzz-each = failed=; for t in $(FUZZ_TARGETS); do \
 	  mkdir -p $(FUZZ_DIR)/corpus/$$t $(FUZZ_DIR)/artifacts/$$t && \
 	  $(FUZZ_BIN)/$$t $(FUZZ_DIR)/corpus/$$t fuzz/corpus/$$t -dict=fuzz/dict/$$t.dict \
 	    -max_total_time=$(1) -timeout=10 -print_final_stats=1 \
-	    -artifact_prefix=$(FUZZ_DIR)/artifacts/$$t/ || exit 1; \
-	done
+	    -artifact_prefix=$(FUZZ_DIR)/artifacts/$$t/ || failed="$$failed $$t"; \
+	done; if [ -n "$$failed" ]; then echo "fuzz targets that crashed:$$failed"; exit 1; fi
 
 fuzz-build:
 	RUSTFLAGS="$(FUZZ_RUSTFLAGS)" $(CARGO) build --manifest-path fuzz/Cargo.toml --locked --release \
