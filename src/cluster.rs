@@ -487,6 +487,11 @@ impl ClusterState {
         self.index.tree()
     }
 
+    /// Precise mode's pending decisions (`None` in approximate mode).
+    pub fn pending(&self) -> Option<&PrefixTree> {
+        self.pending.as_ref().map(DecisionRecorder::tree)
+    }
+
     /// Bytes held by the index, the pending decisions and the snapshot mirror.
     pub fn memory_bytes(&self) -> usize {
         self.index.tree().memory_bytes()

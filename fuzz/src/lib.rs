@@ -23,7 +23,7 @@ use std::collections::HashMap;
 
 use kvroute::cluster::Publication;
 use kvroute::config::Config;
-use kvroute::index::{PrefixLookup, PrefixTree};
+use kvroute::index::PrefixLookup;
 use kvroute::report::hash_to_hex;
 use kvroute::snapshot::{PodTable, SnapshotIndex};
 
@@ -84,10 +84,11 @@ impl SharedData {
 
     /// Asserts that the published index answers `chain` (a path of the tree)
     /// like the service's tree.
-    pub fn assert_lookup_matches(&self, tree: &PrefixTree, chain: &[u64]) {
+    /// The snapshot answers like the index it was published from.
+    pub fn assert_lookup_matches(&self, index: &dyn PrefixLookup, chain: &[u64]) {
         assert_eq!(
             self.index().lookup(chain),
-            tree.lookup(chain),
+            index.lookup(chain),
             "snapshot and tree disagree on chain {chain:x?}"
         );
     }

@@ -9,9 +9,11 @@
 //!
 //! | step | effect |
 //! |---|---|
-//! | `R` pod body | `apply_report(pod, body)` |
-//! | `S` pod flags seq since segments | a report built from bytes (below) |
-//! | `M` pod text | `apply_metrics(pod, text)` |
+//! | `R` pod body | a report answer: `accept_pull` (HTTP 200), then `fold_next` |
+//! | `S` pod flags seq since segments | a report built from bytes (below), answered the same way |
+//! | `M` pod text | a `/metrics` answer, the same way |
+//! | `H` pod kind status body | any answer as the host hands it to the service: `kind` even a report, odd metrics; `status % 5`: no response, 200, Envoy's 503, 404, or 200 claiming 1000× its size |
+//! | `D` pod j n | a routing decision (pending in precise mode): `record_decision` of the first `n % 16 + 1` blocks of the `j`-th chain of generated reports |
 //! | `B` pod k | a generated full report of `k · 16` blocks in chains of 16, up to 4080 blocks (~80 KB) and 4096 per input: reports far beyond the index bound (1024 blocks) without large seeds |
 //! | `T` k | the clock advances `k · 250` ms |
 //! | `P` | publish, then check |
@@ -29,15 +31,17 @@
 //! A new kind of pod answer is one more [`Step`] variant: its opcode in
 //! [`Step::parse`], its effect in [`Harness::apply`].
 //!
-//! After every publication the shared-data view must equal the tree: each
-//! hash the reports named has the same mask in its published bucket as in
-//! the tree, masks are prefix-closed, the bisection lookup over the path to
+//! Pod answers take the service's path (`accept_pull`, then `fold_next`
+//! until the inbox is empty). After every publication the shared-data view
+//! must equal the index: each hash the reports named has, in its published
+//! bucket, the union of its reported and pending masks; masks are
+//! prefix-closed, the bisection lookup over the path to
 //! each stored chain's last block equals the tree's lookup, and the pod table
 //! survives the filter's decoding with health and load in [0, 1].
 
-use kvroute::cluster::ClusterState;
+use kvroute::cluster::{ClusterState, PullAnswer, PullKind};
 use kvroute::config::{Config, MAX_PODS};
-use kvroute::index::PrefixTree;
+use kvroute::index::{Merged, PrefixTree};
 use kvroute::report::parse_report;
 use kvroute::snapshot::{bucket_lookup, bucket_of, PodTable};
 
@@ -79,6 +83,17 @@ enum Step<'a> {
     Metrics {
         pod: Pod,
         text: &'a [u8],
+    },
+    Answer {
+        pod: Pod,
+        kind: PullKind,
+        status: u8,
+        body: &'a [u8],
+    },
+    Decision {
+        pod: Pod,
+        first: usize,
+        blocks: usize,
     },
     Tick(u64),
     Publish,
@@ -138,6 +153,31 @@ impl<'a> Step<'a> {
                     seq: digit(seq),
                     since: digit(since),
                     segments,
+                }
+            }
+            b'H' => {
+                let &[pod, kind, status, ref body @ ..] = args else {
+                    return None;
+                };
+                Step::Answer {
+                    pod: Pod::from_byte(pod),
+                    kind: if kind % 2 == 0 {
+                        PullKind::Report
+                    } else {
+                        PullKind::Metrics
+                    },
+                    status: status % 5,
+                    body,
+                }
+            }
+            b'D' => {
+                let &[pod, chain, length] = args else {
+                    return None;
+                };
+                Step::Decision {
+                    pod: Pod::from_byte(pod),
+                    first: usize::from(chain) * GENERATED_CHAIN,
+                    blocks: usize::from(length) % GENERATED_CHAIN + 1,
                 }
             }
             b'T' => Step::Tick(u64::from(*args.first()?) * 250),
@@ -232,10 +272,33 @@ impl Harness {
                 since,
                 segments,
             } => self.report(&pod, &built_report(&pod.id, flags, seq, since, segments)),
-            Step::Metrics { pod, text } => {
-                let _ = self
-                    .state
-                    .apply_metrics(&pod.id, text, self.now_ms, pod.inflight);
+            Step::Metrics { pod, text } => self.answer(&pod, PullKind::Metrics, Some("200"), text),
+            Step::Answer {
+                pod,
+                kind,
+                status,
+                body,
+            } => {
+                self.remember(body);
+                let (code, size) = match status {
+                    0 => (None, body.len()),
+                    1 => (Some("200"), body.len()),
+                    2 => (Some("503"), body.len()),
+                    3 => (Some("404"), body.len()),
+                    _ => (Some("200"), body.len().saturating_mul(1000)),
+                };
+                self.answer_claiming(&pod, kind, code, size, body)
+            }
+            Step::Decision { pod, first, blocks } => {
+                let chain: Vec<u64> = (first..first + blocks).map(block).collect();
+                self.named.extend(
+                    chain
+                        .iter()
+                        .take(MAX_CHECKED.saturating_sub(self.named.len())),
+                );
+                if let Some(slot) = self.state.slot(&pod.id) {
+                    self.state.record_decision(slot, &chain, self.now_ms);
+                }
             }
             Step::Tick(ms) => self.now_ms += ms,
             Step::Publish => self.publish_and_check(),
@@ -244,9 +307,30 @@ impl Harness {
 
     fn report(&mut self, pod: &Pod, body: &[u8]) {
         self.remember(body);
+        self.answer(pod, PullKind::Report, Some("200"), body);
+    }
+
+    /// An answer as the service takes it: classified, queued, folded.
+    fn answer(&mut self, pod: &Pod, kind: PullKind, status: Option<&str>, body: &[u8]) {
+        self.answer_claiming(pod, kind, status, body.len(), body);
+    }
+
+    fn answer_claiming(
+        &mut self,
+        pod: &Pod,
+        kind: PullKind,
+        status: Option<&str>,
+        body_size: usize,
+        body: &[u8],
+    ) {
+        let answer = PullAnswer { status, body_size };
+        // The host hands over at most what it has.
+        let read = |n: usize| body.get(..n.min(body.len())).unwrap_or_default().to_vec();
         let _ = self
             .state
-            .apply_report(&pod.id, body, self.now_ms, pod.inflight);
+            .accept_pull(&pod.id, kind, answer, read, pod.inflight);
+        while self.state.fold_next(self.now_ms).is_some() {}
+        assert_eq!(self.state.unfolded(), 0);
     }
 
     fn remember(&mut self, body: &[u8]) {
@@ -274,6 +358,7 @@ impl Harness {
         assert_eq!(table.buckets, self.config.snapshot_buckets());
         check_pods(table);
         let tree = self.state.index();
+        let pending = self.state.pending();
         for &hash in &self.named {
             let published = self
                 .shared
@@ -281,7 +366,12 @@ impl Harness {
                 .and_then(|bytes| bucket_lookup(bytes, hash))
                 .unwrap_or(0);
             let mask = tree.mask(hash).unwrap_or(0);
-            assert_eq!(published, mask, "block {hash:016x}: published mask differs");
+            let pending_mask = pending.and_then(|p| p.mask(hash)).unwrap_or(0);
+            assert_eq!(
+                published,
+                mask | pending_mask,
+                "block {hash:016x}: published mask differs"
+            );
             if let Some(parent) = tree.parent(hash) {
                 let parent_mask = tree.mask(parent).unwrap_or(0);
                 assert_eq!(
@@ -291,9 +381,21 @@ impl Harness {
                 );
             }
         }
+        // Reported and pending masks are both prefix-closed, so the union's
+        // match is the longer of the two — where the two trees agree on the
+        // path (real chained hashes always do; `S` steps may contradict the
+        // decisions' chains).
+        let empty = PrefixTree::new(1);
+        let pending = pending.unwrap_or(&empty);
+        let index = Merged(tree, pending);
         for &tail in &self.tails {
-            self.shared
-                .assert_lookup_matches(tree, &path_to(tree, tail));
+            let path = path_to(tree, tail);
+            let agree = path
+                .iter()
+                .all(|&h| pending.mask(h).is_none() || pending.parent(h) == tree.parent(h));
+            if agree {
+                self.shared.assert_lookup_matches(&index, &path);
+            }
         }
     }
 }
