@@ -116,6 +116,7 @@ pub struct Summary {
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub hit_rate: f64,
     pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub ttft_mean_ms: f64,
     /// Largest fraction of the requests one pod got.
@@ -145,6 +146,7 @@ impl Summary {
                 cached as f64 / prompt as f64
             },
             ttft_p50_ms: percentile(&ttft, 0.50) as f64 / 1000.0,
+            ttft_p90_ms: percentile(&ttft, 0.90) as f64 / 1000.0,
             ttft_p99_ms: percentile(&ttft, 0.99) as f64 / 1000.0,
             ttft_mean_ms: ttft.iter().sum::<u64>() as f64 / n.max(1) as f64 / 1000.0,
             max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
