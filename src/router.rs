@@ -46,7 +46,7 @@ pub struct Routed {
     pub slot: usize,
     pub pod_id: String,
     pub address: String,
-    /// Client-facing model name ("unknown" when the body had none).
+    /// Client-facing model name (empty when the body could not be parsed).
     pub model: String,
     pub adapter: Option<String>,
     /// The chosen pod will have to load the adapter.
@@ -138,7 +138,7 @@ pub struct Router {
 /// A request reduced to what routing needs: parsed, model resolved, hashed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutingRequest {
-    /// Client-facing model name ("unknown" when the body had none).
+    /// Client-facing model name (empty when the body could not be parsed).
     pub model: String,
     pub adapter: Option<String>,
     /// The prompt's block chain; empty when routing by load alone.
@@ -174,6 +174,20 @@ impl Router {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The `model` label of a request's metrics: a configured model name,
+    /// `other` for any other name, `invalid` for a body that could not be
+    /// parsed. Label values come only from the configuration, so clients
+    /// cannot create metric series (Envoy never drops them).
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if model.is_empty() {
+            "invalid"
+        } else if self.config.models.contains_key(model) {
+            model
+        } else {
+            "other"
+        }
     }
 
     /// Whether `path` (without query) is one kvroute routes, and if so
@@ -243,6 +257,7 @@ impl Router {
                     } else {
                         f64::from(matched) / chain.len() as f64
                     },
+                    inflight,
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
                         pod.reported_health * self.staleness.health_factor(age)
@@ -354,7 +369,7 @@ impl Router {
                 message,
                 retry_after: None,
             }),
-            BadRequestPolicy::Route => Ok(RoutingRequest::by_load("unknown".into(), message)),
+            BadRequestPolicy::Route => Ok(RoutingRequest::by_load(String::new(), message)),
         };
         if body.len() > self.config.max_body_bytes {
             return bad(format!(
@@ -515,6 +530,24 @@ mod tests {
             Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn metric_labels_come_from_the_configuration_only() {
+        let mut config = config();
+        config.models.insert(
+            "chat".into(),
+            crate::config::ModelTarget {
+                base_model: "llama".into(),
+                adapter: None,
+            },
+        );
+        let router = Router::new(config);
+        assert_eq!(router.model_label("chat"), "chat");
+        assert_eq!(router.model_label("x y"), "other");
+        assert_eq!(router.model_label("unknown"), "other");
+        let bad = router.prepare(b"not json", false).unwrap();
+        assert_eq!(router.model_label(&bad.model), "invalid");
     }
 
     #[test]

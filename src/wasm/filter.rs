@@ -32,7 +32,7 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::{IndexMode, NoPodPolicy};
+use crate::config::NoPodPolicy;
 use crate::index::{Merged, RecentDecisions};
 use crate::queueing::PRIORITY_HEADER;
 use crate::router::{ClusterView, Outcome, Rejected, Routed, Router, RoutingRequest};
@@ -47,7 +47,7 @@ const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
 struct Worker {
     router: Router,
     tables: shared::TableCache,
-    /// This worker's own decisions, seen at once.
+    /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
     decision_queue: Option<u32>,
     requests: u64,
@@ -320,8 +320,9 @@ impl RequestContext {
                 }
             }
             Outcome::Routed(routed) => {
+                let model_label = worker.router.model_label(&routed.model).to_string();
                 drop(worker);
-                match deliver(&routed, elapsed_us, &self.request_id) {
+                match deliver(&routed, &model_label, elapsed_us, &self.request_id) {
                     Ok(delivered) => {
                         self.routed = Some(delivered);
                         Action::Continue
@@ -451,22 +452,27 @@ impl Worker {
             );
         }
         self.recent.record(routed.slot, &routed.chain);
-        if self.router.config().mode == IndexMode::Approximate {
-            if self.decision_queue.is_none() {
-                self.decision_queue = resolve_decision_queue();
-            }
-            if let Some(queue) = self.decision_queue {
-                let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
-                let _ = host::enqueue(queue, &message);
-            }
+        // To the service, which shares it with every worker.
+        if self.decision_queue.is_none() {
+            self.decision_queue = resolve_decision_queue();
+        }
+        if let (Some(queue), false) = (self.decision_queue, routed.chain.is_empty()) {
+            let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
+            let _ = host::enqueue(queue, &message);
         }
         outcome
     }
 }
 
 /// Sends the effective context's request to its pod: sets the routing
-/// header, counts it in flight, records the decision's metrics and log.
-fn deliver(routed: &Routed, elapsed_us: u64, request_id: &str) -> Result<RoutedRequest, Rejected> {
+/// header, counts it in flight, records the decision's metrics (under
+/// `model_label`) and log.
+fn deliver(
+    routed: &Routed,
+    model_label: &str,
+    elapsed_us: u64,
+    request_id: &str,
+) -> Result<RoutedRequest, Rejected> {
     if host::set_header(HeaderMap::Request, ROUTING_HEADER, &routed.address).is_err() {
         return Err(internal_error("cannot set the routing header"));
     }
@@ -474,7 +480,7 @@ fn deliver(routed: &Routed, elapsed_us: u64, request_id: &str) -> Result<RoutedR
     metrics::increment(&metrics::labelled(
         "epp_routing_decisions_total",
         "model",
-        &routed.model,
+        model_label,
     ));
     metrics::histogram(
         "epp_cache_match_ratio",

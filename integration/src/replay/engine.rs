@@ -37,7 +37,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
-use kvroute::cluster::ClusterState;
+use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
 use kvroute::config::NoPodPolicy;
 use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
@@ -124,6 +124,7 @@ pub struct Summary {
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub hit_rate: f64,
     pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub ttft_mean_ms: f64,
     /// Largest fraction of the requests one pod got.
@@ -153,6 +154,7 @@ impl Summary {
                 cached as f64 / prompt as f64
             },
             ttft_p50_ms: percentile(&ttft, 0.50) as f64 / 1000.0,
+            ttft_p90_ms: percentile(&ttft, 0.90) as f64 / 1000.0,
             ttft_p99_ms: percentile(&ttft, 0.99) as f64 / 1000.0,
             ttft_mean_ms: ttft.iter().sum::<u64>() as f64 / n.max(1) as f64 / 1000.0,
             max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
@@ -434,7 +436,7 @@ impl<'a> Simulation<'a> {
     fn arrive(&mut self, index: usize, now: u64) {
         // Requests already waiting go first.
         self.dispatch_gateway(now);
-        if let Some(pod) = self.choose(index) {
+        if let Some(pod) = self.choose(index, now) {
             self.send(index, pod, now);
             return;
         }
@@ -465,7 +467,7 @@ impl<'a> Simulation<'a> {
         for waiter in gateway.expire(now / 1000) {
             self.reject(waiter.item, now);
         }
-        gateway.dispatch(|waiter| match self.choose(waiter.item) {
+        gateway.dispatch(|waiter| match self.choose(waiter.item, now) {
             Some(pod) => {
                 self.send(waiter.item, pod, now);
                 Placement::Placed
@@ -476,13 +478,13 @@ impl<'a> Simulation<'a> {
     }
 
     /// The pod `policy` picks for request `index`; `None` is a 503.
-    fn choose(&mut self, index: usize) -> Option<usize> {
+    fn choose(&mut self, index: usize, now: u64) -> Option<usize> {
         let requests = self.requests;
         let request = &requests[index];
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
         match &mut self.chooser {
-            Chooser::Kvroute(view) => view.choose(request, &inflight),
+            Chooser::Kvroute(view) => view.choose(request, &inflight, now / 1000),
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
                 *next += 1;
@@ -639,7 +641,7 @@ impl<'a> KvrouteView<'a> {
 
     /// The filter's decision for `request` (the core's own
     /// [`Router::route_prepared`] on the published view); `None` is a 503.
-    fn choose(&mut self, request: &Request, inflight: &[u32]) -> Option<usize> {
+    fn choose(&mut self, request: &Request, inflight: &[u32], now_ms: u64) -> Option<usize> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return None; // nothing published yet
@@ -672,7 +674,13 @@ impl<'a> KvrouteView<'a> {
             return None;
         };
         self.recent.record(routed.slot, &routed.chain);
-        self.cluster.record_decision(routed.slot, &routed.chain);
+        // As the service does on the decision queue: recorded and its
+        // buckets published at once.
+        self.cluster
+            .record_decision(routed.slot, &routed.chain, now_ms);
+        for (bucket, bytes) in self.cluster.publish_buckets(now_ms, PUBLISH_BUCKETS) {
+            self.buckets.insert(bucket, bytes);
+        }
         Some(routed.slot)
     }
 }
@@ -754,7 +762,7 @@ mod tests {
                         Outcome::Rejected(_) | Outcome::NoEligiblePod(_) => None,
                     }
                 };
-                let chosen = view.choose(r, &inflight);
+                let chosen = view.choose(r, &inflight, i as u64 * 1000);
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);

@@ -252,7 +252,8 @@ fn place(worker: &mut Worker, waiter: &Waiter<WaitingRequest>) -> Placement {
         Outcome::Rejected(rejected) => Err(rejected),
         Outcome::Routed(routed) => {
             let elapsed_us = started.elapsed().as_micros() as u64;
-            deliver(&routed, elapsed_us, request_id)
+            let model_label = worker.router.model_label(&routed.model).to_string();
+            deliver(&routed, &model_label, elapsed_us, request_id)
         }
     };
     match routed {
