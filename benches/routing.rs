@@ -193,6 +193,7 @@ fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> V
             slot,
             id: &pods.ids[slot],
             cache_match: f64::from(matched.blocks(slot)) / blocks.max(1) as f64,
+            inflight: 0,
             load: pods.load[slot],
             queue: pods.queue[slot],
             health: pods.health[slot],

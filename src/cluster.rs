@@ -30,6 +30,9 @@ use crate::report::{parse_report, parse_vllm_metrics};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
 use crate::staleness::Staleness;
 
+/// Most blocks held by pending decisions (precise mode), all pods together.
+const PENDING_BLOCKS: usize = 262_144;
+
 /// Changed buckets the service writes per publication: a few ms of Envoy's
 /// main thread; a large resync is published over several ticks.
 pub const PUBLISH_BUCKETS: usize = 4096;
@@ -174,6 +177,9 @@ pub struct ClusterState {
     staleness: Staleness,
     pods: Vec<PodRecord>,
     index: DecisionRecorder,
+    /// Precise mode: the filters' decisions not yet confirmed by reports,
+    /// each counting for matching until it expires.
+    pending: Option<DecisionRecorder>,
     publisher: SnapshotPublisher,
     generation: u64,
 }
@@ -187,6 +193,13 @@ impl ClusterState {
             staleness: Staleness::from_config(config),
             pods: Vec::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
+            pending: (config.mode == IndexMode::Precise).then(|| {
+                DecisionRecorder::with_expiry(
+                    PrefixTree::with_change_log(config.max_index_blocks.min(PENDING_BLOCKS)),
+                    config.pod_capacity_blocks,
+                    config.pending_decision_ttl_ms(),
+                )
+            }),
             publisher: SnapshotPublisher::new(config.snapshot_buckets()),
             generation: 0,
         };
@@ -205,6 +218,9 @@ impl ClusterState {
             });
         for record in &gone {
             self.index.drop_pod(record.slot);
+            if let Some(pending) = &mut self.pending {
+                pending.drop_pod(record.slot);
+            }
         }
         let mut records = kept;
         for pod in pods.iter().take(crate::config::MAX_PODS) {
@@ -427,6 +443,7 @@ impl ClusterState {
         };
         record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
         record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
+        // (non-finite samples never get here: they read as not reported)
         record.metrics_adapters = metrics.running_adapters.unwrap_or_default();
         (Ok(()), record.succeeded(now_ms, inflight))
     }
@@ -460,10 +477,17 @@ impl ClusterState {
         record.reported_health * self.staleness.health_factor(age)
     }
 
-    /// Approximate mode: a filter routed `chain` to pod `slot`.
-    pub fn record_decision(&mut self, slot: usize, chain: &[u64]) {
-        if self.config.mode == IndexMode::Approximate && self.pods.iter().any(|r| r.slot == slot) {
-            self.index.record(slot, chain);
+    /// A filter routed `chain` to pod `slot` at `now_ms`. Approximate mode:
+    /// the pod now holds it. Precise mode: it is pending — counted as held
+    /// until it expires (a report confirms it meanwhile, or shows the pod
+    /// never kept it), and no report erases it before.
+    pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) {
+        if !self.pods.iter().any(|r| r.slot == slot) {
+            return;
+        }
+        match &mut self.pending {
+            Some(pending) => pending.record_at(slot, chain, now_ms),
+            None => self.index.record(slot, chain),
         }
     }
 
@@ -471,9 +495,40 @@ impl ClusterState {
         self.index.tree()
     }
 
-    /// Bytes held by the index and the snapshot mirror.
+    /// Precise mode's pending decisions (`None` in approximate mode).
+    pub fn pending(&self) -> Option<&PrefixTree> {
+        self.pending.as_ref().map(DecisionRecorder::tree)
+    }
+
+    /// Bytes held by the index, the pending decisions and the snapshot mirror.
     pub fn memory_bytes(&self) -> usize {
-        self.index.tree().memory_bytes() + self.publisher.memory_bytes()
+        self.index.tree().memory_bytes()
+            + self.pending.as_ref().map_or(0, |p| p.tree().memory_bytes())
+            + self.publisher.memory_bytes()
+    }
+
+    /// Moves what changed in the index and the pending decisions (expired
+    /// at `now_ms`) into the snapshot mirror: a block's published mask is
+    /// the pods the reports say hold it plus those it is pending on (both
+    /// prefix-closed, so their union is too).
+    fn mirror_changes(&mut self, now_ms: u64) {
+        let mut changes = self.index.tree_mut().take_changes();
+        if let Some(pending) = &mut self.pending {
+            pending.expire(now_ms);
+            changes.extend(pending.tree_mut().take_changes());
+            let (reported, pending) = (self.index.tree(), pending.tree());
+            for (hash, mask) in &mut changes {
+                *mask = reported.mask(*hash).unwrap_or(0) | pending.mask(*hash).unwrap_or(0);
+            }
+        }
+        self.publisher.apply(&changes);
+    }
+
+    /// At most `max_buckets` changed buckets, without a new pod table: how
+    /// decisions reach every worker within milliseconds.
+    pub fn publish_buckets(&mut self, now_ms: u64, max_buckets: usize) -> Vec<(u32, Vec<u8>)> {
+        self.mirror_changes(now_ms);
+        self.publisher.take_dirty(max_buckets)
     }
 
     /// The next snapshot: the pod table (always) and the index buckets that
@@ -484,11 +539,10 @@ impl ClusterState {
 
     /// Like [`ClusterState::publish`] with at most `max_buckets` changed
     /// buckets; the rest wait for the next call
-    /// ([`Publication::pending_buckets`]), so a large resync is published
+    /// ([`Publication::unpublished_buckets`]), so a large resync is published
     /// over several calls instead of stalling one.
     pub fn publish_some(&mut self, now_ms: u64, max_buckets: usize) -> Publication {
-        let changes = self.index.tree_mut().take_changes();
-        self.publisher.apply(&changes);
+        let buckets = self.publish_buckets(now_ms, max_buckets);
         self.generation += 1;
         let pods = self
             .pods
@@ -513,11 +567,10 @@ impl ClusterState {
             buckets: self.publisher.bucket_count(),
             pods,
         };
-        let buckets = self.publisher.take_dirty(max_buckets);
         Publication {
             table,
             buckets,
-            pending_buckets: self.publisher.dirty_count(),
+            unpublished_buckets: self.publisher.dirty_count(),
         }
     }
 
@@ -540,5 +593,5 @@ pub struct Publication {
     /// (bucket, encoded value) of changed buckets.
     pub buckets: Vec<(u32, Vec<u8>)>,
     /// Changed buckets left for the next publication.
-    pub pending_buckets: usize,
+    pub unpublished_buckets: usize,
 }

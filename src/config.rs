@@ -7,7 +7,8 @@
 //! Defaults are the ones of the design: weights cache 0.60, load 0.20,
 //! queue 0.10, health 0.05, adapter 0.05; `maxQueue` 20; health exclusion
 //! below 0.3; 64-byte text blocks, 16-token blocks; at most 256 blocks hashed
-//! per request; reports pulled every 2000 ms.
+//! per request; reports pulled every 2000 ms; with no eligible pod a
+//! request waits in the gateway (at most 256 per worker, at most 30 s).
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -17,6 +18,10 @@ use serde::Deserialize;
 /// Most pods one router can track: pod sets are 64-bit masks in the index
 /// and the shared-data snapshot.
 pub const MAX_PODS: usize = 64;
+
+/// Largest `maxIndexBlocks`: ~77 bytes per block (tree + snapshot mirror)
+/// make it about 1.3 GB of the service's memory.
+pub const MAX_INDEX_BLOCKS: usize = 16 * 1024 * 1024;
 
 /// Tolerance on "weights sum to 1.0".
 const WEIGHT_SUM_TOLERANCE: f64 = 1e-6;
@@ -67,6 +72,24 @@ impl Default for Weights {
             queue: 0.10,
             health: 0.05,
             adapter: 0.05,
+        }
+    }
+}
+
+/// The balance guard ([`crate::scoring::balance`]): a pod this far ahead
+/// of the least busy one in in-flight requests loses its cache affinity.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct BalanceConfig {
+    pub abs_threshold: u32,
+    pub rel_threshold: f64,
+}
+
+impl Default for BalanceConfig {
+    fn default() -> Self {
+        BalanceConfig {
+            abs_threshold: 4,
+            rel_threshold: 1.3,
         }
     }
 }
@@ -144,8 +167,12 @@ pub enum BadRequestPolicy {
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub enum NoPodPolicy {
-    /// 503 with `retry-after`.
+    /// Hold the request in the gateway until a pod can take it, at most
+    /// `maxWaitMs`, at most `maxWaitingRequests` per worker
+    /// ([`crate::queueing`]); then 503 with `retry-after`.
     #[default]
+    Wait,
+    /// 503 with `retry-after` at once.
     Reject,
     /// Send to `fallbackPod` anyway.
     Fallback,
@@ -183,6 +210,7 @@ pub struct Config {
     pub weights: Weights,
     pub attribute_scorers: Vec<AttributeScorerConfig>,
     pub max_queue: u32,
+    pub balance: BalanceConfig,
     pub health_exclusion_threshold: f64,
     pub block_size_bytes: usize,
     pub block_size_tokens: usize,
@@ -201,6 +229,10 @@ pub struct Config {
     /// Largest report or metrics body the service reads; a larger one is a
     /// failed pull (`too_large`).
     pub max_report_bytes: usize,
+    /// Precise mode: how long a routing decision counts as "the pod holds
+    /// this prompt" before a report says so; `None`: two report intervals
+    /// plus the report timeout.
+    pub pending_decision_ms: Option<u64>,
     pub pod_report_interval_ms: u64,
     /// A report older than this many intervals starts decaying the pod's health.
     pub report_timeout_ms: u64,
@@ -216,6 +248,10 @@ pub struct Config {
     pub on_bad_request: BadRequestPolicy,
     pub on_unknown_model: BadRequestPolicy,
     pub on_no_eligible_pod: NoPodPolicy,
+    /// Most requests waiting for a pod, per proxy worker (`"wait"`).
+    pub max_waiting_requests: usize,
+    /// Longest a request waits for a pod before its 503 (`"wait"`).
+    pub max_wait_ms: u64,
     pub fallback_pod: Option<String>,
     pub retry_after_seconds: u32,
     /// Adds `x-kvroute-pod`, `x-kvroute-score`, `x-kvroute-cache-match`.
@@ -235,6 +271,7 @@ impl Default for Config {
             weights: Weights::default(),
             attribute_scorers: Vec::new(),
             max_queue: 20,
+            balance: BalanceConfig::default(),
             health_exclusion_threshold: 0.3,
             block_size_bytes: 64,
             block_size_tokens: 16,
@@ -245,6 +282,7 @@ impl Default for Config {
             pod_capacity_blocks: 32_768,
             max_pod_index_blocks: None,
             max_report_bytes: 4 * 1024 * 1024,
+            pending_decision_ms: None,
             pod_report_interval_ms: 2000,
             report_timeout_ms: 1000,
             report_long_poll: true,
@@ -254,7 +292,9 @@ impl Default for Config {
             max_body_bytes: 8 * 1024 * 1024,
             on_bad_request: BadRequestPolicy::Route,
             on_unknown_model: BadRequestPolicy::Route,
-            on_no_eligible_pod: NoPodPolicy::Reject,
+            on_no_eligible_pod: NoPodPolicy::Wait,
+            max_waiting_requests: 256,
+            max_wait_ms: 30_000,
             fallback_pod: None,
             retry_after_seconds: 1,
             decision_headers: false,
@@ -324,6 +364,13 @@ impl Config {
         if self.max_queue < 1 {
             return Err(invalid("maxQueue", "must be >= 1"));
         }
+        let rel = self.balance.rel_threshold;
+        if !(rel.is_finite() && rel >= 1.0) {
+            return Err(invalid(
+                "balance.relThreshold",
+                format!("must be a number >= 1 (got {rel})"),
+            ));
+        }
         check_unit("healthExclusionThreshold", self.health_exclusion_threshold)?;
         positive("blockSizeBytes", self.block_size_bytes as u64)?;
         positive("blockSizeTokens", self.block_size_tokens as u64)?;
@@ -333,8 +380,19 @@ impl Config {
         positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;
         positive("maxBodyBytes", self.max_body_bytes as u64)?;
         positive("maxReportBytes", self.max_report_bytes as u64)?;
+        positive("maxWaitingRequests", self.max_waiting_requests as u64)?;
+        positive("maxWaitMs", self.max_wait_ms)?;
+        if let Some(ms) = self.pending_decision_ms {
+            positive("pendingDecisionMs", ms)?;
+        }
         if let Some(blocks) = self.max_pod_index_blocks {
             positive("maxPodIndexBlocks", blocks as u64)?;
+        }
+        if self.max_index_blocks > MAX_INDEX_BLOCKS {
+            return Err(invalid(
+                "maxIndexBlocks",
+                format!("must be at most {MAX_INDEX_BLOCKS} (about 77 bytes of memory per block)"),
+            ));
         }
         if self.max_index_blocks < self.max_prefix_blocks {
             return Err(invalid(
@@ -427,6 +485,15 @@ impl Config {
         self.models.get(requested).cloned()
     }
 
+    /// How long a precise-mode decision counts before a report confirms it.
+    pub fn pending_decision_ttl_ms(&self) -> u64 {
+        self.pending_decision_ms.unwrap_or_else(|| {
+            self.pod_report_interval_ms
+                .saturating_mul(2)
+                .saturating_add(self.report_timeout_ms)
+        })
+    }
+
     /// Most blocks one of `pods` pods may hold in the index.
     pub fn pod_index_share(&self, pods: usize) -> usize {
         self.max_pod_index_blocks.unwrap_or_else(|| {
@@ -437,7 +504,11 @@ impl Config {
     /// Number of shared-data buckets the published index is spread over:
     /// about 16 blocks per bucket at full index, a power of two.
     pub fn snapshot_buckets(&self) -> u32 {
-        ((self.max_index_blocks / 16).max(1) as u32).next_power_of_two()
+        let buckets = (self.max_index_blocks.min(MAX_INDEX_BLOCKS) / 16).max(1);
+        u32::try_from(buckets)
+            .unwrap_or(u32::MAX)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << 31)
     }
 }
 

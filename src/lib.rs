@@ -27,6 +27,7 @@ pub mod config;
 pub mod hashing;
 pub mod index;
 pub mod polling;
+pub mod queueing;
 pub mod report;
 pub mod request;
 pub mod router;

@@ -219,7 +219,9 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
             "vllm:num_requests_running" => &mut metrics.running,
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut metrics.kv_cache_usage,
             "vllm:lora_requests_info" => {
-                let value = sample_value(rest, number)?;
+                let Some(value) = sample_value(rest, number)? else {
+                    continue;
+                };
                 if value >= newest_lora {
                     newest_lora = value;
                     let adapters = label(labels, "running_lora_adapters").unwrap_or_default();
@@ -236,20 +238,24 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
             }
             _ => continue,
         };
-        let value = sample_value(rest, number)?;
-        *target = Some(target.unwrap_or(0.0) + value);
+        if let Some(value) = sample_value(rest, number)? {
+            *target = Some(target.unwrap_or(0.0) + value);
+        }
     }
     Ok(metrics)
 }
 
-fn sample_value(rest: &str, number: usize) -> Result<f64, String> {
+/// A sample's value; `None` for NaN and infinities (Prometheus allows
+/// them, but no load or queue can be one), which count as not reported.
+fn sample_value(rest: &str, number: usize) -> Result<Option<f64>, String> {
     let text = rest.split_whitespace().next().unwrap_or("");
-    text.parse::<f64>().map_err(|_| {
+    let value = text.parse::<f64>().map_err(|_| {
         format!(
             "metrics line {}: value {text:?} is not a number",
             number + 1
         )
-    })
+    })?;
+    Ok(value.is_finite().then_some(value))
 }
 
 /// The value of `key="..."` in a Prometheus label set.
@@ -318,5 +324,14 @@ mod tests {
         let error = parse_vllm_metrics("ok 1\n}{\n").unwrap_err();
         assert!(error.contains("line 2: unclosed label set"), "{error}");
         assert!(parse_vllm_metrics("vllm:num_requests_waiting} 3 {\n").is_err());
+    }
+
+    #[test]
+    fn non_finite_samples_count_as_not_reported() {
+        let m = parse_vllm_metrics(
+            "vllm:kv_cache_usage_perc NaN\nvllm:num_requests_waiting{a=\"b\"} +Inf\n",
+        )
+        .unwrap();
+        assert_eq!((m.kv_cache_usage, m.waiting), (None, None));
     }
 }

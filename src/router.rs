@@ -12,7 +12,9 @@
 //!    routed to the pod since its report (the in-flight counters), so a
 //!    burst between two reports spreads instead of piling on the hot pod.
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
-//!    `onNoEligiblePod` answers 503 with `retry-after` or uses `fallbackPod`.
+//!    `onNoEligiblePod` hands the request back to wait in the gateway
+//!    ([`Outcome::NoEligiblePod`], the default), answers 503 with
+//!    `retry-after`, or uses `fallbackPod`.
 //!
 //! A snapshot the service stopped refreshing ([`Staleness`]) is not
 //! trusted for cache: the request is routed by load, with each pod's health
@@ -44,7 +46,7 @@ pub struct Routed {
     pub slot: usize,
     pub pod_id: String,
     pub address: String,
-    /// Client-facing model name ("unknown" when the body had none).
+    /// Client-facing model name (empty when the body could not be parsed).
     pub model: String,
     pub adapter: Option<String>,
     /// The chosen pod will have to load the adapter.
@@ -111,6 +113,17 @@ impl Rejected {
 pub enum Outcome {
     Routed(Box<Routed>),
     Rejected(Rejected),
+    /// Every pod is excluded and `onNoEligiblePod` is `"wait"`: the caller
+    /// holds the request ([`crate::queueing`]) and routes it again later.
+    NoEligiblePod(Box<NoEligiblePod>),
+}
+
+/// A request no pod can take now, ready to be routed again.
+#[derive(Debug, Clone)]
+pub struct NoEligiblePod {
+    pub request: RoutingRequest,
+    /// The answer if it cannot wait (queue full, deadline).
+    pub rejected: Rejected,
 }
 
 /// See the module documentation.
@@ -125,7 +138,7 @@ pub struct Router {
 /// A request reduced to what routing needs: parsed, model resolved, hashed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutingRequest {
-    /// Client-facing model name ("unknown" when the body had none).
+    /// Client-facing model name (empty when the body could not be parsed).
     pub model: String,
     pub adapter: Option<String>,
     /// The prompt's block chain; empty when routing by load alone.
@@ -163,6 +176,20 @@ impl Router {
         &self.config
     }
 
+    /// The `model` label of a request's metrics: a configured model name,
+    /// `other` for any other name, `invalid` for a body that could not be
+    /// parsed. Label values come only from the configuration, so clients
+    /// cannot create metric series (Envoy never drops them).
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if model.is_empty() {
+            "invalid"
+        } else if self.config.models.contains_key(model) {
+            model
+        } else {
+            "other"
+        }
+    }
+
     /// Whether `path` (without query) is one kvroute routes, and if so
     /// whether it is the chat form.
     pub fn route_kind(&self, path: &str) -> Option<bool> {
@@ -197,6 +224,8 @@ impl Router {
         tie_breaker: u64,
     ) -> Outcome {
         let chain = request.chain;
+        // Kept for a request that waits: it is routed again later.
+        let request_degraded = request.degraded.clone();
         let mut degraded = request.degraded;
         let snapshot_age_ms = view.now_ms.saturating_sub(view.table.published_at_ms);
         let stale_snapshot = snapshot_age_ms > self.staleness.snapshot_stale_after_ms();
@@ -228,6 +257,7 @@ impl Router {
                     } else {
                         f64::from(matched) / chain.len() as f64
                     },
+                    inflight,
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
                         pod.reported_health * self.staleness.health_factor(age)
@@ -251,23 +281,20 @@ impl Router {
             None => match self.fallback_index(view.table) {
                 Some(index) => (index, true),
                 None => {
-                    return Outcome::Rejected(Rejected {
-                        status: 503,
-                        kind: "ServiceUnavailableError",
-                        message: format!(
-                            "no inference pod can take the request ({} excluded: {})",
-                            decision.excluded.len(),
-                            decision
-                                .excluded
-                                .iter()
-                                .filter_map(|(i, why)| {
-                                    candidates.get(*i).map(|c| format!("{} {why}", c.id))
-                                })
-                                .collect::<Vec<_>>()
-                                .join("; ")
-                        ),
-                        retry_after: Some(self.config.retry_after_seconds),
-                    })
+                    let rejected = self.no_eligible_pod(&decision, &candidates);
+                    if self.config.on_no_eligible_pod != NoPodPolicy::Wait {
+                        return Outcome::Rejected(rejected);
+                    }
+                    return Outcome::NoEligiblePod(Box::new(NoEligiblePod {
+                        request: RoutingRequest {
+                            model: request.model,
+                            adapter,
+                            chain,
+                            tokens_per_block: request.tokens_per_block,
+                            degraded: request_degraded,
+                        },
+                        rejected,
+                    }));
                 }
             },
         };
@@ -305,6 +332,25 @@ impl Router {
         }))
     }
 
+    /// The 503 for a request no pod can take, naming every exclusion.
+    fn no_eligible_pod(&self, decision: &Decision, candidates: &[Candidate<'_>]) -> Rejected {
+        Rejected {
+            status: 503,
+            kind: "ServiceUnavailableError",
+            message: format!(
+                "no inference pod can take the request ({} excluded: {})",
+                decision.excluded.len(),
+                decision
+                    .excluded
+                    .iter()
+                    .filter_map(|(i, why)| candidates.get(*i).map(|c| format!("{} {why}", c.id)))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            retry_after: Some(self.config.retry_after_seconds),
+        }
+    }
+
     fn fallback_index(&self, table: &PodTable) -> Option<usize> {
         if self.config.on_no_eligible_pod != NoPodPolicy::Fallback {
             return None;
@@ -323,7 +369,7 @@ impl Router {
                 message,
                 retry_after: None,
             }),
-            BadRequestPolicy::Route => Ok(RoutingRequest::by_load("unknown".into(), message)),
+            BadRequestPolicy::Route => Ok(RoutingRequest::by_load(String::new(), message)),
         };
         if body.len() > self.config.max_body_bytes {
             return bad(format!(
@@ -448,7 +494,7 @@ mod tests {
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
             Outcome::Routed(routed) => routed,
-            Outcome::Rejected(rejected) => panic!("{rejected:?}"),
+            other => panic!("{other:?}"),
         };
 
         let fresh = route(1500);
@@ -464,11 +510,44 @@ mod tests {
         let health = stale.decision.scored[0].factors[3];
         assert!((health - (1.0 - 4001.0 / 6000.0)).abs() < 1e-3, "{health}");
 
-        // Once every report is too old, nothing is eligible.
+        // Once every report is too old, nothing is eligible: by default
+        // the request comes back to wait, ready to be routed again.
         match router.route(body.as_bytes(), false, &view(1000 + 9001), 1) {
-            Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
-            Outcome::Routed(routed) => panic!("routed to {}", routed.pod_id),
+            Outcome::NoEligiblePod(waiting) => {
+                assert_eq!(waiting.rejected.status, 503);
+                assert_eq!(waiting.request.chain, chain);
+                assert_eq!(waiting.request.degraded, None);
+                assert!(matches!(
+                    router.route_prepared(waiting.request, &view(1500), 2),
+                    Outcome::Routed(_)
+                ));
+            }
+            other => panic!("{other:?}"),
         }
+        let mut reject = config.clone();
+        reject.on_no_eligible_pod = NoPodPolicy::Reject;
+        match Router::new(reject).route(body.as_bytes(), false, &view(1000 + 9001), 1) {
+            Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn metric_labels_come_from_the_configuration_only() {
+        let mut config = config();
+        config.models.insert(
+            "chat".into(),
+            crate::config::ModelTarget {
+                base_model: "llama".into(),
+                adapter: None,
+            },
+        );
+        let router = Router::new(config);
+        assert_eq!(router.model_label("chat"), "chat");
+        assert_eq!(router.model_label("x y"), "other");
+        assert_eq!(router.model_label("unknown"), "other");
+        let bad = router.prepare(b"not json", false).unwrap();
+        assert_eq!(router.model_label(&bad.model), "invalid");
     }
 
     #[test]

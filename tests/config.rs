@@ -76,7 +76,11 @@ fn defaults() {
     assert_eq!(config.max_body_bytes, 8 << 20);
     assert_eq!(config.on_bad_request, BadRequestPolicy::Route);
     assert_eq!(config.on_unknown_model, BadRequestPolicy::Route);
-    assert_eq!(config.on_no_eligible_pod, NoPodPolicy::Reject);
+    assert_eq!(config.on_no_eligible_pod, NoPodPolicy::Wait);
+    assert_eq!(
+        (config.max_waiting_requests, config.max_wait_ms),
+        (256, 30_000)
+    );
     assert_eq!(config.fallback_pod, None);
     assert_eq!(config.retry_after_seconds, 1);
     assert!(!config.decision_headers);
@@ -238,6 +242,13 @@ fn every_numeric_rule_names_its_field() {
     rejects(&with_pods(r#""maxBodyBytes": 0"#), "maxBodyBytes");
     rejects(&with_pods(r#""maxIndexBlocks": 255"#), "maxIndexBlocks");
     parse(&with_pods(r#""maxIndexBlocks": 256"#)).unwrap();
+    // Bounded above (memory), and never an overflowing bucket count.
+    rejects(
+        &with_pods(r#""maxIndexBlocks": 34359738384"#),
+        "maxIndexBlocks",
+    );
+    let largest = parse(&with_pods(r#""maxIndexBlocks": 16777216"#)).unwrap();
+    assert_eq!(largest.snapshot_buckets(), 1 << 20);
     rejects(
         &with_pods(r#""routePaths": ["/v1/completions", "v1/chat"]"#),
         "routePaths[1]",
@@ -337,6 +348,29 @@ fn no_eligible_pod_policy() {
     assert_eq!(config.on_bad_request, BadRequestPolicy::Reject);
     assert_eq!(config.mode, IndexMode::Approximate);
     assert_eq!(config.log_level, LogLevel::Debug);
+}
+
+#[test]
+fn waiting_in_the_gateway_is_bounded() {
+    let config = parse(&with_pods(
+        r#""onNoEligiblePod": "wait", "maxWaitingRequests": 8, "maxWaitMs": 500"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        (
+            config.on_no_eligible_pod,
+            config.max_waiting_requests,
+            config.max_wait_ms
+        ),
+        (NoPodPolicy::Wait, 8, 500)
+    );
+    let reject = parse(&with_pods(r#""onNoEligiblePod": "reject""#)).unwrap();
+    assert_eq!(reject.on_no_eligible_pod, NoPodPolicy::Reject);
+    rejects(
+        &with_pods(r#""maxWaitingRequests": 0"#),
+        "maxWaitingRequests",
+    );
+    rejects(&with_pods(r#""maxWaitMs": 0"#), "maxWaitMs");
 }
 
 #[test]

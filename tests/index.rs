@@ -1026,7 +1026,7 @@ fn a_large_change_is_published_over_several_calls() {
         shared.buckets = publication.table.buckets;
         shared.store.extend(publication.buckets);
         calls += 1;
-        if publication.pending_buckets == 0 {
+        if publication.unpublished_buckets == 0 {
             break;
         }
     }

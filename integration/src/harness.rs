@@ -176,13 +176,24 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    /// Starts Envoy with `config_yaml` and waits for `/ready`. On failure
-    /// the error carries Envoy's log.
+    /// Starts Envoy with `config_yaml` and two workers, and waits for
+    /// `/ready`. On failure the error carries Envoy's log.
     pub fn start(
         dir: &Path,
         config_yaml: &str,
         listen_port: u16,
         admin_port: u16,
+    ) -> io::Result<Envoy> {
+        Envoy::start_with_workers(dir, config_yaml, listen_port, admin_port, 2)
+    }
+
+    /// [`Envoy::start`] with `workers` worker threads (`--concurrency`).
+    pub fn start_with_workers(
+        dir: &Path,
+        config_yaml: &str,
+        listen_port: u16,
+        admin_port: u16,
+        workers: usize,
     ) -> io::Result<Envoy> {
         let config_path = dir.join("envoy.yaml");
         fs::write(&config_path, config_yaml)?;
@@ -190,13 +201,8 @@ impl Envoy {
         let child = Command::new(envoy_binary()?)
             .arg("-c")
             .arg(&config_path)
-            .args([
-                "--concurrency",
-                "2",
-                "--disable-hot-restart",
-                "-l",
-                "warning",
-            ])
+            .args(["--concurrency", &workers.to_string()])
+            .args(["--disable-hot-restart", "-l", "warning"])
             .args(["--component-log-level", "wasm:info"])
             // Flush the log often: tests read it.
             .args(["--file-flush-interval-msec", "50"])
@@ -301,6 +307,8 @@ pub struct ClusterSpec {
     /// Envoy's listener and admin ports (`None`: free ports).
     pub listen_port: Option<u16>,
     pub admin_port: Option<u16>,
+    /// Envoy worker threads (2 by default, like production-sized tests).
+    pub envoy_workers: usize,
 }
 
 impl ClusterSpec {
@@ -313,6 +321,7 @@ impl ClusterSpec {
             plugin_config,
             listen_port: None,
             admin_port: None,
+            envoy_workers: 2,
         }
     }
 }
@@ -368,7 +377,8 @@ impl Cluster {
         let admin_port = spec.admin_port.unwrap_or_else(free_port);
         let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
         let yaml = render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
-        let envoy = Envoy::start(&dir, &yaml, listen_port, admin_port)?;
+        let envoy =
+            Envoy::start_with_workers(&dir, &yaml, listen_port, admin_port, spec.envoy_workers)?;
         let cluster = Cluster {
             sims,
             envoy,

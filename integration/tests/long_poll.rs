@@ -2,7 +2,8 @@
 //! simulated pods: at the default 2 s `podReportIntervalMs`, a follow-up
 //! that shares a fresh long prefix with a request finished 0.2 s earlier
 //! lands on the pod that computed it only because that pod's report arrived
-//! within milliseconds; interval polling alone misses most of them; a pod
+//! within milliseconds (pending decisions expire at once here, so reports
+//! are the only signal); interval polling alone misses most of them; a pod
 //! that ignores `wait` (`kvroute-sim --no-long-poll`) is polled on the
 //! interval, without spinning, and still routed to by cache. Run serially
 //! (`--test-threads=1`).
@@ -79,8 +80,9 @@ fn follow_up_hits(cluster: &Cluster) -> usize {
 
 #[test]
 fn follow_up_finds_its_prefix_within_milliseconds_with_long_poll() {
-    // Default podReportIntervalMs (2000): only long-poll can explain a hit.
-    let cluster = start(json!({}), vec![]);
+    // Default podReportIntervalMs (2000), and the router's own decisions
+    // expire at once: only long-poll can explain a hit.
+    let cluster = start(json!({"pendingDecisionMs": 1}), vec![]);
     let before = report_requests(&cluster);
     let started = Instant::now();
     let hits = follow_up_hits(&cluster);
@@ -114,7 +116,10 @@ fn follow_up_finds_its_prefix_within_milliseconds_with_long_poll() {
 
 #[test]
 fn interval_polling_alone_misses_fresh_prefixes() {
-    let cluster = start(json!({"reportLongPoll": false}), vec![]);
+    let cluster = start(
+        json!({"reportLongPoll": false, "pendingDecisionMs": 1}),
+        vec![],
+    );
     let hits = follow_up_hits(&cluster);
     eprintln!("interval polling: {hits}/{PAIRS} follow-ups hit");
     assert!(

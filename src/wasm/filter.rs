@@ -13,6 +13,10 @@
 //! - `on_log` runs once at the end of every stream (also after local
 //!   replies and client resets): the in-flight count is released there.
 //!
+//! A request no pod can take stays paused and waits in the worker's queue
+//! until a pod can (see [`waiting`], which also lists the host behaviour
+//! that resuming and answering it from other contexts relies on).
+//!
 //! Every host call goes through [`super::host`], which returns the host's
 //! status instead of panicking: a request the host cannot serve is answered
 //! or passed through, never a VM abort.
@@ -28,11 +32,14 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::IndexMode;
+use crate::config::NoPodPolicy;
 use crate::index::{Merged, RecentDecisions};
-use crate::router::{ClusterView, Outcome, Rejected, Routed, Router};
+use crate::queueing::PRIORITY_HEADER;
+use crate::router::{ClusterView, Outcome, Rejected, Routed, Router, RoutingRequest};
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
+
+mod waiting;
 
 const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
 
@@ -40,10 +47,12 @@ const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
 struct Worker {
     router: Router,
     tables: shared::TableCache,
-    /// This worker's own decisions, seen at once.
+    /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
     decision_queue: Option<u32>,
     requests: u64,
+    /// Requests waiting for a pod ([`waiting`]).
+    waiting: waiting::Waiting,
 }
 
 #[derive(Default)]
@@ -61,8 +70,15 @@ impl RootContext for FilterRoot {
         let Some(config) = load_config(configuration, "filter") else {
             return false;
         };
+        if config.on_no_eligible_pod == NoPodPolicy::Wait {
+            if let Err(status) = host::set_tick_period_ms(waiting::TICK_MS) {
+                log::error!("kvroute filter: cannot start the wait-queue tick: {status}");
+                return false;
+            }
+        }
         self.worker = Some(Rc::new(RefCell::new(Worker {
             recent: RecentDecisions::new(&config),
+            waiting: waiting::Waiting::new(&config),
             router: Router::new(config),
             tables: shared::TableCache::default(),
             decision_queue: None,
@@ -71,13 +87,20 @@ impl RootContext for FilterRoot {
         true
     }
 
+    fn on_tick(&mut self) {
+        if let Some(worker) = &self.worker {
+            waiting::on_tick(&mut worker.borrow_mut());
+        }
+    }
+
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // Never `None`: the SDK's dispatcher panics on it.
         Some(Box::new(RequestContext {
+            context_id,
             worker: self.worker.clone(),
             chat: None,
             request_id: String::new(),
@@ -99,6 +122,8 @@ struct RoutedRequest {
 }
 
 struct RequestContext {
+    /// The host's id of this request (how the wait queue names it).
+    context_id: u32,
     /// `None` only if the plugin never configured (Envoy then refuses it).
     worker: Option<Rc<RefCell<Worker>>>,
     /// `Some(is_chat)` for a request kvroute routes and has not yet routed.
@@ -159,6 +184,7 @@ impl HttpContext for RequestContext {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.response_ok = host::header_text(HeaderMap::Response, ":status") == "200";
+        self.pick_up_dispatched();
         let (Some(routed), Some(worker)) = (&self.routed, &self.worker) else {
             return Action::Continue;
         };
@@ -200,9 +226,20 @@ impl HttpContext for RequestContext {
     }
 
     fn on_log(&mut self) {
+        let Some(worker) = self.worker.clone() else {
+            return;
+        };
+        let mut worker = worker.borrow_mut();
+        // A client that went away while waiting frees its place.
+        waiting::leave(&mut worker, self.context_id);
+        if self.routed.is_none() {
+            self.routed = worker.waiting.take_dispatched(self.context_id);
+        }
         if let Some(routed) = &self.routed {
             if routed.counted {
                 shared::adjust_inflight(routed.slot, -1);
+                // Last: it makes the waiting requests' contexts effective.
+                waiting::dispatch(&mut worker);
             }
         }
     }
@@ -247,152 +284,68 @@ impl RequestContext {
         };
         let started = Instant::now();
         let mut worker = worker.borrow_mut();
-        worker.requests = worker.requests.wrapping_add(1);
-        let tie_breaker = worker.requests;
-        let Some(table) = worker.tables.current() else {
-            drop(worker);
-            return self.reject(&Rejected {
-                status: 503,
-                kind: "ServiceUnavailableError",
-                message: "kvroute has no pod state yet (the report service has not published)"
-                    .into(),
-                retry_after: Some(1),
-            });
+        if !worker.waiting.is_empty() {
+            // Earlier requests go first: dispatch them, then come back to
+            // this request's context (dispatching switched it).
+            waiting::dispatch(&mut worker);
+            if host::set_effective_context(self.context_id).is_err() {
+                drop(worker);
+                return self.reject(&internal_error("cannot return to the request context"));
+            }
+        }
+        let outcome = match worker.router.prepare(body, chat) {
+            Ok(request) => worker.decide(request, &self.request_id),
+            Err(rejected) => Outcome::Rejected(rejected),
         };
-        let inflight = shared::inflight(table.pods.iter().map(|p| p.slot + 1).max().unwrap_or(0));
-        let snapshot = SnapshotIndex {
-            buckets: table.buckets,
-            fetch: shared::bucket,
-        };
-        let now_ms = host::now_ms();
-        let view = ClusterView {
-            table: &table,
-            index: &Merged(&snapshot, &worker.recent),
-            inflight: &inflight,
-            now_ms,
-        };
-        let outcome = worker.router.route(body, chat, &view, tie_breaker);
         let elapsed_us = started.elapsed().as_micros() as u64;
         match outcome {
             Outcome::Rejected(rejected) => {
                 drop(worker);
                 self.reject(&rejected)
             }
+            Outcome::NoEligiblePod(no_pod) => {
+                let priority = host::header_text(HeaderMap::Request, PRIORITY_HEADER);
+                match waiting::admit(
+                    &mut worker,
+                    self.context_id,
+                    &priority,
+                    &self.request_id,
+                    *no_pod,
+                ) {
+                    Ok(()) => Action::Pause,
+                    Err(rejected) => {
+                        drop(worker);
+                        self.reject(&rejected)
+                    }
+                }
+            }
             Outcome::Routed(routed) => {
-                if routed.stale_snapshot {
-                    metrics::increment("epp_snapshot_stale_total");
-                    metrics::gauge(
-                        "epp_snapshot_age_ms",
-                        now_ms.saturating_sub(table.published_at_ms),
-                    );
-                }
-                if log::log_enabled!(log::Level::Debug) {
-                    event(
-                        log::Level::Debug,
-                        "candidates",
-                        json!({"requestId": self.request_id, "explanation": serde_json::from_str::<serde_json::Value>(&worker.router.explain(&table, &routed.decision)).unwrap_or_default()}),
-                    );
-                }
-                if log::log_enabled!(log::Level::Trace) {
-                    event(
-                        log::Level::Trace,
-                        "block_walk",
-                        json!({"requestId": self.request_id, "blocks": routed.chain.len(), "matchedBlocks": routed.matched_blocks,
-                               "chain": routed.chain.iter().take(8).map(|h| crate::report::hash_to_hex(*h)).collect::<Vec<_>>()}),
-                    );
-                }
-                worker.recent.record(routed.slot, &routed.chain);
-                if worker.router.config().mode == IndexMode::Approximate {
-                    if worker.decision_queue.is_none() {
-                        worker.decision_queue = resolve_decision_queue();
-                    }
-                    if let Some(queue) = worker.decision_queue {
-                        let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
-                        let _ = host::enqueue(queue, &message);
-                    }
-                }
+                let model_label = worker.router.model_label(&routed.model).to_string();
                 drop(worker);
-                self.send(&routed, elapsed_us)
+                match deliver(&routed, &model_label, elapsed_us, &self.request_id) {
+                    Ok(delivered) => {
+                        self.routed = Some(delivered);
+                        Action::Continue
+                    }
+                    Err(rejected) => self.reject(&rejected),
+                }
             }
         }
     }
 
-    fn send(&mut self, routed: &Routed, elapsed_us: u64) -> Action {
-        if host::set_header(HeaderMap::Request, ROUTING_HEADER, &routed.address).is_err() {
-            return self.reject(&internal_error("cannot set the routing header"));
+    /// Takes over the routing of a request the wait queue dispatched.
+    fn pick_up_dispatched(&mut self) {
+        if self.routed.is_some() {
+            return;
         }
-        let counted = shared::adjust_inflight(routed.slot, 1);
-        metrics::increment(&metrics::labelled(
-            "epp_routing_decisions_total",
-            "model",
-            &routed.model,
-        ));
-        metrics::histogram(
-            "epp_cache_match_ratio",
-            metrics::percent(routed.cache_match),
-        );
-        metrics::histogram("epp_composite_score", metrics::percent(routed.composite));
-        metrics::histogram("epp_scoring_latency_us", elapsed_us);
-        metrics::gauge("epp_candidate_pods", routed.decision.scored.len() as u64);
-        if routed.adapter_load_triggered {
-            if let Some(adapter) = &routed.adapter {
-                metrics::increment(&metrics::labelled(
-                    "epp_adapter_loads_triggered_total",
-                    "adapter",
-                    adapter,
-                ));
-            }
+        if let Some(worker) = &self.worker {
+            self.routed = worker.borrow_mut().waiting.take_dispatched(self.context_id);
         }
-        if let Some(reason) = &routed.degraded {
-            metrics::increment("epp_degraded_routing_total");
-            event(
-                log::Level::Info,
-                "degraded_routing",
-                json!({"requestId": self.request_id, "reason": reason}),
-            );
-        }
-        if routed.fallback {
-            metrics::increment("epp_fallback_routing_total");
-        }
-        event(
-            log::Level::Info,
-            "route",
-            json!({"requestId": self.request_id, "model": routed.model, "pod": routed.pod_id,
-                   "composite": (routed.composite * 1e4).round() / 1e4, "cacheMatch": (routed.cache_match * 1e4).round() / 1e4,
-                   "matchedBlocks": routed.matched_blocks, "blocks": routed.chain.len(),
-                   "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us}),
-        );
-        self.routed = Some(RoutedRequest {
-            slot: routed.slot,
-            pod_id: routed.pod_id.clone(),
-            composite: routed.composite,
-            cache_match: routed.cache_match,
-            predicted_cached_tokens: routed.predicted_cached_tokens,
-            counted,
-        });
-        Action::Continue
     }
 
     fn reject(&mut self, rejected: &Rejected) -> Action {
         self.chat = None;
-        metrics::increment(&metrics::labelled(
-            "epp_requests_rejected_total",
-            "status",
-            &rejected.status.to_string(),
-        ));
-        event(
-            log::Level::Info,
-            "reject",
-            json!({"requestId": self.request_id, "status": rejected.status, "message": rejected.message}),
-        );
-        let headers = rejected.headers();
-        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-        if let Err(status) = host::send_response(rejected.status, &headers, &rejected.body()) {
-            log::error!(
-                "kvroute filter: local reply {} failed: {status}",
-                rejected.status
-            );
-        }
+        answer(&self.request_id, rejected);
         Action::Pause
     }
 
@@ -421,4 +374,155 @@ impl RequestContext {
 fn resolve_decision_queue() -> Option<u32> {
     let vm_id = host::property(&["plugin_vm_id"])?;
     host::resolve_queue(&String::from_utf8_lossy(&vm_id), DECISION_QUEUE).ok()
+}
+
+/// Answers the effective context's request locally with `rejected`.
+fn answer(request_id: &str, rejected: &Rejected) {
+    metrics::increment(&metrics::labelled(
+        "epp_requests_rejected_total",
+        "status",
+        &rejected.status.to_string(),
+    ));
+    event(
+        log::Level::Info,
+        "reject",
+        json!({"requestId": request_id, "status": rejected.status, "message": rejected.message}),
+    );
+    let headers = rejected.headers();
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    if let Err(status) = host::send_response(rejected.status, &headers, &rejected.body()) {
+        log::error!(
+            "kvroute filter: local reply {} failed: {status}",
+            rejected.status
+        );
+    }
+}
+
+impl Worker {
+    /// Routes a prepared request with the current snapshot; a routed one
+    /// is recorded as this worker's decision.
+    fn decide(&mut self, request: RoutingRequest, request_id: &str) -> Outcome {
+        self.requests = self.requests.wrapping_add(1);
+        let tie_breaker = self.requests;
+        let Some(table) = self.tables.current() else {
+            return Outcome::Rejected(Rejected {
+                status: 503,
+                kind: "ServiceUnavailableError",
+                message: "kvroute has no pod state yet (the report service has not published)"
+                    .into(),
+                retry_after: Some(1),
+            });
+        };
+        let inflight = shared::inflight(table.pods.iter().map(|p| p.slot + 1).max().unwrap_or(0));
+        let snapshot = SnapshotIndex {
+            buckets: table.buckets,
+            fetch: shared::bucket,
+        };
+        let now_ms = host::now_ms();
+        let view = ClusterView {
+            table: &table,
+            index: &Merged(&snapshot, &self.recent),
+            inflight: &inflight,
+            now_ms,
+        };
+        let outcome = self.router.route_prepared(request, &view, tie_breaker);
+        let Outcome::Routed(routed) = &outcome else {
+            return outcome;
+        };
+        if routed.stale_snapshot {
+            metrics::increment("epp_snapshot_stale_total");
+            metrics::gauge(
+                "epp_snapshot_age_ms",
+                now_ms.saturating_sub(table.published_at_ms),
+            );
+        }
+        if log::log_enabled!(log::Level::Debug) {
+            event(
+                log::Level::Debug,
+                "candidates",
+                json!({"requestId": request_id, "explanation": serde_json::from_str::<serde_json::Value>(&self.router.explain(&table, &routed.decision)).unwrap_or_default()}),
+            );
+        }
+        if log::log_enabled!(log::Level::Trace) {
+            event(
+                log::Level::Trace,
+                "block_walk",
+                json!({"requestId": request_id, "blocks": routed.chain.len(), "matchedBlocks": routed.matched_blocks,
+                       "chain": routed.chain.iter().take(8).map(|h| crate::report::hash_to_hex(*h)).collect::<Vec<_>>()}),
+            );
+        }
+        self.recent.record(routed.slot, &routed.chain);
+        // To the service, which shares it with every worker.
+        if self.decision_queue.is_none() {
+            self.decision_queue = resolve_decision_queue();
+        }
+        if let (Some(queue), false) = (self.decision_queue, routed.chain.is_empty()) {
+            let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
+            let _ = host::enqueue(queue, &message);
+        }
+        outcome
+    }
+}
+
+/// Sends the effective context's request to its pod: sets the routing
+/// header, counts it in flight, records the decision's metrics (under
+/// `model_label`) and log.
+fn deliver(
+    routed: &Routed,
+    model_label: &str,
+    elapsed_us: u64,
+    request_id: &str,
+) -> Result<RoutedRequest, Rejected> {
+    if host::set_header(HeaderMap::Request, ROUTING_HEADER, &routed.address).is_err() {
+        return Err(internal_error("cannot set the routing header"));
+    }
+    let counted = shared::adjust_inflight(routed.slot, 1);
+    metrics::increment(&metrics::labelled(
+        "epp_routing_decisions_total",
+        "model",
+        model_label,
+    ));
+    metrics::histogram(
+        "epp_cache_match_ratio",
+        metrics::percent(routed.cache_match),
+    );
+    metrics::histogram("epp_composite_score", metrics::percent(routed.composite));
+    metrics::histogram("epp_scoring_latency_us", elapsed_us);
+    metrics::gauge("epp_candidate_pods", routed.decision.scored.len() as u64);
+    if routed.adapter_load_triggered {
+        if let Some(adapter) = &routed.adapter {
+            metrics::increment(&metrics::labelled(
+                "epp_adapter_loads_triggered_total",
+                "adapter",
+                adapter,
+            ));
+        }
+    }
+    if let Some(reason) = &routed.degraded {
+        metrics::increment("epp_degraded_routing_total");
+        event(
+            log::Level::Info,
+            "degraded_routing",
+            json!({"requestId": request_id, "reason": reason}),
+        );
+    }
+    if routed.fallback {
+        metrics::increment("epp_fallback_routing_total");
+    }
+    event(
+        log::Level::Info,
+        "route",
+        json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
+               "composite": (routed.composite * 1e4).round() / 1e4, "cacheMatch": (routed.cache_match * 1e4).round() / 1e4,
+               "matchedBlocks": routed.matched_blocks, "blocks": routed.chain.len(),
+               "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us}),
+    );
+    Ok(RoutedRequest {
+        slot: routed.slot,
+        pod_id: routed.pod_id.clone(),
+        composite: routed.composite,
+        cache_match: routed.cache_match,
+        predicted_cached_tokens: routed.predicted_cached_tokens,
+        counted,
+    })
 }

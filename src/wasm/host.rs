@@ -82,6 +82,8 @@ extern "C" {
     fn proxy_log(level: u32, message: *const u8, size: usize) -> u32;
     fn proxy_get_current_time_nanoseconds(time: *mut u64) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_get_buffer_bytes(
         kind: u32,
         start: usize,
@@ -194,6 +196,19 @@ pub fn now_ms() -> u64 {
 pub fn set_tick_period_ms(period: u64) -> HostResult<()> {
     let period = u32::try_from(period).unwrap_or(u32::MAX);
     check(unsafe { proxy_set_tick_period_milliseconds(period) })
+}
+
+/// Makes `context_id` the context of the following host calls until the
+/// current callback returns (header and reply calls then act on that
+/// request). BadArgument: no such context (the request is gone).
+pub fn set_effective_context(context_id: u32) -> HostResult<()> {
+    check(unsafe { proxy_set_effective_context(context_id) })
+}
+
+/// Resumes the paused request of the effective context (proxy-wasm
+/// `StreamType::HttpRequest` = 0); Envoy runs it after the current callback.
+pub fn continue_request() -> HostResult<()> {
+    check(unsafe { proxy_continue_stream(0) })
 }
 
 pub fn buffer(kind: Buffer, start: usize, max_size: usize) -> HostResult<Option<Vec<u8>>> {

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 
 use super::host::{self, MetricKind};
 use crate::config::Config;
+use crate::queueing::WaitRejection;
 
 thread_local! {
     // One VM per thread; metric ids are per VM.
@@ -44,6 +45,13 @@ pub fn gauge(name: &str, value: u64) {
     }
 }
 
+/// Adds `delta` to a gauge that every worker moves (a sum over workers).
+pub fn gauge_add(name: &str, delta: i64) {
+    if let Some(id) = id(MetricKind::Gauge, name) {
+        let _ = host::increment_metric(id, delta);
+    }
+}
+
 pub fn histogram(name: &str, value: u64) {
     if let Some(id) = id(MetricKind::Histogram, name) {
         let _ = host::record_metric(id, value);
@@ -69,6 +77,12 @@ pub fn export_from_zero(config: &Config) {
             &labelled("epp_requests_rejected_total", "status", status),
         );
     }
+    for reason in WaitRejection::ALL {
+        let _ = id(
+            MetricKind::Counter,
+            &labelled("epp_wait_rejected_total", "reason", reason.name()),
+        );
+    }
     for (model, target) in &config.models {
         let _ = id(
             MetricKind::Counter,
@@ -90,6 +104,7 @@ pub fn export_from_zero(config: &Config) {
         "epp_snapshot_generation",
         "epp_prefix_tree_nodes",
         "epp_index_memory_bytes",
+        "epp_waiting_requests",
     ] {
         let _ = id(MetricKind::Gauge, name);
     }
@@ -97,6 +112,7 @@ pub fn export_from_zero(config: &Config) {
         "epp_cache_match_ratio",
         "epp_composite_score",
         "epp_scoring_latency_us",
+        "epp_wait_time_ms",
     ] {
         let _ = id(MetricKind::Histogram, name);
     }

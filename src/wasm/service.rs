@@ -13,8 +13,9 @@
 //! `x-envoy-original-dst-host` set on each call to the pod's address.
 //! After folding answers the snapshot is published at once (at most every
 //! [`PUBLISH_GAP_MS`], else on the next tick), so a pod's new blocks reach
-//! the filters milliseconds after the pod stored them. Approximate-mode
-//! decisions arrive on a shared queue.
+//! the filters milliseconds after the pod stored them. The filters' routing
+//! decisions arrive on a shared queue: approximate mode's only signal,
+//! precise mode's pending entries until reports confirm them.
 //!
 //! The main thread also serves Envoy's admin and xDS, so no callback may
 //! stall it — and answers of many pods can land in one pass of Envoy's event
@@ -144,7 +145,7 @@ impl ServiceRoot {
             shared::set(&bucket_key(*bucket), value);
         }
         shared::publish_table(&publication.table);
-        self.unpublished = publication.pending_buckets;
+        self.unpublished = publication.unpublished_buckets;
         metrics::gauge("epp_prefix_tree_nodes", state.index().len() as u64);
         metrics::gauge("epp_index_memory_bytes", state.memory_bytes() as u64);
         for pod in &publication.table.pods {
@@ -168,7 +169,7 @@ impl ServiceRoot {
                 log::Level::Trace,
                 "publish",
                 json!({"generation": publication.table.generation, "bucketsWritten": publication.buckets.len(),
-                       "bucketsPending": publication.pending_buckets, "indexBlocks": state.index().len()}),
+                       "bucketsPending": publication.unpublished_buckets, "indexBlocks": state.index().len()}),
             );
         }
     }
@@ -421,7 +422,7 @@ impl RootContext for ServiceRoot {
         let Some(config) = self.config.clone() else {
             return;
         };
-        if self.queue.is_none() && config.mode == IndexMode::Approximate {
+        if self.queue.is_none() {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
         self.fold_budget_us = FOLD_BUDGET_US;
@@ -433,23 +434,35 @@ impl RootContext for ServiceRoot {
         } else {
             if self.folds_unpublished || self.unpublished > 0 {
                 self.publish();
+            } else if let Some(state) = self.state.as_mut() {
+                // Pending decisions expire on time, not at the next round.
+                for (bucket, value) in state.publish_buckets(now, PUBLISH_BUCKETS) {
+                    shared::set(&bucket_key(bucket), &value);
+                }
             }
             self.poll_reports(&config);
         }
     }
 
+    /// Decisions from the filters: recorded, and their buckets written at
+    /// once (no new pod table), so every worker matches them within
+    /// milliseconds instead of at the next report.
     fn on_queue_ready(&mut self, queue_id: u32) {
         let Some(state) = self.state.as_mut() else {
             return;
         };
+        let now = host::now_ms();
         while let Ok(Some(message)) = host::dequeue(queue_id) {
             match decode_decision(&message) {
-                Some((slot, chain)) => state.record_decision(slot, &chain),
+                Some((slot, chain)) => state.record_decision(slot, &chain, now),
                 None => log::warn!(
                     "kvroute service: malformed decision message ({} bytes)",
                     message.len()
                 ),
             }
+        }
+        for (bucket, value) in state.publish_buckets(now, PUBLISH_BUCKETS) {
+            shared::set(&bucket_key(bucket), &value);
         }
     }
 }

@@ -601,7 +601,7 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
     let mut publication = state.publish_some(2, PUBLISH_BUCKETS);
     let mut all_buckets = std::mem::take(&mut publication.buckets);
     let mut publications = 1;
-    while publication.pending_buckets > 0 {
+    while publication.unpublished_buckets > 0 {
         let step = Instant::now();
         publication = state.publish_some(2, PUBLISH_BUCKETS);
         longest_publish_s = longest_publish_s.max(step.elapsed().as_secs_f64());

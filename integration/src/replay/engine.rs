@@ -31,8 +31,14 @@
 //! is read through [`SnapshotIndex`] exactly
 //! like the filter (plus, in approximate mode, the worker's overlay of its
 //! own decisions); queue = reported waiting + routed since the report;
-//! [`ScoringPolicy::decide`] picks. A 503 (every pod excluded) is retried by
-//! the client after `retryAfterSeconds`.
+//! [`ScoringPolicy::decide`] picks. With every pod excluded, under
+//! `onNoEligiblePod: "reject"` the 503 is retried by the client after
+//! `retryAfterSeconds`; under `"wait"` the request waits in the gateway's
+//! [`WaitQueue`] (the proxy's own policy, one queue as for one worker) and
+//! is routed again when a request ends or a report arrives — the moments
+//! the router's view of a pod's queue changes — in the queue's order; a
+//! request the queue refuses, displaces or holds past `maxWaitMs` gets the
+//! 503 and is retried (deadlines are checked at those same moments).
 //!
 //! Same workload, configuration and seed → same numbers: no wall clock,
 //! no hash-order iteration, ties broken by sequence numbers.
@@ -41,10 +47,12 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
-use kvroute::cluster::ClusterState;
+use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
+use kvroute::config::NoPodPolicy;
 use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
+use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
 use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
 use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
@@ -135,6 +143,7 @@ pub struct Summary {
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub hit_rate: f64,
     pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub ttft_mean_ms: f64,
     /// Largest fraction of the requests one pod got.
@@ -164,6 +173,7 @@ impl Summary {
                 cached as f64 / prompt as f64
             },
             ttft_p50_ms: percentile(&ttft, 0.50) as f64 / 1000.0,
+            ttft_p90_ms: percentile(&ttft, 0.90) as f64 / 1000.0,
             ttft_p99_ms: percentile(&ttft, 0.99) as f64 / 1000.0,
             ttft_mean_ms: ttft.iter().sum::<u64>() as f64 / n.max(1) as f64 / 1000.0,
             max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
@@ -333,6 +343,8 @@ struct Simulation<'a> {
     next_round_us: u64,
     /// Report calls sent so far (call ids).
     report_calls: usize,
+    /// Requests waiting in the gateway (kvroute under `"wait"`).
+    gateway: Option<WaitQueue<usize>>,
 }
 
 enum Chooser<'a> {
@@ -388,6 +400,8 @@ impl<'a> Simulation<'a> {
             interval_us: config.pod_report_interval_ms * 1000,
             next_round_us: 0,
             report_calls: 0,
+            gateway: (policy == Policy::Kvroute && config.on_no_eligible_pod == NoPodPolicy::Wait)
+                .then(|| WaitQueue::new(WaitPolicy::from_config(config))),
         };
         for (i, r) in workload.requests.iter().enumerate() {
             sim.push(r.arrival_us, Kind::Arrival, i, 0);
@@ -437,6 +451,7 @@ impl<'a> Simulation<'a> {
                     if let Some(next) = pod.waiting.pop_front() {
                         self.start(event.pod, next, now);
                     }
+                    self.dispatch_gateway(now);
                 }
                 Kind::ReportAnswer => {
                     let pod = &mut self.pods[event.pod];
@@ -447,17 +462,25 @@ impl<'a> Simulation<'a> {
                             view.publish(now);
                         }
                         self.send_reports(now);
+                        self.dispatch_gateway(now);
                     }
                 }
                 Kind::Tick => {
-                    if now >= self.next_round_us {
-                        self.next_round_us = now + self.interval_us;
-                        if let Chooser::Kvroute(view) = &mut self.chooser {
+                    let round = now >= self.next_round_us;
+                    if let Chooser::Kvroute(view) = &mut self.chooser {
+                        // Pending decisions expire on the tick, as in the service.
+                        if round {
                             view.publish(now);
+                        } else {
+                            view.publish_buckets(now / 1000);
                         }
                     }
+                    if round {
+                        self.next_round_us = now + self.interval_us;
+                        self.dispatch_gateway(now);
+                    }
                     self.send_reports(now);
-                    if self.pending_arrivals > 0 {
+                    if !self.finished() {
                         let tick = self.interval_us.min(SERVICE_TICK_US);
                         self.push(now + tick, Kind::Tick, 0, 0);
                     }
@@ -481,11 +504,11 @@ impl<'a> Simulation<'a> {
     /// the pod has nothing after the call's `since`: then it holds it
     /// until its next cache event or the end of the wait.
     fn send_reports(&mut self, now: u64) {
+        let finished = self.finished();
         let Chooser::Kvroute(view) = &mut self.chooser else {
             return;
         };
-        // Once every request has arrived, later reports change nothing.
-        if view.config.mode != IndexMode::Precise || self.pending_arrivals == 0 {
+        if view.config.mode != IndexMode::Precise || finished {
             return;
         }
         let mut answers = Vec::new();
@@ -510,13 +533,64 @@ impl<'a> Simulation<'a> {
         }
     }
 
+    /// Every request has arrived and none waits in the gateway: later
+    /// reports and ticks change nothing.
+    fn finished(&self) -> bool {
+        self.pending_arrivals == 0 && self.gateway.as_ref().is_none_or(|q| q.is_empty())
+    }
+
     fn arrive(&mut self, index: usize, now: u64) {
+        // Requests already waiting go first.
+        self.dispatch_gateway(now);
+        if let Some(pod) = self.choose(index, now) {
+            self.send(index, pod, now);
+            return;
+        }
+        let Some(gateway) = &mut self.gateway else {
+            self.reject(index, now);
+            return;
+        };
+        match gateway.admit(index as u32, Priority::Standard, now / 1000, index) {
+            Admission::Queued => {}
+            Admission::Displaced(victim) => self.reject(victim.item, now),
+            Admission::Refused(index) => self.reject(index, now),
+        }
+    }
+
+    /// A 503: the client retries after `retryAfterSeconds`.
+    fn reject(&mut self, index: usize, now: u64) {
+        self.outcomes[index].rejections += 1;
+        self.pending_arrivals += 1;
+        self.push(now + self.retry_after_us, Kind::Arrival, index, 0);
+    }
+
+    /// Gateway waiting: 503s past the deadline, then a dispatch round.
+    fn dispatch_gateway(&mut self, now: u64) {
+        let Some(mut gateway) = self.gateway.take() else {
+            return;
+        };
+        // The queue keeps time in milliseconds.
+        for waiter in gateway.expire(now / 1000) {
+            self.reject(waiter.item, now);
+        }
+        gateway.dispatch(|waiter| match self.choose(waiter.item, now) {
+            Some(pod) => {
+                self.send(waiter.item, pod, now);
+                Placement::Placed
+            }
+            None => Placement::Wait,
+        });
+        self.gateway = Some(gateway);
+    }
+
+    /// The pod `policy` picks for request `index`; `None` is a 503.
+    fn choose(&mut self, index: usize, now: u64) -> Option<usize> {
         let requests = self.requests;
         let request = &requests[index];
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
-        let chosen = match &mut self.chooser {
-            Chooser::Kvroute(view) => view.choose(request, &inflight),
+        match &mut self.chooser {
+            Chooser::Kvroute(view) => view.choose(request, &inflight, now / 1000),
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
                 *next += 1;
@@ -525,13 +599,11 @@ impl<'a> Simulation<'a> {
             Chooser::LeastRequest => (0..n).min_by_key(|&p| (inflight[p], p)),
             Chooser::Random(state) => Some((splitmix(state) % n as u64) as usize),
             Chooser::RingHash(ring) => Some(ring_pick(ring, request.session_key)),
-        };
-        let Some(pod) = chosen else {
-            self.outcomes[index].rejections += 1;
-            self.pending_arrivals += 1;
-            self.push(now + self.retry_after_us, Kind::Arrival, index, 0);
-            return;
-        };
+        }
+    }
+
+    /// Request `index` is sent to `pod` at `now`.
+    fn send(&mut self, index: usize, pod: usize, now: u64) {
         self.outcomes[index].pod = pod;
         let state = &mut self.pods[pod];
         state.inflight += 1;
@@ -671,7 +743,7 @@ impl<'a> KvrouteView<'a> {
 
     /// The filter's decision for `request` (the core's own
     /// [`Router::route_prepared`] on the published view); `None` is a 503.
-    fn choose(&mut self, request: &Request, inflight: &[u32]) -> Option<usize> {
+    fn choose(&mut self, request: &Request, inflight: &[u32], now_ms: u64) -> Option<usize> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return None; // nothing published yet
@@ -704,8 +776,20 @@ impl<'a> KvrouteView<'a> {
             return None;
         };
         self.recent.record(routed.slot, &routed.chain);
-        self.cluster.record_decision(routed.slot, &routed.chain);
+        // As the service does on the decision queue: recorded and its
+        // buckets published at once.
+        self.cluster
+            .record_decision(routed.slot, &routed.chain, now_ms);
+        self.publish_buckets(now_ms);
         Some(routed.slot)
+    }
+
+    /// The service writes the buckets its pending decisions changed
+    /// (recorded or expired), without a new pod table.
+    fn publish_buckets(&mut self, now_ms: u64) {
+        for (bucket, bytes) in self.cluster.publish_buckets(now_ms, PUBLISH_BUCKETS) {
+            self.buckets.insert(bucket, bytes);
+        }
     }
 }
 
@@ -789,10 +873,10 @@ mod tests {
                             assert_eq!(routed.chain, r.chain, "request {i}");
                             Some(routed.slot)
                         }
-                        Outcome::Rejected(_) => None,
+                        Outcome::Rejected(_) | Outcome::NoEligiblePod(_) => None,
                     }
                 };
-                let chosen = view.choose(r, &inflight);
+                let chosen = view.choose(r, &inflight, i as u64 * 1000);
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);
@@ -856,6 +940,8 @@ mod tests {
             .collect();
         let config = Config {
             report_long_poll: long_poll,
+            // Reports alone: the router's own decisions expire at once.
+            pending_decision_ms: Some(1),
             ..config(IndexMode::Precise)
         };
         let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
@@ -879,6 +965,43 @@ mod tests {
         assert_eq!(follow_up_hits(true), 12);
         let interval = follow_up_hits(false);
         assert!(interval <= 6, "{interval}/12 hits with interval reports");
+    }
+
+    /// A burst far above capacity: under "reject" it is answered with 503s
+    /// (then retried); under "wait" it waits in the gateway and none is
+    /// refused while the queue has room; with a small queue the overflow
+    /// is refused and retried. Every request is served in the end.
+    #[test]
+    fn a_burst_waits_in_the_gateway_instead_of_503s() {
+        let mut requests = trace(60);
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.timestamp_ms = i as f64 * 10.0;
+        }
+        let run = |policy: NoPodPolicy, max_waiting: usize| {
+            let config = Config {
+                max_queue: 2,
+                on_no_eligible_pod: policy,
+                max_waiting_requests: max_waiting,
+                pod_report_interval_ms: 200,
+                ..config(IndexMode::Precise)
+            };
+            let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
+            let spec = PodSpec {
+                count: 3,
+                kv_blocks: 64,
+                max_batch: 1,
+                cost: CostModel::gpu_8b(1.0),
+            };
+            let result = simulate(&workload, &spec, Policy::Kvroute, &config, 1);
+            assert!(
+                result.outcomes.iter().all(|o| o.ttft_us > 0),
+                "{policy:?}: every request is served"
+            );
+            result.summary.rejections
+        };
+        assert!(run(NoPodPolicy::Reject, 256) > 0);
+        assert_eq!(run(NoPodPolicy::Wait, 256), 0);
+        assert!(run(NoPodPolicy::Wait, 4) > 0);
     }
 
     #[test]
