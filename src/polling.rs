@@ -10,9 +10,9 @@
 //!   previous answer is folded, but not sooner than [`MIN_CALL_GAP_MS`]
 //!   after the previous call was sent, so the index trails a pod's cache by
 //!   the pod's answer latency plus one fold (a busy pod's, by up to the
-//!   gap), not by an interval. A silent pod
-//!   still answers every W, so health staleness works unchanged. The call
-//!   timeout is W + `reportTimeoutMs`: a held call is never a timeout.
+//!   gap), not by an interval. A silent pod still answers every W, so
+//!   health staleness works unchanged. The call timeout is W +
+//!   `reportTimeoutMs`: a held call is never a timeout.
 //! - **A pod that ignores `wait`** answers at once. An answer that changed
 //!   nothing in the index (no block stored or removed, no resync) and came
 //!   back in less than W / [`EARLY_DIVISOR`] is *early idle*;
