@@ -37,6 +37,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use kvroute::config::Config;
@@ -286,6 +287,12 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
         .unwrap_or_else(|| format!("sim-{}", addr.port()));
     println!("kvroute-sim {pod_id} listening on {addr}");
     let _ = std::io::stdout().flush();
+    // TCP_NODELAY on every accepted connection, as vLLM's server does:
+    // without it a client that does not batch its writes waits out ~40 ms
+    // delayed ACKs on small responses and SSE chunks.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::select! {
         served = axum::serve(listener, app) => served.map_err(|e| e.to_string()),
         _ = shutdown_signal() => Ok(()),
