@@ -196,9 +196,12 @@ pub fn start(peer: &Peer, pods: &[String], model: &str, dir: &Path) -> Result<Ru
             name: peer.policy.into(),
         },
     };
+    // Ready (both answer `/readiness` once their workers are registered),
+    // then a one-token completion of the workload's model.
+    let mut deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = None;
+    let mut ready = false;
     let probe = json!({"model": model, "prompt": "ping", "max_tokens": 1}).to_string();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut last = String::from("no answer");
     while Instant::now() < deadline {
         if let Ok(Some(status)) = running.process.child.try_wait() {
             return Err(format!(
@@ -207,24 +210,39 @@ pub fn start(peer: &Peer, pods: &[String], model: &str, dir: &Path) -> Result<Ru
                 log_tail(&log_path)
             ));
         }
+        if !ready {
+            ready = http::get(&running.listen, "/readiness").is_ok_and(|r| r.status == 200);
+            if ready {
+                deadline = Instant::now() + Duration::from_secs(15);
+            } else {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            continue;
+        }
         match http::post_json(&running.listen, "/v1/completions", &probe) {
             Ok(r) if r.status == 200 => return Ok(running),
             Ok(r) => {
-                last = format!(
+                last = Some(format!(
                     "HTTP {}: {}",
                     r.status,
                     r.body.chars().take(200).collect::<String>()
-                )
+                ))
             }
-            Err(e) => last = e.to_string(),
+            Err(e) => last = Some(e.to_string()),
         }
         std::thread::sleep(Duration::from_millis(250));
     }
-    Err(format!(
-        "{} did not answer a completion in 60 s ({last}): {}",
-        peer.package,
-        log_tail(&log_path)
-    ))
+    Err(match (ready, last) {
+        (true, Some(answer)) => format!(
+            "{} answers a completion for {model} with {answer}",
+            peer.package
+        ),
+        _ => format!(
+            "{} not ready in 60 s: {}",
+            peer.package,
+            log_tail(&log_path)
+        ),
+    })
 }
 
 /// The last lines of a log, ANSI colours stripped, on one line.
