@@ -85,6 +85,10 @@ pub struct BenchArgs {
     /// (e.g. '{"maxQueue": 4}'); recorded in the results.
     #[arg(long)]
     pub kvroute_config: Option<String>,
+    /// Copy each run's router log (kvroute's decision events, a peer's own
+    /// log) to DIR/WORKLOAD-POLICY.log, for decision analysis.
+    #[arg(long)]
+    pub keep_logs: Option<PathBuf>,
     /// The kvroute-sim binary (default: next to this one).
     #[arg(long)]
     pub sim: Option<PathBuf>,
@@ -232,7 +236,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         );
         let mut rows = Vec::new();
         for policy in &policies {
-            let row = run_policy(policy, &w, &sim)?;
+            let row = run_policy(policy, &w, &sim, args.keep_logs.as_deref())?;
             match row["unavailable"].as_str() {
                 Some(reason) => eprintln!("   {policy:28} unavailable: {reason}"),
                 None => eprintln!(
@@ -273,7 +277,12 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
 
 /// One policy on one workload, on fresh pods; a policy that cannot run
 /// here (a peer not installed or not starting) gives a row saying why.
-fn run_policy(policy: &str, w: &workload::Workload, sim: &Path) -> Result<Value, String> {
+fn run_policy(
+    policy: &str,
+    w: &workload::Workload,
+    sim: &Path,
+    keep_logs: Option<&Path>,
+) -> Result<Value, String> {
     let stack = match stack::start(policy, w, sim) {
         Ok(stack) => stack,
         Err(stack::StartError::Unavailable(reason)) => {
@@ -305,13 +314,27 @@ fn run_policy(policy: &str, w: &workload::Workload, sim: &Path) -> Result<Value,
         .map(|(after, before)| after - before);
     std::thread::sleep(Duration::from_millis(200));
     let stats: Vec<Value> = stack.sims().iter().map(|s| s.stats()).collect();
-    let filter = match stack.envoy() {
+    let log = match stack.envoy() {
         Some(envoy) if policy.starts_with("kvroute") => {
-            overhead::route_latencies(envoy.log().get(log_offset..).unwrap_or(""))
+            envoy.log().get(log_offset..).unwrap_or("").to_string()
         }
-        _ => Vec::new(),
+        _ => String::new(),
     };
+    if let Some(dir) = keep_logs {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let kept = dir.join(format!("{}-{policy}.log", w.name));
+        std::fs::copy(stack.log_path(), &kept).map_err(|e| format!("{}: {e}", kept.display()))?;
+    }
+    let filter = overhead::route_field(&log, "latencyUs");
     let mut row = report::policy_figures(policy, w, &outcomes, wall, &stats, &filter);
+    // What kvroute's index knew at decision time: the share of each
+    // prompt's blocks it matched on the chosen pod (the pods' hit rate
+    // is what was actually cached by then).
+    let matched: f64 = overhead::route_field(&log, "matchedBlocks").iter().sum();
+    let blocks: f64 = overhead::route_field(&log, "blocks").iter().sum();
+    if blocks > 0.0 {
+        row["indexMatchShare"] = json!((matched / blocks * 1e4).round() / 1e4);
+    }
     row["router"] = stack.router();
     row["routerCpuS"] = json!(cpu_s.map(|s| (s * 100.0).round() / 100.0));
     row["routerCpuSPer1k"] = json!(cpu_s.map(|s| {

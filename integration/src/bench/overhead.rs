@@ -105,11 +105,14 @@ fn bodies(size: usize, count: usize) -> Vec<String> {
         .collect()
 }
 
-/// `latencyUs` values of the filter's `route` log lines in `log`.
-pub fn route_latencies(log: &str) -> Vec<f64> {
+/// The integer `field` (`latencyUs`, `matchedBlocks`, `blocks`) of each of
+/// the filter's `route` log lines in `log`.
+pub fn route_field(log: &str, field: &str) -> Vec<f64> {
+    let key = format!("\"{field}\":");
     log.lines()
+        .filter(|l| l.contains("\"event\":\"route\""))
         .filter_map(|l| {
-            let at = l.find("\"latencyUs\":")? + "\"latencyUs\":".len();
+            let at = l.find(&key)? + key.len();
             let digits: String = l[at..].chars().take_while(|c| c.is_ascii_digit()).collect();
             digits.parse().ok()
         })
@@ -195,7 +198,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
                     let p = closed_loop(&kv.listen, &set, concurrency, phase);
                     a.extend(p.latencies_us);
                     a_err += p.errors;
-                    filter.extend(route_latencies(&log_since(kv, offset)));
+                    filter.extend(route_field(&log_since(kv, offset), "latencyUs"));
                 } else {
                     let p = closed_loop(&plain.listen, &set, concurrency, phase);
                     b.extend(p.latencies_us);
@@ -398,7 +401,7 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let rate = 20.0;
     let sent = churn(&cluster, prompts, prompt_bytes, rate, window);
     let churn_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0) - c1;
-    let mut filter = route_latencies(&log_since(&cluster.envoy, offset));
+    let mut filter = route_field(&log_since(&cluster.envoy, offset), "latencyUs");
     let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
     let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
     Ok(json!({

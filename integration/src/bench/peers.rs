@@ -5,6 +5,9 @@
 //! kvroute-sim pods directly (no Envoy in between), with its own defaults;
 //! the only flags given are the worker URLs, the policy, the ports
 //! (listener and Prometheus, both free ports) and the address 127.0.0.1.
+//! `KVROUTE_BENCH_SMG_FLAGS` / `KVROUTE_BENCH_VLLM_ROUTER_FLAGS` append
+//! flags (whitespace-separated) for tuning experiments; the command line
+//! in the results shows them.
 //!
 //! vllm-router's `kv_aware` policy is left out: it needs vLLM's ZMQ KV
 //! events, which kvroute-sim does not emit. Its `consistent_hash` hashes
@@ -117,6 +120,8 @@ pub struct Running {
     /// The command line it was started with.
     pub command: String,
     pub version: String,
+    /// Its stdout and stderr.
+    pub log_path: PathBuf,
     process: Process,
 }
 
@@ -174,6 +179,13 @@ pub fn start(peer: &Peer, pods: &[String], model: &str, dir: &Path) -> Result<Ru
         args.push(flag.into());
         args.push(value);
     }
+    let tuning = format!(
+        "KVROUTE_BENCH_{}_FLAGS",
+        peer.package.to_ascii_uppercase().replace('-', "_")
+    );
+    if let Ok(extra) = std::env::var(&tuning) {
+        args.extend(extra.split_whitespace().map(String::from));
+    }
     let log_path = dir.join(format!("{}.log", peer.policy));
     let log = fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
     let err_log = log.try_clone().map_err(|e| e.to_string())?;
@@ -191,6 +203,7 @@ pub fn start(peer: &Peer, pods: &[String], model: &str, dir: &Path) -> Result<Ru
             .collect::<Vec<_>>()
             .join(" "),
         version,
+        log_path: log_path.clone(),
         process: Process {
             child,
             name: peer.policy.into(),

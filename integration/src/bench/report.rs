@@ -84,6 +84,19 @@ pub fn policy_figures(
     error_kinds.dedup();
     error_kinds.truncate(5);
     let filter = sorted(filter_latency_us.iter().copied());
+    // A session's request on another pod than its session's previous one
+    // (multi-turn users, agents, groups, tenants): affinity lost.
+    let mut last_pod: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+    let (mut follow_ups, mut moved) = (0usize, 0usize);
+    for o in &ok {
+        let (Some(pod), Some(request)) = (o.pod.as_deref(), workload.requests.get(o.index)) else {
+            continue;
+        };
+        if let Some(previous) = last_pod.insert(&request.session, pod) {
+            follow_ups += 1;
+            moved += usize::from(previous != pod);
+        }
+    }
     json!({
         "policy": policy,
         "requests": outcomes.len(),
@@ -104,6 +117,7 @@ pub fn policy_figures(
         "maxPodShare": round(max_share, 4),
         "maxShareOverFair": round(max_share * workload.pods as f64, 3),
         "maxQueueSeen": pod_stats.iter().map(|s| s["maxQueueSeen"].as_u64().unwrap_or(0)).max(),
+        "sessionMoves": round(moved as f64 / follow_ups.max(1) as f64, 4),
         "filterLatencyUs": {"p50": percentile(&filter, 50.0), "p99": percentile(&filter, 99.0), "samples": filter.len()},
         "ttftQuantilesMs": quantiles(&ttft, 100),
     })
@@ -178,12 +192,12 @@ pub fn workload_markdown(w: &Value) -> String {
         w["kvBlocksPerPod"].as_u64().unwrap_or(0) * w["pods"].as_u64().unwrap_or(0),
         w["capacityRps"].as_f64().unwrap_or(0.0),
     ));
-    out.push_str("| policy | hit rate | of pooled bound | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | done req/s | errors | max pod share (× fair) | router CPU s / 1k req |\n");
-    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| policy | hit rate | of pooled bound | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | done req/s | errors | max pod share (× fair) | session moves | router CPU s / 1k req |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in w["policies"].as_array().into_iter().flatten() {
         if let Some(reason) = r["unavailable"].as_str() {
             out.push_str(&format!(
-                "| {} | *unavailable: {}* | | | | | | | | | | |\n",
+                "| {} | *unavailable: {}* | | | | | | | | | | | |\n",
                 r["policy"].as_str().unwrap_or(""),
                 reason.replace('|', "/")
             ));
@@ -191,7 +205,7 @@ pub fn workload_markdown(w: &Value) -> String {
         }
         let hit = r["hitRate"].as_f64().unwrap_or(0.0);
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} ({:.2}×) | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} ({:.2}×) | {} | {} |\n",
             r["policy"].as_str().unwrap_or(""),
             pct(hit),
             if pooled > 0.0 {
@@ -208,18 +222,19 @@ pub fn workload_markdown(w: &Value) -> String {
             r["errors"],
             pct(r["maxPodShare"].as_f64().unwrap_or(0.0)),
             r["maxShareOverFair"].as_f64().unwrap_or(0.0),
+            pct(r["sessionMoves"].as_f64().unwrap_or(0.0)),
             r["routerCpuSPer1k"]
                 .as_f64()
                 .map_or("–".into(), |v| format!("{v:.2}")),
         ));
     }
     out.push_str(&format!(
-        "| *bound: pooled LRU ({} blocks)* | {} | 100% | | | | | | | | | |\n",
+        "| *bound: pooled LRU ({} blocks)* | {} | 100% | | | | | | | | | | |\n",
         w["kvBlocksPerPod"].as_u64().unwrap_or(0) * w["pods"].as_u64().unwrap_or(0),
         pct(pooled)
     ));
     out.push_str(&format!(
-        "| *bound: infinite cache* | {} | {} | | | | | | | | | |\n\n",
+        "| *bound: infinite cache* | {} | {} | | | | | | | | | | |\n\n",
         pct(infinite),
         if pooled > 0.0 {
             pct(infinite / pooled)

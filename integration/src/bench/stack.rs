@@ -82,6 +82,14 @@ impl Stack {
         }
     }
 
+    /// The router's log (Envoy's, with kvroute's decisions, or the peer's).
+    pub fn log_path(&self) -> &Path {
+        match self {
+            Stack::Peer { router, .. } => &router.log_path,
+            _ => &self.envoy().expect("an Envoy stack").log_path,
+        }
+    }
+
     /// The router's name, version and flags, for the results.
     pub fn router(&self) -> Value {
         match self {
