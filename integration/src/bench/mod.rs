@@ -18,7 +18,8 @@
 //! kvroute-bench [all|workload NAME..|fairness|overhead|scale|render] [--quick] [--out DIR]
 //! ```
 //! Results merge into `DIR/results.json` (a later `workload lora` replaces
-//! only that workload), and README.md and the charts are re-rendered from it.
+//! only that workload, `workload lora --policies P` only P's row there), and
+//! README.md and the charts are re-rendered from it.
 
 pub mod fairness;
 pub mod load;
@@ -252,6 +253,21 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
                 ),
             }
             rows.push(row);
+        }
+        // `workload NAME --policies P,Q` reruns those rows and keeps the
+        // workload's others (in report order).
+        if args.command == "workload" && !args.policies.is_empty() {
+            let kept = results["workloads"][name.as_str()]["policies"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            for old in kept {
+                if !rows.iter().any(|r| r["policy"] == old["policy"]) {
+                    rows.push(old);
+                }
+            }
+            let rank = |r: &Value| stack::POLICIES.iter().position(|p| r["policy"] == *p);
+            rows.sort_by_key(rank);
         }
         entry["policies"] = Value::Array(rows);
         results["workloads"][name.as_str()] = entry;
