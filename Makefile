@@ -95,7 +95,7 @@ test: lint test-host test-wasm test-integration
 
 ## bench: kvroute vs the peer routers (smg, vllm-router) and Envoy's
 ## built-in balancers on simulated pods, fairness checks, proxy overhead,
-## 1M-block scale (~35 min on 2 cores; BENCH_ARGS=--quick for ~10 min)
+## 1M-block scale (~35 min on 2 cores; BENCH_ARGS=--quick for a shorter run)
 ## -> integration/results/; then the core's micro-benchmarks
 bench: wasm envoy bench-micro
 	-$(MAKE) peers
