@@ -15,7 +15,7 @@ PEERS_STAMP := $(VENV)/.peers-smg-$(SMG_VERSION)-vllm-router-$(VLLM_ROUTER_VERSI
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 CARGO ?= cargo
 
-.PHONY: all setup envoy peers prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean
+.PHONY: all setup envoy peers prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
 all: wasm
 
@@ -60,6 +60,8 @@ lint: setup
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --lib -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --no-default-features --lib --tests -- -D warnings
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml --check
+	$(CARGO) clippy --manifest-path fuzz/Cargo.toml --locked --all-targets --target-dir $(FUZZ_DIR) -- -D warnings
 
 test-host:
 	$(CARGO) test -p kvroute
@@ -91,7 +93,45 @@ REPLAY_ARGS ?=
 replay:
 	$(CARGO) run --release -p kvroute-integration --bin kvroute-replay -- --trace $(TRACE) --out target/replay $(REPLAY_ARGS)
 
-test: lint test-host test-wasm test-integration
+test: lint test-host fuzz-smoke test-wasm test-integration
+
+## fuzz: each fuzz target (fuzz/fuzz_targets/) for FUZZ_SECONDS, starting
+## from the committed seeds in fuzz/corpus/<target> with the dictionary
+## fuzz/dict/<target>.dict; inputs it finds go to target/fuzz/corpus/<target>,
+## crashes to target/fuzz/artifacts/<target>/.
+## libFuzzer through libfuzzer-sys on stable Rust: cargo-fuzz's
+## instrumentation flags without its nightly-only sanitizer (safe Rust needs
+## none), with debug assertions and overflow checks on (fuzz/Cargo.toml).
+## Replay one input: $(FUZZ_BIN)/<target> <file>
+FUZZ_TARGETS := route reports metrics config
+FUZZ_SECONDS ?= 300
+FUZZ_SMOKE_SECONDS ?= 10
+FUZZ_DIR := target/fuzz
+FUZZ_HOST := $(shell rustc -vV | sed -n 's/^host: //p')
+FUZZ_BIN := $(FUZZ_DIR)/$(FUZZ_HOST)/release
+# --target keeps these flags off build scripts and proc macros.
+FUZZ_RUSTFLAGS := -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+  -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
+  -Cllvm-args=-sanitizer-coverage-trace-compares
+# $(call fuzz-each,SECONDS): every target in turn; fails after the last one
+# if any crashed.
+fuzz-each = failed=; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(FUZZ_DIR)/corpus/$$t $(FUZZ_DIR)/artifacts/$$t && \
+	  $(FUZZ_BIN)/$$t $(FUZZ_DIR)/corpus/$$t fuzz/corpus/$$t -dict=fuzz/dict/$$t.dict \
+	    -max_total_time=$(1) -timeout=10 -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_DIR)/artifacts/$$t/ || failed="$$failed $$t"; \
+	done; if [ -n "$$failed" ]; then echo "fuzz targets that crashed:$$failed"; exit 1; fi
+
+fuzz-build:
+	RUSTFLAGS="$(FUZZ_RUSTFLAGS)" $(CARGO) build --manifest-path fuzz/Cargo.toml --locked --release \
+	  --target $(FUZZ_HOST) --target-dir $(FUZZ_DIR)
+
+fuzz: fuzz-build
+	$(call fuzz-each,$(FUZZ_SECONDS))
+
+## fuzz-smoke: each target for FUZZ_SMOKE_SECONDS (part of make test)
+fuzz-smoke: fuzz-build
+	$(call fuzz-each,$(FUZZ_SMOKE_SECONDS))
 
 ## bench: kvroute vs the peer routers (smg, vllm-router) and Envoy's
 ## built-in balancers on simulated pods, fairness checks, proxy overhead,

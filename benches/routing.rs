@@ -156,7 +156,7 @@ fn build() -> Fixture {
 
     let mut publisher = SnapshotPublisher::new(config.snapshot_buckets());
     publisher.apply(&tree.take_changes());
-    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
 
     let pods = PodState {
         ids: (0..PODS).map(|i| format!("pod-{i}")).collect(),
@@ -193,6 +193,7 @@ fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> V
             slot,
             id: &pods.ids[slot],
             cache_match: f64::from(matched.blocks(slot)) / blocks.max(1) as f64,
+            inflight: 0,
             load: pods.load[slot],
             queue: pods.queue[slot],
             health: pods.health[slot],

@@ -1,9 +1,12 @@
 //! [`ClusterState`]: what the singleton service knows of the pods, folded
 //! from their reports and published as a snapshot.
 //!
-//! Per tick the service asks each pod for its report (`?since=SEQ&epoch=E`)
-//! and, when `metricsPath` is set, its vLLM metrics, then calls
-//! [`ClusterState::publish`]. Folding rules:
+//! Per round the service asks each pod for its report (`?since=SEQ&epoch=E`)
+//! and, when `metricsPath` is set, its vLLM metrics. Each answer goes to
+//! [`ClusterState::accept_pull`] (failures count at once, good bodies wait
+//! in an inbox), [`ClusterState::fold_next`] folds them as the service's
+//! time budget allows, and [`ClusterState::publish_some`] publishes a
+//! bounded part of what changed. Folding rules:
 //! - a full report replaces the pod's blocks; a delta applies `stored` then
 //!   `removed`; a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
@@ -11,21 +14,28 @@
 //! - queue: vLLM's `num_requests_waiting` when scraped, else the report's
 //!   `queueDepth`; load: the report's `gpuUtilization`, else vLLM's
 //!   `kv_cache_usage_perc`; adapters: both sources together;
-//! - health: the reported health (1.0 until a pod reports one), times a
-//!   staleness factor: 1 while the last good answer is younger than
-//!   `podReportIntervalMs + reportTimeoutMs`, then falling linearly to 0
-//!   over three more intervals, so a silent pod is excluded after about
-//!   three missed reports and recovers on its next good one. A pod nobody
-//!   polls (approximate mode without `metricsPath`) keeps health 1.0;
+//! - health: the reported health (1.0 until a pod reports one), times the
+//!   staleness factor of [`crate::staleness`], so a silent pod is excluded
+//!   after about three missed reports and recovers on its next good one;
 //! - failures (unreachable, HTTP status, malformed, wrong pod) are counted
 //!   per pod; [`ClusterState::record_failure`] and the report/metrics paths
 //!   return a [`Transition`] only when the pod's state changes, so logs say
 //!   it once.
 
+use std::collections::VecDeque;
+
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::index::{DecisionRecorder, PrefixTree};
 use crate::report::{parse_report, parse_vllm_metrics};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
+use crate::staleness::Staleness;
+
+/// Most blocks held by pending decisions (precise mode), all pods together.
+const PENDING_BLOCKS: usize = 262_144;
+
+/// Changed buckets the service writes per publication: a few ms of Envoy's
+/// main thread; a large resync is published over several ticks.
+pub const PUBLISH_BUCKETS: usize = 4096;
 
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +46,8 @@ pub enum Failure {
     Status(u32),
     /// A body that is not a valid report or metrics page.
     Malformed(String),
+    /// A body larger than `maxReportBytes`, left unread.
+    TooLarge { size: usize, limit: usize },
 }
 
 impl std::fmt::Display for Failure {
@@ -44,6 +56,10 @@ impl std::fmt::Display for Failure {
             Failure::Unreachable => f.write_str("unreachable or timed out"),
             Failure::Status(code) => write!(f, "answered HTTP {code}"),
             Failure::Malformed(why) => write!(f, "sent a malformed answer: {why}"),
+            Failure::TooLarge { size, limit } => write!(
+                f,
+                "answered {size} bytes, more than maxReportBytes ({limit}); the body was not read"
+            ),
         }
     }
 }
@@ -55,8 +71,45 @@ impl Failure {
             Failure::Unreachable => "unreachable",
             Failure::Status(_) => "status",
             Failure::Malformed(_) => "malformed",
+            Failure::TooLarge { .. } => "too_large",
         }
     }
+}
+
+/// An answer waiting in the inbox.
+#[derive(Debug, Clone)]
+struct Accepted {
+    pod: String,
+    kind: PullKind,
+    body: Vec<u8>,
+    inflight: u32,
+}
+
+/// What folding one accepted answer did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Folded {
+    pub pod: String,
+    pub kind: PullKind,
+    /// The report's summary (`None` for metrics), or why it was refused.
+    pub result: Result<Option<ReportSummary>, Failure>,
+    pub transition: Option<Transition>,
+}
+
+/// What a pull asks a pod for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullKind {
+    /// The report protocol v1 endpoint.
+    Report,
+    /// vLLM's Prometheus `/metrics`.
+    Metrics,
+}
+
+/// How the host answered a pull: the HTTP status (`None`: no response —
+/// connection failure, reset mid-body, timeout) and the body's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullAnswer<'a> {
+    pub status: Option<&'a str>,
+    pub body_size: usize,
 }
 
 /// A change of a pod's reporting state, to log once.
@@ -96,14 +149,29 @@ struct PodRecord {
     failures: u64,
 }
 
+impl PodRecord {
+    /// A good answer: the pod is fresh again.
+    fn succeeded(&mut self, now_ms: u64, inflight: u32) -> Option<Transition> {
+        self.last_success_ms = now_ms;
+        self.inflight_at_report = inflight;
+        self.failing.take().map(|_| Transition::Recovered {
+            pod: self.config.id.clone(),
+        })
+    }
+}
+
 /// See the module documentation.
 pub struct ClusterState {
-    mode: IndexMode,
-    polled: bool,
-    interval_ms: u64,
-    grace_ms: u64,
+    config: Config,
+    /// Good answers not folded yet, oldest first (at most one per pull in
+    /// flight, each within `maxReportBytes`).
+    inbox: VecDeque<Accepted>,
+    staleness: Staleness,
     pods: Vec<PodRecord>,
     index: DecisionRecorder,
+    /// Precise mode: the filters' decisions not yet confirmed by reports,
+    /// each counting for matching until it expires.
+    pending: Option<DecisionRecorder>,
     publisher: SnapshotPublisher,
     generation: u64,
 }
@@ -112,12 +180,18 @@ impl ClusterState {
     pub fn new(config: &Config, now_ms: u64) -> ClusterState {
         let tree = PrefixTree::with_change_log(config.max_index_blocks);
         let mut state = ClusterState {
-            mode: config.mode,
-            polled: config.mode == IndexMode::Precise || config.metrics_path.is_some(),
-            interval_ms: config.pod_report_interval_ms,
-            grace_ms: config.pod_report_interval_ms + config.report_timeout_ms,
+            config: config.clone(),
+            inbox: VecDeque::new(),
+            staleness: Staleness::from_config(config),
             pods: Vec::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
+            pending: (config.mode == IndexMode::Precise).then(|| {
+                DecisionRecorder::with_expiry(
+                    PrefixTree::with_change_log(config.max_index_blocks.min(PENDING_BLOCKS)),
+                    config.pod_capacity_blocks,
+                    config.pending_decision_ttl_ms(),
+                )
+            }),
             publisher: SnapshotPublisher::new(config.snapshot_buckets()),
             generation: 0,
         };
@@ -136,6 +210,9 @@ impl ClusterState {
             });
         for record in &gone {
             self.index.drop_pod(record.slot);
+            if let Some(pending) = &mut self.pending {
+                pending.drop_pod(record.slot);
+            }
         }
         let mut records = kept;
         for pod in pods.iter().take(crate::config::MAX_PODS) {
@@ -143,9 +220,12 @@ impl ClusterState {
                 record.config = pod.clone();
                 continue;
             }
-            let slot = (0..crate::config::MAX_PODS)
-                .find(|s| records.iter().all(|r| r.slot != *s))
-                .expect("at most MAX_PODS pods");
+            // Always found: at most MAX_PODS pods are taken.
+            let Some(slot) =
+                (0..crate::config::MAX_PODS).find(|s| records.iter().all(|r| r.slot != *s))
+            else {
+                break;
+            };
             records.push(PodRecord {
                 config: pod.clone(),
                 slot,
@@ -166,6 +246,8 @@ impl ClusterState {
         }
         records.sort_by_key(|r| r.slot);
         self.pods = records;
+        let share = self.config.pod_index_share(self.pods.len());
+        self.index.tree_mut().set_max_pod_blocks(share);
     }
 
     /// Ids and addresses of the current pods, in slot order.
@@ -185,6 +267,82 @@ impl ClusterState {
             Some(epoch) => format!("{report_path}?since={}&epoch={epoch}", record.seq),
             None => format!("{report_path}?since=0"),
         })
+    }
+
+    /// Takes the answer to a pull of `pod_id`, as the host delivered it:
+    /// a failure is recorded at once; a good body is queued for
+    /// [`ClusterState::fold_next`], so the service can spread folding over
+    /// its ticks. `body(n)` reads the first `n` bytes of the body and is
+    /// called only when the answer is worth reading (a 200 within
+    /// `maxReportBytes`, or the start of an error page). `inflight` is the
+    /// pod's in-flight count now, when its report was made (the new queue
+    /// baseline).
+    pub fn accept_pull(
+        &mut self,
+        pod_id: &str,
+        kind: PullKind,
+        answer: PullAnswer<'_>,
+        body: impl FnOnce(usize) -> Vec<u8>,
+        inflight: u32,
+    ) -> (Result<(), Failure>, Option<Transition>) {
+        let limit = self.config.max_report_bytes;
+        let body_size = answer.body_size;
+        let failure = match answer.status {
+            None => Failure::Unreachable,
+            Some("200") if body_size > limit => Failure::TooLarge {
+                size: body_size,
+                limit,
+            },
+            Some("200") => {
+                self.inbox.push_back(Accepted {
+                    pod: pod_id.to_string(),
+                    kind,
+                    body: body(body_size),
+                    inflight,
+                });
+                return (Ok(()), None);
+            }
+            // Envoy answers 503 itself when the pod cannot be reached.
+            Some("503") if body(body_size.min(64)).starts_with(b"upstream connect error") => {
+                Failure::Unreachable
+            }
+            Some(code) => Failure::Status(code.parse().unwrap_or(0)),
+        };
+        let transition = self.record_failure(pod_id, failure.clone());
+        (Err(failure), transition)
+    }
+
+    /// Folds the oldest accepted answer, if any.
+    pub fn fold_next(&mut self, now_ms: u64) -> Option<Folded> {
+        let accepted = self.inbox.pop_front()?;
+        let (pod, body, inflight) = (accepted.pod, accepted.body, accepted.inflight);
+        let (result, transition) = match accepted.kind {
+            PullKind::Report => {
+                let (result, transition) = self.apply_report(&pod, &body, now_ms, inflight);
+                (result.map(Some), transition)
+            }
+            PullKind::Metrics => {
+                let (result, transition) = self.apply_metrics(&pod, &body, now_ms, inflight);
+                (result.map(|()| None), transition)
+            }
+        };
+        Some(Folded {
+            pod,
+            kind: accepted.kind,
+            result,
+            transition,
+        })
+    }
+
+    /// Whether an accepted answer of `pod_id` waits to be folded (a new
+    /// report pull would ask for the same `since` again).
+    pub fn has_unfolded(&self, pod_id: &str) -> bool {
+        self.inbox.iter().any(|a| a.pod == pod_id)
+    }
+
+    /// Accepted answers not yet folded.
+    pub fn unfolded(&self) -> usize {
+        self.inbox.len()
     }
 
     /// Folds a report body from `pod_id`. `inflight` is the pod's current
@@ -215,15 +373,14 @@ impl ClusterState {
                 return (Err(failure), transition);
             }
         };
-        let Some(at) = self.pods.iter().position(|r| r.config.id == pod_id) else {
+        let Some(record) = self.pods.iter_mut().find(|r| r.config.id == pod_id) else {
             return (Err(Failure::Malformed("unknown pod".into())), None);
         };
-        let slot = self.pods[at].slot;
+        let slot = record.slot;
         let mut summary = ReportSummary {
             full: report.full,
             ..ReportSummary::default()
         };
-        let record = &mut self.pods[at];
         let continues =
             record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
         if report.full || !continues {
@@ -251,8 +408,7 @@ impl ClusterState {
         record.report_load = report.gpu_utilization;
         record.reported_health = report.health;
         record.report_adapters = report.adapters;
-        let transition = self.succeeded(at, now_ms, inflight);
-        (Ok(summary), transition)
+        (Ok(summary), record.succeeded(now_ms, inflight))
     }
 
     /// Folds a vLLM `/metrics` page from `pod_id`.
@@ -274,23 +430,14 @@ impl ClusterState {
                 return (Err(failure), transition);
             }
         };
-        let Some(at) = self.pods.iter().position(|r| r.config.id == pod_id) else {
+        let Some(record) = self.pods.iter_mut().find(|r| r.config.id == pod_id) else {
             return (Err(Failure::Malformed("unknown pod".into())), None);
         };
-        let record = &mut self.pods[at];
         record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
         record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
+        // (non-finite samples never get here: they read as not reported)
         record.metrics_adapters = metrics.running_adapters.unwrap_or_default();
-        (Ok(()), self.succeeded(at, now_ms, inflight))
-    }
-
-    fn succeeded(&mut self, at: usize, now_ms: u64, inflight: u32) -> Option<Transition> {
-        let record = &mut self.pods[at];
-        record.last_success_ms = now_ms;
-        record.inflight_at_report = inflight;
-        record.failing.take().map(|_| Transition::Recovered {
-            pod: record.config.id.clone(),
-        })
+        (Ok(()), record.succeeded(now_ms, inflight))
     }
 
     /// Counts a failed pull; a transition when the pod was not already
@@ -318,19 +465,21 @@ impl ClusterState {
     }
 
     fn decayed_health(&self, record: &PodRecord, now_ms: u64) -> f64 {
-        if !self.polled {
-            return record.reported_health;
-        }
         let age = now_ms.saturating_sub(record.last_success_ms);
-        let overdue = age.saturating_sub(self.grace_ms) as f64;
-        let factor = (1.0 - overdue / (3 * self.interval_ms) as f64).max(0.0);
-        record.reported_health * factor
+        record.reported_health * self.staleness.health_factor(age)
     }
 
-    /// Approximate mode: a filter routed `chain` to pod `slot`.
-    pub fn record_decision(&mut self, slot: usize, chain: &[u64]) {
-        if self.mode == IndexMode::Approximate && self.pods.iter().any(|r| r.slot == slot) {
-            self.index.record(slot, chain);
+    /// A filter routed `chain` to pod `slot` at `now_ms`. Approximate mode:
+    /// the pod now holds it. Precise mode: it is pending — counted as held
+    /// until it expires (a report confirms it meanwhile, or shows the pod
+    /// never kept it), and no report erases it before.
+    pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) {
+        if !self.pods.iter().any(|r| r.slot == slot) {
+            return;
+        }
+        match &mut self.pending {
+            Some(pending) => pending.record_at(slot, chain, now_ms),
+            None => self.index.record(slot, chain),
         }
     }
 
@@ -338,16 +487,54 @@ impl ClusterState {
         self.index.tree()
     }
 
-    /// Bytes held by the index and the snapshot mirror.
+    /// Precise mode's pending decisions (`None` in approximate mode).
+    pub fn pending(&self) -> Option<&PrefixTree> {
+        self.pending.as_ref().map(DecisionRecorder::tree)
+    }
+
+    /// Bytes held by the index, the pending decisions and the snapshot mirror.
     pub fn memory_bytes(&self) -> usize {
-        self.index.tree().memory_bytes() + self.publisher.memory_bytes()
+        self.index.tree().memory_bytes()
+            + self.pending.as_ref().map_or(0, |p| p.tree().memory_bytes())
+            + self.publisher.memory_bytes()
+    }
+
+    /// Moves what changed in the index and the pending decisions (expired
+    /// at `now_ms`) into the snapshot mirror: a block's published mask is
+    /// the pods the reports say hold it plus those it is pending on (both
+    /// prefix-closed, so their union is too).
+    fn mirror_changes(&mut self, now_ms: u64) {
+        let mut changes = self.index.tree_mut().take_changes();
+        if let Some(pending) = &mut self.pending {
+            pending.expire(now_ms);
+            changes.extend(pending.tree_mut().take_changes());
+            let (reported, pending) = (self.index.tree(), pending.tree());
+            for (hash, mask) in &mut changes {
+                *mask = reported.mask(*hash).unwrap_or(0) | pending.mask(*hash).unwrap_or(0);
+            }
+        }
+        self.publisher.apply(&changes);
+    }
+
+    /// At most `max_buckets` changed buckets, without a new pod table: how
+    /// decisions reach every worker within milliseconds.
+    pub fn publish_buckets(&mut self, now_ms: u64, max_buckets: usize) -> Vec<(u32, Vec<u8>)> {
+        self.mirror_changes(now_ms);
+        self.publisher.take_dirty(max_buckets)
     }
 
     /// The next snapshot: the pod table (always) and the index buckets that
     /// changed since the last call.
     pub fn publish(&mut self, now_ms: u64) -> Publication {
-        let changes = self.index.tree_mut().take_changes();
-        self.publisher.apply(&changes);
+        self.publish_some(now_ms, usize::MAX)
+    }
+
+    /// Like [`ClusterState::publish`] with at most `max_buckets` changed
+    /// buckets; the rest wait for the next call
+    /// ([`Publication::unpublished_buckets`]), so a large resync is published
+    /// over several calls instead of stalling one.
+    pub fn publish_some(&mut self, now_ms: u64, max_buckets: usize) -> Publication {
+        let buckets = self.publish_buckets(now_ms, max_buckets);
         self.generation += 1;
         let pods = self
             .pods
@@ -359,6 +546,8 @@ impl ClusterState {
                 queue: r.metrics_queue.unwrap_or(r.report_queue),
                 load: r.report_load.or(r.metrics_load).unwrap_or(0.0),
                 health: self.decayed_health(r, now_ms),
+                reported_health: r.reported_health,
+                last_report_ms: r.last_success_ms,
                 adapters: union(&r.report_adapters, &r.metrics_adapters),
                 attributes: r.config.attributes.clone(),
                 inflight_at_report: r.inflight_at_report,
@@ -366,12 +555,14 @@ impl ClusterState {
             .collect();
         let table = PodTable {
             generation: self.generation,
+            published_at_ms: now_ms,
             buckets: self.publisher.bucket_count(),
             pods,
         };
         Publication {
             table,
-            buckets: self.publisher.take_dirty(),
+            buckets,
+            unpublished_buckets: self.publisher.dirty_count(),
         }
     }
 
@@ -393,4 +584,6 @@ pub struct Publication {
     pub table: PodTable,
     /// (bucket, encoded value) of changed buckets.
     pub buckets: Vec<(u32, Vec<u8>)>,
+    /// Changed buckets left for the next publication.
+    pub unpublished_buckets: usize,
 }

@@ -18,6 +18,10 @@ use serde::Deserialize;
 /// and the shared-data snapshot.
 pub const MAX_PODS: usize = 64;
 
+/// Largest `maxIndexBlocks`: ~77 bytes per block (tree + snapshot mirror)
+/// make it about 1.3 GB of the service's memory.
+pub const MAX_INDEX_BLOCKS: usize = 16 * 1024 * 1024;
+
 /// Tolerance on "weights sum to 1.0".
 const WEIGHT_SUM_TOLERANCE: f64 = 1e-6;
 
@@ -67,6 +71,24 @@ impl Default for Weights {
             queue: 0.10,
             health: 0.05,
             adapter: 0.05,
+        }
+    }
+}
+
+/// The balance guard ([`crate::scoring::balance`]): a pod this far ahead
+/// of the least busy one in in-flight requests loses its cache affinity.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct BalanceConfig {
+    pub abs_threshold: u32,
+    pub rel_threshold: f64,
+}
+
+impl Default for BalanceConfig {
+    fn default() -> Self {
+        BalanceConfig {
+            abs_threshold: 4,
+            rel_threshold: 1.3,
         }
     }
 }
@@ -183,6 +205,7 @@ pub struct Config {
     pub weights: Weights,
     pub attribute_scorers: Vec<AttributeScorerConfig>,
     pub max_queue: u32,
+    pub balance: BalanceConfig,
     pub health_exclusion_threshold: f64,
     pub block_size_bytes: usize,
     pub block_size_tokens: usize,
@@ -195,6 +218,16 @@ pub struct Config {
     pub max_index_blocks: usize,
     /// Per-pod bound in approximate mode (the pod's KV capacity in blocks).
     pub pod_capacity_blocks: usize,
+    /// Most blocks one pod may hold in the index; `None`: twice its fair
+    /// share, `2 × maxIndexBlocks / pods` (at most `maxIndexBlocks`).
+    pub max_pod_index_blocks: Option<usize>,
+    /// Largest report or metrics body the service reads; a larger one is a
+    /// failed pull (`too_large`).
+    pub max_report_bytes: usize,
+    /// Precise mode: how long a routing decision counts as "the pod holds
+    /// this prompt" before a report says so; `None`: two report intervals
+    /// plus the report timeout.
+    pub pending_decision_ms: Option<u64>,
     pub pod_report_interval_ms: u64,
     /// A report older than this many intervals starts decaying the pod's health.
     pub report_timeout_ms: u64,
@@ -225,6 +258,7 @@ impl Default for Config {
             weights: Weights::default(),
             attribute_scorers: Vec::new(),
             max_queue: 20,
+            balance: BalanceConfig::default(),
             health_exclusion_threshold: 0.3,
             block_size_bytes: 64,
             block_size_tokens: 16,
@@ -233,6 +267,9 @@ impl Default for Config {
             mode: IndexMode::Precise,
             max_index_blocks: 1_000_000,
             pod_capacity_blocks: 32_768,
+            max_pod_index_blocks: None,
+            max_report_bytes: 4 * 1024 * 1024,
+            pending_decision_ms: None,
             pod_report_interval_ms: 2000,
             report_timeout_ms: 1000,
             pods: Vec::new(),
@@ -311,6 +348,13 @@ impl Config {
         if self.max_queue < 1 {
             return Err(invalid("maxQueue", "must be >= 1"));
         }
+        let rel = self.balance.rel_threshold;
+        if !(rel.is_finite() && rel >= 1.0) {
+            return Err(invalid(
+                "balance.relThreshold",
+                format!("must be a number >= 1 (got {rel})"),
+            ));
+        }
         check_unit("healthExclusionThreshold", self.health_exclusion_threshold)?;
         positive("blockSizeBytes", self.block_size_bytes as u64)?;
         positive("blockSizeTokens", self.block_size_tokens as u64)?;
@@ -319,6 +363,19 @@ impl Config {
         positive("reportTimeoutMs", self.report_timeout_ms)?;
         positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;
         positive("maxBodyBytes", self.max_body_bytes as u64)?;
+        positive("maxReportBytes", self.max_report_bytes as u64)?;
+        if let Some(ms) = self.pending_decision_ms {
+            positive("pendingDecisionMs", ms)?;
+        }
+        if let Some(blocks) = self.max_pod_index_blocks {
+            positive("maxPodIndexBlocks", blocks as u64)?;
+        }
+        if self.max_index_blocks > MAX_INDEX_BLOCKS {
+            return Err(invalid(
+                "maxIndexBlocks",
+                format!("must be at most {MAX_INDEX_BLOCKS} (about 77 bytes of memory per block)"),
+            ));
+        }
         if self.max_index_blocks < self.max_prefix_blocks {
             return Err(invalid(
                 "maxIndexBlocks",
@@ -410,10 +467,30 @@ impl Config {
         self.models.get(requested).cloned()
     }
 
+    /// How long a precise-mode decision counts before a report confirms it.
+    pub fn pending_decision_ttl_ms(&self) -> u64 {
+        self.pending_decision_ms.unwrap_or_else(|| {
+            self.pod_report_interval_ms
+                .saturating_mul(2)
+                .saturating_add(self.report_timeout_ms)
+        })
+    }
+
+    /// Most blocks one of `pods` pods may hold in the index.
+    pub fn pod_index_share(&self, pods: usize) -> usize {
+        self.max_pod_index_blocks.unwrap_or_else(|| {
+            (self.max_index_blocks.saturating_mul(2) / pods.max(1)).min(self.max_index_blocks)
+        })
+    }
+
     /// Number of shared-data buckets the published index is spread over:
     /// about 16 blocks per bucket at full index, a power of two.
     pub fn snapshot_buckets(&self) -> u32 {
-        ((self.max_index_blocks / 16).max(1) as u32).next_power_of_two()
+        let buckets = (self.max_index_blocks.min(MAX_INDEX_BLOCKS) / 16).max(1);
+        u32::try_from(buckets)
+            .unwrap_or(u32::MAX)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << 31)
     }
 }
 

@@ -4,6 +4,23 @@
 //! The routing core (everything but the `wasm` module) is host-agnostic: it imports
 //! nothing from proxy-wasm, so it is tested and benchmarked natively and
 //! reused by the simulated pods and tools.
+//!
+//! No input and no host answer may panic: a panic aborts the VM, and Envoy
+//! never reloads the singleton report service. The lints below enforce it
+//! outside tests; the few exceptions are allowed where they stand, with
+//! the reason.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing,
+        clippy::unreachable,
+        clippy::todo,
+        clippy::unimplemented
+    )
+)]
 
 pub mod cluster;
 pub mod config;
@@ -14,6 +31,7 @@ pub mod request;
 pub mod router;
 pub mod scoring;
 pub mod snapshot;
+pub mod staleness;
 pub mod usage;
 
 #[cfg(all(target_arch = "wasm32", feature = "envoy", not(test)))]

@@ -51,16 +51,20 @@ pub struct PodReport {
     pub adapters: Vec<String>,
 }
 
+// Hashes are borrowed from the body (hex never needs JSON escapes), so a
+// large report allocates no string per hash.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct WireChain {
-    parent: Option<String>,
-    hashes: Vec<String>,
+struct WireChain<'a> {
+    #[serde(borrow)]
+    parent: Option<&'a str>,
+    #[serde(borrow)]
+    hashes: Vec<&'a str>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct WireReport {
+struct WireReport<'a> {
     version: u32,
     pod_id: String,
     epoch: String,
@@ -68,10 +72,10 @@ struct WireReport {
     #[serde(default)]
     since: u64,
     full: bool,
-    #[serde(default)]
-    stored: Vec<WireChain>,
-    #[serde(default)]
-    removed: Vec<String>,
+    #[serde(default, borrow)]
+    stored: Vec<WireChain<'a>>,
+    #[serde(default, borrow)]
+    removed: Vec<&'a str>,
     queue_depth: u32,
     #[serde(default)]
     running: u32,
@@ -119,7 +123,6 @@ pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
             Ok(StoredChain {
                 parent: chain
                     .parent
-                    .as_deref()
                     .map(|p| parse_hash(p, "stored.parent"))
                     .transpose()?,
                 hashes: chain
@@ -182,10 +185,20 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
         }
         let (name, labels, rest) = match line.find('{') {
             Some(open) => {
+                let unclosed = || format!("metrics line {}: unclosed label set", number + 1);
                 let close = line
                     .rfind('}')
-                    .ok_or_else(|| format!("metrics line {}: unclosed label set", number + 1))?;
-                (&line[..open], &line[open + 1..close], &line[close + 1..])
+                    .filter(|&close| close > open)
+                    .ok_or_else(unclosed)?;
+                // `{` and `}` are one byte each, so these are char boundaries.
+                match (
+                    line.get(..open),
+                    line.get(open + 1..close),
+                    line.get(close + 1..),
+                ) {
+                    (Some(name), Some(labels), Some(rest)) => (name, labels, rest),
+                    _ => return Err(unclosed()),
+                }
             }
             None => match line.split_once(' ') {
                 Some((name, rest)) => (name, "", rest),
@@ -197,7 +210,9 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
             "vllm:num_requests_running" => &mut metrics.running,
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut metrics.kv_cache_usage,
             "vllm:lora_requests_info" => {
-                let value = sample_value(rest, number)?;
+                let Some(value) = sample_value(rest, number)? else {
+                    continue;
+                };
                 if value >= newest_lora {
                     newest_lora = value;
                     let adapters = label(labels, "running_lora_adapters").unwrap_or_default();
@@ -214,27 +229,31 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
             }
             _ => continue,
         };
-        let value = sample_value(rest, number)?;
-        *target = Some(target.unwrap_or(0.0) + value);
+        if let Some(value) = sample_value(rest, number)? {
+            *target = Some(target.unwrap_or(0.0) + value);
+        }
     }
     Ok(metrics)
 }
 
-fn sample_value(rest: &str, number: usize) -> Result<f64, String> {
+/// A sample's value; `None` for NaN and infinities (Prometheus allows
+/// them, but no load or queue can be one), which count as not reported.
+fn sample_value(rest: &str, number: usize) -> Result<Option<f64>, String> {
     let text = rest.split_whitespace().next().unwrap_or("");
-    text.parse::<f64>().map_err(|_| {
+    let value = text.parse::<f64>().map_err(|_| {
         format!(
             "metrics line {}: value {text:?} is not a number",
             number + 1
         )
-    })
+    })?;
+    Ok(value.is_finite().then_some(value))
 }
 
 /// The value of `key="..."` in a Prometheus label set.
 fn label(labels: &str, key: &str) -> Option<String> {
-    let start = labels.find(&format!("{key}=\""))? + key.len() + 2;
-    let end = labels[start..].find('"')? + start;
-    Some(labels[start..end].to_string())
+    let pattern = format!("{key}=\"");
+    let value = labels.get(labels.find(&pattern)? + pattern.len()..)?;
+    Some(value.get(..value.find('"')?)?.to_string())
 }
 
 #[cfg(test)]
@@ -289,5 +308,21 @@ mod tests {
         assert!(parse_vllm_metrics("vllm:num_requests_waiting{a=\"b\"} x\n")
             .unwrap_err()
             .contains("line 1"));
+    }
+
+    #[test]
+    fn a_closing_brace_before_the_opening_one_is_an_error() {
+        let error = parse_vllm_metrics("ok 1\n}{\n").unwrap_err();
+        assert!(error.contains("line 2: unclosed label set"), "{error}");
+        assert!(parse_vllm_metrics("vllm:num_requests_waiting} 3 {\n").is_err());
+    }
+
+    #[test]
+    fn non_finite_samples_count_as_not_reported() {
+        let m = parse_vllm_metrics(
+            "vllm:kv_cache_usage_perc NaN\nvllm:num_requests_waiting{a=\"b\"} +Inf\n",
+        )
+        .unwrap();
+        assert_eq!((m.kv_cache_usage, m.waiting), (None, None));
     }
 }

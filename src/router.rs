@@ -13,6 +13,10 @@
 //!    burst between two reports spreads instead of piling on the hot pod.
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
 //!    `onNoEligiblePod` answers 503 with `retry-after` or uses `fallbackPod`.
+//!
+//! A snapshot the service stopped refreshing ([`Staleness`]) is not
+//! trusted for cache: the request is routed by load, with each pod's health
+//! decayed from its last report as the service would have done.
 
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::BlockHasher;
@@ -20,6 +24,7 @@ use crate::index::{PrefixLookup, PrefixMatch};
 use crate::request::parse_request;
 use crate::scoring::{Candidate, Decision, ScoringPolicy};
 use crate::snapshot::PodTable;
+use crate::staleness::Staleness;
 
 /// The router's view of the cluster for one request.
 pub struct ClusterView<'a> {
@@ -27,6 +32,8 @@ pub struct ClusterView<'a> {
     pub index: &'a dyn PrefixLookup,
     /// In-flight requests per pod slot.
     pub inflight: &'a [u32],
+    /// Now, on the clock of `table.published_at_ms`.
+    pub now_ms: u64,
 }
 
 /// A request sent to a pod.
@@ -37,7 +44,7 @@ pub struct Routed {
     pub slot: usize,
     pub pod_id: String,
     pub address: String,
-    /// Client-facing model name ("unknown" when the body had none).
+    /// Client-facing model name (empty when the body could not be parsed).
     pub model: String,
     pub adapter: Option<String>,
     /// The chosen pod will have to load the adapter.
@@ -52,6 +59,8 @@ pub struct Routed {
     pub degraded: Option<String>,
     /// Sent to `fallbackPod` because every pod was excluded.
     pub fallback: bool,
+    /// The snapshot was stale: routed by load with self-decayed health.
+    pub stale_snapshot: bool,
     pub decision: Decision,
 }
 
@@ -66,12 +75,35 @@ pub struct Rejected {
 }
 
 impl Rejected {
+    /// The answer to `method` (not POST) on a route path: inference
+    /// endpoints take only POST, as vLLM's do.
+    pub fn method_not_allowed(method: &str) -> Rejected {
+        Rejected {
+            status: 405,
+            kind: "MethodNotAllowedError",
+            message: format!("method {method:?} is not allowed here; use POST"),
+            retry_after: None,
+        }
+    }
+
+    /// Response headers: JSON, `retry-after` when set, `allow` on a 405.
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut headers = vec![("content-type", "application/json".to_string())];
+        if let Some(seconds) = self.retry_after {
+            headers.push(("retry-after", seconds.to_string()));
+        }
+        if self.status == 405 {
+            headers.push(("allow", "POST".to_string()));
+        }
+        headers
+    }
+
     /// OpenAI-style error body.
     pub fn body(&self) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({
             "error": {"message": self.message, "type": self.kind, "code": self.status}
         }))
-        .expect("error body serialises")
+        .unwrap_or_default()
     }
 }
 
@@ -87,12 +119,13 @@ pub struct Router {
     config: Config,
     hasher: BlockHasher,
     policy: ScoringPolicy,
+    staleness: Staleness,
 }
 
 /// A request reduced to what routing needs: parsed, model resolved, hashed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutingRequest {
-    /// Client-facing model name ("unknown" when the body had none).
+    /// Client-facing model name (empty when the body could not be parsed).
     pub model: String,
     pub adapter: Option<String>,
     /// The prompt's block chain; empty when routing by load alone.
@@ -121,12 +154,27 @@ impl Router {
         Router {
             hasher: BlockHasher::from_config(&config),
             policy: ScoringPolicy::from_config(&config),
+            staleness: Staleness::from_config(&config),
             config,
         }
     }
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The `model` label of a request's metrics: a configured model name,
+    /// `other` for any other name, `invalid` for a body that could not be
+    /// parsed. Label values come only from the configuration, so clients
+    /// cannot create metric series (Envoy never drops them).
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if model.is_empty() {
+            "invalid"
+        } else if self.config.models.contains_key(model) {
+            model
+        } else {
+            "other"
+        }
     }
 
     /// Whether `path` (without query) is one kvroute routes, and if so
@@ -163,7 +211,17 @@ impl Router {
         tie_breaker: u64,
     ) -> Outcome {
         let chain = request.chain;
-        let matches = if chain.is_empty() {
+        let mut degraded = request.degraded;
+        let snapshot_age_ms = view.now_ms.saturating_sub(view.table.published_at_ms);
+        let stale_snapshot = snapshot_age_ms > self.staleness.snapshot_stale_after_ms();
+        if stale_snapshot {
+            degraded.get_or_insert_with(|| {
+                format!(
+                    "the report service's snapshot is {snapshot_age_ms} ms old: routing by load"
+                )
+            });
+        }
+        let matches = if chain.is_empty() || stale_snapshot {
             PrefixMatch::default()
         } else {
             view.index.lookup(&chain)
@@ -184,11 +242,17 @@ impl Router {
                     } else {
                         f64::from(matched) / chain.len() as f64
                     },
+                    inflight,
+                    health: if stale_snapshot {
+                        let age = view.now_ms.saturating_sub(pod.last_report_ms);
+                        pod.reported_health * self.staleness.health_factor(age)
+                    } else {
+                        pod.health
+                    },
                     load: pod.load,
                     queue: pod
                         .queue
                         .saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
-                    health: pod.health,
                     adapter_loaded: adapter.as_ref().is_some_and(|a| pod.adapters.contains(a)),
                     attributes: &pod.attributes,
                 }
@@ -211,7 +275,9 @@ impl Router {
                             decision
                                 .excluded
                                 .iter()
-                                .map(|(i, why)| format!("{} {why}", candidates[*i].id))
+                                .filter_map(|(i, why)| {
+                                    candidates.get(*i).map(|c| format!("{} {why}", c.id))
+                                })
                                 .collect::<Vec<_>>()
                                 .join("; ")
                         ),
@@ -220,7 +286,16 @@ impl Router {
                 }
             },
         };
-        let chosen = &view.table.pods[pod];
+        // Candidates are the table's pods in order, so `pod` indexes both.
+        let (Some(chosen), Some(candidate)) = (view.table.pods.get(pod), candidates.get(pod))
+        else {
+            return Outcome::Rejected(Rejected {
+                status: 503,
+                kind: "ServiceUnavailableError",
+                message: format!("kvroute chose pod {pod}, which is not in the pod table"),
+                retry_after: Some(self.config.retry_after_seconds),
+            });
+        };
         let matched_blocks = matches.blocks(chosen.slot);
         let composite = decision.winner().map_or(0.0, |w| w.composite);
         Outcome::Routed(Box::new(Routed {
@@ -233,13 +308,14 @@ impl Router {
                 .as_ref()
                 .is_some_and(|a| !chosen.adapters.contains(a)),
             adapter,
-            cache_match: candidates[pod].cache_match,
+            cache_match: candidate.cache_match,
             chain,
             matched_blocks,
             composite,
             predicted_cached_tokens: u64::from(matched_blocks) * request.tokens_per_block,
-            degraded: request.degraded,
+            degraded,
             fallback,
+            stale_snapshot,
             decision,
         }))
     }
@@ -262,7 +338,7 @@ impl Router {
                 message,
                 retry_after: None,
             }),
-            BadRequestPolicy::Route => Ok(RoutingRequest::by_load("unknown".into(), message)),
+            BadRequestPolicy::Route => Ok(RoutingRequest::by_load(String::new(), message)),
         };
         if body.len() > self.config.max_body_bytes {
             return bad(format!(
@@ -308,20 +384,133 @@ impl Router {
                     .zip(&s.factors)
                     .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
                     .collect();
-                serde_json::json!({"pod": table.pods[s.index].id, "factors": factors, "composite": round4(s.composite)})
+                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite)})
             })
             .collect();
         let excluded: Vec<serde_json::Value> = decision
             .excluded
             .iter()
             .map(
-                |(i, why)| serde_json::json!({"pod": table.pods[*i].id, "reason": why.to_string()}),
+                |(i, why)| serde_json::json!({"pod": pod_id(table, *i), "reason": why.to_string()}),
             )
             .collect();
         serde_json::json!({"candidates": candidates, "excluded": excluded}).to_string()
     }
 }
 
+fn pod_id(table: &PodTable, index: usize) -> &str {
+    table.pods.get(index).map_or("", |p| p.id.as_str())
+}
+
 fn round4(value: f64) -> f64 {
     (value * 10_000.0).round() / 10_000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ClusterState;
+    use crate::index::PrefixTree;
+
+    fn config() -> Config {
+        Config::parse(
+            br#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"},
+                          {"id": "b", "address": "127.0.0.1:9002"}]}"#,
+        )
+        .unwrap()
+    }
+
+    fn report(pod: &str, queue: u32, hashes: &[u64]) -> Vec<u8> {
+        let hashes: Vec<String> = hashes
+            .iter()
+            .map(|h| format!("\"{}\"", crate::report::hash_to_hex(*h)))
+            .collect();
+        format!(
+            r#"{{"version":1,"podId":"{pod}","epoch":"e","seq":1,"full":true,"queueDepth":{queue},
+                "health":1.0,"stored":[{{"parent":null,"hashes":[{}]}}]}}"#,
+            hashes.join(",")
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_stale_snapshot_routes_by_load_with_health_decayed_as_the_service_would() {
+        let config = config();
+        let router = Router::new(config.clone());
+        let body = br#"{"model": "m", "prompt": "PROMPT"}"#;
+        let prompt = "x".repeat(640);
+        let body = String::from_utf8_lossy(body).replace("PROMPT", &prompt);
+        let chain = router.prepare(body.as_bytes(), false).unwrap().chain;
+        let mut cluster = ClusterState::new(&config, 0);
+        // `a` holds the prompt but is busier; `b` holds nothing.
+        cluster
+            .apply_report("a", &report("a", 5, &chain), 1000, 0)
+            .0
+            .unwrap();
+        cluster
+            .apply_report("b", &report("b", 0, &[]), 1000, 0)
+            .0
+            .unwrap();
+        let published = cluster.publish(1000).table;
+        let mut tree = PrefixTree::new(1000);
+        tree.insert_chain(0, None, &chain);
+        let inflight = [0, 0];
+        let view = |now_ms| ClusterView {
+            table: &published,
+            index: &tree,
+            inflight: &inflight,
+            now_ms,
+        };
+        let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
+            Outcome::Routed(routed) => routed,
+            Outcome::Rejected(rejected) => panic!("{rejected:?}"),
+        };
+
+        let fresh = route(1500);
+        assert_eq!((fresh.pod_id.as_str(), fresh.stale_snapshot), ("a", false));
+        assert_eq!(fresh.cache_match, 1.0);
+
+        // Stale after grace (2000 + 1000) + 2 intervals = 7000 ms.
+        let stale = route(1000 + 7001);
+        assert!(stale.stale_snapshot);
+        assert_eq!((stale.pod_id.as_str(), stale.cache_match), ("b", 0.0));
+        assert!(stale.degraded.unwrap().contains("snapshot is 7001 ms old"));
+        // Reports 7001 ms old: 1 − 4001/6000 of health, as the service decays.
+        let health = stale.decision.scored[0].factors[3];
+        assert!((health - (1.0 - 4001.0 / 6000.0)).abs() < 1e-3, "{health}");
+
+        // Once every report is too old, nothing is eligible.
+        match router.route(body.as_bytes(), false, &view(1000 + 9001), 1) {
+            Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
+            Outcome::Routed(routed) => panic!("routed to {}", routed.pod_id),
+        }
+    }
+
+    #[test]
+    fn metric_labels_come_from_the_configuration_only() {
+        let mut config = config();
+        config.models.insert(
+            "chat".into(),
+            crate::config::ModelTarget {
+                base_model: "llama".into(),
+                adapter: None,
+            },
+        );
+        let router = Router::new(config);
+        assert_eq!(router.model_label("chat"), "chat");
+        assert_eq!(router.model_label("x y"), "other");
+        assert_eq!(router.model_label("unknown"), "other");
+        let bad = router.prepare(b"not json", false).unwrap();
+        assert_eq!(router.model_label(&bad.model), "invalid");
+    }
+
+    #[test]
+    fn other_methods_get_405_naming_post() {
+        let rejected = Rejected::method_not_allowed("GET");
+        assert_eq!(rejected.status, 405);
+        assert!(rejected.headers().contains(&("allow", "POST".to_string())));
+        let body: serde_json::Value = serde_json::from_slice(&rejected.body()).unwrap();
+        assert_eq!(body["error"]["type"], "MethodNotAllowedError");
+        assert!(body["error"]["message"].as_str().unwrap().contains("GET"));
+    }
 }

@@ -39,7 +39,7 @@ pub fn bucket_key(bucket: u32) -> String {
 
 /// The bucket of `hash` among `buckets` (a power of two).
 pub fn bucket_of(hash: u64, buckets: u32) -> u32 {
-    (hash & u64::from(buckets - 1)) as u32
+    (hash & u64::from(buckets.saturating_sub(1))) as u32
 }
 
 /// Encodes sorted `(hash, mask)` entries.
@@ -55,20 +55,23 @@ pub fn encode_bucket(entries: &[(u64, PodMask)]) -> Vec<u8> {
 /// The mask of `hash` in an encoded bucket (binary search).
 pub fn bucket_lookup(bytes: &[u8], hash: u64) -> Option<PodMask> {
     let entries = bytes.len() / ENTRY_BYTES;
-    let word = |i: usize, offset: usize| {
-        let at = i * ENTRY_BYTES + offset;
-        u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
-    };
+    let word = |i: usize, offset: usize| le_u64(bytes, i * ENTRY_BYTES + offset);
     let (mut lo, mut hi) = (0, entries);
     while lo < hi {
         let mid = (lo + hi) / 2;
-        match word(mid, 0).cmp(&hash) {
+        match word(mid, 0)?.cmp(&hash) {
             std::cmp::Ordering::Less => lo = mid + 1,
             std::cmp::Ordering::Greater => hi = mid,
-            std::cmp::Ordering::Equal => return Some(word(mid, 8)),
+            std::cmp::Ordering::Equal => return word(mid, 8),
         }
     }
     None
+}
+
+/// The little-endian u64 at byte `at`, if the bytes are there.
+fn le_u64(bytes: &[u8], at: usize) -> Option<u64> {
+    let word = bytes.get(at..at.checked_add(8)?)?;
+    Some(u64::from_le_bytes(word.try_into().ok()?))
 }
 
 /// The filter's view of the published index: bucket values fetched on demand
@@ -81,7 +84,9 @@ pub struct SnapshotIndex<F: Fn(u32) -> Option<Vec<u8>>> {
 impl<F: Fn(u32) -> Option<Vec<u8>>> PrefixLookup for SnapshotIndex<F> {
     fn lookup(&self, chain: &[u64]) -> PrefixMatch {
         match_by_bisection(chain.len(), |i| {
-            let hash = chain[i];
+            let Some(&hash) = chain.get(i) else {
+                return 0;
+            };
             (self.fetch)(bucket_of(hash, self.buckets))
                 .and_then(|bytes| bucket_lookup(&bytes, hash))
                 .unwrap_or(0)
@@ -98,8 +103,9 @@ pub struct SnapshotPublisher {
 }
 
 impl SnapshotPublisher {
+    /// `buckets` is rounded up to a power of two.
     pub fn new(buckets: u32) -> SnapshotPublisher {
-        assert!(buckets.is_power_of_two());
+        let buckets = buckets.max(1).next_power_of_two();
         SnapshotPublisher {
             buckets: vec![Vec::new(); buckets as usize],
             dirty: Vec::new(),
@@ -116,32 +122,48 @@ impl SnapshotPublisher {
         let count = self.bucket_count();
         for &(hash, mask) in changes {
             let b = bucket_of(hash, count);
-            let bucket = &mut self.buckets[b as usize];
+            let (Some(bucket), Some(is_dirty)) = (
+                self.buckets.get_mut(b as usize),
+                self.is_dirty.get_mut(b as usize),
+            ) else {
+                continue; // bucket_of is always below the count
+            };
             match bucket.binary_search_by_key(&hash, |e| e.0) {
                 Ok(at) if mask == 0 => {
                     bucket.remove(at);
                 }
-                Ok(at) => bucket[at].1 = mask,
+                Ok(at) => {
+                    if let Some(entry) = bucket.get_mut(at) {
+                        entry.1 = mask;
+                    }
+                }
                 Err(_) if mask == 0 => continue,
                 Err(at) => bucket.insert(at, (hash, mask)),
             }
-            if !self.is_dirty[b as usize] {
-                self.is_dirty[b as usize] = true;
+            if !*is_dirty {
+                *is_dirty = true;
                 self.dirty.push(b);
             }
         }
     }
 
-    /// Encoded values of the buckets changed since the last call.
-    pub fn take_dirty(&mut self) -> Vec<(u32, Vec<u8>)> {
-        let dirty = std::mem::take(&mut self.dirty);
-        dirty
+    /// Encoded values of at most `max` buckets changed since they were
+    /// last taken, oldest change first.
+    pub fn take_dirty(&mut self, max: usize) -> Vec<(u32, Vec<u8>)> {
+        let take = self.dirty.len().min(max);
+        let taken: Vec<u32> = self.dirty.drain(..take).collect();
+        taken
             .into_iter()
-            .map(|b| {
-                self.is_dirty[b as usize] = false;
-                (b, encode_bucket(&self.buckets[b as usize]))
+            .filter_map(|b| {
+                *self.is_dirty.get_mut(b as usize)? = false;
+                Some((b, encode_bucket(self.buckets.get(b as usize)?)))
             })
             .collect()
+    }
+
+    /// Buckets changed and not yet taken.
+    pub fn dirty_count(&self) -> usize {
+        self.dirty.len()
     }
 
     /// Heap bytes of the mirror (≈ what Envoy holds for the buckets).
@@ -169,6 +191,10 @@ pub struct PublishedPod {
     pub load: f64,
     /// Reported health decayed by staleness.
     pub health: f64,
+    /// Health as last reported, and when (ms since the Unix epoch): what a
+    /// filter decays from when the snapshot itself is stale.
+    pub reported_health: f64,
+    pub last_report_ms: u64,
     pub adapters: Vec<String>,
     #[serde(default)]
     pub attributes: BTreeMap<String, f64>,
@@ -182,13 +208,16 @@ pub struct PublishedPod {
 #[serde(rename_all = "camelCase")]
 pub struct PodTable {
     pub generation: u64,
+    /// When the service published it (ms since the Unix epoch).
+    pub published_at_ms: u64,
     pub buckets: u32,
     pub pods: Vec<PublishedPod>,
 }
 
 impl PodTable {
     pub fn encode(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("pod table serialises")
+        // Plain data (strings, numbers, maps with string keys) always serialises.
+        serde_json::to_vec(self).unwrap_or_default()
     }
 
     pub fn decode(bytes: &[u8]) -> Result<PodTable, String> {
@@ -200,7 +229,11 @@ impl PodTable {
 pub fn decode_inflight(bytes: &[u8], slots: usize) -> Vec<u32> {
     let mut counts: Vec<u32> = bytes
         .chunks_exact(4)
-        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .map(|c| {
+            c.iter()
+                .rev()
+                .fold(0, |word, &byte| word << 8 | u32::from(byte))
+        })
         .collect();
     counts.resize(slots.max(counts.len()), 0);
     counts
@@ -226,10 +259,9 @@ pub fn decode_decision(bytes: &[u8]) -> Option<(usize, Vec<u64>)> {
     if rest.len() % 8 != 0 {
         return None;
     }
-    let chain = rest
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect();
+    let chain = (0..rest.len() / 8)
+        .map(|i| le_u64(rest, i * 8))
+        .collect::<Option<_>>()?;
     Some((slot as usize, chain))
 }
 
@@ -250,17 +282,20 @@ mod tests {
         tree.insert_chain(2, None, &chain[..3]);
         let mut publisher = SnapshotPublisher::new(64);
         publisher.apply(&tree.take_changes());
-        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
         let snapshot = SnapshotIndex {
             buckets: 64,
             fetch: |b| store.get(&b).cloned(),
         };
         assert_eq!(snapshot.lookup(&chain), tree.lookup(&chain));
         assert_eq!(snapshot.lookup(&chain).blocks(1), 40);
-        assert!(publisher.take_dirty().is_empty(), "nothing changed since");
+        assert!(
+            publisher.take_dirty(usize::MAX).is_empty(),
+            "nothing changed since"
+        );
         tree.remove_blocks(1, &[chain[10]]);
         publisher.apply(&tree.take_changes());
-        assert!(!publisher.take_dirty().is_empty());
+        assert!(!publisher.take_dirty(usize::MAX).is_empty());
     }
 
     #[test]

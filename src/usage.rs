@@ -23,7 +23,7 @@ impl CachedTokensScanner {
         let mut window = std::mem::take(&mut self.carry);
         window.extend_from_slice(chunk);
         if let Some(at) = find(&window, FIELD) {
-            let rest = &window[at + FIELD.len()..];
+            let rest = window.get(at + FIELD.len()..).unwrap_or_default();
             let rest = skip(rest, |b| b == b':' || b.is_ascii_whitespace());
             let digits: Vec<u8> = rest
                 .iter()
@@ -37,12 +37,18 @@ impl CachedTokensScanner {
                     .and_then(|d| d.parse().ok());
                 return self.found;
             }
-            // The number may continue in the next chunk: keep from the field on.
-            self.carry = window[at..].to_vec();
+            // The number may continue in the next chunk: keep from the field
+            // on, unless no real value is that long (the carry stays bounded).
+            if rest.len() <= CARRY {
+                self.carry = window.get(at..).unwrap_or_default().to_vec();
+            }
             return None;
         }
         let keep = window.len().min(CARRY);
-        self.carry = window[window.len() - keep..].to_vec();
+        self.carry = window
+            .get(window.len() - keep..)
+            .unwrap_or_default()
+            .to_vec();
         None
     }
 
@@ -57,7 +63,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 
 fn skip(bytes: &[u8], pred: impl Fn(u8) -> bool) -> &[u8] {
     let n = bytes.iter().take_while(|&&b| pred(b)).count();
-    &bytes[n..]
+    bytes.get(n..).unwrap_or_default()
 }
 
 #[cfg(test)]

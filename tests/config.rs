@@ -231,6 +231,13 @@ fn every_numeric_rule_names_its_field() {
     rejects(&with_pods(r#""maxBodyBytes": 0"#), "maxBodyBytes");
     rejects(&with_pods(r#""maxIndexBlocks": 255"#), "maxIndexBlocks");
     parse(&with_pods(r#""maxIndexBlocks": 256"#)).unwrap();
+    // Bounded above (memory), and never an overflowing bucket count.
+    rejects(
+        &with_pods(r#""maxIndexBlocks": 34359738384"#),
+        "maxIndexBlocks",
+    );
+    let largest = parse(&with_pods(r#""maxIndexBlocks": 16777216"#)).unwrap();
+    assert_eq!(largest.snapshot_buckets(), 1 << 20);
     rejects(
         &with_pods(r#""routePaths": ["/v1/completions", "v1/chat"]"#),
         "routePaths[1]",

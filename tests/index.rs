@@ -290,7 +290,7 @@ proptest! {
         let mut published = PrefixTree::new(1_000); // the tree as of the last publish
         let mut publish = |tree: &mut PrefixTree, published: &mut PrefixTree, store: &mut HashMap<u32, Vec<u8>>| {
             publisher.apply(&tree.take_changes());
-            for (bucket, bytes) in publisher.take_dirty() {
+            for (bucket, bytes) in publisher.take_dirty(usize::MAX) {
                 store.insert(bucket, bytes);
             }
             *published = strip_log(tree);
@@ -327,7 +327,7 @@ proptest! {
                 prop_assert_eq!(snapshot.lookup(&path[..p]), tree.lookup(&path[..p]));
             }
         }
-        prop_assert!(publisher.take_dirty().is_empty());
+        prop_assert!(publisher.take_dirty(usize::MAX).is_empty());
     }
 }
 
@@ -345,7 +345,7 @@ fn snapshot_buckets_absent_from_the_store_read_as_empty() {
     tree.insert_chain(5, None, &[11, 12, 13]);
     let mut publisher = SnapshotPublisher::new(4);
     publisher.apply(&tree.take_changes());
-    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
     let snapshot = SnapshotIndex {
         buckets: 4,
         fetch: |b| store.get(&b).cloned(),
@@ -877,7 +877,7 @@ fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
     tree.insert_chain(1, None, &[11, 12, 13]);
     let mut publisher = SnapshotPublisher::new(4);
     publisher.apply(&tree.take_changes());
-    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty().into_iter().collect();
+    let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
     let snapshot = SnapshotIndex {
         buckets: 4,
         fetch: |b| store.get(&b).cloned(),
@@ -888,4 +888,149 @@ fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
         tree.lookup(&chain),
         "tree says 0 blocks for pod 1, snapshot 4"
     );
+}
+
+#[test]
+fn pulls_are_classified_before_the_body_is_read() {
+    use kvroute::cluster::{PullAnswer, PullKind};
+    let mut config = cluster_config();
+    config.max_report_bytes = 1000;
+    let mut cluster = ClusterState::new(&config, 0);
+    let answer = |status, body_size| PullAnswer { status, body_size };
+    let unread = |_: usize| -> Vec<u8> { panic!("the body must not be read") };
+
+    // No response at all: the pod died mid-body, timed out or refused.
+    let (result, transition) =
+        cluster.accept_pull("a", PullKind::Report, answer(None, 0), unread, 0);
+    assert_eq!(result, Err(Failure::Unreachable));
+    assert!(matches!(transition, Some(Transition::Failing { .. })));
+
+    // Too large: refused unread, named, a state change of its own.
+    let (result, transition) =
+        cluster.accept_pull("a", PullKind::Report, answer(Some("200"), 5000), unread, 0);
+    assert_eq!(
+        result,
+        Err(Failure::TooLarge {
+            size: 5000,
+            limit: 1000
+        })
+    );
+    let Some(Transition::Failing { failure, .. }) = transition else {
+        panic!("a new failure kind is logged once");
+    };
+    assert!(
+        failure.to_string().contains("maxReportBytes (1000)"),
+        "{failure}"
+    );
+
+    // Envoy's own 503 for an unreachable pod reads only the page's start.
+    let page = b"upstream connect error or disconnect/reset before headers. reset reason: x";
+    let (result, _) = cluster.accept_pull(
+        "a",
+        PullKind::Metrics,
+        answer(Some("503"), page.len()),
+        |n| {
+            assert_eq!(n, 64);
+            page[..n].to_vec()
+        },
+        0,
+    );
+    assert_eq!(result, Err(Failure::Unreachable));
+    let (result, _) = cluster.accept_pull(
+        "a",
+        PullKind::Report,
+        answer(Some("404"), 2),
+        |_| b"no".to_vec(),
+        0,
+    );
+    assert_eq!(result, Err(Failure::Status(404)));
+    assert_eq!(cluster.unfolded(), 0, "failures are not queued");
+    assert_eq!(cluster.fold_next(10), None);
+
+    // Good bodies wait in order; a report folds, a `}{` metrics page is malformed.
+    let body = report("a", "e1", 1, 0, true, &[(None, &[7, 8])], &[], 1.0);
+    let size = body.len();
+    let (result, transition) = cluster.accept_pull(
+        "a",
+        PullKind::Report,
+        answer(Some("200"), size),
+        |_| body,
+        3,
+    );
+    assert_eq!((result, transition), (Ok(()), None));
+    let (result, _) = cluster.accept_pull(
+        "b",
+        PullKind::Metrics,
+        answer(Some("200"), 3),
+        |_| b"}{\n".to_vec(),
+        0,
+    );
+    assert_eq!(result, Ok(()));
+    assert!(cluster.has_unfolded("a") && cluster.has_unfolded("b"));
+    assert_eq!(cluster.unfolded(), 2);
+
+    let folded = cluster.fold_next(50).unwrap();
+    assert_eq!((folded.pod.as_str(), folded.kind), ("a", PullKind::Report));
+    assert_eq!(folded.result.unwrap().unwrap().stored, 2);
+    assert!(matches!(
+        folded.transition,
+        Some(Transition::Recovered { .. })
+    ));
+    let folded = cluster.fold_next(60).unwrap();
+    assert_eq!(folded.pod, "b");
+    assert!(matches!(folded.result, Err(Failure::Malformed(why)) if why.contains("unclosed")));
+    assert_eq!(cluster.fold_next(70), None);
+    assert!(!cluster.has_unfolded("a"));
+}
+
+#[test]
+fn one_pod_holds_at_most_its_share_of_the_index() {
+    // Two pods, 4096 blocks: each may hold 2 × 4096 / 2 = 4096 by default;
+    // with maxPodIndexBlocks 100 a flood of 1000 stops at 100.
+    let mut config = cluster_config();
+    assert_eq!(config.pod_index_share(2), 4096);
+    assert_eq!(config.pod_index_share(8), 1024);
+    config.max_pod_index_blocks = Some(100);
+    let mut cluster = ClusterState::new(&config, 0);
+    let flood: Vec<u64> = (1..=1000).collect();
+    let body = report("a", "e1", 1, 0, true, &[(None, &flood)], &[], 1.0);
+    let summary = cluster.apply_report("a", &body, 10, 0).0.unwrap();
+    assert_eq!((summary.stored, summary.orphaned), (100, 900));
+    let slot = cluster.slot("a").unwrap();
+    assert_eq!(cluster.index().pod_block_count(slot), 100);
+    // The other pod is unaffected.
+    let body = report("b", "e1", 1, 0, true, &[(None, &flood[..50])], &[], 1.0);
+    assert_eq!(
+        cluster.apply_report("b", &body, 10, 0).0.unwrap().stored,
+        50
+    );
+}
+
+#[test]
+fn a_large_change_is_published_over_several_calls() {
+    let config = cluster_config();
+    let mut cluster = ClusterState::new(&config, 0);
+    let chain: Vec<u64> = (1..=2000u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    let body = report("a", "e1", 1, 0, true, &[(None, &chain)], &[], 1.0);
+    cluster.apply_report("a", &body, 10, 0).0.unwrap();
+    let mut shared = SharedData {
+        buckets: 0,
+        store: HashMap::new(),
+    };
+    let mut calls = 0;
+    loop {
+        let publication = cluster.publish_some(20, 64);
+        assert!(publication.buckets.len() <= 64);
+        shared.buckets = publication.table.buckets;
+        shared.store.extend(publication.buckets);
+        calls += 1;
+        if publication.unpublished_buckets == 0 {
+            break;
+        }
+    }
+    assert!(calls > 1, "256 changed buckets take several calls of 64");
+    let a = cluster.slot("a").unwrap();
+    assert_eq!(shared.lookup(&chain).blocks(a), 2000);
 }

@@ -51,6 +51,7 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             slot,
             id: IDS[slot],
             cache_match: p.cache,
+            inflight: 0,
             load: p.load,
             queue: p.queue,
             health: p.health,
@@ -563,6 +564,7 @@ fn cost_candidates<'a>(
             slot,
             id: &pod.id,
             cache_match: cache[slot],
+            inflight: 0,
             load: 0.3,
             queue: 1,
             health: 1.0,
@@ -900,4 +902,40 @@ proptest! {
             prop_assert!(result.is_ok(), "{:?}", result);
         }
     }
+}
+
+#[test]
+fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
+    let config = Config {
+        max_queue: 100,
+        ..Config::default()
+    };
+    let policy = ScoringPolicy::from_config(&config);
+    let attributes = BTreeMap::new();
+    let pod = |slot: usize, id: &'static str, cache_match: f64, inflight: u32| Candidate {
+        slot,
+        id,
+        cache_match,
+        inflight,
+        load: 0.3,
+        // As the router counts it: reported 0 plus those routed since.
+        queue: inflight,
+        health: 1.0,
+        adapter_loaded: false,
+        attributes: &attributes,
+    };
+    // The holder runs 4 more than the idle pod: affinity holds.
+    let close = [pod(0, "holder", 0.9, 4), pod(1, "idle", 0.0, 0)];
+    assert_eq!(policy.decide(&close, false, 0).chosen, Some(0));
+    // 5 more (and above 1.3 × 0): the idle pod gets it and will cache it.
+    let ahead = [pod(0, "holder", 0.9, 5), pod(1, "idle", 0.0, 0)];
+    let decision = policy.decide(&ahead, false, 0);
+    assert_eq!(decision.chosen, Some(1));
+    assert_eq!(
+        decision.scored[0].factors[0], 0.0,
+        "the holder's cache term is dropped"
+    );
+    // At high load 8 more is within 30 % of 30: affinity holds.
+    let busy = [pod(0, "holder", 0.9, 38), pod(1, "other", 0.0, 30)];
+    assert_eq!(policy.decide(&busy, false, 0).chosen, Some(0));
 }

@@ -154,6 +154,13 @@ impl Sim {
         self.stats()["requests"].as_u64().unwrap_or(0)
     }
 
+    /// Kills the sim with SIGKILL (no goodbye: the kernel resets its open
+    /// connections, a report being sent included) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.process.child.kill();
+        let _ = self.process.child.wait();
+    }
+
     /// Whether the sim process is still alive.
     pub fn running(&mut self) -> bool {
         matches!(self.process.child.try_wait(), Ok(None))
@@ -291,6 +298,9 @@ pub struct ClusterSpec {
     pub sim_args: Vec<String>,
     /// Extra flags per pod index.
     pub per_pod_args: Vec<Vec<String>>,
+    /// Pods the harness does not run, `(id, address)` (a test's own
+    /// server): listed in `pods` after the sims, not waited for.
+    pub extra_pods: Vec<(String, String)>,
     /// kvroute configuration without `pods` (filled in by the harness).
     pub plugin_config: Value,
     /// Envoy's listener and admin ports (`None`: free ports).
@@ -304,6 +314,7 @@ impl ClusterSpec {
             pods,
             sim_args: vec!["--time-scale".into(), "0.02".into()],
             per_pod_args: Vec::new(),
+            extra_pods: Vec::new(),
             plugin_config,
             listen_port: None,
             admin_port: None,
@@ -338,6 +349,11 @@ impl Cluster {
                 .iter()
                 .enumerate()
                 .map(|(i, port)| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")}))
+                .chain(
+                    spec.extra_pods
+                        .iter()
+                        .map(|(id, address)| json!({"id": id, "address": address})),
+                )
                 .collect(),
         );
         if config.get("decisionHeaders").is_none() {
@@ -368,15 +384,19 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// Waits until every pod's health gauge is on `/stats/prometheus` (the
-    /// service has published a snapshot with all pods).
+    /// Waits until the service has published a snapshot with every pod
+    /// (gauges are defined at 0 from startup, so the generation tells).
     pub fn wait_published(&self, timeout: Duration) -> io::Result<()> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             let text = self.envoy.prometheus();
-            if self.sims.iter().all(|s| {
-                prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some()
-            }) {
+            let published = prometheus_value(&text, "epp_snapshot_generation", &[])
+                .is_some_and(|generation| generation > 0.0);
+            if published
+                && self.sims.iter().all(|s| {
+                    prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some()
+                })
+            {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));

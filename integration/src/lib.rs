@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod harness;
+pub mod hostile;
 pub mod http;
 pub mod model;
 pub mod replay;

@@ -130,6 +130,9 @@ enum ReportMode {
     Error,
     Slow,
     Garbage,
+    /// Headers and the first half of the real report, then nothing for 5 s
+    /// (the rest after that): a pod that dies or hangs mid-body.
+    Stall,
 }
 
 impl ReportMode {
@@ -139,6 +142,7 @@ impl ReportMode {
             ReportMode::Error => "error",
             ReportMode::Slow => "slow",
             ReportMode::Garbage => "garbage",
+            ReportMode::Stall => "stall",
         }
     }
 }
@@ -894,7 +898,7 @@ async fn report(
         inner.faults.report
     };
     match mode {
-        ReportMode::Ok => {}
+        ReportMode::Ok | ReportMode::Stall => {}
         ReportMode::Error => {
             return error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -920,7 +924,33 @@ async fn report(
         .cache
         .report(&sim.pod_id, &sim.epoch, since, epoch, &load);
     drop(inner);
+    if mode == ReportMode::Stall {
+        return stalled_json(body.to_string().into_bytes());
+    }
     Json(body).into_response()
+}
+
+/// `body` as JSON with its full `content-length`, of which only the first
+/// half is sent at once; the rest follows 5 s later.
+fn stalled_json(body: Vec<u8>) -> Response {
+    let length = body.len();
+    let mut first = Bytes::from(body);
+    let rest = first.split_off(length / 2);
+    let (tx, rx) = mpsc::channel::<Bytes>(2);
+    tokio::spawn(async move {
+        if tx.send(first).await.is_ok() {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let _ = tx.send(rest).await;
+        }
+    });
+    let mut response = Body::from_stream(ChannelStream(rx)).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    response
 }
 
 fn unit_or_null(value: &Value, field: &str) -> Result<Option<f64>, String> {
@@ -957,7 +987,10 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         let ok = match key.as_str() {
             "crash" | "hang" | "evictAll" | "silent" | "flushSilent" => v.is_boolean(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
-            "report" => matches!(v.as_str(), Some("ok" | "error" | "slow" | "garbage")),
+            "report" => matches!(
+                v.as_str(),
+                Some("ok" | "error" | "slow" | "garbage" | "stall")
+            ),
             "health" | "gpuUtilization" => unit_or_null(v, key).is_ok(),
             "queueDepth" => v.is_null() || v.as_u64().is_some_and(|q| q <= u32::MAX as u64),
             _ => {
@@ -993,6 +1026,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
                 "error" => ReportMode::Error,
                 "slow" => ReportMode::Slow,
                 "garbage" => ReportMode::Garbage,
+                "stall" => ReportMode::Stall,
                 _ => ReportMode::Ok,
             };
         }

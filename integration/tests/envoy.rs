@@ -98,11 +98,53 @@ fn long_shared_prefix_goes_to_the_pod_that_holds_it() {
     assert_eq!(decisions, Some(11.0));
 }
 
+/// Precise mode's pending decisions: a follow-up 0.2 s after its
+/// predecessor, sharing a fresh 5 KB prefix, lands where the predecessor
+/// went — though the 2 s report interval means no report has said so, and
+/// the follow-up may reach the other Envoy worker.
+#[test]
+fn follow_up_before_any_report_finds_its_predecessors_pod() {
+    let mut config = base_config();
+    config["podReportIntervalMs"] = json!(2000);
+    config["reportTimeoutMs"] = json!(1000);
+    let cluster = start(4, config, &[], vec![]);
+    cluster.wait_reports(1);
+    let mut hits = 0;
+    for i in 0..12 {
+        let prefix = text(&format!("fresh context {i}"), 5 * 1024);
+        let first = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prefix} first"), 2),
+        );
+        let holder = served_by(&first);
+        std::thread::sleep(Duration::from_millis(200));
+        let follow_up = cluster.post(
+            "/v1/completions",
+            &completion(&format!("{prefix} follow-up"), 2),
+        );
+        if served_by(&follow_up) == holder && cached_tokens(&follow_up) >= 1024 {
+            hits += 1;
+        }
+    }
+    assert!(
+        hits >= 11,
+        "only {hits} of 12 follow-ups hit their predecessor's cache"
+    );
+    // Nothing expired early or piled up: the pending entries stay in the index.
+    assert!(
+        cluster
+            .envoy
+            .metric("epp_prefix_tree_nodes", &[])
+            .unwrap_or(0.0)
+            > 0.0
+    );
+}
+
 #[test]
 fn multi_turn_conversations_stick_to_their_pod() {
     let cluster = start(4, base_config(), &[], vec![]);
     let system = text("system prompt", 2048);
-    let conversations = 8;
+    let conversations = 16;
     let mut histories: Vec<Vec<Value>> = (0..conversations)
         .map(|c| {
             vec![
@@ -114,10 +156,33 @@ fn multi_turn_conversations_stick_to_their_pod() {
     let mut first_pod = vec![String::new(); conversations];
     let (mut later_turns, mut stuck) = (0, 0);
     for turn in 1..=5 {
-        for c in 0..conversations {
-            let body = json!({"model": "sim-model", "messages": histories[c], "max_tokens": 16});
-            let r = cluster.post("/v1/chat/completions", &body);
-            let pod = served_by(&r);
+        // The conversations open together (concurrent users sharing the
+        // system prompt); later turns come one at a time.
+        let responses: Vec<http::Response> = if turn == 1 {
+            let listen = cluster.envoy.listen.clone();
+            let handles: Vec<_> = histories
+                .iter()
+                .map(|history| {
+                    let body = json!({"model": "sim-model", "messages": history, "max_tokens": 16});
+                    let listen = listen.clone();
+                    std::thread::spawn(move || {
+                        http::post_json(&listen, "/v1/chat/completions", &body.to_string())
+                            .expect("response")
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        } else {
+            histories
+                .iter()
+                .map(|history| {
+                    let body = json!({"model": "sim-model", "messages": history, "max_tokens": 16});
+                    cluster.post("/v1/chat/completions", &body)
+                })
+                .collect()
+        };
+        for (c, r) in responses.iter().enumerate() {
+            let pod = served_by(r);
             if turn == 1 {
                 first_pod[c] = pod;
             } else {
@@ -138,15 +203,26 @@ fn multi_turn_conversations_stick_to_their_pod() {
         share >= 0.9,
         "only {stuck}/{later_turns} later turns on the turn-1 pod"
     );
+    // Opened together, they spread (the balance guard) instead of all
+    // following the pod that cached the system prompt first.
     let distinct: std::collections::HashSet<_> = first_pod.iter().collect();
     assert!(
         distinct.len() >= 3,
         "conversations collapsed onto {distinct:?}"
     );
+    let busiest = distinct
+        .iter()
+        .map(|pod| first_pod.iter().filter(|p| p == pod).count())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        busiest <= 8,
+        "{busiest} of 16 conversations on one pod: {first_pod:?}"
+    );
 }
 
 #[test]
-fn thundering_herd_spills_past_max_queue() {
+fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     // Slow pods (time scale 0.5, 4 concurrent) so 50 requests are all in
     // flight at once; maxQueue 20.
     let cluster = start(
@@ -185,10 +261,16 @@ fn thundering_herd_spills_past_max_queue() {
         max_queue_seen <= 20,
         "hot pod queued {max_queue_seen} > maxQueue"
     );
+    // Affinity yields to balance (the balance guard): the holder keeps a
+    // share, and no pod takes much more than a fair 12.5 of the 50.
     assert!(
-        per_pod[hot_index] >= 15,
+        per_pod[hot_index] >= 5,
         "hot pod took only {} of 50: {per_pod:?}",
         per_pod[hot_index]
+    );
+    assert!(
+        per_pod.iter().all(|&n| n <= 17),
+        "a pod took more than 1.36x its fair share: {per_pod:?}"
     );
     let others: Vec<u64> = per_pod
         .iter()
@@ -274,8 +356,8 @@ fn adapter_affinity_breaks_ties() {
             "epp_adapter_loads_triggered_total",
             &[("adapter", "billing-lora")]
         ),
-        None,
-        "no load was triggered"
+        Some(0.0),
+        "no load was triggered (the counter is exported from zero)"
     );
 }
 
@@ -721,4 +803,63 @@ fn discovery_replaces_the_static_pod_list() {
     }
     let per_pod = requests_per_pod(&cluster);
     assert!(per_pod[2] > 0 && per_pod[3] > 0, "{per_pod:?}");
+}
+
+/// Clients cannot create metric series: model names outside `models` are
+/// counted as `other`, unparseable bodies as `invalid`.
+#[test]
+fn random_model_names_do_not_grow_the_stats() {
+    let cluster = start(2, base_config(), &[], vec![]);
+    let series = |cluster: &Cluster| {
+        cluster
+            .envoy
+            .prometheus()
+            .lines()
+            .filter(|l| l.starts_with("epp_") && !l.contains("_bucket{"))
+            .count()
+    };
+    // One of each kind first, so their series exist.
+    cluster.post(
+        "/v1/completions",
+        &json!({"model": "warm-up", "prompt": "hi", "max_tokens": 1}),
+    );
+    let bad = http::post_json(&cluster.envoy.listen, "/v1/completions", "not json").unwrap();
+    assert_eq!(bad.status, 200, "bad bodies are routed by load by default");
+    std::thread::sleep(Duration::from_millis(1200)); // a stats flush
+    let before = series(&cluster);
+    let listen = cluster.envoy.listen.clone();
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            let listen = listen.clone();
+            std::thread::spawn(move || {
+                for i in 0..100 {
+                    let model = format!("random {t}-{i} {:x}", (t * 7919 + i) * 104_729);
+                    let body = json!({"model": model, "prompt": "hi", "max_tokens": 1});
+                    let r = http::post_json(&listen, "/v1/completions", &body.to_string()).unwrap();
+                    assert_eq!(r.status, 200, "{}", r.body);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(
+        series(&cluster),
+        before,
+        "800 random model names added series"
+    );
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_routing_decisions_total", &[("model", "other")]),
+        Some(801.0)
+    );
+    assert_eq!(
+        cluster
+            .envoy
+            .metric("epp_routing_decisions_total", &[("model", "invalid")]),
+        Some(1.0)
+    );
 }

@@ -31,8 +31,11 @@ pub type PodMask = u64;
 
 /// The bit of pod slot `pod`.
 pub fn pod_bit(pod: usize) -> PodMask {
-    debug_assert!(pod < MAX_PODS);
-    1u64 << pod
+    // A slot past MAX_PODS (only from corrupt input) holds nothing.
+    u32::try_from(pod)
+        .ok()
+        .and_then(|pod| 1u64.checked_shl(pod))
+        .unwrap_or(0)
 }
 
 /// Per pod slot, the number of leading blocks of a chain the pod holds.
@@ -52,19 +55,21 @@ impl Default for PrefixMatch {
 impl PrefixMatch {
     /// Matched blocks of pod slot `pod`.
     pub fn blocks(&self, pod: usize) -> u32 {
-        self.blocks[pod]
+        self.blocks.get(pod).copied().unwrap_or(0)
     }
 
     /// Raises `pod`'s match to at least `blocks`.
     pub fn raise(&mut self, pod: usize, blocks: u32) {
-        self.blocks[pod] = self.blocks[pod].max(blocks);
+        if let Some(held) = self.blocks.get_mut(pod) {
+            *held = (*held).max(blocks);
+        }
     }
 
     /// Per pod, the larger of two matches (e.g. published index and a
     /// worker's own recent decisions).
     pub fn merge(&mut self, other: &PrefixMatch) {
-        for pod in 0..MAX_PODS {
-            self.raise(pod, other.blocks[pod]);
+        for (held, other) in self.blocks.iter_mut().zip(&other.blocks) {
+            *held = (*held).max(*other);
         }
     }
 
@@ -72,8 +77,9 @@ impl PrefixMatch {
     fn set_all(&mut self, pods: PodMask, blocks: u32) {
         let mut rest = pods;
         while rest != 0 {
-            let pod = rest.trailing_zeros() as usize;
-            self.blocks[pod] = blocks;
+            if let Some(held) = self.blocks.get_mut(rest.trailing_zeros() as usize) {
+                *held = blocks;
+            }
             rest &= rest - 1;
         }
     }

@@ -5,11 +5,12 @@
 //!   own in a [`DecisionRecorder`] (at most `OVERLAY_BLOCKS` blocks, per pod
 //!   `podCapacityBlocks`), so it sees them at once, before the service has
 //!   folded them from the shared queue into the published index.
-//! - Precise mode: nothing is recorded; the pods' reports are the truth.
-//!   (Remembering decisions until the next report was tried: a burst on one
-//!   prefix then fills one pod to `maxQueue` before touching the next, and
-//!   conversations sharing a system prompt collapse onto one pod at low
-//!   load — worse spread for no measured hit-rate gain.)
+//! - Precise mode: nothing is kept here. Every decision goes to the service
+//!   on the decision queue, which records it as *pending* on the chosen pod
+//!   and publishes its buckets at once, so all workers (this one included)
+//!   match it within milliseconds, until it expires or reports take over
+//!   (`ClusterState::record_decision`). What kept such memory from piling
+//!   a burst onto one pod is the balance guard (`scoring::balance`).
 
 use super::{DecisionRecorder, PrefixLookup, PrefixMatch, PrefixTree};
 use crate::config::{Config, IndexMode};

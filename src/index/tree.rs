@@ -13,13 +13,22 @@
 //! - bound: past `max_nodes` the least-recently-stored *leaf* is evicted
 //!   (an interior node at the LRU tail gets a second chance), like an
 //!   engine's prefix cache, which frees leaves before their prefixes.
+//! - share: one pod holds at most `max_pod_blocks` blocks
+//!   ([`PrefixTree::set_max_pod_blocks`]); past it the pod's new blocks are
+//!   refused, so one pod's flood cannot evict everyone else's blocks.
 //!
 //! Costs: lookup O(n) probes for an n-block chain; insert O(n) amortised;
 //! remove O(size of the pruned subtree); memory ≈ 40 B/node + the table.
 
+// Node ids index the slab and come only from the tree itself (the table,
+// links and free list), never from input: indexing them cannot go out of
+// bounds while the tree's own invariants hold, which its tests check.
+#![allow(clippy::indexing_slicing)]
+
 use hashbrown::HashTable;
 
 use super::{pod_bit, PodMask, PrefixLookup, PrefixMatch};
+use crate::config::MAX_PODS;
 
 const NIL: u32 = u32::MAX;
 
@@ -44,7 +53,8 @@ pub struct InsertOutcome {
     /// Blocks the pod now holds (new or refreshed).
     pub stored: usize,
     /// Blocks refused because the pod does not hold their parent, the block
-    /// is indexed under another parent, or the index could not make room.
+    /// is indexed under another parent, the pod is at its share of the
+    /// index, or the index could not make room.
     pub orphaned: usize,
 }
 
@@ -56,6 +66,9 @@ pub struct PrefixTree {
     free_head: u32,
     len: usize,
     max_nodes: usize,
+    max_pod_blocks: usize,
+    /// Blocks each pod slot holds.
+    pod_blocks: [usize; MAX_PODS],
     /// Most recently used node.
     lru_newest: u32,
     /// Least recently used node.
@@ -67,14 +80,20 @@ pub struct PrefixTree {
 }
 
 impl PrefixTree {
-    /// An empty tree holding at most `max_nodes` blocks.
+    /// An empty tree holding at most `max_nodes` blocks. Both the slab and
+    /// the table are reserved for `max_nodes` up front: growing them later
+    /// would copy or rehash everything in one step, a stall of tens of ms
+    /// on Envoy's main thread at a million blocks. Pages untouched stay
+    /// unbacked, so the reservation costs address space, not memory.
     pub fn new(max_nodes: usize) -> PrefixTree {
         PrefixTree {
-            nodes: Vec::new(),
-            table: HashTable::new(),
+            nodes: Vec::with_capacity(max_nodes),
+            table: HashTable::with_capacity(max_nodes),
             free_head: NIL,
             len: 0,
             max_nodes: max_nodes.max(1),
+            max_pod_blocks: usize::MAX,
+            pod_blocks: [0; MAX_PODS],
             lru_newest: NIL,
             lru_oldest: NIL,
             evictions: 0,
@@ -89,6 +108,11 @@ impl PrefixTree {
             changes: Some(Vec::new()),
             ..PrefixTree::new(max_nodes)
         }
+    }
+
+    /// Caps the blocks one pod may hold (blocks already held stay).
+    pub fn set_max_pod_blocks(&mut self, max_pod_blocks: usize) {
+        self.max_pod_blocks = max_pod_blocks.max(1);
     }
 
     /// Blocks (nodes) in the index.
@@ -142,6 +166,12 @@ impl PrefixTree {
         hashes: &[u64],
     ) -> InsertOutcome {
         let bit = pod_bit(pod);
+        if bit == 0 {
+            return InsertOutcome {
+                stored: 0,
+                orphaned: hashes.len(),
+            };
+        }
         let mut parent_slot = match parent {
             None => NIL,
             Some(hash) => match self.find(hash) {
@@ -163,6 +193,13 @@ impl PrefixTree {
                 // report or a hash collision): holding it would break the
                 // invariant, so the rest of the chain is refused.
                 Some(slot) if self.nodes[slot as usize].parent != parent_slot => {
+                    return InsertOutcome {
+                        stored: i,
+                        orphaned: hashes.len() - i,
+                    }
+                }
+                Some(slot) if self.nodes[slot as usize].mask & bit != 0 => slot,
+                _ if self.pod_block_count(pod) >= self.max_pod_blocks => {
                     return InsertOutcome {
                         stored: i,
                         orphaned: hashes.len() - i,
@@ -212,13 +249,9 @@ impl PrefixTree {
         }
     }
 
-    /// Blocks `pod` holds (O(nodes); for tests and diagnostics). Free slots
-    /// always have an empty mask.
+    /// Blocks `pod` holds.
     pub fn pod_block_count(&self, pod: usize) -> usize {
-        let bit = pod_bit(pod);
-        (0..self.nodes.len() as u32)
-            .filter(|&slot| self.nodes[slot as usize].mask & bit != 0)
-            .count()
+        self.pod_blocks.get(pod).copied().unwrap_or(0)
     }
 
     fn find(&self, hash: u64) -> Option<u32> {
@@ -231,6 +264,8 @@ impl PrefixTree {
     fn set_mask(&mut self, slot: u32, mask: PodMask) {
         let node = &mut self.nodes[slot as usize];
         if node.mask != mask {
+            for_each_pod(mask & !node.mask, |pod| self.pod_blocks[pod] += 1);
+            for_each_pod(node.mask & !mask, |pod| self.pod_blocks[pod] -= 1);
             node.mask = mask;
             if let Some(changes) = &mut self.changes {
                 changes.push((node.hash, mask));
@@ -409,6 +444,14 @@ impl PrefixTree {
         let node = &mut self.nodes[slot as usize];
         node.lru_newer = NIL;
         node.lru_older = NIL;
+    }
+}
+
+/// Calls `f` with each pod slot set in `mask`.
+fn for_each_pod(mut mask: PodMask, mut f: impl FnMut(usize)) {
+    while mask != 0 {
+        f(mask.trailing_zeros() as usize);
+        mask &= mask - 1;
     }
 }
 

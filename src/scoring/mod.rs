@@ -9,7 +9,9 @@
 //! ```
 //!
 //! Exclusions: `health < healthExclusionThreshold` (default 0.3) or
-//! `queue ≥ maxQueue` (default 20). The highest composite wins; exact ties
+//! `queue ≥ maxQueue` (default 20). Among the others, a pod far ahead in
+//! in-flight requests loses its cache match for the decision
+//! ([`balance`]). The highest composite wins; exact ties
 //! (within 1e-9) go to the higher load score, then the higher queue score,
 //! then rotate by a caller-supplied tie breaker so equal pods share traffic
 //! evenly. With no cache anywhere the cache term is 0 for all and the load
@@ -19,11 +21,12 @@
 //! compiled-in scorers implement the same trait. Cost: O(pods × scorers).
 
 pub mod attribute;
+pub mod balance;
 pub mod factors;
 
 use std::collections::BTreeMap;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{BalanceConfig, Config, ConfigError};
 
 const TIE_EPSILON: f64 = 1e-9;
 
@@ -35,6 +38,8 @@ pub struct Candidate<'a> {
     pub id: &'a str,
     /// Consecutive matched blocks / blocks in the request, in [0, 1].
     pub cache_match: f64,
+    /// Requests routed to the pod and not finished (all workers).
+    pub inflight: u32,
     /// Utilisation in [0, 1].
     pub load: f64,
     /// Requests waiting (reported plus routed since the report).
@@ -111,6 +116,7 @@ impl Decision {
 #[derive(Debug)]
 pub struct ScoringPolicy {
     scorers: Vec<Box<dyn Scorer>>,
+    balance: BalanceConfig,
     max_queue: u32,
     health_threshold: f64,
 }
@@ -135,6 +141,7 @@ impl ScoringPolicy {
         }
         ScoringPolicy {
             scorers,
+            balance: config.balance.clone(),
             max_queue: config.max_queue,
             health_threshold: config.health_exclusion_threshold,
         }
@@ -155,6 +162,7 @@ impl ScoringPolicy {
         }
         Ok(ScoringPolicy {
             scorers,
+            balance: BalanceConfig::default(),
             max_queue,
             health_threshold,
         })
@@ -199,7 +207,19 @@ impl ScoringPolicy {
                 None => eligible.push(index),
             }
         }
-        let eligible_pods: Vec<Candidate<'_>> = eligible.iter().map(|&i| pods[i].clone()).collect();
+        let mut eligible_pods: Vec<Candidate<'_>> = eligible
+            .iter()
+            .filter_map(|&i| pods.get(i).cloned())
+            .collect();
+        let inflight: Vec<u32> = eligible_pods.iter().map(|c| c.inflight).collect();
+        for (pod, overloaded) in eligible_pods
+            .iter_mut()
+            .zip(balance::overloaded(&inflight, &self.balance))
+        {
+            if overloaded {
+                pod.cache_match = 0.0;
+            }
+        }
         let context = DecisionContext {
             candidates: &eligible_pods,
             needs_adapter,
@@ -244,8 +264,11 @@ impl ScoringPolicy {
         scored: &[ScoredPod],
         tie_breaker: u64,
     ) -> Option<usize> {
-        let load_score = |s: &ScoredPod| unit(1.0 - pods[s.index].load);
-        let queue_score = |s: &ScoredPod| factors::queue_score(pods[s.index].queue, self.max_queue);
+        let load_score = |s: &ScoredPod| pods.get(s.index).map_or(0.0, |p| unit(1.0 - p.load));
+        let queue_score = |s: &ScoredPod| {
+            pods.get(s.index)
+                .map_or(0.0, |p| factors::queue_score(p.queue, self.max_queue))
+        };
         let key = |s: &ScoredPod| (s.composite, load_score(s), queue_score(s));
         let better = |a: (f64, f64, f64), b: (f64, f64, f64)| {
             for (x, y) in [(a.0, b.0), (a.1, b.1), (a.2, b.2)] {
@@ -267,7 +290,8 @@ impl ScoringPolicy {
             .filter(|s| better(key(s), best).is_none())
             .map(|s| s.index)
             .collect();
-        Some(ties[(tie_breaker % ties.len() as u64) as usize])
+        let turn = tie_breaker % (ties.len().max(1) as u64);
+        ties.get(turn as usize).copied()
     }
 }
 

@@ -2,26 +2,32 @@
 //!
 //! Host behaviour this relies on:
 //! - `on_http_request_headers` returning `Pause` holds the headers until
-//!   the body callback continues (needs `allow_on_headers_stop_iteration:
+//!   a later callback continues (needs `allow_on_headers_stop_iteration:
 //!   true` in the PluginConfig, or the request hangs);
-//! - while paused, `body_size` is the total buffered so far; we act once,
-//!   at `end_of_stream`, and set `x-envoy-original-dst-host` before
-//!   continuing, which the ORIGINAL_DST cluster reads;
+//! - while paused, `body_size` is the total buffered so far; we act once
+//!   the request is complete — at the body's `end_of_stream`, or at the
+//!   trailers when the request has them (HTTP/2, or HTTP/1 chunked with
+//!   `enable_trailers`), where the buffered body is still readable — and
+//!   set `x-envoy-original-dst-host` before continuing, which the
+//!   ORIGINAL_DST cluster reads;
 //! - `on_log` runs once at the end of every stream (also after local
 //!   replies and client resets): the in-flight count is released there.
+//!
+//! Every host call goes through [`super::host`], which returns the host's
+//! status instead of panicking: a request the host cannot serve is answered
+//! or passed through, never a VM abort.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use serde_json::json;
 
+use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::IndexMode;
 use crate::index::{Merged, RecentDecisions};
 use crate::router::{ClusterView, Outcome, Rejected, Routed, Router};
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
@@ -48,7 +54,10 @@ impl Context for FilterRoot {}
 
 impl RootContext for FilterRoot {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let Some(config) = load_config(self.get_plugin_configuration(), "filter") else {
+        let configuration = host::buffer(Buffer::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten();
+        let Some(config) = load_config(configuration, "filter") else {
             return false;
         };
         self.worker = Some(Rc::new(RefCell::new(Worker {
@@ -66,9 +75,9 @@ impl RootContext for FilterRoot {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let worker = self.worker.clone()?;
+        // Never `None`: the SDK's dispatcher panics on it.
         Some(Box::new(RequestContext {
-            worker,
+            worker: self.worker.clone(),
             chat: None,
             request_id: String::new(),
             routed: None,
@@ -89,8 +98,9 @@ struct RoutedRequest {
 }
 
 struct RequestContext {
-    worker: Rc<RefCell<Worker>>,
-    /// `Some(is_chat)` for a request kvroute routes.
+    /// `None` only if the plugin never configured (Envoy then refuses it).
+    worker: Option<Rc<RefCell<Worker>>>,
+    /// `Some(is_chat)` for a request kvroute routes and has not yet routed.
     chat: Option<bool>,
     request_id: String,
     routed: Option<RoutedRequest>,
@@ -103,55 +113,66 @@ impl Context for RequestContext {}
 impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // An ORIGINAL_DST cluster connects wherever this header says: never
-        // let a client choose.
-        self.remove_http_request_header(ROUTING_HEADER);
-        let path = self.get_http_request_header(":path").unwrap_or_default();
-        let method = self.get_http_request_header(":method").unwrap_or_default();
-        self.request_id = self
-            .get_http_request_header("x-request-id")
-            .unwrap_or_default();
-        self.chat = if method == "POST" {
-            self.worker.borrow().router.route_kind(&path)
-        } else {
-            None
+        // let a client choose. If the host cannot remove it, refuse.
+        if host::remove_header(HeaderMap::Request, ROUTING_HEADER).is_err() {
+            return self.reject(&internal_error("cannot strip x-envoy-original-dst-host"));
+        }
+        let Some(worker) = self.worker.clone() else {
+            return self.reject(&internal_error("kvroute filter is not configured"));
         };
-        match self.chat {
-            Some(_) if end_of_stream => self.route(&[]),
-            Some(_) => Action::Pause,
-            None => Action::Continue,
+        let path = host::header_text(HeaderMap::Request, ":path");
+        let Some(chat) = worker.borrow().router.route_kind(&path) else {
+            return Action::Continue;
+        };
+        let method = host::header_text(HeaderMap::Request, ":method");
+        if method != "POST" {
+            return self.reject(&Rejected::method_not_allowed(&method));
+        }
+        self.request_id = host::header_text(HeaderMap::Request, "x-request-id");
+        self.chat = Some(chat);
+        if end_of_stream {
+            self.route(&[])
+        } else {
+            Action::Pause
         }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.chat.is_none() || self.routed.is_some() {
+        if self.chat.is_none() {
             return Action::Continue;
         }
         if !end_of_stream {
             return Action::Pause;
         }
-        // One byte past the limit is enough to know the body is too large.
-        let limit = self.worker.borrow().router.config().max_body_bytes + 1;
-        let body = self
-            .get_http_request_body(0, body_size.min(limit))
-            .unwrap_or_default();
-        self.route(&body)
+        self.route_buffered(body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.chat.is_none() {
+            return Action::Continue;
+        }
+        // The body is complete and still buffered; its size is not passed
+        // here, so read up to the limit.
+        self.route_buffered(usize::MAX)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.response_ok = self.get_http_response_header(":status").as_deref() == Some("200");
-        let Some(routed) = &self.routed else {
+        self.response_ok = host::header_text(HeaderMap::Response, ":status") == "200";
+        let (Some(routed), Some(worker)) = (&self.routed, &self.worker) else {
             return Action::Continue;
         };
-        if self.worker.borrow().router.config().decision_headers {
-            self.set_http_response_header("x-kvroute-pod", Some(&routed.pod_id));
-            self.set_http_response_header(
-                "x-kvroute-score",
-                Some(&format!("{:.4}", routed.composite)),
-            );
-            self.set_http_response_header(
-                "x-kvroute-cache-match",
-                Some(&format!("{:.4}", routed.cache_match)),
-            );
+        if worker.borrow().router.config().decision_headers {
+            let headers = [
+                ("x-kvroute-pod", routed.pod_id.clone()),
+                ("x-kvroute-score", format!("{:.4}", routed.composite)),
+                (
+                    "x-kvroute-cache-match",
+                    format!("{:.4}", routed.cache_match),
+                ),
+            ];
+            for (name, value) in headers {
+                let _ = host::set_header(HeaderMap::Response, name, &value);
+            }
         }
         Action::Continue
     }
@@ -166,8 +187,9 @@ impl HttpContext for RequestContext {
                 .as_ref()
                 .is_some_and(|r| r.predicted_cached_tokens > 0);
         if watching {
-            let chunk = self
-                .get_http_response_body(0, body_size)
+            let chunk = host::buffer(Buffer::ResponseBody, 0, body_size)
+                .ok()
+                .flatten()
                 .unwrap_or_default();
             if let Some(actual) = self.scanner.feed(&chunk) {
                 self.check_prediction(actual);
@@ -185,12 +207,46 @@ impl HttpContext for RequestContext {
     }
 }
 
+fn internal_error(message: &str) -> Rejected {
+    Rejected {
+        status: 503,
+        kind: "ServiceUnavailableError",
+        message: message.into(),
+        retry_after: Some(1),
+    }
+}
+
 impl RequestContext {
+    /// Routes the complete, buffered body (at most `body_size` bytes).
+    fn route_buffered(&mut self, body_size: usize) -> Action {
+        let Some(worker) = &self.worker else {
+            return Action::Continue;
+        };
+        // One byte past the limit is enough to know the body is too large.
+        let limit = worker
+            .borrow()
+            .router
+            .config()
+            .max_body_bytes
+            .saturating_add(1);
+        let body = host::buffer(Buffer::RequestBody, 0, body_size.min(limit))
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.route(&body)
+    }
+
     fn route(&mut self, body: &[u8]) -> Action {
+        // Routed once: later callbacks of this request pass.
+        let Some(chat) = self.chat.take() else {
+            return Action::Continue;
+        };
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
         let started = Instant::now();
-        let chat = self.chat.unwrap_or(false);
-        let mut worker = self.worker.borrow_mut();
-        worker.requests += 1;
+        let mut worker = worker.borrow_mut();
+        worker.requests = worker.requests.wrapping_add(1);
         let tie_breaker = worker.requests;
         let Some(table) = worker.tables.current() else {
             drop(worker);
@@ -207,10 +263,12 @@ impl RequestContext {
             buckets: table.buckets,
             fetch: shared::bucket,
         };
+        let now_ms = host::now_ms();
         let view = ClusterView {
             table: &table,
             index: &Merged(&snapshot, &worker.recent),
             inflight: &inflight,
+            now_ms,
         };
         let outcome = worker.router.route(body, chat, &view, tie_breaker);
         let elapsed_us = started.elapsed().as_micros() as u64;
@@ -220,6 +278,13 @@ impl RequestContext {
                 self.reject(&rejected)
             }
             Outcome::Routed(routed) => {
+                if routed.stale_snapshot {
+                    metrics::increment("epp_snapshot_stale_total");
+                    metrics::gauge(
+                        "epp_snapshot_age_ms",
+                        now_ms.saturating_sub(table.published_at_ms),
+                    );
+                }
                 if log::log_enabled!(log::Level::Debug) {
                     event(
                         log::Level::Debug,
@@ -236,14 +301,13 @@ impl RequestContext {
                     );
                 }
                 worker.recent.record(routed.slot, &routed.chain);
-                if worker.router.config().mode == IndexMode::Approximate {
-                    if worker.decision_queue.is_none() {
-                        worker.decision_queue = resolve_decision_queue();
-                    }
-                    if let Some(queue) = worker.decision_queue {
-                        let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
-                        let _ = hostcalls::enqueue_shared_queue(queue, Some(&message));
-                    }
+                // To the service, which shares it with every worker.
+                if worker.decision_queue.is_none() {
+                    worker.decision_queue = resolve_decision_queue();
+                }
+                if let (Some(queue), false) = (worker.decision_queue, routed.chain.is_empty()) {
+                    let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
+                    let _ = host::enqueue(queue, &message);
                 }
                 drop(worker);
                 self.send(&routed, elapsed_us)
@@ -252,12 +316,18 @@ impl RequestContext {
     }
 
     fn send(&mut self, routed: &Routed, elapsed_us: u64) -> Action {
-        self.set_http_request_header(ROUTING_HEADER, Some(&routed.address));
+        if host::set_header(HeaderMap::Request, ROUTING_HEADER, &routed.address).is_err() {
+            return self.reject(&internal_error("cannot set the routing header"));
+        }
         let counted = shared::adjust_inflight(routed.slot, 1);
+        let model_label = self.worker.as_ref().map_or_else(
+            || "other".to_string(),
+            |w| w.borrow().router.model_label(&routed.model).to_string(),
+        );
         metrics::increment(&metrics::labelled(
             "epp_routing_decisions_total",
             "model",
-            &routed.model,
+            &model_label,
         ));
         metrics::histogram(
             "epp_cache_match_ratio",
@@ -306,6 +376,7 @@ impl RequestContext {
     }
 
     fn reject(&mut self, rejected: &Rejected) -> Action {
+        self.chat = None;
         metrics::increment(&metrics::labelled(
             "epp_requests_rejected_total",
             "status",
@@ -316,12 +387,14 @@ impl RequestContext {
             "reject",
             json!({"requestId": self.request_id, "status": rejected.status, "message": rejected.message}),
         );
-        let retry_after = rejected.retry_after.map(|s| s.to_string());
-        let mut headers = vec![("content-type", "application/json")];
-        if let Some(seconds) = &retry_after {
-            headers.push(("retry-after", seconds));
+        let headers = rejected.headers();
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        if let Err(status) = host::send_response(rejected.status, &headers, &rejected.body()) {
+            log::error!(
+                "kvroute filter: local reply {} failed: {status}",
+                rejected.status
+            );
         }
-        self.send_http_response(rejected.status, headers, Some(&rejected.body()));
         Action::Pause
     }
 
@@ -330,7 +403,7 @@ impl RequestContext {
     /// predicted tokens were served from cache.
     fn check_prediction(&self, actual: u64) {
         let Some(routed) = &self.routed else { return };
-        let stale = actual * 2 < routed.predicted_cached_tokens;
+        let stale = actual.saturating_mul(2) < routed.predicted_cached_tokens;
         if stale {
             metrics::increment("epp_stale_cache_routing_total");
         }
@@ -348,10 +421,6 @@ impl RequestContext {
 }
 
 fn resolve_decision_queue() -> Option<u32> {
-    let vm_id = hostcalls::get_property(vec!["plugin_vm_id"])
-        .ok()
-        .flatten()?;
-    hostcalls::resolve_shared_queue(&String::from_utf8_lossy(&vm_id), DECISION_QUEUE)
-        .ok()
-        .flatten()
+    let vm_id = host::property(&["plugin_vm_id"])?;
+    host::resolve_queue(&String::from_utf8_lossy(&vm_id), DECISION_QUEUE).ok()
 }

@@ -3,24 +3,25 @@
 //! labels are encoded in the name (`epp_queue_depth.pod.<id>`), turned into
 //! Prometheus labels by the `stats_tags` regexes shipped in `envoy/`.
 //! Label values have `.` replaced by `_` so the regexes can split them.
+//! A metric the host refuses is skipped: metrics never fail a request.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::MetricType;
+use super::host::{self, MetricKind};
+use crate::config::Config;
 
 thread_local! {
     // One VM per thread; metric ids are per VM.
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
 }
 
-fn id(kind: MetricType, name: &str) -> Option<u32> {
+fn id(kind: MetricKind, name: &str) -> Option<u32> {
     IDS.with(|ids| {
         if let Some(id) = ids.borrow().get(name) {
             return Some(*id);
         }
-        let id = hostcalls::define_metric(kind, name).ok()?;
+        let id = host::define_metric(kind, name).ok()?;
         ids.borrow_mut().insert(name.to_string(), id);
         Some(id)
     })
@@ -32,20 +33,83 @@ pub fn labelled(base: &str, label: &str, value: &str) -> String {
 }
 
 pub fn increment(name: &str) {
-    if let Some(id) = id(MetricType::Counter, name) {
-        let _ = hostcalls::increment_metric(id, 1);
+    if let Some(id) = id(MetricKind::Counter, name) {
+        let _ = host::increment_metric(id, 1);
     }
 }
 
 pub fn gauge(name: &str, value: u64) {
-    if let Some(id) = id(MetricType::Gauge, name) {
-        let _ = hostcalls::record_metric(id, value);
+    if let Some(id) = id(MetricKind::Gauge, name) {
+        let _ = host::record_metric(id, value);
     }
 }
 
 pub fn histogram(name: &str, value: u64) {
-    if let Some(id) = id(MetricType::Histogram, name) {
-        let _ = hostcalls::record_metric(id, value);
+    if let Some(id) = id(MetricKind::Histogram, name) {
+        let _ = host::record_metric(id, value);
+    }
+}
+
+/// Defines every kvroute metric at 0, so `rate()` and alerts work from
+/// startup instead of from a metric's first increment. Labelled series are
+/// defined for the label values known from the configuration: statuses
+/// kvroute answers, configured models, adapters and pods.
+pub fn export_from_zero(config: &Config) {
+    for name in [
+        "epp_stale_cache_routing_total",
+        "epp_degraded_routing_total",
+        "epp_fallback_routing_total",
+        "epp_snapshot_stale_total",
+    ] {
+        let _ = id(MetricKind::Counter, name);
+    }
+    for status in ["400", "404", "405", "503"] {
+        let _ = id(
+            MetricKind::Counter,
+            &labelled("epp_requests_rejected_total", "status", status),
+        );
+    }
+    for (model, target) in &config.models {
+        let _ = id(
+            MetricKind::Counter,
+            &labelled("epp_routing_decisions_total", "model", model),
+        );
+        if let Some(adapter) = &target.adapter {
+            let _ = id(
+                MetricKind::Counter,
+                &labelled("epp_adapter_loads_triggered_total", "adapter", adapter),
+            );
+        }
+    }
+    for pod in &config.pods {
+        export_pod_from_zero(&pod.id);
+    }
+    for name in [
+        "epp_candidate_pods",
+        "epp_snapshot_age_ms",
+        "epp_snapshot_generation",
+        "epp_prefix_tree_nodes",
+        "epp_index_memory_bytes",
+    ] {
+        let _ = id(MetricKind::Gauge, name);
+    }
+    for name in [
+        "epp_cache_match_ratio",
+        "epp_composite_score",
+        "epp_scoring_latency_us",
+    ] {
+        let _ = id(MetricKind::Histogram, name);
+    }
+}
+
+/// A pod's series, defined at 0 (configured or discovered pods).
+pub fn export_pod_from_zero(pod: &str) {
+    let _ = id(
+        MetricKind::Counter,
+        &labelled("epp_report_failures_total", "pod", pod),
+    );
+    for gauge in ["epp_queue_depth", "epp_pod_health_score", "epp_pod_load"] {
+        let _ = id(MetricKind::Gauge, &labelled(gauge, "pod", pod));
     }
 }
 

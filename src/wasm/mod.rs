@@ -9,28 +9,23 @@
 //! Both must use the same `vm_id` so they share data and queues.
 
 mod filter;
+mod host;
 mod logging;
 mod metrics;
 mod service;
 mod shared;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::RootContext;
 
 fn root_id() -> String {
-    hostcalls::get_property(vec!["plugin_root_id"])
-        .ok()
-        .flatten()
+    host::property(&["plugin_root_id"])
         .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
         .unwrap_or_default()
 }
 
 /// Called once per VM by the `proxy_wasm::main!` entry point.
 pub fn start() {
-    // Pass everything to the host; the plugin's `logLevel` narrows it with
-    // `log::set_max_level` once configured, and Envoy's `wasm` component
-    // level filters what it prints.
-    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Trace);
+    logging::install();
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
         if root_id() == "service" {
             Box::new(service::ServiceRoot::default())
@@ -46,6 +41,7 @@ fn load_config(bytes: Option<Vec<u8>>, role: &str) -> Option<crate::config::Conf
     match crate::config::Config::parse(&bytes.unwrap_or_default()) {
         Ok(config) => {
             logging::apply_level(config.log_level);
+            metrics::export_from_zero(&config);
             Some(config)
         }
         Err(error) => {

@@ -4,9 +4,7 @@
 
 use std::rc::Rc;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::Status;
-
+use super::host::{self, Status};
 use crate::snapshot::{
     bucket_key, decode_inflight, encode_inflight, PodTable, GENERATION_KEY, INFLIGHT_KEY,
     POD_TABLE_KEY,
@@ -15,13 +13,14 @@ use crate::snapshot::{
 /// Retries of a compare-and-swap update under contention.
 const CAS_ATTEMPTS: usize = 32;
 
-pub fn get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-    hostcalls::get_shared_data(key).unwrap_or((None, None))
+/// A value and its CAS token; a failed read is an absent value.
+pub fn get(key: &str) -> (Option<Vec<u8>>, u32) {
+    host::shared_get(key).unwrap_or((None, 0))
 }
 
 pub fn set(key: &str, value: &[u8]) {
-    if let Err(status) = hostcalls::set_shared_data(key, Some(value), None) {
-        log::warn!("kvroute: writing shared data {key} failed: {status:?}");
+    if let Err(status) = host::shared_set(key, value, 0) {
+        log::warn!("kvroute: writing shared data {key} failed: {status}");
     }
 }
 
@@ -79,12 +78,14 @@ pub fn adjust_inflight(slot: usize, delta: i64) -> bool {
     for _ in 0..CAS_ATTEMPTS {
         let (bytes, cas) = get(INFLIGHT_KEY);
         let mut counts = decode_inflight(&bytes.unwrap_or_default(), slot + 1);
-        counts[slot] = (i64::from(counts[slot]) + delta).clamp(0, i64::from(u32::MAX)) as u32;
-        match hostcalls::set_shared_data(INFLIGHT_KEY, Some(&encode_inflight(&counts)), cas) {
+        if let Some(count) = counts.get_mut(slot) {
+            *count = (i64::from(*count) + delta).clamp(0, i64::from(u32::MAX)) as u32;
+        }
+        match host::shared_set(INFLIGHT_KEY, &encode_inflight(&counts), cas) {
             Ok(()) => return true,
-            Err(Status::CasMismatch) => continue,
+            Err(Status::CAS_MISMATCH) => continue,
             Err(status) => {
-                log::warn!("kvroute: updating in-flight counts failed: {status:?}");
+                log::warn!("kvroute: updating in-flight counts failed: {status}");
                 return false;
             }
         }

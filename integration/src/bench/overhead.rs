@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvroute::cluster::ClusterState;
+use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
 use kvroute::config::Config;
 use kvroute::hashing::BlockHasher;
 use kvroute::request::Prompt;
@@ -371,17 +371,41 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         .ok_or_else(|| io::Error::other("cannot find the Envoy process"))?;
     let expected = (per_pod * pods) as f64;
     let ingest_start = Instant::now();
-    let cpu0 = thread_cpu_s(pid, pid).unwrap_or(0.0);
     let mut nodes = 0.0;
-    while ingest_start.elapsed() < Duration::from_secs(240) {
-        nodes = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
-        if nodes >= expected * 0.999 {
-            break;
+    // The admin page is served on the main thread, beside the service: its
+    // latency during the ingest is the longest main-thread stall.
+    let ingesting = std::sync::atomic::AtomicBool::new(true);
+    let mut admin_ms = std::thread::scope(|scope| {
+        let probe = scope.spawn(|| {
+            let mut latencies = Vec::new();
+            while ingesting.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                if crate::http::get(&cluster.envoy.admin, "/ready").is_ok() {
+                    let ms = t.elapsed().as_secs_f64() * 1000.0;
+                    if ms > 10.0 {
+                        let at = t.duration_since(ingest_start).as_secs_f64();
+                        eprintln!("scale: main thread stalled {ms:.1} ms at {at:.2} s");
+                    }
+                    latencies.push(ms);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            latencies
+        });
+        while ingest_start.elapsed() < Duration::from_secs(240) {
+            nodes = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
+            if nodes >= expected * 0.999 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(500));
         }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    let ingest_s = ingest_start.elapsed().as_secs_f64();
-    let _ = cpu0;
+        // The last buckets are published over the next ticks.
+        std::thread::sleep(Duration::from_secs(3));
+        ingesting.store(false, std::sync::atomic::Ordering::Relaxed);
+        probe.join().unwrap_or_default()
+    });
+    admin_ms.sort_by(f64::total_cmp);
+    let ingest_s = ingest_start.elapsed().as_secs_f64() - 3.0;
     // Cumulative since Envoy started: startup, the first ticks folding all
     // full reports, publication.
     let ingest_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0);
@@ -413,6 +437,13 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         "clusterStartS": (startup_s * 10.0).round() / 10.0,
         "ingestS": (ingest_s * 10.0).round() / 10.0,
         "ingestMainThreadCpuS": (ingest_cpu * 100.0).round() / 100.0,
+        "adminReadyDuringIngestMs": {
+            "probes": admin_ms.len(),
+            "p50": admin_ms.get(admin_ms.len() / 2),
+            "p99": admin_ms.get(admin_ms.len() * 99 / 100),
+            "max": admin_ms.last(),
+            "over10Ms": admin_ms.iter().filter(|&&ms| ms > 10.0).count(),
+        },
         "reportIntervalMs": interval_ms,
         "idle": {"windowS": window.as_secs(), "mainThreadCpuS": idle_cpu, "msPerTick": idle_cpu * 1000.0 / ticks},
         "churn": {"windowS": window.as_secs(), "requests": sent, "newBlocksPerS": rate / 2.0 * blocks_per_prompt as f64,
@@ -483,13 +514,29 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
     }
     let mut state = ClusterState::new(&config, 0);
     let t = Instant::now();
+    let mut longest_fold_s: f64 = 0.0;
     for (i, body) in bodies.iter().enumerate() {
+        let step = Instant::now();
         let (result, _) = state.apply_report(&format!("pod-{i}"), body.as_bytes(), 1, 0);
         result.map_err(|e| io::Error::other(format!("{e:?}")))?;
+        longest_fold_s = longest_fold_s.max(step.elapsed().as_secs_f64());
     }
     let fold_full_s = t.elapsed().as_secs_f64();
+    // What the service does after the resync: bounded publications, one
+    // per tick, until nothing is pending.
     let t = Instant::now();
-    let publication = state.publish(2);
+    let mut longest_publish_s: f64 = 0.0;
+    let mut publication = state.publish_some(2, PUBLISH_BUCKETS);
+    let mut all_buckets = std::mem::take(&mut publication.buckets);
+    let mut publications = 1;
+    while publication.unpublished_buckets > 0 {
+        let step = Instant::now();
+        publication = state.publish_some(2, PUBLISH_BUCKETS);
+        longest_publish_s = longest_publish_s.max(step.elapsed().as_secs_f64());
+        all_buckets.append(&mut publication.buckets);
+        publications += 1;
+    }
+    publication.buckets = all_buckets;
     let publish_full_s = t.elapsed().as_secs_f64();
     let bucket_bytes: usize = publication.buckets.iter().map(|(_, v)| v.len()).sum();
     let table_bytes = publication.table.encode().len();
@@ -528,7 +575,10 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
         "podTableBytes": table_bytes,
         "reportBytesPerPod": bodies.first().map(|b| b.len()),
         "foldFullReportsMs": (fold_full_s * 1e4).round() / 10.0,
+        "longestReportFoldMs": (longest_fold_s * 1e4).round() / 10.0,
         "publishFullMs": (publish_full_s * 1e4).round() / 10.0,
+        "publications": publications,
+        "longestPublicationMs": (longest_publish_s * 1e4).round() / 10.0,
         "churnTickMs": (churn_tick_s * 1e4).round() / 10.0,
         "churnTickBucketsWritten": p.buckets.len(),
         "idlePublishMs": (idle_publish_s * 1e4).round() / 10.0,

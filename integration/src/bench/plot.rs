@@ -29,7 +29,8 @@ const COLORS: [RGBColor; 10] = [
 const POOLED: RGBColor = RGBColor(70, 70, 70);
 const INFINITE: RGBColor = RGBColor(170, 170, 170);
 
-fn fonts() {
+/// Registers DejaVu Sans as `sans-serif` (once per process).
+pub fn fonts() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let _ = plotters::style::register_font(

@@ -31,7 +31,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
-use kvroute::cluster::ClusterState;
+use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
 use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
 use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
@@ -116,6 +116,7 @@ pub struct Summary {
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub hit_rate: f64,
     pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub ttft_mean_ms: f64,
     /// Largest fraction of the requests one pod got.
@@ -145,6 +146,7 @@ impl Summary {
                 cached as f64 / prompt as f64
             },
             ttft_p50_ms: percentile(&ttft, 0.50) as f64 / 1000.0,
+            ttft_p90_ms: percentile(&ttft, 0.90) as f64 / 1000.0,
             ttft_p99_ms: percentile(&ttft, 0.99) as f64 / 1000.0,
             ttft_mean_ms: ttft.iter().sum::<u64>() as f64 / n.max(1) as f64 / 1000.0,
             max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
@@ -422,7 +424,7 @@ impl<'a> Simulation<'a> {
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
         let chosen = match &mut self.chooser {
-            Chooser::Kvroute(view) => view.choose(request, &inflight),
+            Chooser::Kvroute(view) => view.choose(request, &inflight, now / 1000),
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
                 *next += 1;
@@ -581,7 +583,7 @@ impl<'a> KvrouteView<'a> {
 
     /// The filter's decision for `request` (the core's own
     /// [`Router::route_prepared`] on the published view); `None` is a 503.
-    fn choose(&mut self, request: &Request, inflight: &[u32]) -> Option<usize> {
+    fn choose(&mut self, request: &Request, inflight: &[u32], now_ms: u64) -> Option<usize> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return None; // nothing published yet
@@ -605,13 +607,22 @@ impl<'a> KvrouteView<'a> {
             table: &self.table,
             index: &Merged(&snapshot, &self.recent),
             inflight,
+            // The simulated service publishes every interval and never
+            // freezes, so its snapshot is never stale.
+            now_ms: self.table.published_at_ms,
         };
         let Outcome::Routed(routed) = self.router.route_prepared(prepared, &view, self.requests)
         else {
             return None;
         };
         self.recent.record(routed.slot, &routed.chain);
-        self.cluster.record_decision(routed.slot, &routed.chain);
+        // As the service does on the decision queue: recorded and its
+        // buckets published at once.
+        self.cluster
+            .record_decision(routed.slot, &routed.chain, now_ms);
+        for (bucket, bytes) in self.cluster.publish_buckets(now_ms, PUBLISH_BUCKETS) {
+            self.buckets.insert(bucket, bytes);
+        }
         Some(routed.slot)
     }
 }
@@ -683,6 +694,7 @@ mod tests {
                         table: &view.table,
                         index: &Merged(&snapshot, &view.recent),
                         inflight: &inflight,
+                        now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
                         Outcome::Routed(routed) => {
@@ -692,7 +704,7 @@ mod tests {
                         Outcome::Rejected(_) => None,
                     }
                 };
-                let chosen = view.choose(r, &inflight);
+                let chosen = view.choose(r, &inflight, i as u64 * 1000);
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);

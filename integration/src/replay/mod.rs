@@ -10,10 +10,12 @@
 //! - [`workload`]: the trace → per-request block chains (the core's hasher);
 //! - [`engine`]: the discrete-event simulation and the policies;
 //! - [`sweep`]: the grid, the weight renormalisation rule, the objective;
+//! - [`load_sweep`]: every policy across offered loads (`--load-sweep`);
 //! - [`heatmap`]: the sweep's PNG.
 
 pub mod engine;
 pub mod heatmap;
+pub mod load_sweep;
 pub mod sweep;
 pub mod workload;
 
@@ -110,6 +112,16 @@ pub struct ReplayArgs {
     /// Model name of Mooncake requests.
     #[arg(long, default_value = workload::DEFAULT_MODEL)]
     pub model: String,
+    /// Offered loads to sweep, as shares of the trace's cache-blind
+    /// capacity (e.g. `0.5,1,1.5,2,2.5`): every policy at each, instead of
+    /// one run at `--speedup`; writes load-sweep.json and load-sweep.png to
+    /// `--out`.
+    #[arg(long, value_delimiter = ',')]
+    pub load_sweep: Vec<f64>,
+    /// The TTFT p90 (ms, at time scale 1) a policy must keep to sustain a
+    /// load in `--load-sweep`.
+    #[arg(long, default_value_t = load_sweep::SUSTAINED_P90_MS)]
+    pub sustain_p90_ms: f64,
     /// Threads for --sweep (results do not depend on it).
     #[arg(long, default_value_t = 1)]
     pub jobs: usize,
@@ -254,13 +266,70 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
         max_batch: args.max_batch,
         cost: CostModel::gpu_8b(args.time_scale),
     };
+    let pooled_bound = cache_bound(&workload, Some(kv_blocks * args.pods));
+    let infinite_bound = cache_bound(&workload, None);
+    if !args.load_sweep.is_empty() {
+        if args.load_sweep.iter().any(|l| !(l.is_finite() && *l > 0.0)) {
+            return Err("--load-sweep loads must be positive numbers".into());
+        }
+        let target_ms = args.sustain_p90_ms * args.time_scale;
+        let unscaled = Workload::load(&args.trace, args.format, &config, &args.model, 1.0)
+            .map_err(|e| format!("{}: {e}", args.trace.display()))?;
+        let points = load_sweep::run(
+            &unscaled,
+            &pods,
+            &args.policies,
+            &config,
+            args.seed,
+            &args.load_sweep,
+            args.time_scale,
+        );
+        let markdown = format!(
+            "## kvroute-replay load sweep: {}
+
+{} pods × {kv_blocks} blocks, cache-blind capacity {:.2} req/s, pooled-cache bound {}
+
+{}",
+            args.trace.display(),
+            args.pods,
+            load_sweep::cache_blind_rps(&unscaled, &pods, args.time_scale),
+            pct(pooled_bound),
+            load_sweep::markdown(&points, pooled_bound, target_ms)
+        );
+        stdout
+            .write_all(markdown.as_bytes())
+            .map_err(|e| e.to_string())?;
+        if let Some(dir) = &args.out {
+            std::fs::create_dir_all(dir).map_err(|e| format!("--out {}: {e}", dir.display()))?;
+            let json = load_sweep::json(&points, pooled_bound, target_ms);
+            std::fs::write(dir.join("load-sweep.json"), format!("{json:#}\n"))
+                .map_err(|e| format!("--out {}: {e}", dir.display()))?;
+            std::fs::write(dir.join("load-sweep.md"), &markdown)
+                .map_err(|e| format!("--out {}: {e}", dir.display()))?;
+            load_sweep::chart(
+                &points,
+                &dir.join("load-sweep.png"),
+                "TTFT p90 vs offered load (replay)",
+            )?;
+        }
+        return Ok(Report {
+            config,
+            pods,
+            requests: workload.requests.len(),
+            unique_blocks,
+            kv_blocks_derived: args.kv_blocks.is_none(),
+            runs: Vec::new(),
+            pooled_bound,
+            infinite_bound,
+            sweep: None,
+            markdown,
+        });
+    }
     let runs: Vec<RunResult> = args
         .policies
         .iter()
         .map(|&policy| simulate(&workload, &pods, policy, &config, args.seed))
         .collect();
-    let pooled_bound = cache_bound(&workload, Some(kv_blocks * args.pods));
-    let infinite_bound = cache_bound(&workload, None);
     let sweep = match sweep_spec {
         Some(spec) => {
             let (results, best) = sweep::run_sweep(
