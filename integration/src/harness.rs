@@ -241,6 +241,11 @@ impl Envoy {
         )))
     }
 
+    /// The Envoy process's id.
+    pub fn pid(&self) -> u32 {
+        self.process.child.id()
+    }
+
     /// Envoy's log so far.
     pub fn log(&self) -> String {
         fs::read_to_string(&self.log_path).unwrap_or_default()

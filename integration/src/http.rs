@@ -1,13 +1,18 @@
-//! A tiny std-only HTTP/1.1 client for tests and harnesses: one request per
-//! connection (`Connection: close`), `Content-Length` or chunked bodies, and
-//! a streaming reader that returns each server-sent event with its arrival
+//! The project's one HTTP client, for tests, harnesses, the demo and the
+//! benchmark's load generator: reqwest (HTTP/1.1, no TLS, no proxy) on a
+//! shared two-thread tokio runtime, with one keep-alive connection pool per
+//! process, as an OpenAI SDK client keeps one. Sync callers use the blocking
+//! functions; the load generator awaits [`stream`] on [`runtime`]. Streamed
+//! answers are read as server-sent events, each stamped with its arrival
 //! time.
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::io;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// Connect, read and write timeout of the convenience functions.
+use tokio::runtime::Runtime;
+
+/// Timeout (whole request, body included) of the convenience functions.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A complete response.
@@ -85,6 +90,33 @@ fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+/// The runtime every request runs on (two worker threads: the machines
+/// this runs on have two cores, shared with the pods and the router).
+pub fn runtime() -> &'static Runtime {
+    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvroute-http")
+            .enable_all()
+            .build()
+            .expect("HTTP client runtime")
+    })
+}
+
+/// The process's client and its keep-alive pool.
+fn client() -> &'static reqwest::Client {
+    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .expect("HTTP client")
+    })
+}
+
 /// `GET path`.
 pub fn get(addr: &str, path: &str) -> io::Result<Response> {
     request(addr, "GET", path, &[], None, DEFAULT_TIMEOUT)
@@ -138,29 +170,24 @@ pub fn request(
     body: Option<&[u8]>,
     timeout: Duration,
 ) -> io::Result<Response> {
-    let mut reader = send(addr, method, path, headers, body, timeout)?;
-    let (status, headers) = read_head(&mut reader)?;
-    let mut body = Vec::new();
-    if method.eq_ignore_ascii_case("HEAD") || status == 204 || status == 304 {
-        // No body.
-    } else if is_chunked(&headers) {
-        while let Some(chunk) = read_chunk(&mut reader)? {
-            body.extend_from_slice(&chunk);
-        }
-    } else if let Some(length) = header(&headers, "content-length") {
-        let length: usize = length
-            .trim()
-            .parse()
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad content-length"))?;
-        body.resize(length, 0);
-        reader.read_exact(&mut body)?;
-    } else {
-        reader.read_to_end(&mut body)?;
-    }
-    Ok(Response {
-        status,
+    let builder = build(
+        addr,
+        method,
+        path,
         headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
+        body.map(<[u8]>::to_vec),
+        timeout,
+    )?;
+    runtime().block_on(async {
+        let response = builder.send().await.map_err(io_error)?;
+        let status = response.status().as_u16();
+        let headers = header_pairs(&response);
+        let body = response.bytes().await.map_err(io_error)?;
+        Ok(Response {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
     })
 }
 
@@ -175,44 +202,44 @@ pub fn stream_request(
     body: Option<&[u8]>,
     timeout: Duration,
 ) -> io::Result<SseResponse> {
-    let sent = Instant::now();
-    let mut reader = send(addr, method, path, headers, body, timeout)?;
-    let (status, headers) = read_head(&mut reader)?;
-    let mut response = SseResponse {
-        status,
+    runtime().block_on(stream(
+        addr,
+        method,
+        path,
         headers,
+        body.map(<[u8]>::to_vec),
+        timeout,
+    ))
+}
+
+/// [`stream_request`] for async callers on [`runtime`].
+pub async fn stream(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> io::Result<SseResponse> {
+    let builder = build(addr, method, path, headers, body, timeout)?;
+    let sent = Instant::now();
+    let mut response = builder.send().await.map_err(io_error)?;
+    let mut out = SseResponse {
+        status: response.status().as_u16(),
+        headers: header_pairs(&response),
         sent,
         events: Vec::new(),
         done: false,
         error: None,
         rest: String::new(),
     };
-    let chunked = is_chunked(&response.headers);
-    let mut remaining =
-        header(&response.headers, "content-length").and_then(|l| l.trim().parse::<usize>().ok());
     let mut pending: Vec<u8> = Vec::new();
     loop {
-        let piece = if chunked {
-            read_chunk(&mut reader)
-        } else if remaining == Some(0) {
-            Ok(None)
-        } else {
-            let mut buf = [0u8; 8192];
-            let want = remaining.map_or(buf.len(), |r| r.min(buf.len()));
-            match reader.read(&mut buf[..want]) {
-                Ok(0) => Ok(None),
-                Ok(n) => {
-                    remaining = remaining.map(|r| r - n);
-                    Ok(Some(buf[..n].to_vec()))
-                }
-                Err(e) => Err(e),
-            }
-        };
-        let piece = match piece {
+        let piece = match response.chunk().await {
             Ok(Some(piece)) => piece,
             Ok(None) => break,
             Err(e) => {
-                response.error = Some(e.to_string());
+                out.error = Some(io_error(e).to_string());
                 break;
             }
         };
@@ -222,14 +249,66 @@ pub fn stream_request(
             let raw: Vec<u8> = pending.drain(..end + skip).take(end).collect();
             if let Some(data) = event_data(&String::from_utf8_lossy(&raw)) {
                 if data == "[DONE]" {
-                    response.done = true;
+                    out.done = true;
                 }
-                response.events.push(SseEvent { data, at });
+                out.events.push(SseEvent { data, at });
             }
         }
     }
-    response.rest = String::from_utf8_lossy(&pending).into_owned();
-    Ok(response)
+    out.rest = String::from_utf8_lossy(&pending).into_owned();
+    Ok(out)
+}
+
+fn build(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> io::Result<reqwest::RequestBuilder> {
+    let method = reqwest::Method::from_bytes(method.as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut builder = client()
+        .request(method, format!("http://{addr}{path}"))
+        .timeout(timeout);
+    for (k, v) in headers {
+        builder = builder.header(*k, *v);
+    }
+    if let Some(body) = body {
+        builder = builder.body(body);
+    }
+    Ok(builder)
+}
+
+fn header_pairs(response: &reqwest::Response) -> Vec<(String, String)> {
+    response
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
+}
+
+/// A reqwest error as an `io::Error` whose text carries the whole cause
+/// chain (reqwest's own text names only the URL).
+fn io_error(e: reqwest::Error) -> io::Error {
+    let kind = if e.is_timeout() {
+        io::ErrorKind::TimedOut
+    } else {
+        io::ErrorKind::Other
+    };
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    io::Error::new(kind, text)
 }
 
 /// Position and length of the first event separator (a blank line).
@@ -255,118 +334,6 @@ fn event_data(block: &str) -> Option<String> {
     (!lines.is_empty()).then(|| lines.join("\n"))
 }
 
-fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(
-        io::ErrorKind::InvalidInput,
-        format!("{addr} resolves to nothing"),
-    );
-    for socket in addr.to_socket_addrs()? {
-        match TcpStream::connect_timeout(&socket, timeout) {
-            Ok(stream) => return Ok(stream),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
-
-fn send(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: Option<&[u8]>,
-    timeout: Duration,
-) -> io::Result<BufReader<TcpStream>> {
-    let mut stream = connect(addr, timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    stream.set_nodelay(true)?;
-    let mut head = format!("{method} {path} HTTP/1.1\r\n");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        head.push_str(&format!("host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if let Some(body) = body {
-        head.push_str(&format!("content-length: {}\r\n", body.len()));
-    }
-    head.push_str("connection: close\r\n\r\n");
-    let mut message = head.into_bytes();
-    if let Some(body) = body {
-        message.extend_from_slice(body);
-    }
-    stream.write_all(&message)?;
-    stream.flush()?;
-    Ok(BufReader::new(stream))
-}
-
-fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
-    let mut line = String::new();
-    if reader.read_line(&mut line)? == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "connection closed",
-        ));
-    }
-    Ok(line.trim_end_matches(['\r', '\n']).to_string())
-}
-
-fn read_head(reader: &mut impl BufRead) -> io::Result<(u16, Vec<(String, String)>)> {
-    let status_line = read_line(reader)?;
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("bad status line {status_line:?}"),
-            )
-        })?;
-    let mut headers = Vec::new();
-    loop {
-        let line = read_line(reader)?;
-        if line.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = line.split_once(':') {
-            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
-        }
-    }
-    Ok((status, headers))
-}
-
-fn is_chunked(headers: &[(String, String)]) -> bool {
-    header(headers, "transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
-}
-
-/// One chunk of a chunked body; `None` after the last (zero) chunk.
-fn read_chunk(reader: &mut impl BufRead) -> io::Result<Option<Vec<u8>>> {
-    let line = read_line(reader)?;
-    let size_text = line.split(';').next().unwrap_or("").trim();
-    let size = usize::from_str_radix(size_text, 16).map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("bad chunk size {line:?}"),
-        )
-    })?;
-    if size == 0 {
-        // Trailers until the blank line; a close right away is fine too.
-        while let Ok(line) = read_line(reader) {
-            if line.is_empty() {
-                break;
-            }
-        }
-        return Ok(None);
-    }
-    let mut chunk = vec![0u8; size];
-    reader.read_exact(&mut chunk)?;
-    let mut crlf = [0u8; 2];
-    reader.read_exact(&mut crlf)?;
-    Ok(Some(chunk))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -381,15 +348,5 @@ mod tests {
         );
         assert_eq!(event_end(b"data: x\n\ndata: y"), Some((7, 2)));
         assert_eq!(event_end(b"data: x\r\n\r\n"), Some((7, 4)));
-    }
-
-    #[test]
-    fn reads_chunked_bodies() {
-        let mut raw: &[u8] = b"4\r\nWiki\r\n5;x=y\r\npedia\r\n0\r\n\r\n";
-        let mut out = Vec::new();
-        while let Some(c) = read_chunk(&mut raw).unwrap() {
-            out.extend(c);
-        }
-        assert_eq!(out, b"Wikipedia");
     }
 }

@@ -42,6 +42,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use kvroute::config::Config;
@@ -206,6 +207,10 @@ struct Inner {
     waiting: u32,
     /// In prefill or decode.
     running: u32,
+    /// KV blocks the running requests' prompts occupy: vLLM's
+    /// `kv_cache_usage_perc` counts these, not cached blocks of finished
+    /// requests (those are free, reusable until evicted).
+    running_blocks: usize,
     faults: Faults,
     rng: u64,
 }
@@ -314,6 +319,12 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
         .unwrap_or_else(|| format!("sim-{}", addr.port()));
     println!("kvroute-sim {pod_id} listening on {addr}");
     let _ = std::io::stdout().flush();
+    // TCP_NODELAY on every accepted connection, as vLLM's server does:
+    // without it a client that does not batch its writes waits out ~40 ms
+    // delayed ACKs on small responses and SSE chunks.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::select! {
         served = axum::serve(listener, app) => served.map_err(|e| e.to_string()),
         _ = shutdown_signal() => Ok(()),
@@ -399,6 +410,7 @@ pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
             hit_tokens_total: 0,
             waiting: 0,
             running: 0,
+            running_blocks: 0,
             faults: Faults {
                 error_rate: 0.0,
                 report: ReportMode::Ok,
@@ -481,18 +493,23 @@ impl Drop for Waiting {
     }
 }
 
-/// A running request (prefill started): holds a sequence slot, counted
-/// while alive.
+/// A running request (prefill started): holds a sequence slot and its
+/// prompt's KV blocks, counted while alive.
 struct Running {
     sim: Arc<Sim>,
+    blocks: usize,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Running {
-    fn new(sim: &Arc<Sim>, permit: OwnedSemaphorePermit) -> Running {
-        sim.lock().running += 1;
+    fn new(sim: &Arc<Sim>, permit: OwnedSemaphorePermit, blocks: usize) -> Running {
+        let mut inner = sim.lock();
+        inner.running += 1;
+        inner.running_blocks += blocks;
+        drop(inner);
         Running {
             sim: sim.clone(),
+            blocks,
             _permit: permit,
         }
     }
@@ -500,7 +517,9 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.sim.lock().running -= 1;
+        let mut inner = self.sim.lock();
+        inner.running -= 1;
+        inner.running_blocks -= self.blocks;
     }
 }
 
@@ -694,13 +713,14 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
         let slot = inner.pod.schedule_prefill(&admission, sim.now());
         (admission, slot)
     };
+    let blocks = admission.chain.len();
     let scheduled = Scheduled {
         sim: sim.clone(),
         admission: Some(admission),
     };
     tokio::time::sleep_until(sim.at(slot.start)).await;
     drop(waiting);
-    let running = Running::new(&sim, permit);
+    let running = Running::new(&sim, permit, blocks);
     tokio::time::sleep_until(sim.at(slot.end)).await;
     let admission = scheduled.finish();
     tokio::time::sleep_until(sim.at(slot.first_token)).await;
@@ -830,7 +850,7 @@ async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
     let usage = inner
         .faults
         .gpu_utilization
-        .unwrap_or_else(|| inner.pod.cache.usage())
+        .unwrap_or(inner.running_blocks as f64 / inner.pod.cache.capacity().max(1) as f64)
         .clamp(0.0, 1.0);
     let model = sim
         .served

@@ -1,11 +1,17 @@
-//! The open-loop load generator: each request is sent at its scheduled
-//! offset on its own thread, whatever the earlier ones are doing, streamed,
-//! and timed at the client (time to the first server-sent event, time to
-//! the last). Bounded in flight and in time.
+//! The load generator, a client as real OpenAI clients are: async requests
+//! over [`crate::http`]'s keep-alive connection pool, streamed, timed at
+//! the client (time to the first server-sent event, time to the last).
+//!
+//! Two modes, per request: open loop (sent at its offset, whatever the
+//! earlier ones are doing) and closed loop (an agent's next turn, sent the
+//! moment the turn it [`follows`](BenchRequest::follows) completes). Bounded
+//! in flight and in time.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
 
 use super::workload::BenchRequest;
 use crate::http;
@@ -38,61 +44,92 @@ impl Outcome {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_in_flight: usize,
-    /// Per-request read timeout.
+    /// Per-request timeout (whole stream).
     pub request_timeout: Duration,
     /// No request is sent after this much time.
     pub max_send_window: Duration,
 }
 
-/// Sends `requests` to `addr` at their offsets; returns one outcome per
-/// request (in request order) and the wall time of the run.
+/// Sends `requests` to `addr`: open-loop requests at their offsets, each
+/// closed-loop one when its predecessor completes (failed or not: the agent
+/// goes on). Returns one outcome per request (in request order) and the
+/// wall time of the run.
 pub fn run(addr: &str, requests: &[BenchRequest], limits: Limits) -> (Vec<Outcome>, f64) {
-    let start = Instant::now();
-    let in_flight = AtomicUsize::new(0);
-    let outcomes: Mutex<Vec<Outcome>> = Mutex::new(Vec::with_capacity(requests.len()));
-    std::thread::scope(|scope| {
-        for (index, request) in requests.iter().enumerate() {
-            let due = start + Duration::from_secs_f64(request.at_s);
-            let now = Instant::now();
-            if due > now {
-                std::thread::sleep(due - now);
-            }
-            let skipped = if start.elapsed() > limits.max_send_window {
-                Some("not sent: run time bound reached")
-            } else if in_flight.load(Ordering::SeqCst) >= limits.max_in_flight {
-                Some("not sent: in-flight bound reached")
-            } else {
-                None
-            };
-            if let Some(reason) = skipped {
-                let at = start.elapsed().as_secs_f64();
-                outcomes.lock().unwrap().push(Outcome {
-                    index,
-                    sent_s: at,
-                    end_s: at,
-                    error: Some(reason.into()),
-                    ..Outcome::default()
-                });
-                continue;
-            }
-            in_flight.fetch_add(1, Ordering::SeqCst);
-            let (in_flight, outcomes) = (&in_flight, &outcomes);
-            std::thread::Builder::new()
-                .stack_size(256 * 1024)
-                .spawn_scoped(scope, move || {
-                    let outcome = send_one(addr, index, request, start, limits.request_timeout);
-                    outcomes.lock().unwrap().push(outcome);
-                    in_flight.fetch_sub(1, Ordering::SeqCst);
-                })
-                .expect("spawn request thread");
+    let requests: Arc<[BenchRequest]> = requests.into();
+    let addr: Arc<str> = addr.into();
+    let mut followers: Vec<Vec<usize>> = vec![Vec::new(); requests.len()];
+    for (index, request) in requests.iter().enumerate() {
+        if let Some(previous) = request.follows {
+            followers[previous].push(index);
         }
-    });
-    let mut outcomes = outcomes.into_inner().unwrap();
-    outcomes.sort_by_key(|o| o.index);
-    (outcomes, start.elapsed().as_secs_f64())
+    }
+    http::runtime().block_on(async move {
+        let start = Instant::now();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let (done, mut finished) = mpsc::unbounded_channel::<Outcome>();
+        let launch = |index: usize, due: Instant| {
+            let (requests, addr, in_flight, done) = (
+                requests.clone(),
+                addr.clone(),
+                in_flight.clone(),
+                done.clone(),
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep_until(due.into()).await;
+                let at = start.elapsed().as_secs_f64();
+                let skipped = if start.elapsed() > limits.max_send_window {
+                    Some("not sent: run time bound reached")
+                } else if in_flight.load(Ordering::SeqCst) >= limits.max_in_flight {
+                    Some("not sent: in-flight bound reached")
+                } else {
+                    None
+                };
+                let outcome = match skipped {
+                    Some(reason) => Outcome {
+                        index,
+                        sent_s: at,
+                        end_s: at,
+                        error: Some(reason.into()),
+                        ..Outcome::default()
+                    },
+                    None => {
+                        in_flight.fetch_add(1, Ordering::SeqCst);
+                        let outcome = send_one(
+                            &addr,
+                            index,
+                            &requests[index],
+                            start,
+                            limits.request_timeout,
+                        )
+                        .await;
+                        in_flight.fetch_sub(1, Ordering::SeqCst);
+                        outcome
+                    }
+                };
+                let _ = done.send(outcome);
+            });
+        };
+        for (index, request) in requests.iter().enumerate() {
+            if request.follows.is_none() {
+                launch(index, start + Duration::from_secs_f64(request.at_s));
+            }
+        }
+        let mut outcomes = Vec::with_capacity(requests.len());
+        while outcomes.len() < requests.len() {
+            let Some(outcome) = finished.recv().await else {
+                break;
+            };
+            for &next in &followers[outcome.index] {
+                launch(next, Instant::now());
+            }
+            outcomes.push(outcome);
+        }
+        outcomes.sort_by_key(|o| o.index);
+        (outcomes, start.elapsed().as_secs_f64())
+    })
 }
 
-fn send_one(
+async fn send_one(
     addr: &str,
     index: usize,
     request: &BenchRequest,
@@ -104,7 +141,7 @@ fn send_one(
         sent_s: start.elapsed().as_secs_f64(),
         ..Outcome::default()
     };
-    let result = http::stream_request(
+    let result = http::stream(
         addr,
         "POST",
         request.path,
@@ -112,9 +149,10 @@ fn send_one(
             ("content-type", "application/json"),
             ("x-session-id", &request.session),
         ],
-        Some(request.body.as_bytes()),
+        Some(request.body.clone().into_bytes()),
         timeout,
-    );
+    )
+    .await;
     outcome.end_s = start.elapsed().as_secs_f64();
     let response = match result {
         Ok(r) => r,

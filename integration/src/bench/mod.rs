@@ -1,23 +1,30 @@
-//! `kvroute-bench`: kvroute against Envoy's built-in balancers on the same
-//! Envoy binary and the same simulated pods, in one run.
+//! `kvroute-bench`: kvroute against the cache-aware routers users would
+//! pick instead (SGLang Model Gateway, vLLM's router) and Envoy's built-in
+//! balancers, on the same simulated pods, in one run.
 //!
-//! - [`workload`]: the four workloads (shared-prefix groups, multi-turn
-//!   chat, LoRA multi-tenant, Mooncake trace replay), KV sizing and the
-//!   offline bounds (pooled LRU, infinite cache);
-//! - [`stack`]: fresh pods + Envoy per policy (kvroute precise/approximate,
-//!   round robin, least request, random, ring hash);
-//! - [`load`]: the open-loop streaming load generator;
+//! - [`workload`]: the five workloads (shared-prefix groups, multi-turn
+//!   chat, LoRA multi-tenant, Mooncake trace replay, closed-loop agentic
+//!   tool loops), KV sizing and the offline bounds (pooled LRU, infinite
+//!   cache);
+//! - [`stack`]: fresh pods + a router per policy (kvroute precise /
+//!   approximate in Envoy, the [`peers`], Envoy's round robin, least
+//!   request, random, ring hash);
+//! - [`load`]: the streaming load generator (open and closed loop);
+//! - [`fairness`]: each router's added latency on an idle system;
 //! - [`overhead`]: proxy overhead and the 1M-block scale figures;
 //! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
 //!
 //! ```text
-//! kvroute-bench [all|workload NAME..|overhead|scale] [--quick] [--out DIR]
+//! kvroute-bench [all|workload NAME..|fairness|overhead|scale|render] [--quick] [--out DIR]
 //! ```
 //! Results merge into `DIR/results.json` (a later `workload lora` replaces
-//! only that workload), and README.md and the charts are re-rendered from it.
+//! only that workload, `workload lora --policies P` only P's row there), and
+//! README.md and the charts are re-rendered from it.
 
+pub mod fairness;
 pub mod load;
 pub mod overhead;
+pub mod peers;
 pub mod plot;
 pub mod report;
 pub mod stack;
@@ -37,14 +44,15 @@ use workload::{GenOptions, WORKLOADS};
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "kvroute-bench",
-    about = "Benchmark kvroute against Envoy's built-in load balancers on simulated vLLM pods"
+    about = "Benchmark kvroute against peer routers and Envoy's built-in load balancers on simulated vLLM pods"
 )]
 pub struct BenchArgs {
-    /// all | workload | overhead | scale | render (re-render README.md and
-    /// the charts from results.json)
+    /// all | workload | fairness | overhead | scale | render (re-render
+    /// README.md and the charts from results.json)
     #[arg(default_value = "all")]
     pub command: String,
-    /// Workload names for `workload` (shared-prefix, multi-turn, lora, trace).
+    /// Workload names for `workload` (shared-prefix, multi-turn, lora, trace,
+    /// agentic).
     pub names: Vec<String>,
     /// Smaller workloads and shorter phases (a few minutes in all).
     #[arg(long)]
@@ -52,7 +60,7 @@ pub struct BenchArgs {
     /// Results folder (default: integration/results in the repository).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Policies to run (default: all six).
+    /// Policies to run (default: all ten).
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
     /// Offered load as a share of the cache-blind cluster capacity.
@@ -78,6 +86,10 @@ pub struct BenchArgs {
     /// (e.g. '{"maxQueue": 4}'); recorded in the results.
     #[arg(long)]
     pub kvroute_config: Option<String>,
+    /// Copy each run's router log (kvroute's decision events, a peer's own
+    /// log) to DIR/WORKLOAD-POLICY.log, for decision analysis.
+    #[arg(long)]
+    pub keep_logs: Option<PathBuf>,
     /// The kvroute-sim binary (default: next to this one).
     #[arg(long)]
     pub sim: Option<PathBuf>,
@@ -147,27 +159,26 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     if !results["workloads"].is_object() {
         results["workloads"] = json!({});
     }
-    let (workloads, overhead, scale): (Vec<String>, bool, bool) = match args.command.as_str() {
-        "all" => (
-            WORKLOADS.iter().map(|s| s.to_string()).collect(),
-            true,
-            true,
-        ),
-        "workload" => {
-            if args.names.is_empty() {
-                return Err(format!("workload needs a name: {}", WORKLOADS.join(", ")));
+    let every_workload = || WORKLOADS.iter().map(|s| s.to_string()).collect();
+    let (workloads, fairness, overhead, scale): (Vec<String>, bool, bool, bool) =
+        match args.command.as_str() {
+            "all" => (every_workload(), true, true, true),
+            "workload" => {
+                if args.names.is_empty() {
+                    return Err(format!("workload needs a name: {}", WORKLOADS.join(", ")));
+                }
+                (args.names.clone(), false, false, false)
             }
-            (args.names.clone(), false, false)
-        }
-        "overhead" => (Vec::new(), true, false),
-        "scale" => (Vec::new(), false, true),
-        "render" => (Vec::new(), false, false),
-        other => {
-            return Err(format!(
-                "unknown command {other:?}: all | workload NAME.. | overhead | scale"
-            ))
-        }
-    };
+            "fairness" => (Vec::new(), true, false, false),
+            "overhead" => (Vec::new(), false, true, false),
+            "scale" => (Vec::new(), false, false, true),
+            "render" => (Vec::new(), false, false, false),
+            other => {
+                return Err(format!(
+                    "unknown command {other:?}: all | workload NAME.. | fairness | overhead | scale | render"
+                ))
+            }
+        };
     let policies: Vec<String> = if args.policies.is_empty() {
         stack::POLICIES.iter().map(|s| s.to_string()).collect()
     } else {
@@ -209,6 +220,10 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     results["host"] = json!(host());
     results["quick"] = json!(args.quick);
     let started = Instant::now();
+    if fairness {
+        results["fairness"] = fairness::idle_latency(&sim, &policies, args.quick);
+        write_results(&out, &mut results)?;
+    }
     for name in &workloads {
         let w = workload::build(name, &opts)?;
         let mut entry = report::workload_json(&w);
@@ -222,17 +237,37 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         );
         let mut rows = Vec::new();
         for policy in &policies {
-            let row = run_policy(policy, &w, &sim)?;
-            eprintln!(
-                "   {policy:16} hit {:.3}  ttft p50 {} p99 {}  errors {}  share {}  ({:.0} s elapsed)",
-                row["hitRate"].as_f64().unwrap_or(0.0),
-                row["ttftMs"]["p50"],
-                row["ttftMs"]["p99"],
-                row["errors"],
-                row["maxShareOverFair"],
-                started.elapsed().as_secs_f64()
-            );
+            let row = run_policy(policy, &w, &sim, args.keep_logs.as_deref())?;
+            match row["unavailable"].as_str() {
+                Some(reason) => eprintln!("   {policy:28} unavailable: {reason}"),
+                None => eprintln!(
+                    "   {policy:28} hit {:.3}  ttft p50 {} p90 {} p99 {}  errors {}  share {}  cpu {} s/1k  ({:.0} s elapsed)",
+                    row["hitRate"].as_f64().unwrap_or(0.0),
+                    row["ttftMs"]["p50"],
+                    row["ttftMs"]["p90"],
+                    row["ttftMs"]["p99"],
+                    row["errors"],
+                    row["maxShareOverFair"],
+                    row["routerCpuSPer1k"],
+                    started.elapsed().as_secs_f64()
+                ),
+            }
             rows.push(row);
+        }
+        // `workload NAME --policies P,Q` reruns those rows and keeps the
+        // workload's others (in report order).
+        if args.command == "workload" && !args.policies.is_empty() {
+            let kept = results["workloads"][name.as_str()]["policies"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            for old in kept {
+                if !rows.iter().any(|r| r["policy"] == old["policy"]) {
+                    rows.push(old);
+                }
+            }
+            let rank = |r: &Value| stack::POLICIES.iter().position(|p| r["policy"] == *p);
+            rows.sort_by_key(rank);
         }
         entry["policies"] = Value::Array(rows);
         results["workloads"][name.as_str()] = entry;
@@ -256,33 +291,79 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     Ok(results)
 }
 
-/// One policy on one workload, on fresh pods.
-fn run_policy(policy: &str, w: &workload::Workload, sim: &Path) -> Result<Value, String> {
-    let stack = stack::start(policy, w, sim).map_err(|e| format!("{policy}: {e}"))?;
-    let offset = std::fs::metadata(&stack.envoy().log_path).map_or(0, |m| m.len() as usize);
+/// One policy on one workload, on fresh pods; a policy that cannot run
+/// here (a peer not installed or not starting) gives a row saying why.
+fn run_policy(
+    policy: &str,
+    w: &workload::Workload,
+    sim: &Path,
+    keep_logs: Option<&Path>,
+) -> Result<Value, String> {
+    let stack = match stack::start(policy, w, sim) {
+        Ok(stack) => stack,
+        Err(stack::StartError::Unavailable(reason)) => {
+            return Ok(json!({"policy": policy, "unavailable": reason}))
+        }
+        Err(stack::StartError::Failed(e)) => return Err(format!("{policy}: {e}")),
+    };
+    let log_offset = stack.envoy().map_or(0, |e| {
+        std::fs::metadata(&e.log_path).map_or(0, |m| m.len() as usize)
+    });
     let last = w.requests.last().map_or(0.0, |r| r.at_s);
+    // Closed loop: the planned offsets assume every prefix cached; a
+    // cache-blind router takes several times longer.
+    let window = if w.agents.is_some() {
+        last * 10.0 + 60.0
+    } else {
+        last * 1.5 + 30.0
+    };
     let limits = Limits {
         max_in_flight: 2000,
         request_timeout: Duration::from_secs(120),
-        max_send_window: Duration::from_secs_f64(last * 1.5 + 30.0),
+        max_send_window: Duration::from_secs_f64(window),
     };
+    let pid = stack.router_pid();
+    let cpu_before = overhead::process_cpu_s(pid);
     let (outcomes, wall) = load::run(stack.listen(), &w.requests, limits);
+    let cpu_s = overhead::process_cpu_s(pid)
+        .zip(cpu_before)
+        .map(|(after, before)| after - before);
     std::thread::sleep(Duration::from_millis(200));
     let stats: Vec<Value> = stack.sims().iter().map(|s| s.stats()).collect();
-    let filter = if policy.starts_with("kvroute") {
-        let log = stack.envoy().log();
-        overhead::route_latencies(log.get(offset..).unwrap_or(""))
-    } else {
-        Vec::new()
+    let log = match stack.envoy() {
+        Some(envoy) if policy.starts_with("kvroute") => {
+            envoy.log().get(log_offset..).unwrap_or("").to_string()
+        }
+        _ => String::new(),
     };
-    Ok(report::policy_figures(
-        policy, w, &outcomes, wall, &stats, &filter,
-    ))
+    if let Some(dir) = keep_logs {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let kept = dir.join(format!("{}-{policy}.log", w.name));
+        std::fs::copy(stack.log_path(), &kept).map_err(|e| format!("{}: {e}", kept.display()))?;
+    }
+    let filter = overhead::route_field(&log, "latencyUs");
+    let mut row = report::policy_figures(policy, w, &outcomes, wall, &stats, &filter);
+    // What kvroute's index knew at decision time: the share of each
+    // prompt's blocks it matched on the chosen pod (the pods' hit rate
+    // is what was actually cached by then).
+    let matched: f64 = overhead::route_field(&log, "matchedBlocks").iter().sum();
+    let blocks: f64 = overhead::route_field(&log, "blocks").iter().sum();
+    if blocks > 0.0 {
+        row["indexMatchShare"] = json!((matched / blocks * 1e4).round() / 1e4);
+    }
+    row["router"] = stack.router();
+    row["routerCpuS"] = json!(cpu_s.map(|s| (s * 100.0).round() / 100.0));
+    row["routerCpuSPer1k"] = json!(cpu_s.map(|s| {
+        let per_1k = s * 1000.0 / row["completed"].as_f64().unwrap_or(0.0).max(1.0);
+        (per_1k * 100.0).round() / 100.0
+    }));
+    Ok(row)
 }
 
 /// Writes results.json, README.md and the charts.
 fn write_results(out: &Path, results: &mut Value) -> Result<(), String> {
     results["targets"] = report::targets(results);
+    results["peerComparison"] = report::peer_comparison(results);
     let text = serde_json::to_string_pretty(results).map_err(|e| e.to_string())?;
     std::fs::write(out.join("results.json"), text + "\n").map_err(|e| e.to_string())?;
     let mut command = results["command"]

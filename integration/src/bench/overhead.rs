@@ -3,7 +3,7 @@
 //! - [`overhead`]: one simulated pod answering at once (`--time-scale 0`,
 //!   `max_tokens` 1), two Envoys in front of it — kvroute, and the same
 //!   Envoy with a plain STATIC cluster and no filter. Closed-loop
-//!   keep-alive clients at fixed concurrency, the two measured in
+//!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the two measured in
 //!   alternating phases (A B, B A, …) so drift hits both; the filter's own
 //!   time from the `latencyUs` of its `route` log lines.
 //! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
@@ -12,8 +12,7 @@
 //!   size; and the same folding and publication natively (exact snapshot
 //!   size).
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -30,99 +29,9 @@ use super::workload::words;
 use crate::harness::{
     free_port, prometheus_value, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
 };
+use crate::http;
 use crate::model::{KvCache, PodLoad};
 use crate::sim::preload_prompt;
-
-/// A keep-alive HTTP/1.1 connection.
-struct Conn {
-    addr: String,
-    reader: Option<BufReader<TcpStream>>,
-}
-
-impl Conn {
-    fn new(addr: &str) -> Conn {
-        Conn {
-            addr: addr.to_string(),
-            reader: None,
-        }
-    }
-
-    /// POSTs `body` to `path`; returns the status.
-    fn post(&mut self, path: &str, body: &[u8]) -> io::Result<u16> {
-        let result = self.try_post(path, body);
-        if result.is_err() {
-            self.reader = None;
-        }
-        result
-    }
-
-    fn try_post(&mut self, path: &str, body: &[u8]) -> io::Result<u16> {
-        if self.reader.is_none() {
-            let stream = TcpStream::connect(&self.addr)?;
-            stream.set_nodelay(true)?;
-            stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-            self.reader = Some(BufReader::with_capacity(64 * 1024, stream));
-        }
-        let reader = self.reader.as_mut().expect("connected");
-        let mut message = format!(
-            "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
-        message.extend_from_slice(body);
-        reader.get_mut().write_all(&message)?;
-        let mut line = String::new();
-        read_line(reader, &mut line)?;
-        let status: u16 = line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| io::Error::other(format!("bad status line {line:?}")))?;
-        let (mut length, mut chunked, mut close) = (None, false, false);
-        loop {
-            read_line(reader, &mut line)?;
-            let l = line.trim_end();
-            if l.is_empty() {
-                break;
-            }
-            let lower = l.to_ascii_lowercase();
-            if let Some(v) = lower.strip_prefix("content-length:") {
-                length = v.trim().parse::<usize>().ok();
-            } else if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
-                chunked = true;
-            } else if lower.starts_with("connection:") && lower.contains("close") {
-                close = true;
-            }
-        }
-        if chunked {
-            loop {
-                read_line(reader, &mut line)?;
-                let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
-                    .map_err(|_| io::Error::other("bad chunk size"))?;
-                let mut skip = vec![0u8; size + 2];
-                reader.read_exact(&mut skip)?;
-                if size == 0 {
-                    break;
-                }
-            }
-        } else if let Some(n) = length {
-            let mut skip = vec![0u8; n];
-            reader.read_exact(&mut skip)?;
-        }
-        if close {
-            self.reader = None;
-        }
-        Ok(status)
-    }
-}
-
-fn read_line(reader: &mut impl BufRead, line: &mut String) -> io::Result<()> {
-    line.clear();
-    if reader.read_line(line)? == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed"));
-    }
-    Ok(())
-}
 
 /// One closed-loop phase: latencies (µs) of successful requests, errors,
 /// elapsed seconds.
@@ -141,15 +50,21 @@ fn closed_loop(addr: &str, bodies: &[String], concurrency: usize, duration: Dura
             .map(|worker| {
                 let (stop, errors) = (&stop, &errors);
                 scope.spawn(move || {
-                    let mut conn = Conn::new(addr);
                     let mut out = Vec::new();
                     let mut i = worker;
                     while !stop.load(Ordering::Relaxed) {
                         let body = bodies[i % bodies.len()].as_bytes();
                         i += concurrency;
                         let t = Instant::now();
-                        match conn.post("/v1/completions", body) {
-                            Ok(200) => out.push(t.elapsed().as_secs_f64() * 1e6),
+                        match http::request(
+                            addr,
+                            "POST",
+                            "/v1/completions",
+                            &[("content-type", "application/json")],
+                            Some(body),
+                            Duration::from_secs(10),
+                        ) {
+                            Ok(r) if r.status == 200 => out.push(t.elapsed().as_secs_f64() * 1e6),
                             _ => {
                                 errors.fetch_add(1, Ordering::Relaxed);
                             }
@@ -190,11 +105,14 @@ fn bodies(size: usize, count: usize) -> Vec<String> {
         .collect()
 }
 
-/// `latencyUs` values of the filter's `route` log lines in `log`.
-pub fn route_latencies(log: &str) -> Vec<f64> {
+/// The integer `field` (`latencyUs`, `matchedBlocks`, `blocks`) of each of
+/// the filter's `route` log lines in `log`.
+pub fn route_field(log: &str, field: &str) -> Vec<f64> {
+    let key = format!("\"{field}\":");
     log.lines()
+        .filter(|l| l.contains("\"event\":\"route\""))
         .filter_map(|l| {
-            let at = l.find("\"latencyUs\":")? + "\"latencyUs\":".len();
+            let at = l.find(&key)? + key.len();
             let digits: String = l[at..].chars().take_while(|c| c.is_ascii_digit()).collect();
             digits.parse().ok()
         })
@@ -280,7 +198,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
                     let p = closed_loop(&kv.listen, &set, concurrency, phase);
                     a.extend(p.latencies_us);
                     a_err += p.errors;
-                    filter.extend(route_latencies(&log_since(kv, offset)));
+                    filter.extend(route_field(&log_since(kv, offset), "latencyUs"));
                 } else {
                     let p = closed_loop(&plain.listen, &set, concurrency, phase);
                     b.extend(p.latencies_us);
@@ -396,7 +314,17 @@ pub fn envoy_pid(config: &Path) -> Option<u32> {
 
 /// CPU seconds (user + system) of thread `tid` of `pid`.
 pub fn thread_cpu_s(pid: u32, tid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    stat_cpu_s(&format!("/proc/{pid}/task/{tid}/stat"))
+}
+
+/// CPU seconds (user + system, all threads) of process `pid`.
+pub fn process_cpu_s(pid: u32) -> Option<f64> {
+    stat_cpu_s(&format!("/proc/{pid}/stat"))
+}
+
+/// User + system seconds of a `/proc/…/stat` file.
+fn stat_cpu_s(path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     // After the command: state is field 3, utime 14, stime 15 (1-based).
     let utime: f64 = fields.get(11)?.parse().ok()?;
@@ -497,7 +425,7 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let rate = 20.0;
     let sent = churn(&cluster, prompts, prompt_bytes, rate, window);
     let churn_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0) - c1;
-    let mut filter = route_latencies(&log_since(&cluster.envoy, offset));
+    let mut filter = route_field(&log_since(&cluster.envoy, offset), "latencyUs");
     let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
     let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
     Ok(json!({
@@ -546,7 +474,7 @@ fn churn(cluster: &Cluster, prompts: usize, bytes: usize, rate: f64, window: Dur
             let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1}).to_string();
             let addr = cluster.envoy.listen.clone();
             scope.spawn(move || {
-                let _ = crate::http::post_json(&addr, "/v1/completions", &body);
+                let _ = http::post_json(&addr, "/v1/completions", &body);
             });
             n += 1;
         }

@@ -1,6 +1,6 @@
 //! PNG charts of the results (plotters, text in DejaVu Sans embedded from
-//! the `dejavu` crate): hit rate and TTFT p50 by policy, and TTFT CDFs,
-//! one panel per workload.
+//! the `dejavu` crate): hit rate and TTFT p50 by policy (kvroute, the peer
+//! routers, Envoy's balancers), and TTFT CDFs, one panel per workload.
 
 use std::path::Path;
 use std::sync::Once;
@@ -12,9 +12,15 @@ use serde_json::Value;
 use super::stack::POLICIES;
 use super::workload::WORKLOADS;
 
-const COLORS: [RGBColor; 6] = [
+/// One colour per policy of [`POLICIES`]: kvroute blues, peers reds and
+/// purples, Envoy's balancers greens and yellows.
+const COLORS: [RGBColor; 10] = [
     RGBColor(0, 114, 178),
     RGBColor(86, 180, 233),
+    RGBColor(200, 30, 30),
+    RGBColor(240, 130, 120),
+    RGBColor(120, 50, 160),
+    RGBColor(190, 150, 220),
     RGBColor(213, 94, 0),
     RGBColor(230, 159, 0),
     RGBColor(204, 121, 167),
@@ -40,12 +46,17 @@ type Error = Box<dyn std::error::Error>;
 /// One panel: its title and its bars (label, value, color).
 type Panel = (String, Vec<(String, f64, RGBColor)>);
 
+/// The measured row of policy `name` (unavailable rows have no figures).
 fn policy_of<'a>(w: &'a Value, name: &str) -> Option<&'a Value> {
     w["policies"]
         .as_array()?
         .iter()
-        .find(|p| p["policy"] == name)
+        .find(|p| p["policy"] == name && p.get("unavailable").is_none())
 }
+
+/// Canvas size and panel grid: one panel per workload, two per row.
+const SIZE: (u32, u32) = (1600, 1500);
+const GRID: (usize, usize) = (3, 2);
 
 fn present(workloads: &Value) -> Vec<(&'static str, &Value)> {
     WORKLOADS
@@ -62,13 +73,14 @@ fn bars(
     panels: &[Panel],
     format: &dyn Fn(f64) -> String,
 ) -> Result<(), Error> {
-    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 26))?;
-    let cells = root.split_evenly((2, 2));
+    let cells = root.split_evenly(GRID);
     for (area, (name, values)) in cells.iter().zip(panels) {
-        // Headroom above the tallest bar keeps its value label clear of the legend.
-        let top = values.iter().map(|v| v.1).fold(0.0, f64::max).max(1e-9) * 1.9;
+        // Headroom above the tallest bar keeps its value label clear of the
+        // legend (one line per bar).
+        let top = values.iter().map(|v| v.1).fold(0.0, f64::max).max(1e-9) * 2.6;
         let mut chart = ChartBuilder::on(area)
             .caption(name, ("sans-serif", 20))
             .margin(12)
@@ -173,10 +185,10 @@ pub fn ttft_p50(path: &Path, workloads: &Value) -> Result<(), Error> {
 /// TTFT CDFs, log-scaled time axis.
 pub fn ttft_cdf(path: &Path, workloads: &Value) -> Result<(), Error> {
     fonts();
-    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled("TTFT CDF (client-side)", ("sans-serif", 26))?;
-    let cells = root.split_evenly((2, 2));
+    let cells = root.split_evenly(GRID);
     for (area, (name, w)) in cells.iter().zip(present(workloads)) {
         let series: Vec<(&str, Vec<f64>, RGBColor)> = POLICIES
             .iter()

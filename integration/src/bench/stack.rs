@@ -1,6 +1,7 @@
 //! One policy's stack for one run: fresh simulated pods (empty caches) and
-//! an Envoy in front of them, either kvroute (the harness's
-//! [`Cluster`]) or a built-in load balancer (`envoy/baseline.template.yaml`).
+//! a router in front of them: Envoy with kvroute (the harness's
+//! [`Cluster`]), Envoy with a built-in load balancer
+//! (`envoy/baseline.template.yaml`), or a peer router ([`super::peers`]).
 
 use std::fs;
 use std::io;
@@ -8,18 +9,26 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+use super::peers::{self, Peer};
 use super::workload::Workload;
 use crate::harness::{free_port, Cluster, ClusterSpec, Envoy, Sim};
 
-/// Policies in report order.
-pub const POLICIES: [&str; 6] = [
+/// Policies in report order: kvroute, the peers, Envoy's balancers.
+pub const POLICIES: [&str; 10] = [
     "kvroute-precise",
     "kvroute-approx",
+    "smg-cache-aware",
+    "smg-power-of-two",
+    "vllm-router-cache-aware",
+    "vllm-router-consistent-hash",
     "round-robin",
     "least-request",
     "random",
     "ring-hash",
 ];
+
+/// Envoy's version (`make envoy` pins it).
+pub const ENVOY_VERSION: &str = "1.40.0";
 
 /// Report interval of the kvroute runs.
 pub const REPORT_INTERVAL_MS: u64 = 200;
@@ -32,31 +41,72 @@ pub enum Stack {
         envoy: Envoy,
         dir: PathBuf,
     },
+    Peer {
+        sims: Vec<Sim>,
+        router: peers::Running,
+        peer: &'static Peer,
+        dir: PathBuf,
+    },
 }
 
 impl Stack {
+    /// Where clients send requests.
     pub fn listen(&self) -> &str {
-        &self.envoy().listen
+        match self {
+            Stack::Peer { router, .. } => &router.listen,
+            _ => &self.envoy().expect("an Envoy stack").listen,
+        }
     }
 
-    pub fn envoy(&self) -> &Envoy {
+    /// The Envoy in front of the pods (`None` for a peer router).
+    pub fn envoy(&self) -> Option<&Envoy> {
         match self {
-            Stack::Kvroute(c) => &c.envoy,
-            Stack::Baseline { envoy, .. } => envoy,
+            Stack::Kvroute(c) => Some(&c.envoy),
+            Stack::Baseline { envoy, .. } => Some(envoy),
+            Stack::Peer { .. } => None,
         }
     }
 
     pub fn sims(&self) -> &[Sim] {
         match self {
             Stack::Kvroute(c) => &c.sims,
-            Stack::Baseline { sims, .. } => sims,
+            Stack::Baseline { sims, .. } | Stack::Peer { sims, .. } => sims,
+        }
+    }
+
+    /// The router's process (Envoy or the peer), whose CPU time is counted.
+    pub fn router_pid(&self) -> u32 {
+        match self {
+            Stack::Peer { router, .. } => router.pid(),
+            _ => self.envoy().expect("an Envoy stack").pid(),
+        }
+    }
+
+    /// The router's log (Envoy's, with kvroute's decisions, or the peer's).
+    pub fn log_path(&self) -> &Path {
+        match self {
+            Stack::Peer { router, .. } => &router.log_path,
+            _ => &self.envoy().expect("an Envoy stack").log_path,
+        }
+    }
+
+    /// The router's name, version and flags, for the results.
+    pub fn router(&self) -> Value {
+        match self {
+            Stack::Peer { router, peer, .. } => router.describe(peer),
+            _ => json!({
+                "router": "envoy",
+                "version": ENVOY_VERSION,
+                "command": "envoy --concurrency 2 --disable-hot-restart -l warning --component-log-level wasm:info",
+                "path": "client → Envoy → pods",
+            }),
         }
     }
 }
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        if let Stack::Baseline { dir, .. } = self {
+        if let Stack::Baseline { dir, .. } | Stack::Peer { dir, .. } = self {
             let _ = fs::remove_dir_all(dir);
         }
     }
@@ -89,54 +139,98 @@ pub fn kvroute_config(workload: &Workload, approximate: bool) -> Value {
     config
 }
 
-/// Starts `policy`'s stack for `workload`.
-pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> io::Result<Stack> {
-    match policy {
-        "kvroute-precise" | "kvroute-approx" => {
-            let mut spec = ClusterSpec::new(
-                workload.pods,
-                kvroute_config(workload, policy == "kvroute-approx"),
-            );
-            spec.sim_args = sim_args(workload);
-            Ok(Stack::Kvroute(Box::new(Cluster::start(sim_binary, spec)?)))
-        }
-        _ => {
-            let lb = lb_policy(policy)
-                .ok_or_else(|| io::Error::other(format!("unknown policy {policy:?}")))?;
-            let dir = std::env::temp_dir().join(format!(
-                "kvroute-bench-{}-{}",
-                std::process::id(),
-                free_port()
-            ));
-            fs::create_dir_all(&dir)?;
-            let ports: Vec<u16> = (0..workload.pods).map(|_| free_port()).collect();
-            let mut config = workload.plugin.clone();
-            config["pods"] = Value::Array(
-                ports
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{p}")}))
-                    .collect(),
-            );
-            let config_file = dir.join("kvroute.json");
-            fs::write(&config_file, config.to_string())?;
-            let mut sims = Vec::new();
-            for (i, port) in ports.iter().enumerate() {
-                sims.push(Sim::start_on(
-                    sim_binary,
-                    &format!("pod-{i}"),
-                    *port,
-                    &config_file,
-                    &sim_args(workload),
-                )?);
-            }
-            let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
-            let (listen, admin) = (free_port(), free_port());
-            let yaml = render_baseline(lb, listen, admin, &addresses);
-            let envoy = Envoy::start(&dir, &yaml, listen, admin)?;
-            Ok(Stack::Baseline { sims, envoy, dir })
-        }
+/// Why a stack did not start: a policy that cannot run here (a peer not
+/// installed or not starting; its row says why) or a failure of our own.
+#[derive(Debug)]
+pub enum StartError {
+    Unavailable(String),
+    Failed(io::Error),
+}
+
+impl From<io::Error> for StartError {
+    fn from(e: io::Error) -> StartError {
+        StartError::Failed(e)
     }
+}
+
+/// Starts `policy`'s stack for `workload`.
+pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Stack, StartError> {
+    let pod_args = sim_args(workload);
+    if policy.starts_with("kvroute") {
+        let mut spec = ClusterSpec::new(
+            workload.pods,
+            kvroute_config(workload, policy == "kvroute-approx"),
+        );
+        spec.sim_args = pod_args;
+        return Ok(Stack::Kvroute(Box::new(Cluster::start(sim_binary, spec)?)));
+    }
+    let peer = peers::peer(policy);
+    let lb = lb_policy(policy);
+    if peer.is_none() && lb.is_none() {
+        return Err(io::Error::other(format!("unknown policy {policy:?}")).into());
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "kvroute-bench-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    fs::create_dir_all(&dir)?;
+    let sims = start_pods(workload, sim_binary, &dir, &pod_args)?;
+    let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
+    if let Some(peer) = peer {
+        let model = workload
+            .requests
+            .first()
+            .and_then(|r| serde_json::from_str::<Value>(&r.body).ok())
+            .and_then(|b| b["model"].as_str().map(String::from))
+            .unwrap_or_else(|| "sim-model".into());
+        let router = match peers::start(peer, &addresses, &model, &dir) {
+            Ok(router) => router,
+            Err(reason) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(StartError::Unavailable(reason));
+            }
+        };
+        // The readiness probe's request is not part of the run.
+        for sim in &sims {
+            sim.reset_stats();
+        }
+        return Ok(Stack::Peer {
+            sims,
+            router,
+            peer,
+            dir,
+        });
+    }
+    let (listen, admin) = (free_port(), free_port());
+    let yaml = render_baseline(lb.expect("a baseline"), listen, admin, &addresses);
+    let envoy = Envoy::start(&dir, &yaml, listen, admin)?;
+    Ok(Stack::Baseline { sims, envoy, dir })
+}
+
+/// `workload.pods` fresh sims, hashing with the workload's configuration.
+fn start_pods(
+    workload: &Workload,
+    sim_binary: &Path,
+    dir: &Path,
+    args: &[String],
+) -> io::Result<Vec<Sim>> {
+    let ports: Vec<u16> = (0..workload.pods).map(|_| free_port()).collect();
+    let mut config = workload.plugin.clone();
+    config["pods"] = Value::Array(
+        ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{p}")}))
+            .collect(),
+    );
+    let config_file = dir.join("kvroute.json");
+    fs::write(&config_file, config.to_string())?;
+    ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, args))
+        .collect()
 }
 
 /// Envoy's `lb_policy` for a baseline policy name.

@@ -1,10 +1,12 @@
-//! The benchmark's four workloads as concrete request sequences (seeded, so
-//! every policy gets exactly the same requests at the same offsets), the
-//! per-pod KV sizing, the arrival rate, and the two offline cache bounds.
+//! The benchmark's five workloads as concrete request sequences (seeded, so
+//! every policy gets exactly the same requests at the same offsets, or, in
+//! the closed-loop agentic workload, the same turns in the same order per
+//! agent), the per-pod KV sizing, the arrival rate, and the two offline
+//! cache bounds.
 //!
 //! Every request is streamed (`"stream": true` with usage) and carries an
-//! `x-session-id` (group, user, tenant, or the trace line's first hash id)
-//! for the ring-hash baseline.
+//! `x-session-id` (group, user, tenant, agent, or the trace line's first
+//! hash id) for the session-hashing policies.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -19,7 +21,7 @@ use crate::sim::token_text;
 use crate::trace;
 
 /// Names accepted by `kvroute-bench workload NAME`, in report order.
-pub const WORKLOADS: [&str; 4] = ["shared-prefix", "multi-turn", "lora", "trace"];
+pub const WORKLOADS: [&str; 5] = ["shared-prefix", "multi-turn", "lora", "trace", "agentic"];
 
 /// The working set (see [`knee`]) is this share of the cluster's KV blocks.
 pub const WORKING_SET_SHARE: f64 = 0.72;
@@ -27,12 +29,15 @@ pub const WORKING_SET_SHARE: f64 = 0.72;
 /// One request of a workload.
 #[derive(Debug, Clone)]
 pub struct BenchRequest {
-    /// Arrival offset from the start of the run, seconds.
+    /// Arrival offset from the start of the run, seconds (closed loop: the
+    /// offset planned with every prefix cached, which orders the bounds).
     pub at_s: f64,
+    /// Closed loop: the request (index) whose completion sends this one.
+    pub follows: Option<usize>,
     pub path: &'static str,
     /// The JSON body as sent.
     pub body: String,
-    /// `x-session-id` (ring-hash key).
+    /// `x-session-id` (session-hashing key).
     pub session: String,
     /// Block chain the router and the pods compute for this prompt.
     pub chain: Vec<u64>,
@@ -76,9 +81,12 @@ pub struct Workload {
     /// cache's hits.
     pub working_set_blocks: usize,
     pub unique_blocks: usize,
-    /// Cache-blind capacity estimate (requests/s) and the offered rate.
+    /// Cache-blind capacity estimate (requests/s) and the offered rate
+    /// (closed loop: the planned rate with every prefix cached).
     pub capacity_rps: f64,
     pub offered_rps: f64,
+    /// Closed loop: the number of agents (each with one turn in flight).
+    pub agents: Option<usize>,
     pub bounds: Bounds,
 }
 
@@ -164,6 +172,7 @@ struct Draft {
     body: Value,
     session: String,
     output_tokens: u64,
+    follows: Option<usize>,
 }
 
 fn stream_fields(body: &mut Value) {
@@ -191,6 +200,7 @@ fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest
                 at_s,
                 path: d.path,
                 body,
+                follows: d.follows,
                 session: d.session,
                 chain,
                 prompt_tokens: prompt_tokens(&parsed.prompt),
@@ -267,6 +277,7 @@ pub fn build(name: &str, opts: &GenOptions) -> Result<Workload, String> {
         "multi-turn" => Ok(multi_turn(opts)),
         "lora" => Ok(lora(opts)),
         "trace" => trace_replay(opts),
+        "agentic" => Ok(agentic(opts)),
         other => Err(format!(
             "unknown workload {other:?} (one of {})",
             WORKLOADS.join(", ")
@@ -290,6 +301,7 @@ fn assemble(
     time_scale: f64,
     capacity_rps: f64,
     offered_rps: f64,
+    agents: Option<usize>,
 ) -> Workload {
     let mut plugin = plugin;
     if let (Some(target), Some(extra)) = (plugin.as_object_mut(), opts.plugin_extra.as_object()) {
@@ -320,6 +332,7 @@ fn assemble(
         unique_blocks,
         capacity_rps,
         offered_rps,
+        agents,
         bounds,
     }
 }
@@ -352,6 +365,7 @@ fn shared_prefix(opts: &GenOptions) -> Workload {
                              "max_tokens": 256, "temperature": 0}),
                 session: format!("group-{g}"),
                 output_tokens: 256,
+                follows: None,
             }
         })
         .collect();
@@ -371,6 +385,7 @@ fn shared_prefix(opts: &GenOptions) -> Workload {
         time_scale,
         cap,
         rate,
+        None,
     )
 }
 
@@ -421,6 +436,7 @@ fn multi_turn(opts: &GenOptions) -> Workload {
             body: body(u, r),
             session: String::new(),
             output_tokens: answer_tokens,
+            follows: None,
         })
         .collect();
     let cap = capacity(&token_pairs(&all), time_scale, opts.pods, max_batch);
@@ -461,6 +477,7 @@ fn multi_turn(opts: &GenOptions) -> Workload {
             body: body(u, r),
             session: format!("user-{u}"),
             output_tokens: answer_tokens,
+            follows: None,
         });
         times.push(t);
         if r + 1 == rounds as usize {
@@ -482,6 +499,7 @@ fn multi_turn(opts: &GenOptions) -> Workload {
         time_scale,
         cap,
         offered,
+        None,
     )
 }
 
@@ -521,6 +539,7 @@ fn lora(opts: &GenOptions) -> Workload {
                              "max_tokens": 64, "temperature": 0}),
                 session: format!("tenant-{k}"),
                 output_tokens: 64,
+                follows: None,
             }
         })
         .collect();
@@ -539,6 +558,7 @@ fn lora(opts: &GenOptions) -> Workload {
         time_scale,
         cap,
         rate,
+        None,
     )
 }
 
@@ -579,6 +599,7 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
                 line.hash_ids.first().copied().unwrap_or(line.line as u64)
             ),
             output_tokens: line.output_length.max(1),
+            follows: None,
         })
         .collect();
     let pairs: Vec<(u64, u64)> = lines
@@ -613,7 +634,114 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
         time_scale,
         cap,
         offered,
+        None,
     ))
+}
+
+/// 5. Agentic tool loops (closed loop): `agents` agents over a few shared
+///    2,000-token system prompts (tool definitions), each with its own
+///    200-token task; every turn appends the model's 64-token answer (the
+///    simulator's deterministic output) and a 150–450-token tool result, and
+///    the next turn is sent the moment the last answer completes, as an
+///    agent framework does. Agents start over the first second. Tool results
+///    are `user` messages (a `tool` message would need a tool call id).
+fn agentic(opts: &GenOptions) -> Workload {
+    let (agents, turns) = if opts.quick { (24, 8) } else { (24, 16) };
+    let system_prompts = 3;
+    let (time_scale, max_batch) = (0.3, MAX_BATCH);
+    let answer_tokens = 64u64;
+    let mut rng = Rng::new(opts.seed ^ 5);
+    let system: Vec<String> = (0..system_prompts)
+        .map(|p| {
+            words(
+                &format!("agent system prompt {p}: tools and rules. "),
+                5000 + p,
+                2000 * 4,
+            )
+        })
+        .collect();
+    let answer: String = (0..answer_tokens).map(token_text).collect();
+    let tasks: Vec<String> = (0..agents)
+        .map(|a| words(&format!("agent {a} task: "), a | 5 << 60, 200 * 4))
+        .collect();
+    let tools: Vec<Vec<String>> = (0..agents)
+        .map(|a| {
+            (0..turns)
+                .map(|t| {
+                    let tokens = rng.range(150, 450) as usize;
+                    words(
+                        &format!("tool result {a}-{t}: "),
+                        (a << 16) | t | 6 << 60,
+                        tokens * 4,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    let body = |a: usize, turn: usize| -> Value {
+        let mut messages = vec![
+            json!({"role": "system", "content": system[a % system.len()]}),
+            json!({"role": "user", "content": tasks[a]}),
+        ];
+        for tool in &tools[a][..turn] {
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.push(json!({"role": "user", "content": tool}));
+        }
+        json!({"model": "sim-model", "messages": messages, "max_tokens": answer_tokens, "temperature": 0})
+    };
+    // The planned schedule: each turn's cached-case time after the last
+    // (only the appended tokens prefilled); it orders the requests for the
+    // bounds and estimates the offered rate, the run itself is closed-loop.
+    let cost = CostModel::gpu_8b(time_scale);
+    let mut planned: Vec<(f64, usize, usize)> = Vec::with_capacity((agents * turns) as usize);
+    for (a, agent_tools) in tools.iter().enumerate() {
+        let mut t = rng.unit();
+        for turn in 0..turns as usize {
+            planned.push((t, a, turn));
+            let new_tokens = if turn == 0 {
+                2200
+            } else {
+                agent_tools[turn - 1].len() as u64 / 4 + answer_tokens
+            };
+            t += service_s(&cost, new_tokens, answer_tokens);
+        }
+    }
+    planned.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let mut index_of = vec![vec![0usize; turns as usize]; agents as usize];
+    for (i, &(_, a, turn)) in planned.iter().enumerate() {
+        index_of[a][turn] = i;
+    }
+    let drafts: Vec<Draft> = planned
+        .iter()
+        .map(|&(_, a, turn)| Draft {
+            path: "/v1/chat/completions",
+            body: body(a, turn),
+            session: format!("agent-{a}"),
+            output_tokens: answer_tokens,
+            follows: (turn > 0).then(|| index_of[a][turn - 1]),
+        })
+        .collect();
+    let times: Vec<f64> = planned.iter().map(|p| p.0).collect();
+    // Histories grow to ~32 KB: hash them whole (default: the first 16 KB).
+    let mut plugin = base_plugin();
+    plugin["maxPrefixBlocks"] = json!(1024);
+    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
+    let span = times.last().copied().unwrap_or(1.0).max(1e-3);
+    let offered = drafts.len() as f64 / span;
+    let requests = finish(drafts, &plugin, &times);
+    assemble(
+        "agentic",
+        format!("{agents} agents × {turns} turns, closed loop (each agent's next turn sent the moment its last answer completes), {system_prompts} shared 2,000-token system prompts, 200-token task per agent, each turn appends the 64-token answer and a 150–450-token tool result; chat API"),
+        plugin,
+        requests,
+        opts,
+        max_batch,
+        4,
+        time_scale,
+        cap,
+        offered,
+        Some(agents as usize),
+    )
 }
 
 fn file_name(path: &Path) -> String {
@@ -702,7 +830,7 @@ mod tests {
 
     #[test]
     fn workloads_are_deterministic_and_sized() {
-        for name in ["shared-prefix", "multi-turn", "lora"] {
+        for name in ["shared-prefix", "multi-turn", "lora", "agentic"] {
             let a = build(name, &opts()).unwrap();
             let b = build(name, &opts()).unwrap();
             assert_eq!(a.requests.len(), b.requests.len());
@@ -717,6 +845,22 @@ mod tests {
             assert!(a.working_set_blocks < a.kv_blocks * a.pods, "{name}");
             assert!(a.bounds.pooled <= a.bounds.infinite + 1e-9);
             assert!(a.bounds.pooled > 0.9 * a.bounds.infinite, "{name}");
+        }
+    }
+
+    #[test]
+    fn agentic_turns_follow_their_predecessor() {
+        let w = build("agentic", &opts()).unwrap();
+        assert_eq!(w.agents, Some(24));
+        let firsts = w.requests.iter().filter(|r| r.follows.is_none()).count();
+        assert_eq!(firsts, 24, "one open-loop first turn per agent");
+        for r in &w.requests {
+            if let Some(previous) = r.follows {
+                let p = &w.requests[previous];
+                assert_eq!(p.session, r.session);
+                assert!(p.at_s < r.at_s);
+                assert_eq!(r.chain[..p.chain.len()], p.chain[..], "history grows");
+            }
         }
     }
 
