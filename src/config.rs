@@ -88,7 +88,7 @@ pub struct BalanceConfig {
 impl Default for BalanceConfig {
     fn default() -> Self {
         BalanceConfig {
-            abs_threshold: 4,
+            abs_threshold: 6,
             rel_threshold: 1.3,
         }
     }

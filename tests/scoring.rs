@@ -924,11 +924,11 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
         adapter_loaded: false,
         attributes: &attributes,
     };
-    // The holder runs 4 more than the idle pod: affinity holds.
-    let close = [pod(0, "holder", 0.9, 4), pod(1, "idle", 0.0, 0)];
+    // The holder runs 6 more than the idle pod: affinity holds.
+    let close = [pod(0, "holder", 0.9, 6), pod(1, "idle", 0.0, 0)];
     assert_eq!(policy.decide(&close, false, 0).chosen, Some(0));
-    // 5 more (and above 1.3 × 0): the idle pod gets it and will cache it.
-    let ahead = [pod(0, "holder", 0.9, 5), pod(1, "idle", 0.0, 0)];
+    // 7 more (and above 1.3 × 0): the idle pod gets it and will cache it.
+    let ahead = [pod(0, "holder", 0.9, 7), pod(1, "idle", 0.0, 0)];
     let decision = policy.decide(&ahead, false, 0);
     assert_eq!(decision.chosen, Some(1));
     assert_eq!(
