@@ -14,7 +14,7 @@ use super::workload::WORKLOADS;
 
 /// One colour per policy of [`POLICIES`]: kvroute blues, peers reds and
 /// purples, Envoy's balancers greens and yellows.
-const COLORS: [RGBColor; 10] = [
+pub const COLORS: [RGBColor; 10] = [
     RGBColor(0, 114, 178),
     RGBColor(86, 180, 233),
     RGBColor(200, 30, 30),

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 use super::engine::{simulate, PodSpec, Policy, Summary};
 use super::workload::Workload;
-use crate::bench::plot::fonts;
+use crate::bench::plot::{fonts, COLORS};
 use crate::bench::workload::capacity;
 
 /// TTFT p90 a policy must keep to sustain a load, at time scale 1.
@@ -205,16 +205,8 @@ pub fn chart(points: &[LoadPoint], path: &Path, title: &str) -> Result<(), Strin
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(|e| error(&e))?;
-    let colors = [
-        RGBColor(0, 114, 178),
-        RGBColor(213, 94, 0),
-        RGBColor(0, 158, 115),
-        RGBColor(230, 159, 0),
-        RGBColor(204, 121, 167),
-        RGBColor(86, 180, 233),
-    ];
     for (i, policy) in policies_of(points).into_iter().enumerate() {
-        let color = colors[i % colors.len()];
+        let color = COLORS[i % COLORS.len()];
         let line: Vec<(f64, f64)> = points
             .iter()
             .filter(|p| p.policy == policy)
