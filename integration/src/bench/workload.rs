@@ -150,6 +150,28 @@ impl Rng {
 }
 
 /// `bytes` bytes of lowercase words, starting with `header`, seeded.
+/// Per owner (user, agent), `turns` texts of a length drawn from `rng` in
+/// `tokens`, each headed by `label(owner, turn)` and distinct per `tag`.
+fn turn_texts(
+    rng: &mut Rng,
+    owners: u64,
+    turns: u64,
+    tokens: (u64, u64),
+    tag: u64,
+    label: impl Fn(u64, u64) -> String,
+) -> Vec<Vec<String>> {
+    (0..owners)
+        .map(|o| {
+            (0..turns)
+                .map(|t| {
+                    let length = rng.range(tokens.0, tokens.1) as usize;
+                    words(&label(o, t), (o << 16) | t | tag << 60, length * 4)
+                })
+                .collect()
+        })
+        .collect()
+}
+
 pub fn words(header: &str, seed: u64, bytes: usize) -> String {
     const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
     let mut rng = Rng::new(seed);
@@ -403,20 +425,9 @@ fn multi_turn(opts: &GenOptions) -> Workload {
     let system = words("You are a helpful assistant. ", 7, 1000 * 4);
     let answer: String = (0..answer_tokens).map(token_text).collect();
     // Conversation texts first (independent of timing).
-    let questions: Vec<Vec<String>> = (0..users)
-        .map(|u| {
-            (0..rounds)
-                .map(|r| {
-                    let tokens = rng.range(100, 200) as usize;
-                    words(
-                        &format!("user {u} round {r}: "),
-                        (u << 16) | r | 2 << 60,
-                        tokens * 4,
-                    )
-                })
-                .collect()
-        })
-        .collect();
+    let questions = turn_texts(&mut rng, users, rounds, (100, 200), 2, |u, r| {
+        format!("user {u} round {r}: ")
+    });
     let body = |u: usize, r: usize| -> Value {
         let mut messages = vec![json!({"role": "system", "content": system})];
         for (i, q) in questions[u].iter().enumerate().take(r + 1) {
@@ -664,20 +675,9 @@ fn agentic(opts: &GenOptions) -> Workload {
     let tasks: Vec<String> = (0..agents)
         .map(|a| words(&format!("agent {a} task: "), a | 5 << 60, 200 * 4))
         .collect();
-    let tools: Vec<Vec<String>> = (0..agents)
-        .map(|a| {
-            (0..turns)
-                .map(|t| {
-                    let tokens = rng.range(150, 450) as usize;
-                    words(
-                        &format!("tool result {a}-{t}: "),
-                        (a << 16) | t | 6 << 60,
-                        tokens * 4,
-                    )
-                })
-                .collect()
-        })
-        .collect();
+    let tools = turn_texts(&mut rng, agents, turns, (150, 450), 6, |a, t| {
+        format!("tool result {a}-{t}: ")
+    });
     let body = |a: usize, turn: usize| -> Value {
         let mut messages = vec![
             json!({"role": "system", "content": system[a % system.len()]}),
