@@ -66,11 +66,22 @@ pub fn filler_text(seed: &str, bytes: usize) -> String {
 }
 
 /// A free loopback port (bound then released).
+/// A port nothing listens on, never one this process handed out before:
+/// the kernel may give a just-released ephemeral port again, and a cluster
+/// asks for dozens before any of them is bound.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
 
 /// Fills the Envoy template. `plugin_config` is the kvroute JSON shared by
