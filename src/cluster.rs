@@ -4,13 +4,19 @@
 //! Per round the service asks each pod for its report (`?since=SEQ&epoch=E`)
 //! and, when `metricsPath` is set, its vLLM metrics. Each answer goes to
 //! [`ClusterState::accept_pull`] (failures count at once, good bodies wait
-//! in an inbox), [`ClusterState::fold_next`] folds them as the service's
-//! time budget allows, and [`ClusterState::publish_some`] publishes a
-//! bounded part of what changed. Folding rules:
+//! in an inbox), [`ClusterState::fold_step`] folds them in steps of bounded
+//! work as the service's time budget allows, and
+//! [`ClusterState::publish_some`] publishes a bounded part of what changed.
+//! Folding rules:
 //! - a full report replaces the pod's blocks; a delta applies `stored` then
 //!   `removed`; a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
 //!   a full resync next tick;
+//! - a report is folded in steps ([`FOLD_STEP_BLOCKS`] blocks or
+//!   [`FOLD_STEP_SLOTS`] slab slots of a drop each): parse, drop the pod's
+//!   blocks (full or discontinuous), store, remove, then the pod's record.
+//!   Publications between steps show the pod's blocks part-way: a resync
+//!   happens when the index is already wrong for that pod (restart, gap);
 //! - queue: vLLM's `num_requests_waiting` when scraped, else the report's
 //!   `queueDepth`; load: the report's `gpuUtilization`, else vLLM's
 //!   `kv_cache_usage_perc`; adapters: both sources together;
@@ -26,16 +32,25 @@ use std::collections::VecDeque;
 
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::index::{DecisionRecorder, PrefixTree};
-use crate::report::{parse_report, parse_vllm_metrics};
+use crate::report::{parse_report, parse_vllm_metrics, PodReport};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
 use crate::staleness::Staleness;
 
 /// Most blocks held by pending decisions (precise mode), all pods together.
 const PENDING_BLOCKS: usize = 262_144;
 
-/// Changed buckets the service writes per publication: a few ms of Envoy's
-/// main thread; a large resync is published over several ticks.
-pub const PUBLISH_BUCKETS: usize = 4096;
+/// Changed buckets per publication step (about 1 ms of Envoy's main
+/// thread at a million blocks); the service takes steps while its time
+/// budget lasts, so a large resync is published over several ticks.
+pub const PUBLISH_BUCKETS: usize = 1024;
+
+/// Blocks stored or removed per [`ClusterState::fold_step`]: well under a
+/// millisecond of Envoy's main thread, even where each new block's table
+/// entry lands on a page not touched before (a page fault each).
+pub const FOLD_STEP_BLOCKS: usize = 1024;
+
+/// Slab slots a drop scans per [`ClusterState::fold_step`].
+pub const FOLD_STEP_SLOTS: usize = 32_768;
 
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,6 +98,43 @@ struct Accepted {
     kind: PullKind,
     body: Vec<u8>,
     inflight: u32,
+}
+
+/// A report being folded, step by step (see the module documentation).
+#[derive(Debug)]
+struct ReportFold {
+    pod: String,
+    slot: usize,
+    inflight: u32,
+    report: PodReport,
+    /// Whether the report applies (full, or a delta continuing our `seq`);
+    /// a delta that does not is a resync.
+    applies: bool,
+    phase: FoldPhase,
+    summary: ReportSummary,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FoldPhase {
+    /// Dropping the pod's blocks, resuming at this slab slot.
+    Drop(usize),
+    /// Storing `report.stored[chain]` from hash `offset` on.
+    Store {
+        chain: usize,
+        offset: usize,
+    },
+    /// Removing `report.removed` from `offset` on.
+    Remove(usize),
+    Done,
+}
+
+/// What one [`ClusterState::fold_step`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FoldStep {
+    /// Part of a report; the next step goes on with it.
+    Partial,
+    /// An answer folded to its end.
+    Done(Folded),
 }
 
 /// What folding one accepted answer did.
@@ -174,6 +226,8 @@ pub struct ClusterState {
     /// Good answers not folded yet, oldest first (at most one per pull in
     /// flight, each within `maxReportBytes`).
     inbox: VecDeque<Accepted>,
+    /// The report being folded, taken from the inbox's front.
+    folding: Option<ReportFold>,
     staleness: Staleness,
     pods: Vec<PodRecord>,
     index: DecisionRecorder,
@@ -190,6 +244,7 @@ impl ClusterState {
         let mut state = ClusterState {
             config: config.clone(),
             inbox: VecDeque::new(),
+            folding: None,
             staleness: Staleness::from_config(config),
             pods: Vec::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
@@ -279,7 +334,7 @@ impl ClusterState {
 
     /// Takes the answer to a pull of `pod_id`, as the host delivered it:
     /// a failure is recorded at once; a good body is queued for
-    /// [`ClusterState::fold_next`], so the service can spread folding over
+    /// [`ClusterState::fold_step`], so the service can spread folding over
     /// its ticks. `body(n)` reads the first `n` bytes of the body and is
     /// called only when the answer is worth reading (a 200 within
     /// `maxReportBytes`, or the start of an error page). `inflight` is the
@@ -320,41 +375,67 @@ impl ClusterState {
         (Err(failure), transition)
     }
 
-    /// Folds the oldest accepted answer, if any.
-    pub fn fold_next(&mut self, now_ms: u64) -> Option<Folded> {
+    /// One bounded step of folding the oldest accepted answer: at most
+    /// `max_blocks` blocks stored or removed (or `max_blocks` × 32 slab
+    /// slots of a drop), or parsing one body (bounded by `maxReportBytes`).
+    /// `None` when nothing waits.
+    pub fn fold_step(&mut self, now_ms: u64, max_blocks: usize) -> Option<FoldStep> {
+        if let Some(mut fold) = self.folding.take() {
+            self.advance(&mut fold, max_blocks);
+            if fold.phase != FoldPhase::Done {
+                self.folding = Some(fold);
+                return Some(FoldStep::Partial);
+            }
+            let (pod, kind) = (fold.pod.clone(), PullKind::Report);
+            let (result, transition) = self.finish_report(fold, now_ms);
+            return Some(FoldStep::Done(Folded {
+                pod,
+                kind,
+                result: result.map(Some),
+                transition,
+            }));
+        }
         let accepted = self.inbox.pop_front()?;
         let (pod, body, inflight) = (accepted.pod, accepted.body, accepted.inflight);
         let (result, transition) = match accepted.kind {
-            PullKind::Report => {
-                let (result, transition) = self.apply_report(&pod, &body, now_ms, inflight);
-                (result.map(Some), transition)
-            }
+            PullKind::Report => match self.begin_report(&pod, &body, inflight) {
+                Ok(fold) => {
+                    self.folding = Some(fold);
+                    return Some(FoldStep::Partial);
+                }
+                Err(failure) => {
+                    let transition = self.record_failure(&pod, failure.clone());
+                    (Err(failure), transition)
+                }
+            },
             PullKind::Metrics => {
                 let (result, transition) = self.apply_metrics(&pod, &body, now_ms, inflight);
                 (result.map(|()| None), transition)
             }
         };
-        Some(Folded {
+        Some(FoldStep::Done(Folded {
             pod,
             kind: accepted.kind,
             result,
             transition,
-        })
+        }))
     }
 
-    /// Whether an accepted answer of `pod_id` waits to be folded (a new
-    /// report pull would ask for the same `since` again).
+    /// Whether an accepted answer of `pod_id` waits to be folded, or is
+    /// being folded (a new report pull would ask for the same `since`).
     pub fn has_unfolded(&self, pod_id: &str) -> bool {
-        self.inbox.iter().any(|a| a.pod == pod_id)
+        self.folding.as_ref().is_some_and(|f| f.pod == pod_id)
+            || self.inbox.iter().any(|a| a.pod == pod_id)
     }
 
-    /// Accepted answers not yet folded.
+    /// Accepted answers not yet folded to their end.
     pub fn unfolded(&self) -> usize {
-        self.inbox.len()
+        self.inbox.len() + usize::from(self.folding.is_some())
     }
 
-    /// Folds a report body from `pod_id`. `inflight` is the pod's current
-    /// in-flight count (the new queue baseline).
+    /// Folds a report body from `pod_id` at once (all its steps).
+    /// `inflight` is the pod's current in-flight count (the new queue
+    /// baseline).
     pub fn apply_report(
         &mut self,
         pod_id: &str,
@@ -362,53 +443,152 @@ impl ClusterState {
         now_ms: u64,
         inflight: u32,
     ) -> (Result<ReportSummary, Failure>, Option<Transition>) {
-        let parsed = parse_report(body)
-            .map_err(Failure::Malformed)
-            .and_then(|report| {
-                if report.pod_id == pod_id {
-                    Ok(report)
-                } else {
-                    Err(Failure::Malformed(format!(
-                        "`podId` is {:?}, expected {pod_id:?}",
-                        report.pod_id
-                    )))
+        match self.begin_report(pod_id, body, inflight) {
+            Ok(mut fold) => {
+                while fold.phase != FoldPhase::Done {
+                    self.advance(&mut fold, usize::MAX);
                 }
-            });
-        let report = match parsed {
-            Ok(report) => report,
+                self.finish_report(fold, now_ms)
+            }
             Err(failure) => {
                 let transition = self.record_failure(pod_id, failure.clone());
-                return (Err(failure), transition);
+                (Err(failure), transition)
             }
-        };
-        let Some(record) = self.pods.iter_mut().find(|r| r.config.id == pod_id) else {
-            return (Err(Failure::Malformed("unknown pod".into())), None);
-        };
-        let slot = record.slot;
-        let mut summary = ReportSummary {
-            full: report.full,
-            ..ReportSummary::default()
-        };
+        }
+    }
+
+    /// Parses and checks a report; the fold starts with dropping the pod's
+    /// blocks when the report replaces them.
+    fn begin_report(
+        &mut self,
+        pod_id: &str,
+        body: &[u8],
+        inflight: u32,
+    ) -> Result<ReportFold, Failure> {
+        let report = parse_report(body).map_err(Failure::Malformed)?;
+        if report.pod_id != pod_id {
+            return Err(Failure::Malformed(format!(
+                "`podId` is {:?}, expected {pod_id:?}",
+                report.pod_id
+            )));
+        }
+        let record = self
+            .record(pod_id)
+            .ok_or_else(|| Failure::Malformed("unknown pod".into()))?;
         let continues =
             record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
-        if report.full || !continues {
-            self.index.tree_mut().drop_pod(slot);
-        }
-        if report.full || continues {
-            for chain in &report.stored {
-                let outcome = self
-                    .index
-                    .tree_mut()
-                    .insert_chain(slot, chain.parent, &chain.hashes);
-                summary.stored += outcome.stored;
-                summary.orphaned += outcome.orphaned;
+        let applies = report.full || continues;
+        let summary = ReportSummary {
+            full: report.full,
+            resync: !applies,
+            ..ReportSummary::default()
+        };
+        let phase = if report.full || !continues {
+            FoldPhase::Drop(0)
+        } else {
+            FoldPhase::Store {
+                chain: 0,
+                offset: 0,
             }
-            self.index.tree_mut().remove_blocks(slot, &report.removed);
-            summary.removed = report.removed.len();
+        };
+        Ok(ReportFold {
+            pod: pod_id.to_string(),
+            slot: record.slot,
+            inflight,
+            report,
+            applies,
+            phase,
+            summary,
+        })
+    }
+
+    /// Applies up to `max_blocks` blocks of `fold` to the index.
+    fn advance(&mut self, fold: &mut ReportFold, max_blocks: usize) {
+        let tree = self.index.tree_mut();
+        let mut budget = max_blocks;
+        while budget > 0 {
+            fold.phase = match fold.phase {
+                FoldPhase::Drop(from) => {
+                    let slots = budget.saturating_mul(FOLD_STEP_SLOTS / FOLD_STEP_BLOCKS);
+                    // A drop that ends early leaves the rest of the step
+                    // to storing (the overrun is under one step's scan).
+                    match tree.drop_pod_from(fold.slot, from, slots) {
+                        Some(next) => {
+                            budget = 0;
+                            FoldPhase::Drop(next)
+                        }
+                        None if fold.applies => FoldPhase::Store {
+                            chain: 0,
+                            offset: 0,
+                        },
+                        None => FoldPhase::Done,
+                    }
+                }
+                FoldPhase::Store { chain, offset } => {
+                    let Some(stored) = fold.report.stored.get(chain) else {
+                        fold.phase = FoldPhase::Remove(0);
+                        continue;
+                    };
+                    let rest = stored.hashes.get(offset..).unwrap_or_default();
+                    let part = rest.get(..budget).unwrap_or(rest);
+                    // A chain split across steps continues from its last
+                    // stored block.
+                    let parent = match offset.checked_sub(1) {
+                        None => stored.parent,
+                        Some(last) => stored.hashes.get(last).copied(),
+                    };
+                    let outcome = tree.insert_chain(fold.slot, parent, part);
+                    fold.summary.stored += outcome.stored;
+                    fold.summary.orphaned += outcome.orphaned;
+                    budget -= part.len().min(budget);
+                    if part.len() < rest.len() {
+                        FoldPhase::Store {
+                            chain,
+                            offset: offset + part.len(),
+                        }
+                    } else {
+                        FoldPhase::Store {
+                            chain: chain + 1,
+                            offset: 0,
+                        }
+                    }
+                }
+                FoldPhase::Remove(offset) => {
+                    let rest = fold.report.removed.get(offset..).unwrap_or_default();
+                    let part = rest.get(..budget).unwrap_or(rest);
+                    tree.remove_blocks(fold.slot, part);
+                    fold.summary.removed += part.len();
+                    budget -= part.len().min(budget);
+                    if part.len() < rest.len() {
+                        FoldPhase::Remove(offset + part.len())
+                    } else {
+                        FoldPhase::Done
+                    }
+                }
+                FoldPhase::Done => break,
+            };
+        }
+    }
+
+    /// The pod's record after its report's blocks are in.
+    fn finish_report(
+        &mut self,
+        fold: ReportFold,
+        now_ms: u64,
+    ) -> (Result<ReportSummary, Failure>, Option<Transition>) {
+        // The pod may have left (discovery) while its report was folded.
+        let Some(record) = self
+            .pods
+            .iter_mut()
+            .find(|r| r.config.id == fold.pod && r.slot == fold.slot)
+        else {
+            return (Err(Failure::Malformed("unknown pod".into())), None);
+        };
+        let report = fold.report;
+        if fold.applies {
             record.epoch = Some(report.epoch);
             record.seq = report.seq;
         } else {
-            summary.resync = true;
             record.epoch = None;
             record.seq = 0;
         }
@@ -416,7 +596,7 @@ impl ClusterState {
         record.report_load = report.gpu_utilization;
         record.reported_health = report.health;
         record.report_adapters = report.adapters;
-        (Ok(summary), record.succeeded(now_ms, inflight))
+        (Ok(fold.summary), record.succeeded(now_ms, fold.inflight))
     }
 
     /// Folds a vLLM `/metrics` page from `pod_id`.
@@ -543,6 +723,21 @@ impl ClusterState {
     /// over several calls instead of stalling one.
     pub fn publish_some(&mut self, now_ms: u64, max_buckets: usize) -> Publication {
         let buckets = self.publish_buckets(now_ms, max_buckets);
+        Publication {
+            table: self.pod_table(now_ms),
+            buckets,
+            unpublished_buckets: self.unpublished_buckets(),
+        }
+    }
+
+    /// Changed buckets not yet taken by a publication.
+    pub fn unpublished_buckets(&self) -> usize {
+        self.publisher.dirty_count()
+    }
+
+    /// A new generation of the pod table, as of `now_ms` (published after
+    /// the buckets it counts on).
+    pub fn pod_table(&mut self, now_ms: u64) -> PodTable {
         self.generation += 1;
         let pods = self
             .pods
@@ -561,16 +756,11 @@ impl ClusterState {
                 inflight_at_report: r.inflight_at_report,
             })
             .collect();
-        let table = PodTable {
+        PodTable {
             generation: self.generation,
             published_at_ms: now_ms,
             buckets: self.publisher.bucket_count(),
             pods,
-        };
-        Publication {
-            table,
-            buckets,
-            unpublished_buckets: self.publisher.dirty_count(),
         }
     }
 

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use kvroute::cluster::{ClusterState, Failure, Transition};
+use kvroute::cluster::{ClusterState, Failure, FoldStep, Folded, PullAnswer, PullKind, Transition};
 use kvroute::config::Config;
 use kvroute::index::{
     DecisionRecorder, InsertOutcome, PodMask, PrefixLookup, PrefixMatch, PrefixTree,
@@ -523,6 +523,20 @@ fn cluster_config() -> Config {
     .expect("valid config")
 }
 
+/// Folds the oldest accepted answer to its end, as the service does over
+/// its steps.
+fn fold_next(cluster: &mut ClusterState, now_ms: u64) -> Option<Folded> {
+    loop {
+        if let FoldStep::Done(folded) = cluster.fold_step(now_ms, 64)? {
+            return Some(folded);
+        }
+    }
+}
+
+fn answer(status: Option<&str>, body_size: usize) -> PullAnswer<'_> {
+    PullAnswer { status, body_size }
+}
+
 fn hexes(hashes: &[u64]) -> String {
     hashes
         .iter()
@@ -892,11 +906,9 @@ fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
 
 #[test]
 fn pulls_are_classified_before_the_body_is_read() {
-    use kvroute::cluster::{PullAnswer, PullKind};
     let mut config = cluster_config();
     config.max_report_bytes = 1000;
     let mut cluster = ClusterState::new(&config, 0);
-    let answer = |status, body_size| PullAnswer { status, body_size };
     let unread = |_: usize| -> Vec<u8> { panic!("the body must not be read") };
 
     // No response at all: the pod died mid-body, timed out or refused.
@@ -945,7 +957,7 @@ fn pulls_are_classified_before_the_body_is_read() {
     );
     assert_eq!(result, Err(Failure::Status(404)));
     assert_eq!(cluster.unfolded(), 0, "failures are not queued");
-    assert_eq!(cluster.fold_next(10), None);
+    assert_eq!(fold_next(&mut cluster, 10), None);
 
     // Good bodies wait in order; a report folds, a `}{` metrics page is malformed.
     let body = report("a", "e1", 1, 0, true, &[(None, &[7, 8])], &[], 1.0);
@@ -969,17 +981,17 @@ fn pulls_are_classified_before_the_body_is_read() {
     assert!(cluster.has_unfolded("a") && cluster.has_unfolded("b"));
     assert_eq!(cluster.unfolded(), 2);
 
-    let folded = cluster.fold_next(50).unwrap();
+    let folded = fold_next(&mut cluster, 50).unwrap();
     assert_eq!((folded.pod.as_str(), folded.kind), ("a", PullKind::Report));
     assert_eq!(folded.result.unwrap().unwrap().stored, 2);
     assert!(matches!(
         folded.transition,
         Some(Transition::Recovered { .. })
     ));
-    let folded = cluster.fold_next(60).unwrap();
+    let folded = fold_next(&mut cluster, 60).unwrap();
     assert_eq!(folded.pod, "b");
     assert!(matches!(folded.result, Err(Failure::Malformed(why)) if why.contains("unclosed")));
-    assert_eq!(cluster.fold_next(70), None);
+    assert_eq!(fold_next(&mut cluster, 70), None);
     assert!(!cluster.has_unfolded("a"));
 }
 
@@ -1033,4 +1045,66 @@ fn a_large_change_is_published_over_several_calls() {
     assert!(calls > 1, "256 changed buckets take several calls of 64");
     let a = cluster.slot("a").unwrap();
     assert_eq!(shared.lookup(&chain).blocks(a), 2000);
+}
+
+proptest! {
+    /// Folding in steps of any size ends where folding at once does: the
+    /// same blocks per pod, the same summary, the same pod record, and
+    /// other pods untouched (a full resync drops in steps too).
+    #[test]
+    fn a_report_folded_in_steps_ends_where_one_fold_does(
+        step in 1usize..300,
+        chains in prop::collection::vec(1usize..400, 1..5),
+        removed in 0usize..200,
+    ) {
+        let config = cluster_config();
+        let mut at_once = ClusterState::new(&config, 0);
+        let mut stepped = ClusterState::new(&config, 0);
+        // Before: both pods hold a first chain, pod a a second one too.
+        let old_a: Vec<u64> = (1..=500).collect();
+        let old_b: Vec<u64> = (1..=100).chain(10_001..10_050).collect();
+        for cluster in [&mut at_once, &mut stepped] {
+            let body = report("a", "e1", 1, 0, true, &[(None, &old_a), (None, &[90_001, 90_002])], &[], 1.0);
+            cluster.apply_report("a", &body, 5, 0).0.unwrap();
+            let body = report("b", "e1", 1, 0, true, &[(None, &old_b)], &[], 1.0);
+            cluster.apply_report("b", &body, 5, 0).0.unwrap();
+        }
+        // A full resync of a (new blocks, some chains continuing the first),
+        // then a delta that stores and removes.
+        let mut next = 20_000u64;
+        let mut stored: Vec<(Option<u64>, Vec<u64>)> = Vec::new();
+        for (i, len) in chains.iter().enumerate() {
+            let parent = if i % 2 == 1 { Some(old_a[i * 7]) } else { None };
+            let hashes: Vec<u64> = (next..next + *len as u64).collect();
+            next += *len as u64;
+            stored.push((parent, hashes));
+        }
+        let shared: Vec<(Option<u64>, &[u64])> = stored.iter().map(|(p, h)| (*p, h.as_slice())).collect();
+        let full = report("a", "e2", 7, 0, true, &shared, &[], 0.5);
+        let gone: Vec<u64> = (20_000..20_000 + removed as u64).collect();
+        let delta = report("a", "e2", 8, 7, false, &[(None, &[77_001, 77_002, 77_003])], &gone, 0.75);
+        let mut summaries_at_once = Vec::new();
+        let mut summaries_stepped = Vec::new();
+        for body in [full, delta] {
+            summaries_at_once.push(at_once.apply_report("a", &body, 10, 2).0.unwrap());
+            let size = body.len();
+            stepped.accept_pull("a", PullKind::Report, answer(Some("200"), size), |_| body, 2).0.unwrap();
+            let folded = loop {
+                match stepped.fold_step(10, step).unwrap() {
+                    FoldStep::Partial => prop_assert!(stepped.has_unfolded("a")),
+                    FoldStep::Done(folded) => break folded,
+                }
+            };
+            prop_assert!(!stepped.has_unfolded("a"));
+            summaries_stepped.push(folded.result.unwrap().unwrap());
+        }
+        prop_assert_eq!(summaries_at_once, summaries_stepped);
+        let every = (1..=600).chain(10_001..10_050).chain(20_000..next).chain(77_001..77_004).chain(90_001..90_003);
+        for hash in every {
+            prop_assert_eq!(at_once.index().mask(hash), stepped.index().mask(hash), "block {}", hash);
+        }
+        prop_assert_eq!(at_once.index().len(), stepped.index().len());
+        prop_assert_eq!(at_once.report_query("a", "/r"), stepped.report_query("a", "/r"));
+        prop_assert_eq!(at_once.pod_table(10).pods, stepped.pod_table(10).pods);
+    }
 }

@@ -9,7 +9,7 @@
 //!
 //! | step | effect |
 //! |---|---|
-//! | `R` pod body | a report answer: `accept_pull` (HTTP 200), then `fold_next` |
+//! | `R` pod body | a report answer: `accept_pull` (HTTP 200), then `fold_step` until folded |
 //! | `S` pod flags seq since segments | a report built from bytes (below), answered the same way |
 //! | `M` pod text | a `/metrics` answer, the same way |
 //! | `H` pod kind status body | any answer as the host hands it to the service: `kind` even a report, odd metrics; `status % 5`: no response, 200, Envoy's 503, 404, or 200 claiming 1000× its size |
@@ -31,8 +31,9 @@
 //! A new kind of pod answer is one more [`Step`] variant: its opcode in
 //! [`Step::parse`], its effect in [`Harness::apply`].
 //!
-//! Pod answers take the service's path (`accept_pull`, then `fold_next`
-//! until the inbox is empty). After every publication the shared-data view
+//! Pod answers take the service's path (`accept_pull`, then `fold_step`s
+//! of [`FOLD_STEP`] blocks until the inbox is empty, with a publication and
+//! check every [`PUBLISH_EVERY_STEPS`] steps). After every publication the shared-data view
 //! must equal the index: each hash the reports named has, in its published
 //! bucket, the union of its reported and pending masks; masks are
 //! prefix-closed, the bisection lookup over the path to
@@ -55,6 +56,10 @@ const MAX_CHECKED: usize = 4096;
 /// Stored chains whose whole path is looked up, per report and in all.
 const PATHS_PER_REPORT: usize = 8;
 const MAX_PATHS: usize = 64;
+/// Blocks per fold step (the service's are larger): chains split often.
+const FOLD_STEP: usize = 7;
+/// A publication and check after this many steps of one answer.
+const PUBLISH_EVERY_STEPS: u32 = 16;
 /// A small index, so that reports overflow it and eviction runs.
 const CONFIG: &str = r#", "maxPrefixBlocks": 64, "maxIndexBlocks": 1024"#;
 /// Blocks per chain of generated reports and per `B` step's `k`, and blocks
@@ -329,7 +334,15 @@ impl Harness {
         let _ = self
             .state
             .accept_pull(&pod.id, kind, answer, read, pod.inflight);
-        while self.state.fold_next(self.now_ms).is_some() {}
+        // Small steps, published part-way now and then: the shared view
+        // must equal the index between any two steps.
+        let mut steps = 0u32;
+        while self.state.fold_step(self.now_ms, FOLD_STEP).is_some() {
+            steps += 1;
+            if steps.is_multiple_of(PUBLISH_EVERY_STEPS) {
+                self.publish_and_check();
+            }
+        }
         assert_eq!(self.state.unfolded(), 0);
     }
 

@@ -237,16 +237,27 @@ impl PrefixTree {
 
     /// Forgets every block of `pod` (restart, removal, full resync). O(nodes).
     pub fn drop_pod(&mut self, pod: usize) {
+        self.drop_pod_from(pod, 0, usize::MAX);
+    }
+
+    /// [`PrefixTree::drop_pod`] over the slab slots `from..from + max_slots`
+    /// only: the roots there lose `pod` with all their descendants. Returns
+    /// the slot to resume at, `None` when done, so a large resync can be
+    /// spread over several calls; blocks of `pod` inserted in between
+    /// would be dropped too. O(max_slots + blocks dropped).
+    pub fn drop_pod_from(&mut self, pod: usize, from: usize, max_slots: usize) -> Option<usize> {
         let bit = pod_bit(pod);
-        let roots: Vec<u32> = (0..self.nodes.len() as u32)
-            .filter(|&slot| {
-                let node = &self.nodes[slot as usize];
-                node.parent == NIL && node.mask & bit != 0
-            })
-            .collect();
-        for root in roots {
-            self.clear_subtree(root, bit);
+        if bit == 0 || self.pod_block_count(pod) == 0 {
+            return None;
         }
+        let end = from.saturating_add(max_slots).min(self.nodes.len());
+        for slot in from..end {
+            let node = &self.nodes[slot];
+            if node.parent == NIL && node.mask & bit != 0 {
+                self.clear_subtree(slot as u32, bit);
+            }
+        }
+        (end < self.nodes.len()).then_some(end)
     }
 
     /// Blocks `pod` holds.

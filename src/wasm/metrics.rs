@@ -113,6 +113,7 @@ pub fn export_from_zero(config: &Config) {
         "epp_composite_score",
         "epp_scoring_latency_us",
         "epp_wait_time_ms",
+        "epp_service_busy_us",
     ] {
         let _ = id(MetricKind::Histogram, name);
     }

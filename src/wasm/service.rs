@@ -19,11 +19,19 @@
 //!
 //! The main thread also serves Envoy's admin and xDS, so no callback may
 //! stall it — and answers of many pods can land in one pass of Envoy's event
-//! loop: the service ticks every [`TICK_MS`] (rounds start on the tick that
-//! finds one due); an answer is only classified and queued when it arrives,
-//! and folded within a [`FOLD_BUDGET_US`] per tick; a publication writes at
-//! most [`PUBLISH_BUCKETS`] changed buckets and leaves the rest to the
-//! following ticks; bodies over `maxReportBytes` are never read.
+//! loop. The service ticks every [`TICK_MS`] (rounds start on the tick that
+//! finds one due) and spends at most [`FOLD_BUDGET_US`] folding and
+//! [`PUBLISH_BUDGET_US`] publishing per tick, over all callbacks until the
+//! next tick: an answer is only classified and queued when it arrives;
+//! folding goes in steps of [`FOLD_STEP_BLOCKS`] blocks (a 16k-block full
+//! report takes several, over ticks if need be); a publication writes
+//! changed buckets in steps of [`PUBLISH_BUCKETS`] and leaves the rest to
+//! the following ticks; bodies over `maxReportBytes` are never read. The
+//! first step of each kind in a tick always runs, so both make progress.
+//! An answer that changed no block is published with the next round (its
+//! pod's queue and load with it): at 64 idle pods a table per answer was
+//! most of the service's main-thread time. Per-pod gauges are set once
+//! per round.
 //!
 //! Host behaviour: a pull that fails (connection refused, reset mid-body,
 //! timeout, a body over the host's buffer limit) still calls
@@ -32,6 +40,7 @@
 //! reads through [`super::host`], for which it is just "no answer".
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use proxy_wasm::traits::{Context, RootContext};
@@ -40,22 +49,45 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::cluster::{ClusterState, Failure, PullAnswer, PullKind, Transition, PUBLISH_BUCKETS};
+use crate::cluster::{
+    ClusterState, Failure, FoldStep, PullAnswer, PullKind, Transition, FOLD_STEP_BLOCKS,
+    PUBLISH_BUCKETS,
+};
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
-use crate::snapshot::{bucket_key, decode_decision, DECISION_QUEUE};
+use crate::snapshot::{bucket_key, decode_decision, PodTable, DECISION_QUEUE};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
 const TICK_MS: u64 = 50;
 
-/// Main-thread time per tick for folding answers (one fold may overrun
-/// it; its size is bounded by `maxReportBytes`).
-const FOLD_BUDGET_US: u64 = 5_000;
+/// Main-thread time per tick for folding answers (a step may overrun it:
+/// parsing one body, bounded by `maxReportBytes`, is one step).
+const FOLD_BUDGET_US: u64 = 3_000;
+
+/// Main-thread time per tick for writing changed buckets.
+const PUBLISH_BUDGET_US: u64 = 2_000;
 
 /// Least time between two publications triggered by answers (folds closer
 /// together are published together, by the next answer or tick).
 const PUBLISH_GAP_MS: u64 = 5;
+
+/// Records a service callback's main-thread time in
+/// `epp_service_busy_us` when dropped: the service's share of any stall of
+/// Envoy's main thread (admin, xDS, stats flushes wait behind it).
+struct Busy(Instant);
+
+impl Busy {
+    fn start() -> Busy {
+        Busy(Instant::now())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        metrics::histogram("epp_service_busy_us", self.0.elapsed().as_micros() as u64);
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pull {
@@ -65,7 +97,8 @@ enum Pull {
 
 #[derive(Default)]
 pub struct ServiceRoot {
-    config: Option<Config>,
+    /// Shared, not cloned, by callbacks that need it beside `&mut self`.
+    config: Option<Rc<Config>>,
     state: Option<ClusterState>,
     /// Calls in flight: token → (pod id, what was asked).
     pending: HashMap<u32, (String, Pull)>,
@@ -73,10 +106,9 @@ pub struct ServiceRoot {
     polling: Option<ReportPolling>,
     queue: Option<u32>,
     next_round_ms: u64,
-    /// Changed buckets a publication left for the next tick.
-    unpublished: usize,
-    /// What is left of this tick's folding time.
+    /// What is left of this tick's folding and publishing time.
     fold_budget_us: u64,
+    publish_budget_us: u64,
     /// Answers were folded since the last publication.
     folds_unpublished: bool,
     last_publish_ms: u64,
@@ -134,21 +166,59 @@ impl ServiceRoot {
         }
     }
 
-    fn publish(&mut self) {
+    /// Writes changed buckets while this tick's budget lasts, then a new
+    /// pod table (after the buckets it counts on), which it returns.
+    fn publish(&mut self) -> Option<PodTable> {
         let now = host::now_ms();
         (self.last_publish_ms, self.folds_unpublished) = (now, false);
-        let Some(state) = self.state.as_mut() else {
-            return;
-        };
-        let publication = state.publish_some(now, PUBLISH_BUCKETS);
-        for (bucket, value) in &publication.buckets {
-            shared::set(&bucket_key(*bucket), value);
+        let written = self.write_buckets(now);
+        let state = self.state.as_mut()?;
+        let table = state.pod_table(now);
+        shared::publish_table(&table);
+        // Last: once it moves, the whole table above is visible.
+        metrics::gauge("epp_snapshot_generation", table.generation);
+        if log::log_enabled!(log::Level::Trace) {
+            event(
+                log::Level::Trace,
+                "publish",
+                json!({"generation": table.generation, "bucketsWritten": written,
+                       "bucketsPending": state.unpublished_buckets(), "indexBlocks": state.index().len()}),
+            );
         }
-        shared::publish_table(&publication.table);
-        self.unpublished = publication.unpublished_buckets;
-        metrics::gauge("epp_prefix_tree_nodes", state.index().len() as u64);
-        metrics::gauge("epp_index_memory_bytes", state.memory_bytes() as u64);
-        for pod in &publication.table.pods {
+        Some(table)
+    }
+
+    /// Writes changed buckets (reports folded, decisions recorded or
+    /// expired at `now`) in steps while this tick's budget lasts; returns
+    /// how many.
+    fn write_buckets(&mut self, now: u64) -> usize {
+        let Some(state) = self.state.as_mut() else {
+            return 0;
+        };
+        let mut written = 0;
+        while self.publish_budget_us > 0 {
+            let started = Instant::now();
+            let buckets = state.publish_buckets(now, PUBLISH_BUCKETS);
+            for (bucket, value) in &buckets {
+                shared::set(&bucket_key(*bucket), value);
+            }
+            written += buckets.len();
+            let spent = started.elapsed().as_micros() as u64;
+            self.publish_budget_us = self.publish_budget_us.saturating_sub(spent.max(1));
+            if buckets.len() < PUBLISH_BUCKETS {
+                break;
+            }
+        }
+        written
+    }
+
+    /// The per-pod and index gauges, once per round.
+    fn export_gauges(&self, table: &PodTable) {
+        if let Some(state) = self.state.as_ref() {
+            metrics::gauge("epp_prefix_tree_nodes", state.index().len() as u64);
+            metrics::gauge("epp_index_memory_bytes", state.memory_bytes() as u64);
+        }
+        for pod in &table.pods {
             metrics::gauge(
                 &metrics::labelled("epp_queue_depth", "pod", &pod.id),
                 u64::from(pod.queue),
@@ -162,16 +232,6 @@ impl ServiceRoot {
                 metrics::percent(pod.load),
             );
         }
-        // Last: once it moves, the whole table above is visible.
-        metrics::gauge("epp_snapshot_generation", publication.table.generation);
-        if log::log_enabled!(log::Level::Trace) {
-            event(
-                log::Level::Trace,
-                "publish",
-                json!({"generation": publication.table.generation, "bucketsWritten": publication.buckets.len(),
-                       "bucketsPending": publication.unpublished_buckets, "indexBlocks": state.index().len()}),
-            );
-        }
     }
 
     fn apply_discovery(&mut self, body: &[u8]) -> Result<(), String> {
@@ -182,7 +242,7 @@ impl ServiceRoot {
         }
         let list: PodList =
             serde_json::from_slice(body).map_err(|e| format!("malformed pod list: {e}"))?;
-        let mut candidate = self.config.clone().ok_or("not configured")?;
+        let mut candidate = Config::clone(self.config.as_deref().ok_or("not configured")?);
         candidate.pods = list.pods;
         candidate.validate().map_err(|e| e.to_string())?;
         for pod in &candidate.pods {
@@ -215,7 +275,9 @@ impl ServiceRoot {
     }
 
     fn start_round(&mut self, config: &Config) {
-        self.publish();
+        if let Some(table) = self.publish() {
+            self.export_gauges(&table);
+        }
         if let (Some(path), Some(state)) = (&config.metrics_path, self.state.as_ref()) {
             let metrics = Pull::Pod(PullKind::Metrics);
             // A pod whose last metrics are not folded yet is skipped too.
@@ -291,23 +353,25 @@ impl ServiceRoot {
         }
     }
 
-    /// Folds accepted answers while this tick's budget lasts; a fold that
-    /// is not done waits for the next tick. Returns whether any was folded.
-    fn fold(&mut self) -> bool {
+    /// Folds accepted answers in steps while this tick's budget lasts; a
+    /// fold that is not done goes on at the next tick. Answers that changed
+    /// blocks are published soon after (see the module documentation).
+    fn fold(&mut self) {
         let Some(state) = self.state.as_mut() else {
-            return false;
+            return;
         };
         let now = host::now_ms();
-        let mut folded_any = false;
         let polling = &mut self.polling;
         while self.fold_budget_us > 0 {
             let started = Instant::now();
-            let Some(folded) = state.fold_next(now) else {
+            let Some(step) = state.fold_step(now, FOLD_STEP_BLOCKS) else {
                 break;
             };
             let spent = started.elapsed().as_micros() as u64;
             self.fold_budget_us = self.fold_budget_us.saturating_sub(spent.max(1));
-            folded_any = true;
+            let FoldStep::Done(folded) = step else {
+                continue;
+            };
             log_transition(folded.transition);
             if let (PullKind::Report, Some(polling)) = (folded.kind, polling.as_mut()) {
                 match &folded.result {
@@ -318,13 +382,17 @@ impl ServiceRoot {
                 }
             }
             match folded.result {
-                Ok(Some(summary)) => event(
-                    log::Level::Trace,
-                    "report",
-                    json!({"pod": folded.pod, "full": summary.full, "stored": summary.stored, "removed": summary.removed,
-                           "orphaned": summary.orphaned, "resync": summary.resync, "foldUs": spent}),
-                ),
-                Ok(None) => {}
+                Ok(Some(summary)) => {
+                    self.folds_unpublished |= summary.changed_index();
+                    event(
+                        log::Level::Trace,
+                        "report",
+                        json!({"pod": folded.pod, "full": summary.full, "stored": summary.stored, "removed": summary.removed,
+                               "orphaned": summary.orphaned, "resync": summary.resync}),
+                    );
+                }
+                // Metrics: the pod's queue and load changed.
+                Ok(None) => self.folds_unpublished = true,
                 Err(_) => metrics::increment(&metrics::labelled(
                     "epp_report_failures_total",
                     "pod",
@@ -332,8 +400,6 @@ impl ServiceRoot {
                 )),
             }
         }
-        self.folds_unpublished |= folded_any;
-        folded_any
     }
 }
 
@@ -353,6 +419,7 @@ impl Context for ServiceRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        let _busy = Busy::start();
         let Some((pod, pull)) = self.pending.remove(&token_id) else {
             return;
         };
@@ -409,36 +476,36 @@ impl RootContext for ServiceRoot {
             return false;
         }
         // A new configuration starts a new view; the first one only once.
-        if self.config.as_ref() != Some(&config) {
+        if self.config.as_deref() != Some(&config) {
             self.state = Some(ClusterState::new(&config, host::now_ms()));
             self.polling = Some(ReportPolling::new(&config));
-            self.config = Some(config);
+            self.config = Some(Rc::new(config));
             self.next_round_ms = 0;
         }
         true
     }
 
     fn on_tick(&mut self) {
+        let _busy = Busy::start();
         let Some(config) = self.config.clone() else {
             return;
         };
         if self.queue.is_none() {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
-        self.fold_budget_us = FOLD_BUDGET_US;
+        (self.fold_budget_us, self.publish_budget_us) = (FOLD_BUDGET_US, PUBLISH_BUDGET_US);
         self.fold();
         let now = host::now_ms();
         if now >= self.next_round_ms {
             self.next_round_ms = now.saturating_add(config.pod_report_interval_ms);
             self.start_round(&config);
         } else {
-            if self.folds_unpublished || self.unpublished > 0 {
+            if self.folds_unpublished {
                 self.publish();
-            } else if let Some(state) = self.state.as_mut() {
-                // Pending decisions expire on time, not at the next round.
-                for (bucket, value) in state.publish_buckets(now, PUBLISH_BUCKETS) {
-                    shared::set(&bucket_key(bucket), &value);
-                }
+            } else {
+                // A resync's rest; pending decisions expire on time, not
+                // at the next round.
+                self.write_buckets(now);
             }
             self.poll_reports(&config);
         }
@@ -448,6 +515,7 @@ impl RootContext for ServiceRoot {
     /// once (no new pod table), so every worker matches them within
     /// milliseconds instead of at the next report.
     fn on_queue_ready(&mut self, queue_id: u32) {
+        let _busy = Busy::start();
         let Some(state) = self.state.as_mut() else {
             return;
         };
@@ -461,9 +529,7 @@ impl RootContext for ServiceRoot {
                 ),
             }
         }
-        for (bucket, value) in state.publish_buckets(now, PUBLISH_BUCKETS) {
-            shared::set(&bucket_key(bucket), &value);
-        }
+        self.write_buckets(now);
     }
 }
 

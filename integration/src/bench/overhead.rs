@@ -17,7 +17,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
+use kvroute::cluster::{
+    ClusterState, FoldStep, PullAnswer, PullKind, FOLD_STEP_BLOCKS, PUBLISH_BUCKETS,
+};
 use kvroute::config::Config;
 use kvroute::hashing::BlockHasher;
 use kvroute::request::Prompt;
@@ -332,8 +334,37 @@ fn stat_cpu_s(path: &str) -> Option<f64> {
     Some((utime + stime) / 100.0) // USER_HZ
 }
 
+/// One series, rendered alone: a full `/stats/prometheus` of 64 pods is
+/// itself a stall of the main thread the probe would measure.
 fn metric(envoy: &Envoy, name: &str) -> Option<f64> {
-    prometheus_value(&envoy.prometheus(), name, &[])
+    let page = crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}")).ok()?;
+    prometheus_value(&page.body, name, &[])
+}
+
+/// `epp_service_busy_us` since Envoy started: callbacks, how many took
+/// over 10 ms, and the upper bound of the highest bucket reached.
+fn service_busy(envoy: &Envoy) -> Value {
+    let name = "epp_service_busy_us";
+    let page = crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}"))
+        .map(|r| r.body)
+        .unwrap_or_default();
+    let bucket = |le: &str| prometheus_value(&page, &format!("{name}_bucket"), &[("le", le)]);
+    let count = prometheus_value(&page, &format!("{name}_count"), &[]);
+    let within_10ms = bucket("10000");
+    let bounds = [
+        "10", "25", "50", "100", "250", "500", "1000", "2500", "5000", "10000", "25000", "100000",
+    ];
+    let highest = bounds
+        .iter()
+        .find(|le| bucket(le).is_some_and(|n| Some(n) == count))
+        .map_or(json!("over 100000"), |le| {
+            json!(le.parse::<u64>().unwrap_or(0))
+        });
+    json!({
+        "callbacks": count,
+        "over10Ms": count.zip(within_10ms).map(|(c, w)| c - w),
+        "maxAtMostUs": highest,
+    })
 }
 
 /// Runs the 1M-block scale measurement.
@@ -410,6 +441,7 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     // full reports, publication.
     let ingest_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0);
     let memory = metric(&cluster.envoy, "epp_index_memory_bytes");
+    let busy = service_busy(&cluster.envoy);
     eprintln!("scale: {nodes} nodes after {ingest_s:.1} s (cluster start {startup_s:.1} s)");
     let window = Duration::from_secs(if quick { 6 } else { 15 });
     // Idle: every tick pulls 64 empty deltas and republishes the pod table.
@@ -444,6 +476,7 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "max": admin_ms.last(),
             "over10Ms": admin_ms.iter().filter(|&&ms| ms > 10.0).count(),
         },
+        "serviceBusyDuringIngest": busy,
         "reportIntervalMs": interval_ms,
         "idle": {"windowS": window.as_secs(), "mainThreadCpuS": idle_cpu, "msPerTick": idle_cpu * 1000.0 / ticks},
         "churn": {"windowS": window.as_secs(), "requests": sent, "newBlocksPerS": rate / 2.0 * blocks_per_prompt as f64,
@@ -514,11 +547,28 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
     }
     let mut state = ClusterState::new(&config, 0);
     let t = Instant::now();
+    // As the service folds: accepted answers, then bounded steps.
     let mut longest_fold_s: f64 = 0.0;
-    for (i, body) in bodies.iter().enumerate() {
+    let report_bytes = bodies.first().map(String::len);
+    for (i, body) in bodies.into_iter().enumerate() {
+        let answer = PullAnswer {
+            status: Some("200"),
+            body_size: body.len(),
+        };
+        let pod = format!("pod-{i}");
+        let _ = state.accept_pull(&pod, PullKind::Report, answer, |_| body.into_bytes(), 0);
+    }
+    loop {
         let step = Instant::now();
-        let (result, _) = state.apply_report(&format!("pod-{i}"), body.as_bytes(), 1, 0);
-        result.map_err(|e| io::Error::other(format!("{e:?}")))?;
+        match state.fold_step(1, FOLD_STEP_BLOCKS) {
+            None => break,
+            Some(FoldStep::Done(folded)) => {
+                folded
+                    .result
+                    .map_err(|e| io::Error::other(format!("{e:?}")))?;
+            }
+            Some(FoldStep::Partial) => {}
+        }
         longest_fold_s = longest_fold_s.max(step.elapsed().as_secs_f64());
     }
     let fold_full_s = t.elapsed().as_secs_f64();
@@ -573,9 +623,9 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
         "snapshotBytes": snapshot_bytes,
         "snapshotBuckets": publication.buckets.len(),
         "podTableBytes": table_bytes,
-        "reportBytesPerPod": bodies.first().map(|b| b.len()),
+        "reportBytesPerPod": report_bytes,
         "foldFullReportsMs": (fold_full_s * 1e4).round() / 10.0,
-        "longestReportFoldMs": (longest_fold_s * 1e4).round() / 10.0,
+        "longestFoldStepMs": (longest_fold_s * 1e4).round() / 10.0,
         "publishFullMs": (publish_full_s * 1e4).round() / 10.0,
         "publications": publications,
         "longestPublicationMs": (longest_publish_s * 1e4).round() / 10.0,
@@ -597,11 +647,14 @@ pub fn scale_markdown(s: &Value) -> String {
          | `epp_prefix_tree_nodes` after ingest | {} |\n\
          | `epp_index_memory_bytes` | {} MB |\n\
          | sims + Envoy start until all blocks are indexed (full reports) | {} s wall; {} s Envoy main-thread CPU since its start |\n\
+         | main-thread stall during that ingest: admin `/ready` latency p50 / p99 / max ({} probes, {} over 10 ms) | {} / {} / {} ms |\n\
+         | the service's own callbacks since start (`epp_service_busy_us`): over 10 ms / all, longest at most | {} / {}, {} µs |\n\
          | service tick, idle (64 empty deltas + publish), main-thread CPU | {} ms per tick |\n\
          | service tick under churn ({} new blocks/s), main-thread CPU | {} ms per tick |\n\
          | filter's own time at full index (`latencyUs`) p50 / p99 | {} / {} µs |\n\
          | shared-data snapshot (native, exact) | {:.1} MB in {} buckets + {} B pod table |\n\
          | native: fold 64 full reports / publish everything | {} ms / {} ms |\n\
+         | native: longest fold step ({} blocks, or parsing one report) / longest publication step ({} buckets) | {} ms / {} ms |\n\
          | native: churn tick (5 deltas of 256 blocks + publish) / idle publish | {} ms / {} ms |\n\
          | native: index bytes per block | {} |\n\n\
          Method: {}.\n\n",
@@ -615,6 +668,14 @@ pub fn scale_markdown(s: &Value) -> String {
         ),
         ((s["clusterStartS"].as_f64().unwrap_or(0.0) + s["ingestS"].as_f64().unwrap_or(0.0)) * 10.0).round() / 10.0,
         s["ingestMainThreadCpuS"],
+        s["adminReadyDuringIngestMs"]["probes"],
+        s["adminReadyDuringIngestMs"]["over10Ms"],
+        f(&s["adminReadyDuringIngestMs"]["p50"], 1),
+        f(&s["adminReadyDuringIngestMs"]["p99"], 1),
+        f(&s["adminReadyDuringIngestMs"]["max"], 1),
+        s["serviceBusyDuringIngest"]["over10Ms"],
+        s["serviceBusyDuringIngest"]["callbacks"],
+        s["serviceBusyDuringIngest"]["maxAtMostUs"],
         f(&s["idle"]["msPerTick"], 1),
         f(&s["churn"]["newBlocksPerS"], 0),
         f(&s["churn"]["msPerTick"], 1),
@@ -625,6 +686,10 @@ pub fn scale_markdown(s: &Value) -> String {
         n["podTableBytes"],
         n["foldFullReportsMs"],
         n["publishFullMs"],
+        FOLD_STEP_BLOCKS,
+        PUBLISH_BUCKETS,
+        n["longestFoldStepMs"],
+        n["longestPublicationMs"],
         n["churnTickMs"],
         n["idlePublishMs"],
         n["bytesPerBlock"],
