@@ -134,6 +134,10 @@ pub struct RequestOutcome {
     pub cached_tokens: u64,
     /// 503s the router answered before routing it.
     pub rejections: u32,
+    /// Arrival (first try) to being sent to its pod: gateway waiting and
+    /// 503 retries (0 for the cache-blind policies, which never hold a
+    /// request: their queueing is on the pods, inside TTFT).
+    pub wait_us: u64,
 }
 
 /// The numbers of one run.
@@ -151,6 +155,9 @@ pub struct Summary {
     pub pod_shares: Vec<f64>,
     /// 503s answered (each followed by a retry).
     pub rejections: u64,
+    /// [`RequestOutcome::wait_us`] percentiles.
+    pub wait_p50_ms: f64,
+    pub wait_p99_ms: f64,
 }
 
 impl Summary {
@@ -158,8 +165,13 @@ impl Summary {
         let n = outcomes.len();
         let prompt: u64 = outcomes.iter().map(|o| o.prompt_tokens).sum();
         let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
-        let mut ttft: Vec<u64> = outcomes.iter().map(|o| o.ttft_us).collect();
-        ttft.sort_unstable();
+        let sorted = |value: fn(&RequestOutcome) -> u64| {
+            let mut values: Vec<u64> = outcomes.iter().map(value).collect();
+            values.sort_unstable();
+            values
+        };
+        let ttft = sorted(|o| o.ttft_us);
+        let wait = sorted(|o| o.wait_us);
         let mut counts = vec![0usize; pods];
         for o in outcomes {
             counts[o.pod] += 1;
@@ -179,6 +191,8 @@ impl Summary {
             max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
             pod_shares,
             rejections: outcomes.iter().map(|o| u64::from(o.rejections)).sum(),
+            wait_p50_ms: percentile(&wait, 0.50) as f64 / 1000.0,
+            wait_p99_ms: percentile(&wait, 0.99) as f64 / 1000.0,
         }
     }
 }
@@ -384,6 +398,7 @@ impl<'a> Simulation<'a> {
                 prompt_tokens: r.prompt_tokens,
                 cached_tokens: 0,
                 rejections: 0,
+                wait_us: 0,
             })
             .collect();
         let mut sim = Simulation {
@@ -622,7 +637,9 @@ impl<'a> Simulation<'a> {
 
     /// Request `index` is sent to `pod` at `now`.
     fn send(&mut self, index: usize, pod: usize, now: u64) {
-        self.outcomes[index].pod = pod;
+        let outcome = &mut self.outcomes[index];
+        outcome.pod = pod;
+        outcome.wait_us = now - outcome.arrival_us;
         let state = &mut self.pods[pod];
         state.inflight += 1;
         if state.slots_used < self.spec.max_batch && state.waiting.is_empty() {
