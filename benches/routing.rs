@@ -207,7 +207,7 @@ fn end_to_end(f: &Fixture, index: &impl PrefixLookup, tie_breaker: u64) -> Decis
     let chain = f.hasher.chain(&f.target, black_box(&f.prompt));
     let matched = index.lookup(&chain);
     let cands = candidates(&f.pods, &matched, chain.len());
-    f.policy.decide(&cands, false, tie_breaker)
+    f.policy.decide(&cands, false, tie_breaker, true)
 }
 
 fn routing(c: &mut Criterion) {
@@ -246,7 +246,7 @@ fn routing(c: &mut Criterion) {
     group.bench_function("decide_64_candidates", |b| {
         b.iter(|| {
             tie += 1;
-            f.policy.decide(black_box(&cands), false, tie)
+            f.policy.decide(black_box(&cands), false, tie, true)
         })
     });
     group.bench_function("hash_16KiB", |b| {

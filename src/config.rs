@@ -8,7 +8,9 @@
 //! queue 0.10, health 0.05, adapter 0.05; `maxQueue` 20; health exclusion
 //! below 0.3; 64-byte text blocks, 16-token blocks; at most 256 blocks hashed
 //! per request; reports pulled every 2000 ms; with no eligible pod a
-//! request waits in the gateway (at most 256 per worker, at most 30 s).
+//! request waits in the gateway (at most 256 per worker, at most 30 s),
+//! holding out for the pod caching its prefix for up to two thirds of
+//! that (offered room in windows of 32).
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -252,6 +254,15 @@ pub struct Config {
     pub max_waiting_requests: usize,
     /// Longest a request waits for a pod before its 503 (`"wait"`).
     pub max_wait_ms: u64,
+    /// How long a request may hold out for a full pod that caches its
+    /// whole prompt rather than go to a pod with room that caches none
+    /// (`"wait"`; 0: never); less cache to gain, proportionally less (see
+    /// [`crate::router::Router::hold_bound_ms`] and [`crate::queueing`]).
+    /// `None`: two thirds of `maxWaitMs`.
+    pub affinity_wait_ms: Option<u64>,
+    /// Waiting requests of the head class a dispatch round looks at, in
+    /// order, for one that wants a pod with room.
+    pub affinity_window: usize,
     pub fallback_pod: Option<String>,
     pub retry_after_seconds: u32,
     /// Adds `x-kvroute-pod`, `x-kvroute-score`, `x-kvroute-cache-match`.
@@ -295,6 +306,8 @@ impl Default for Config {
             on_no_eligible_pod: NoPodPolicy::Wait,
             max_waiting_requests: 256,
             max_wait_ms: 30_000,
+            affinity_wait_ms: None,
+            affinity_window: 32,
             fallback_pod: None,
             retry_after_seconds: 1,
             decision_headers: false,
@@ -382,6 +395,16 @@ impl Config {
         positive("maxReportBytes", self.max_report_bytes as u64)?;
         positive("maxWaitingRequests", self.max_waiting_requests as u64)?;
         positive("maxWaitMs", self.max_wait_ms)?;
+        positive("affinityWindow", self.affinity_window as u64)?;
+        if self
+            .affinity_wait_ms
+            .is_some_and(|ms| ms >= self.max_wait_ms)
+        {
+            return Err(invalid(
+                "affinityWaitMs",
+                "must be less than maxWaitMs (a request holding out must still get a pod before its deadline)",
+            ));
+        }
         if let Some(ms) = self.pending_decision_ms {
             positive("pendingDecisionMs", ms)?;
         }
@@ -492,6 +515,13 @@ impl Config {
                 .saturating_mul(2)
                 .saturating_add(self.report_timeout_ms)
         })
+    }
+
+    /// How long a request may hold out for a full pod caching its whole
+    /// prompt (`affinityWaitMs`): 20 s under the default `maxWaitMs`.
+    pub fn affinity_wait_bound_ms(&self) -> u64 {
+        self.affinity_wait_ms
+            .unwrap_or(self.max_wait_ms.saturating_mul(2) / 3)
     }
 
     /// Most blocks one of `pods` pods may hold in the index.

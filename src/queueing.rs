@@ -23,18 +23,44 @@
 //!   ([`WaitPolicy::max_wait_ms`]) is answered (`deadline`). Within a class
 //!   entries are in arrival order, so only each class's head is checked.
 //! - **Dispatch** ([`WaitQueue::dispatch`]), run when capacity may have
-//!   freed (a request on this worker ended, or a periodic tick): the head
-//!   (highest class, oldest) is routed again; if it is placed the next head
-//!   is tried, and the first head that cannot be placed ends the round.
-//!   Exclusions do not depend on the request (health and queue are per
-//!   pod), so when the head cannot be placed no later entry could be
-//!   either: nobody overtakes the head.
+//!   freed (a request on this worker ended, or a periodic tick): the first
+//!   `affinityWindow` entries ([`WaitPolicy::window`]) of the highest
+//!   non-empty class are offered, oldest first, to the caller, which
+//!   routes each again with what is known now:
+//!   - *placed* (or *gone*): it leaves, the next entry is offered;
+//!   - *no pod can take it* ([`Placement::Wait`]): the round ends.
+//!     Exclusions do not depend on the request (health and queue are per
+//!     pod), so no later entry could be placed either;
+//!   - *holding out* ([`Placement::HoldingOut`]): a pod has room, but a
+//!     full pod caches more of its prompt
+//!     ([`crate::router::HoldOut`]): it stays, the next entry is offered.
+//!
+//!   So when a pod frees, the oldest entry in the window that wants *that*
+//!   pod takes it: cache-affine dispatch, in the manner of delay
+//!   scheduling (Zaharia et al., EuroSys 2010). Sending the head to
+//!   whichever pod freed first throws its cache away under saturation:
+//!   prefill work grows, queues stay full and hits vanish for good (on
+//!   the Mooncake trace at 2× cache-blind capacity, 35 % of the
+//!   pooled-cache bound instead of 95 %). An entry holds out for at most
+//!   the router's bound ([`crate::router::Router::hold_bound_ms`]),
+//!   counted from the first time it declined a pod with room
+//!   ([`Waiter::holding_ms`]), not from its arrival: under saturation
+//!   every entry waits long before it is offered any room, and a bound on
+//!   its age would expire unused. Past the bound it takes any pod, so
+//!   nobody starves. A lower class is offered room only when every higher
+//!   class is empty: classes stay strict, and within a class an entry is
+//!   overtaken only by younger ones that want a pod it declined.
+//! - **Arrivals** are routed at once only where a round would have
+//!   offered them room: when no higher class waits and fewer than
+//!   `affinityWindow` entries of their class do ([`WaitQueue::must_queue`]);
+//!   otherwise they join the queue behind the others.
 //! - **Leaving.** [`WaitQueue::remove`] frees the place of a request whose
 //!   client went away.
 //!
-//! Costs: admit O(1) (a displacement pops the tail of a class), dispatch
-//! O(1) per placed entry, expiry O(expired + classes), removal O(n) with
-//! n ≤ `maxWaitingRequests`.
+//! Costs: admit O(1) (a displacement pops the tail of a class); a dispatch
+//! round offers at most `affinityWindow` entries that stay plus those
+//! placed, and removes each placed one in O(`affinityWindow`); expiry
+//! O(expired + classes), removal O(n) with n ≤ `maxWaitingRequests`.
 //!
 //! The module is host-agnostic (no proxy-wasm), so the offline replay can
 //! apply the same policy.
@@ -109,6 +135,9 @@ pub struct WaitPolicy {
     pub max_waiting: usize,
     /// Longest wait before the request is answered (`maxWaitMs`).
     pub max_wait_ms: u64,
+    /// Entries of the head class a dispatch round offers room to
+    /// (`affinityWindow`).
+    pub window: usize,
 }
 
 impl WaitPolicy {
@@ -116,6 +145,7 @@ impl WaitPolicy {
         WaitPolicy {
             max_waiting: config.max_waiting_requests,
             max_wait_ms: config.max_wait_ms,
+            window: config.affinity_window,
         }
     }
 }
@@ -127,6 +157,8 @@ pub struct Waiter<T> {
     pub priority: Priority,
     /// When it joined the queue.
     pub since_ms: u64,
+    /// When it first held out for a busier pod (declined a pod with room).
+    pub holding_since_ms: Option<u64>,
     pub item: T,
 }
 
@@ -134,6 +166,12 @@ impl<T> Waiter<T> {
     /// How long it has waited at `now_ms`.
     pub fn waited_ms(&self, now_ms: u64) -> u64 {
         now_ms.saturating_sub(self.since_ms)
+    }
+
+    /// How long it has held out for a busier pod at `now_ms` (0 if never).
+    pub fn holding_ms(&self, now_ms: u64) -> u64 {
+        self.holding_since_ms
+            .map_or(0, |since| now_ms.saturating_sub(since))
     }
 }
 
@@ -159,6 +197,9 @@ pub enum Placement {
     Gone,
     /// No pod can take it yet: it stays at the head, the round ends.
     Wait,
+    /// A pod could take it, but it holds out for a busier pod that caches
+    /// more of its prefix: it stays, the next entry in the window is tried.
+    HoldingOut,
 }
 
 /// See the module documentation.
@@ -204,24 +245,33 @@ impl<T> WaitQueue<T> {
     fn head_class(&mut self) -> Option<&mut VecDeque<Waiter<T>>> {
         Priority::ALL
             .into_iter()
-            .find(|p| !self.class_is_empty(*p))
+            .find(|p| self.class_len(*p) > 0)
             .map(|p| self.class(p))
     }
 
-    fn class_is_empty(&self, priority: Priority) -> bool {
+    fn class_len(&self, priority: Priority) -> usize {
         match priority {
-            Priority::Critical => self.critical.is_empty(),
-            Priority::Standard => self.standard.is_empty(),
-            Priority::Sheddable => self.sheddable.is_empty(),
+            Priority::Critical => self.critical.len(),
+            Priority::Standard => self.standard.len(),
+            Priority::Sheddable => self.sheddable.len(),
         }
     }
 
-    /// Adds request `id` of class `priority`, arriving at `now_ms`.
-    pub fn admit(&mut self, id: u32, priority: Priority, now_ms: u64, item: T) -> Admission<T> {
+    /// Adds request `id` of class `priority`, arriving at `now_ms`;
+    /// `holding_out`: it declined a pod with room ([`Placement::HoldingOut`]).
+    pub fn admit(
+        &mut self,
+        id: u32,
+        priority: Priority,
+        now_ms: u64,
+        holding_out: bool,
+        item: T,
+    ) -> Admission<T> {
         let waiter = Waiter {
             id,
             priority,
             since_ms: now_ms,
+            holding_since_ms: holding_out.then_some(now_ms),
             item,
         };
         if self.len() < self.policy.max_waiting {
@@ -232,7 +282,7 @@ impl<T> WaitQueue<T> {
             .into_iter()
             .rev()
             .take_while(|p| *p > priority)
-            .find(|p| !self.class_is_empty(*p));
+            .find(|p| self.class_len(*p) > 0);
         let Some(victim) = victim_class.and_then(|p| self.class(p).pop_back()) else {
             return Admission::Refused(waiter.item);
         };
@@ -266,20 +316,52 @@ impl<T> WaitQueue<T> {
         expired
     }
 
-    /// Offers the heads, in order, to `place` until one must wait (see the
-    /// module documentation); returns how many were placed.
-    pub fn dispatch(&mut self, mut place: impl FnMut(&Waiter<T>) -> Placement) -> usize {
+    /// Whether an arrival of class `priority` must join the queue without
+    /// being routed: an entry of a higher class waits, or `window` entries
+    /// of its own class do (it would be past the window of a round).
+    pub fn must_queue(&self, priority: Priority) -> bool {
+        Priority::ALL
+            .into_iter()
+            .take_while(|p| *p < priority)
+            .any(|p| self.class_len(p) > 0)
+            || self.class_len(priority) >= self.policy.window
+    }
+
+    /// A dispatch round at `now_ms` (see the module documentation): offers
+    /// the first `window` entries of the head class, in order, to `place`;
+    /// returns how many were placed.
+    pub fn dispatch(
+        &mut self,
+        now_ms: u64,
+        mut place: impl FnMut(&Waiter<T>) -> Placement,
+    ) -> usize {
+        let window = self.policy.window.max(1);
         let mut placed = 0;
         while let Some(class) = self.head_class() {
-            let Some(head) = class.front() else { break };
-            match place(head) {
-                Placement::Wait => break,
-                outcome => {
-                    class.pop_front();
-                    if outcome == Placement::Placed {
-                        placed += 1;
+            let mut at = 0;
+            let emptied = loop {
+                let Some(waiter) = class.get_mut(at).filter(|_| at < window) else {
+                    break false;
+                };
+                match place(waiter) {
+                    Placement::Wait => break false,
+                    Placement::HoldingOut => {
+                        waiter.holding_since_ms.get_or_insert(now_ms);
+                        at += 1;
+                    }
+                    outcome => {
+                        class.remove(at);
+                        if outcome == Placement::Placed {
+                            placed += 1;
+                        }
+                        if class.is_empty() {
+                            break true;
+                        }
                     }
                 }
+            };
+            if !emptied {
+                break;
             }
         }
         placed
@@ -294,13 +376,14 @@ mod tests {
         WaitQueue::new(WaitPolicy {
             max_waiting,
             max_wait_ms,
+            window: 4,
         })
     }
 
     /// Dispatches with room for `room` requests; returns their items.
     fn dispatch(q: &mut WaitQueue<&'static str>, room: usize) -> Vec<&'static str> {
         let mut order = Vec::new();
-        q.dispatch(|w| {
+        q.dispatch(0, |w| {
             if order.len() < room {
                 order.push(w.item);
                 Placement::Placed
@@ -316,7 +399,7 @@ mod tests {
         let mut q = queue(8, 1000);
         for (id, item) in ["a", "b", "c", "d"].into_iter().enumerate() {
             assert_eq!(
-                q.admit(id as u32, Priority::Standard, id as u64, item),
+                q.admit(id as u32, Priority::Standard, id as u64, false, item),
                 Admission::Queued
             );
         }
@@ -331,11 +414,11 @@ mod tests {
     #[test]
     fn higher_classes_go_first_and_fifo_holds_inside_a_class() {
         let mut q = queue(8, 1000);
-        q.admit(1, Priority::Sheddable, 0, "shed-1");
-        q.admit(2, Priority::Standard, 1, "std-2");
-        q.admit(3, Priority::Critical, 2, "crit-3");
-        q.admit(4, Priority::Standard, 3, "std-4");
-        q.admit(5, Priority::Critical, 4, "crit-5");
+        q.admit(1, Priority::Sheddable, 0, false, "shed-1");
+        q.admit(2, Priority::Standard, 1, false, "std-2");
+        q.admit(3, Priority::Critical, 2, false, "crit-3");
+        q.admit(4, Priority::Standard, 3, false, "std-4");
+        q.admit(5, Priority::Critical, 4, false, "crit-5");
         assert_eq!(
             dispatch(&mut q, 10),
             vec!["crit-3", "crit-5", "std-2", "std-4", "shed-1"]
@@ -345,9 +428,9 @@ mod tests {
     #[test]
     fn gone_entries_leave_without_counting_and_do_not_stop_the_round() {
         let mut q = queue(8, 1000);
-        q.admit(1, Priority::Standard, 0, "gone");
-        q.admit(2, Priority::Standard, 1, "live");
-        let placed = q.dispatch(|w| {
+        q.admit(1, Priority::Standard, 0, false, "gone");
+        q.admit(2, Priority::Standard, 1, false, "live");
+        let placed = q.dispatch(0, |w| {
             if w.item == "gone" {
                 Placement::Gone
             } else {
@@ -360,30 +443,30 @@ mod tests {
     #[test]
     fn a_full_queue_refuses_its_own_class_and_displaces_the_newest_lower_entry() {
         let mut q = queue(3, 1000);
-        q.admit(1, Priority::Sheddable, 0, "shed-old");
-        q.admit(2, Priority::Sheddable, 1, "shed-new");
-        q.admit(3, Priority::Standard, 2, "std");
+        q.admit(1, Priority::Sheddable, 0, false, "shed-old");
+        q.admit(2, Priority::Sheddable, 1, false, "shed-new");
+        q.admit(3, Priority::Standard, 2, false, "std");
         // Full: a sheddable arrival has nothing below it.
         assert_eq!(
-            q.admit(4, Priority::Sheddable, 3, "shed-late"),
+            q.admit(4, Priority::Sheddable, 3, false, "shed-late"),
             Admission::Refused("shed-late")
         );
         // A standard arrival displaces the newest sheddable entry.
-        match q.admit(5, Priority::Standard, 4, "std-2") {
+        match q.admit(5, Priority::Standard, 4, false, "std-2") {
             Admission::Displaced(victim) => assert_eq!((victim.id, victim.item), (2, "shed-new")),
             other => panic!("{other:?}"),
         }
         // A critical arrival displaces the last sheddable one, then standard.
         assert!(matches!(
-            q.admit(6, Priority::Critical, 5, "crit"),
+            q.admit(6, Priority::Critical, 5, false, "crit"),
             Admission::Displaced(Waiter { id: 1, .. })
         ));
         assert!(matches!(
-            q.admit(7, Priority::Critical, 6, "crit-2"),
+            q.admit(7, Priority::Critical, 6, false, "crit-2"),
             Admission::Displaced(Waiter { id: 5, .. })
         ));
         assert_eq!(
-            q.admit(8, Priority::Standard, 7, "std-3"),
+            q.admit(8, Priority::Standard, 7, false, "std-3"),
             Admission::Refused("std-3")
         );
         assert_eq!(q.len(), 3);
@@ -393,9 +476,9 @@ mod tests {
     #[test]
     fn entries_expire_at_max_wait_in_every_class() {
         let mut q = queue(8, 100);
-        q.admit(1, Priority::Standard, 0, "std-0");
-        q.admit(2, Priority::Sheddable, 10, "shed-10");
-        q.admit(3, Priority::Standard, 50, "std-50");
+        q.admit(1, Priority::Standard, 0, false, "std-0");
+        q.admit(2, Priority::Sheddable, 10, false, "shed-10");
+        q.admit(3, Priority::Standard, 50, false, "std-50");
         assert!(q.expire(99).is_empty());
         let expired: Vec<_> = q.expire(110).into_iter().map(|w| w.item).collect();
         assert_eq!(expired, vec!["std-0", "shed-10"]);
@@ -409,12 +492,144 @@ mod tests {
     #[test]
     fn removal_frees_the_place() {
         let mut q = queue(2, 1000);
-        q.admit(1, Priority::Standard, 0, "a");
-        q.admit(2, Priority::Critical, 0, "b");
+        q.admit(1, Priority::Standard, 0, false, "a");
+        q.admit(2, Priority::Critical, 0, false, "b");
         assert_eq!(q.remove(1).map(|w| w.item), Some("a"));
         assert_eq!(q.remove(1), None);
-        assert_eq!(q.admit(3, Priority::Standard, 1, "c"), Admission::Queued);
+        assert_eq!(
+            q.admit(3, Priority::Standard, 1, false, "c"),
+            Admission::Queued
+        );
         assert_eq!(dispatch(&mut q, 10), vec!["b", "c"]);
+    }
+
+    /// A round where pod `free` has room for `room` requests and each
+    /// item names the pod it wants ("a:1" wants pod a): the others hold
+    /// out. Returns the items placed, in order.
+    fn affine_round(
+        q: &mut WaitQueue<&'static str>,
+        now_ms: u64,
+        free: &str,
+        room: usize,
+    ) -> Vec<&'static str> {
+        let mut placed = Vec::new();
+        q.dispatch(now_ms, |w| {
+            if placed.len() == room {
+                Placement::Wait
+            } else if w.item.starts_with(free) {
+                placed.push(w.item);
+                Placement::Placed
+            } else {
+                Placement::HoldingOut
+            }
+        });
+        placed
+    }
+
+    #[test]
+    fn a_freed_pod_takes_the_oldest_entry_in_the_window_that_wants_it() {
+        let mut q = queue(16, 60_000);
+        for (id, item) in ["a:1", "b:2", "a:3", "b:4", "b:5", "b:6"]
+            .into_iter()
+            .enumerate()
+        {
+            q.admit(id as u32, Priority::Standard, id as u64, false, item);
+        }
+        // Pod b frees two places: the first two entries wanting b, not the
+        // head (which holds out for a).
+        assert_eq!(affine_round(&mut q, 100, "b", 2), vec!["b:2", "b:4"]);
+        // Only the window (4 entries: a:1 a:3 b:5 b:6) is offered.
+        assert_eq!(affine_round(&mut q, 200, "c", 9), Vec::<&str>::new());
+        // The entries that declined a pod count their hold-out from the
+        // first decline; the others have not started.
+        let held: Vec<(&str, u64)> = q
+            .standard
+            .iter()
+            .map(|w| (w.item, w.holding_ms(300)))
+            .collect();
+        assert_eq!(
+            held,
+            vec![("a:1", 200), ("a:3", 200), ("b:5", 100), ("b:6", 100)]
+        );
+        // Order is kept for what remains.
+        assert_eq!(affine_round(&mut q, 300, "a", 9), vec!["a:1", "a:3"]);
+        assert_eq!(dispatch(&mut q, 9), vec!["b:5", "b:6"]);
+    }
+
+    #[test]
+    fn the_window_bounds_what_a_round_offers() {
+        let mut q = queue(16, 60_000);
+        for (id, item) in ["a:1", "a:2", "a:3", "a:4", "b:5"].into_iter().enumerate() {
+            q.admit(id as u32, Priority::Standard, id as u64, false, item);
+        }
+        let mut offered = 0;
+        q.dispatch(0, |_| {
+            offered += 1;
+            Placement::HoldingOut
+        });
+        assert_eq!(offered, 4);
+        // b:5 is past the window: pod b's room goes unused until one of the
+        // first four leaves.
+        assert_eq!(affine_round(&mut q, 10, "b", 1), Vec::<&str>::new());
+        assert_eq!(affine_round(&mut q, 20, "a", 1), vec!["a:1"]);
+        assert_eq!(affine_round(&mut q, 30, "b", 1), vec!["b:5"]);
+    }
+
+    #[test]
+    fn no_pod_ends_the_round_even_after_entries_held_out() {
+        let mut q = queue(16, 60_000);
+        for (id, item) in ["a:1", "b:2", "b:3"].into_iter().enumerate() {
+            q.admit(id as u32, Priority::Standard, id as u64, false, item);
+        }
+        let mut offered = Vec::new();
+        q.dispatch(0, |w| {
+            offered.push(w.item);
+            if w.item == "a:1" {
+                Placement::HoldingOut
+            } else {
+                Placement::Wait
+            }
+        });
+        assert_eq!(offered, vec!["a:1", "b:2"]);
+        assert_eq!(q.len(), 3);
+    }
+
+    #[test]
+    fn classes_stay_strict_while_a_higher_class_holds_out() {
+        let mut q = queue(16, 60_000);
+        q.admit(1, Priority::Critical, 0, false, "a:crit");
+        q.admit(2, Priority::Standard, 1, false, "b:std");
+        // Pod b has room, the critical entry wants a: the standard entry
+        // that wants b is not offered it.
+        assert_eq!(affine_round(&mut q, 10, "b", 5), Vec::<&str>::new());
+        assert_eq!(affine_round(&mut q, 20, "a", 5), vec!["a:crit"]);
+        assert_eq!(affine_round(&mut q, 30, "b", 5), vec!["b:std"]);
+    }
+
+    #[test]
+    fn arrivals_are_routed_only_where_a_round_would_reach_them() {
+        let mut q = queue(16, 60_000);
+        assert!(!q.must_queue(Priority::Standard));
+        for id in 0..3 {
+            q.admit(id, Priority::Standard, 0, false, "a");
+        }
+        // Three standard entries, window 4: a standard arrival is in reach,
+        // a critical one goes first anyway, a sheddable one waits.
+        assert!(!q.must_queue(Priority::Standard));
+        assert!(!q.must_queue(Priority::Critical));
+        assert!(q.must_queue(Priority::Sheddable));
+        q.admit(3, Priority::Standard, 0, false, "a");
+        assert!(q.must_queue(Priority::Standard));
+        assert!(!q.must_queue(Priority::Critical));
+    }
+
+    #[test]
+    fn an_arrival_that_declined_a_pod_holds_out_from_its_arrival() {
+        let mut q = queue(16, 60_000);
+        q.admit(1, Priority::Standard, 1000, true, "a");
+        q.admit(2, Priority::Standard, 1000, false, "b");
+        let held: Vec<u64> = q.standard.iter().map(|w| w.holding_ms(1500)).collect();
+        assert_eq!(held, vec![500, 0]);
     }
 
     #[test]

@@ -15,6 +15,13 @@
 //!    `onNoEligiblePod` hands the request back to wait in the gateway
 //!    ([`Outcome::NoEligiblePod`], the default), answers 503 with
 //!    `retry-after`, or uses `fallbackPod`.
+//! 6. Under `"wait"`, a request whose chosen pod caches fewer of its blocks
+//!    than a pod excluded at `maxQueue` is handed back too, *holding out*
+//!    for that pod ([`HoldOut`]), for at most `affinityWaitMs` × the share
+//!    of its blocks it would save ([`Router::hold_bound_ms`]) in all; the
+//!    wait queue then offers the room to the next waiting request
+//!    ([`crate::queueing`]). A request leaving the wait queue
+//!    ([`Attempt::Waiting`]) is scored without the balance guard.
 //!
 //! A snapshot the service stopped refreshing ([`Staleness`]) is not
 //! trusted for cache: the request is routed by load, with each pod's health
@@ -24,7 +31,7 @@ use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::BlockHasher;
 use crate::index::{PrefixLookup, PrefixMatch};
 use crate::request::parse_request;
-use crate::scoring::{Candidate, Decision, ScoringPolicy};
+use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
 use crate::snapshot::PodTable;
 use crate::staleness::Staleness;
 
@@ -118,12 +125,47 @@ pub enum Outcome {
     NoEligiblePod(Box<NoEligiblePod>),
 }
 
+/// Whether a request is routed as it arrives or again from the wait queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt {
+    Arrival,
+    /// Leaving the wait queue ([`crate::queueing`]) after holding out for
+    /// a full pod for `holding_ms` (0 if it never did).
+    Waiting {
+        holding_ms: u64,
+    },
+}
+
+impl Attempt {
+    fn holding_ms(self) -> u64 {
+        match self {
+            Attempt::Arrival => 0,
+            Attempt::Waiting { holding_ms } => holding_ms,
+        }
+    }
+}
+
 /// A request no pod can take now, ready to be routed again.
 #[derive(Debug, Clone)]
 pub struct NoEligiblePod {
     pub request: RoutingRequest,
     /// The answer if it cannot wait (queue full, deadline).
     pub rejected: Rejected,
+    /// `Some` when a pod could take it but it holds out for a full pod
+    /// that caches more of its prefix (`affinityWaitMs`); `None` when every
+    /// pod is excluded.
+    pub holding_out: Option<HoldOut>,
+}
+
+/// Why a request that could be routed waits instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HoldOut {
+    /// The full pod caching the most of its prefix.
+    pub pod_id: String,
+    /// Blocks of the prompt cached there.
+    pub held_blocks: u32,
+    /// Blocks cached on the pod the router would send it to now.
+    pub offered_blocks: u32,
 }
 
 /// See the module documentation.
@@ -210,23 +252,46 @@ impl Router {
         tie_breaker: u64,
     ) -> Outcome {
         match self.prepare(body, chat) {
-            Ok(request) => self.route_prepared(request, view, tie_breaker),
+            Ok(request) => self.route_prepared(request, view, tie_breaker, Attempt::Arrival),
             Err(rejected) => Outcome::Rejected(rejected),
         }
     }
 
     /// Decides where an already prepared request goes (the replay
     /// simulator hashes each trace request once and routes it many times).
+    /// It may hold out for a full pod that caches more of its prefix
+    /// ([`Outcome::NoEligiblePod`] with a [`HoldOut`]; see
+    /// [`crate::queueing`]), for at most [`Router::hold_bound_ms`] over
+    /// every `attempt`.
     pub fn route_prepared(
         &self,
         request: RoutingRequest,
         view: &ClusterView<'_>,
         tie_breaker: u64,
+        attempt: Attempt,
     ) -> Outcome {
-        let chain = request.chain;
-        // Kept for a request that waits: it is routed again later.
-        let request_degraded = request.degraded.clone();
-        let mut degraded = request.degraded;
+        let RoutingRequest {
+            model,
+            adapter,
+            chain,
+            tokens_per_block,
+            degraded: request_degraded,
+        } = request;
+        // A request that waits is routed again later, as it came.
+        let waiting = |chain: Vec<u64>, rejected: Rejected, holding_out: Option<HoldOut>| {
+            Outcome::NoEligiblePod(Box::new(NoEligiblePod {
+                request: RoutingRequest {
+                    model: model.clone(),
+                    adapter: adapter.clone(),
+                    chain,
+                    tokens_per_block,
+                    degraded: request_degraded.clone(),
+                },
+                rejected,
+                holding_out,
+            }))
+        };
+        let mut degraded = request_degraded.clone();
         let snapshot_age_ms = view.now_ms.saturating_sub(view.table.published_at_ms);
         let stale_snapshot = snapshot_age_ms > self.staleness.snapshot_stale_after_ms();
         if stale_snapshot {
@@ -241,7 +306,6 @@ impl Router {
         } else {
             view.index.lookup(&chain)
         };
-        let adapter = request.adapter;
         let candidates: Vec<Candidate<'_>> = view
             .table
             .pods
@@ -273,9 +337,14 @@ impl Router {
                 }
             })
             .collect();
-        let decision = self
-            .policy
-            .decide(&candidates, adapter.is_some(), tie_breaker);
+        // A request leaving the wait queue goes to a pod only once that
+        // pod has drained below `maxQueue`, one request per freed place:
+        // the queue balances the pods already, and the guard would only
+        // trade its cache hit for a miss on another pod that has room.
+        let balance_guard = attempt == Attempt::Arrival;
+        let decision =
+            self.policy
+                .decide(&candidates, adapter.is_some(), tie_breaker, balance_guard);
         let (pod, fallback) = match decision.chosen {
             Some(index) => (index, false),
             None => match self.fallback_index(view.table) {
@@ -285,16 +354,7 @@ impl Router {
                     if self.config.on_no_eligible_pod != NoPodPolicy::Wait {
                         return Outcome::Rejected(rejected);
                     }
-                    return Outcome::NoEligiblePod(Box::new(NoEligiblePod {
-                        request: RoutingRequest {
-                            model: request.model,
-                            adapter,
-                            chain,
-                            tokens_per_block: request.tokens_per_block,
-                            degraded: request_degraded,
-                        },
-                        rejected,
-                    }));
+                    return waiting(chain, rejected, None);
                 }
             },
         };
@@ -309,13 +369,22 @@ impl Router {
             });
         };
         let matched_blocks = matches.blocks(chosen.slot);
+        if !fallback {
+            let hold = self.hold_out(&decision, &candidates, &matches, matched_blocks);
+            if let Some(hold) =
+                hold.filter(|h| attempt.holding_ms() < self.hold_bound_ms(h, &chain))
+            {
+                let rejected = self.holding_out_rejection(&hold, chain.len());
+                return waiting(chain, rejected, Some(hold));
+            }
+        }
         let composite = decision.winner().map_or(0.0, |w| w.composite);
         Outcome::Routed(Box::new(Routed {
             pod,
             slot: chosen.slot,
             pod_id: chosen.id.clone(),
             address: chosen.address.clone(),
-            model: request.model,
+            model,
             adapter_load_triggered: adapter
                 .as_ref()
                 .is_some_and(|a| !chosen.adapters.contains(a)),
@@ -324,12 +393,80 @@ impl Router {
             chain,
             matched_blocks,
             composite,
-            predicted_cached_tokens: u64::from(matched_blocks) * request.tokens_per_block,
+            predicted_cached_tokens: u64::from(matched_blocks) * tokens_per_block,
             degraded,
             fallback,
             stale_snapshot,
             decision,
         }))
+    }
+
+    /// The full pod a request routed to a pod caching `offered_blocks` of
+    /// it should hold out for: the one excluded at `maxQueue` caching the
+    /// most blocks, if more than offered. Only a full pod: room there
+    /// comes back as its queue drains, while a pod the router passed over
+    /// with room (the balance guard, a lower composite) or for its health
+    /// was passed over on purpose.
+    fn hold_out(
+        &self,
+        decision: &Decision,
+        candidates: &[Candidate<'_>],
+        matches: &PrefixMatch,
+        offered_blocks: u32,
+    ) -> Option<HoldOut> {
+        if self.config.on_no_eligible_pod != NoPodPolicy::Wait {
+            return None;
+        }
+        let (held_blocks, pod_id) = decision
+            .excluded
+            .iter()
+            .filter(|(_, why)| matches!(why, Exclusion::QueueFull { .. }))
+            .filter_map(|(i, _)| candidates.get(*i))
+            .map(|c| (matches.blocks(c.slot), c.id))
+            .max_by_key(|(blocks, _)| *blocks)?;
+        (held_blocks > offered_blocks).then(|| HoldOut {
+            pod_id: pod_id.to_string(),
+            held_blocks,
+            offered_blocks,
+        })
+    }
+
+    /// How long a request may hold out in all for `hold`:
+    /// `affinityWaitMs` × the share of its `chain` cached on the full pod
+    /// and not on the pod with room — the wait worth the prefill it saves,
+    /// `affinityWaitMs` being the wait worth a whole prompt's.
+    pub fn hold_bound_ms(&self, hold: &HoldOut, chain: &[u64]) -> u64 {
+        let saved = u64::from(hold.held_blocks.saturating_sub(hold.offered_blocks));
+        let blocks = (chain.len() as u64).max(1);
+        self.config.affinity_wait_bound_ms().saturating_mul(saved) / blocks
+    }
+
+    /// The 503 of a request holding out, if it cannot wait any longer.
+    fn holding_out_rejection(&self, hold: &HoldOut, blocks: usize) -> Rejected {
+        Rejected {
+            status: 503,
+            kind: "ServiceUnavailableError",
+            message: format!(
+                "waiting for pod {}, which caches {} of the prompt's {blocks} blocks (the pods with room cache {})",
+                hold.pod_id, hold.held_blocks, hold.offered_blocks
+            ),
+            retry_after: Some(self.config.retry_after_seconds),
+        }
+    }
+
+    /// A request that waits behind `ahead` earlier ones without being
+    /// routed ([`crate::queueing::WaitQueue::must_queue`]).
+    pub fn queued_behind(&self, request: RoutingRequest, ahead: usize) -> NoEligiblePod {
+        NoEligiblePod {
+            request,
+            rejected: Rejected {
+                status: 503,
+                kind: "ServiceUnavailableError",
+                message: format!("{ahead} earlier requests are waiting for an inference pod"),
+                retry_after: Some(self.config.retry_after_seconds),
+            },
+            holding_out: None,
+        }
     }
 
     /// The 503 for a request no pod can take, naming every exclusion.
@@ -518,7 +655,7 @@ mod tests {
                 assert_eq!(waiting.request.chain, chain);
                 assert_eq!(waiting.request.degraded, None);
                 assert!(matches!(
-                    router.route_prepared(waiting.request, &view(1500), 2),
+                    router.route_prepared(waiting.request, &view(1500), 2, Attempt::Arrival),
                     Outcome::Routed(_)
                 ));
             }
@@ -530,6 +667,134 @@ mod tests {
             Outcome::Rejected(rejected) => assert_eq!(rejected.status, 503),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A router over pods `a` and `b` with `a` reporting `queue_a` waiting
+    /// requests and holding the first `held` blocks of a 10-block prompt;
+    /// `route` routes that prompt with `inflight` and `attempt`.
+    struct HoldOutCase {
+        router: Router,
+        table: PodTable,
+        tree: PrefixTree,
+        request: RoutingRequest,
+    }
+
+    impl HoldOutCase {
+        fn new(config: Config, queue_a: u32, held: usize) -> HoldOutCase {
+            let router = Router::new(config.clone());
+            let prompt = "y".repeat(10 * 64);
+            let body = format!(r#"{{"model": "m", "prompt": "{prompt}"}}"#);
+            let request = router.prepare(body.as_bytes(), false).unwrap();
+            assert_eq!(request.chain.len(), 10);
+            let mut cluster = ClusterState::new(&config, 0);
+            let held_chain = &request.chain[..held];
+            cluster
+                .apply_report("a", &report("a", queue_a, held_chain), 1000, 0)
+                .0
+                .unwrap();
+            cluster
+                .apply_report("b", &report("b", 0, &[]), 1000, 0)
+                .0
+                .unwrap();
+            let mut tree = PrefixTree::new(1000);
+            tree.insert_chain(0, None, held_chain);
+            HoldOutCase {
+                router,
+                table: cluster.publish(1000).table,
+                tree,
+                request,
+            }
+        }
+
+        fn route(&self, inflight: [u32; 2], attempt: Attempt) -> Outcome {
+            let view = ClusterView {
+                table: &self.table,
+                index: &self.tree,
+                inflight: &inflight,
+                now_ms: 1000,
+            };
+            self.router
+                .route_prepared(self.request.clone(), &view, 1, attempt)
+        }
+    }
+
+    fn routed_to(outcome: Outcome) -> String {
+        match outcome {
+            Outcome::Routed(routed) => routed.pod_id,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn held_out(outcome: Outcome) -> HoldOut {
+        match outcome {
+            Outcome::NoEligiblePod(waiting) => waiting.holding_out.unwrap(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_request_holds_out_for_the_full_pod_caching_its_prefix_for_a_bounded_time() {
+        // `a` caches the whole prompt but is at maxQueue; `b` has room.
+        let case = HoldOutCase::new(config(), 20, 10);
+        let hold = held_out(case.route([0, 0], Attempt::Arrival));
+        assert_eq!(
+            hold,
+            HoldOut {
+                pod_id: "a".into(),
+                held_blocks: 10,
+                offered_blocks: 0
+            }
+        );
+        // The whole prompt to gain: two thirds of maxWaitMs (20 s).
+        assert_eq!(
+            case.router.hold_bound_ms(&hold, &case.request.chain),
+            20_000
+        );
+        let waiting = |holding_ms| Attempt::Waiting { holding_ms };
+        held_out(case.route([0, 0], waiting(19_999)));
+        assert_eq!(routed_to(case.route([0, 0], waiting(20_000))), "b");
+
+        // Less to gain, less patience: 4 of 10 blocks, 8 s.
+        let partial = HoldOutCase::new(config(), 20, 4);
+        let hold = held_out(partial.route([0, 0], Attempt::Arrival));
+        assert_eq!(
+            partial.router.hold_bound_ms(&hold, &partial.request.chain),
+            8_000
+        );
+        assert_eq!(routed_to(partial.route([0, 0], waiting(8_000))), "b");
+
+        // Never when the cache pod has room (it is chosen), with
+        // affinityWaitMs 0, or without gateway waiting.
+        assert_eq!(
+            routed_to(HoldOutCase::new(config(), 0, 10).route([0, 0], Attempt::Arrival)),
+            "a"
+        );
+        let never = Config {
+            affinity_wait_ms: Some(0),
+            ..config()
+        };
+        assert_eq!(
+            routed_to(HoldOutCase::new(never, 20, 10).route([0, 0], Attempt::Arrival)),
+            "b"
+        );
+        let reject = Config {
+            on_no_eligible_pod: NoPodPolicy::Reject,
+            ..config()
+        };
+        assert_eq!(
+            routed_to(HoldOutCase::new(reject, 20, 10).route([0, 0], Attempt::Arrival)),
+            "b"
+        );
+    }
+
+    #[test]
+    fn the_balance_guard_spares_requests_leaving_the_wait_queue() {
+        // `a` caches the prompt and has room, but runs 10 requests more
+        // than `b`: an arrival goes to `b`, a waiting request to `a`.
+        let case = HoldOutCase::new(config(), 0, 10);
+        assert_eq!(routed_to(case.route([10, 0], Attempt::Arrival)), "b");
+        let waiting = Attempt::Waiting { holding_ms: 0 };
+        assert_eq!(routed_to(case.route([10, 0], waiting)), "a");
     }
 
     #[test]

@@ -81,6 +81,10 @@ fn defaults() {
         (config.max_waiting_requests, config.max_wait_ms),
         (256, 30_000)
     );
+    assert_eq!(
+        (config.affinity_wait_bound_ms(), config.affinity_window),
+        (20_000, 32)
+    );
     assert_eq!(config.fallback_pod, None);
     assert_eq!(config.retry_after_seconds, 1);
     assert!(!config.decision_headers);
@@ -371,6 +375,19 @@ fn waiting_in_the_gateway_is_bounded() {
         "maxWaitingRequests",
     );
     rejects(&with_pods(r#""maxWaitMs": 0"#), "maxWaitMs");
+    // Holding out defaults to two thirds of the deadline.
+    assert_eq!(config.affinity_wait_bound_ms(), 333);
+    let affine = parse(&with_pods(r#""affinityWaitMs": 0, "affinityWindow": 1"#)).unwrap();
+    assert_eq!(
+        (affine.affinity_wait_bound_ms(), affine.affinity_window),
+        (0, 1)
+    );
+    rejects(&with_pods(r#""affinityWindow": 0"#), "affinityWindow");
+    // Holding out must end before the deadline.
+    rejects(
+        &with_pods(r#""maxWaitMs": 20000, "affinityWaitMs": 20000"#),
+        "affinityWaitMs",
+    );
 }
 
 #[test]

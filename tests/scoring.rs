@@ -66,7 +66,7 @@ fn default_policy() -> ScoringPolicy {
 }
 
 fn decide(policy: &ScoringPolicy, pods: &[Pod], needs_adapter: bool) -> Decision {
-    policy.decide(&candidates(pods), needs_adapter, 0)
+    policy.decide(&candidates(pods), needs_adapter, 0, true)
 }
 
 /// The scored entry of candidate `index` (panics if it was excluded).
@@ -442,14 +442,14 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
         ..IDLE
     };
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&[a, b]), false, tie_breaker);
+        let d = policy.decide(&candidates(&[a, b]), false, tie_breaker, true);
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
         assert_eq!(
             d.chosen,
             Some(1),
             "tie → higher load score (tie breaker {tie_breaker})"
         );
-        let d = policy.decide(&candidates(&[b, a]), false, tie_breaker);
+        let d = policy.decide(&candidates(&[b, a]), false, tie_breaker, true);
         assert_eq!(d.chosen, Some(0), "order does not matter");
     }
     // 0.1·(1−1/20) + 0.05·1 = 0.145 = 0.1·1 + 0.05·0.9: same composite and
@@ -460,7 +460,7 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
         ..IDLE
     };
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&[c, d_pod]), false, tie_breaker);
+        let d = policy.decide(&candidates(&[c, d_pod]), false, tie_breaker, true);
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
         assert_eq!(
             d.chosen,
@@ -486,7 +486,7 @@ fn identical_pods_share_traffic_evenly_through_the_tie_breaker() {
         let rounds = 40 * n_pods as u64;
         let mut counts = vec![0u64; n_pods];
         for tie_breaker in 0..rounds {
-            let d = policy.decide(&cands, false, tie_breaker);
+            let d = policy.decide(&cands, false, tie_breaker, true);
             counts[d.chosen.expect("eligible")] += 1;
         }
         assert!(counts.iter().all(|&c| c == 40), "{n_pods} pods: {counts:?}");
@@ -496,7 +496,10 @@ fn identical_pods_share_traffic_evenly_through_the_tie_breaker() {
     let cands = candidates(&pods);
     let mut counts = [0u32; 3];
     for tie_breaker in 0..100 {
-        counts[policy.decide(&cands, false, tie_breaker).chosen.unwrap()] += 1;
+        counts[policy
+            .decide(&cands, false, tie_breaker, true)
+            .chosen
+            .unwrap()] += 1;
     }
     assert_eq!(counts, [50, 0, 50]);
 }
@@ -507,7 +510,7 @@ fn cold_start_goes_to_the_least_loaded_pod() {
     let loads = [0.7, 0.35, 0.9, 0.1, 0.5];
     let pods: Vec<Pod> = loads.iter().map(|&load| Pod { load, ..IDLE }).collect();
     for tie_breaker in 0..5 {
-        let d = policy.decide(&candidates(&pods), false, tie_breaker);
+        let d = policy.decide(&candidates(&pods), false, tie_breaker, true);
         assert_eq!(d.chosen, Some(3), "no cache anywhere: least loaded wins");
         let ci = factor_index(&policy, "cache");
         assert!(d.scored.iter().all(|s| s.factors[ci] == 0.0));
@@ -524,7 +527,7 @@ fn adapter_affinity() {
     };
     let pods = [IDLE, IDLE, with, IDLE];
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&pods), true, tie_breaker);
+        let d = policy.decide(&candidates(&pods), true, tie_breaker, true);
         assert_eq!(d.chosen, Some(2), "the pod with the adapter loaded wins");
         assert!(close(composite(&d, 2) - composite(&d, 0), 0.05));
         assert_eq!(scored(&d, 0).factors[ai], 0.0);
@@ -586,7 +589,7 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
 
     // Cheap pod 0.15 behind the best: within the window, cheaper → it wins.
     // cheap 0.5·0.85 + 0.1·1 = 0.525 > pricey 0.5·1.0 + 0.1·0 = 0.5.
-    let d = policy.decide(&cost_candidates(&config, 0.85, 1.0), false, 0);
+    let d = policy.decide(&cost_candidates(&config, 0.85, 1.0), false, 0, true);
     assert_eq!(scored(&d, 0).factors[cost], 1.0);
     assert_eq!(scored(&d, 1).factors[cost], 0.0);
     assert!(close(composite(&d, 0) - composite(&d, 1), 0.025), "{d:?}");
@@ -598,7 +601,7 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
 
     // Cheap pod 0.3 behind: outside the window it earns no cost score, and
     // the pricey pod, alone in the window, earns the full 0.1.
-    let d = policy.decide(&cost_candidates(&config, 0.7, 1.0), false, 0);
+    let d = policy.decide(&cost_candidates(&config, 0.7, 1.0), false, 0, true);
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(scored(&d, 1).factors[cost], 1.0);
     assert_eq!(
@@ -608,13 +611,13 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
     );
 
     // Both cold: both in the window, cheap wins on cost alone.
-    let d = policy.decide(&cost_candidates(&config, 0.0, 0.0), false, 0);
+    let d = policy.decide(&cost_candidates(&config, 0.0, 0.0), false, 0, true);
     assert_eq!(d.chosen, Some(0));
 
     // A pod without the attribute scores 0 on it.
     let mut no_attr = cost_candidates(&config, 0.9, 0.9);
     no_attr[0].attributes = &NO_ATTRIBUTES;
-    let d = policy.decide(&no_attr, false, 0);
+    let d = policy.decide(&no_attr, false, 0, true);
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(
         scored(&d, 1).factors[cost],
@@ -790,7 +793,7 @@ proptest! {
         let config = config_with(weights.clone(), max_queue);
         prop_assert!(config.validate().is_ok(), "normalised weights are valid: {:?}", config.validate());
         let policy = ScoringPolicy::from_config(&config);
-        let d = policy.decide(&candidates(&pods), needs_adapter, tie_breaker);
+        let d = policy.decide(&candidates(&pods), needs_adapter, tie_breaker, true);
         prop_assert_eq!(d.scored.len() + d.excluded.len(), pods.len());
         let w = [weights.cache, weights.load, weights.queue, weights.health, weights.adapter];
         for s in &d.scored {
@@ -828,7 +831,7 @@ proptest! {
             .collect();
         let at = position.index(pods.len() + 1);
         pods.insert(at, hot);
-        let d = default_policy().decide(&candidates(&pods), needs_adapter, tie_breaker);
+        let d = default_policy().decide(&candidates(&pods), needs_adapter, tie_breaker, true);
         prop_assert_eq!(d.chosen, Some(at), "{:?}", d);
     }
 
@@ -843,7 +846,7 @@ proptest! {
     ) {
         let policy = ScoringPolicy::from_config(&config_with(weights, 20));
         let i = which.index(pods.len());
-        let before = policy.decide(&candidates(&pods), needs_adapter, 0);
+        let before = policy.decide(&candidates(&pods), needs_adapter, 0, true);
         let mut better = pods.clone();
         let p = &mut better[i];
         match factor {
@@ -853,7 +856,7 @@ proptest! {
             3 => p.health += (1.0 - p.health) * amount,
             _ => p.adapter = true,
         }
-        let after = policy.decide(&candidates(&better), needs_adapter, 0);
+        let after = policy.decide(&candidates(&better), needs_adapter, 0, true);
         prop_assert!(
             composite(&after, i) + 1e-12 >= composite(&before, i),
             "factor {} raised on pod {}: {} → {}", factor, i, composite(&before, i), composite(&after, i)
@@ -926,10 +929,10 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
     };
     // The holder runs 6 more than the idle pod: affinity holds.
     let close = [pod(0, "holder", 0.9, 6), pod(1, "idle", 0.0, 0)];
-    assert_eq!(policy.decide(&close, false, 0).chosen, Some(0));
+    assert_eq!(policy.decide(&close, false, 0, true).chosen, Some(0));
     // 7 more (and above 1.3 × 0): the idle pod gets it and will cache it.
     let ahead = [pod(0, "holder", 0.9, 7), pod(1, "idle", 0.0, 0)];
-    let decision = policy.decide(&ahead, false, 0);
+    let decision = policy.decide(&ahead, false, 0, true);
     assert_eq!(decision.chosen, Some(1));
     assert_eq!(
         decision.scored[0].factors[0], 0.0,
@@ -937,5 +940,5 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
     );
     // At high load 8 more is within 30 % of 30: affinity holds.
     let busy = [pod(0, "holder", 0.9, 38), pod(1, "other", 0.0, 30)];
-    assert_eq!(policy.decide(&busy, false, 0).chosen, Some(0));
+    assert_eq!(policy.decide(&busy, false, 0, true).chosen, Some(0));
 }

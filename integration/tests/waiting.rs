@@ -82,8 +82,17 @@ fn spawn_with_priority(
     i: usize,
     priority: &'static str,
 ) -> JoinHandle<(http::Response, Duration)> {
+    spawn_body(cluster, format!("{tag}-{i}"), priority, body(i))
+}
+
+/// Sends `body` as request `id` on its own connection.
+fn spawn_body(
+    cluster: &Cluster,
+    id: String,
+    priority: &'static str,
+    body: String,
+) -> JoinHandle<(http::Response, Duration)> {
     let listen = cluster.envoy.listen.clone();
-    let id = format!("{tag}-{i}");
     std::thread::spawn(move || {
         let started = Instant::now();
         let response = http::request(
@@ -95,7 +104,7 @@ fn spawn_with_priority(
                 ("x-request-id", &id),
                 ("x-kvroute-priority", priority),
             ],
-            Some(body(i).as_bytes()),
+            Some(body.as_bytes()),
             Duration::from_secs(30),
         )
         .expect("an answer");
@@ -465,4 +474,151 @@ fn a_client_that_disconnects_while_waiting_frees_its_place() {
     }
     assert_eq!(waiting(&cluster), 0.0);
     assert_eq!(pod_requests(&cluster), 11);
+}
+
+/// One worker (one queue), two pods, `maxQueue` 4, `maxWaitMs` 20 s.
+fn affine_cluster(extra: Value) -> Cluster {
+    let mut plugin = config(json!({"maxQueue": 4, "maxWaitMs": 20000}));
+    if let (Some(plugin), Some(extra)) = (plugin.as_object_mut(), extra.as_object()) {
+        plugin.extend(extra.clone());
+    }
+    let mut spec = ClusterSpec::new(2, plugin);
+    spec.envoy_workers = 1;
+    Cluster::start(SIM.as_ref(), spec).expect("cluster starts")
+}
+
+/// A 40-block prompt (64-byte blocks) whose first 32 blocks are `seed`'s.
+fn prefixed_body(seed: &str, tail: &str) -> String {
+    let prompt = format!("{}{}", text(seed, 2048), text(tail, 512));
+    json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2}).to_string()
+}
+
+/// The pod (index in `cluster.sims`) that answered.
+fn answered_by(cluster: &Cluster, response: &http::Response) -> usize {
+    assert_eq!(response.status, 200, "{}", response.body);
+    let pod = response.header("x-kvroute-pod").unwrap_or_default();
+    cluster
+        .sims
+        .iter()
+        .position(|s| s.id == pod)
+        .unwrap_or_else(|| panic!("answered by unknown pod {pod:?}"))
+}
+
+/// Caches the `affine` prefix on one pod; returns (that pod, the other),
+/// then fills both (they report 10 waiting, `maxQueue` is 4).
+fn warm_then_fill(cluster: &Cluster) -> (usize, usize) {
+    let warm = spawn_body(
+        cluster,
+        "warm".into(),
+        "standard",
+        prefixed_body("affine", "warm"),
+    );
+    let (response, _) = warm.join().expect("client");
+    let holder = answered_by(cluster, &response);
+    for sim in &cluster.sims {
+        sim.fault(json!({"queueDepth": 10}));
+    }
+    cluster.wait_reports(3);
+    (holder, 1 - holder)
+}
+
+/// The `wait_end` event of request `id`.
+fn wait_end(cluster: &Cluster, id: &str) -> Value {
+    let log = cluster.envoy.log();
+    log.lines()
+        .filter(|l| l.contains("\"event\":\"wait_end\"") && l.contains(id))
+        .filter_map(|l| l.find('{').and_then(|at| l.get(at..)))
+        .filter_map(|json| serde_json::from_str::<Value>(json).ok())
+        .find(|fields| fields["requestId"] == id)
+        .unwrap_or_else(|| panic!("no wait_end for {id}"))
+}
+
+#[test]
+fn a_waiting_request_holds_out_for_the_pod_caching_its_prefix_while_another_takes_the_freed_pod() {
+    let cluster = affine_cluster(json!({}));
+    let (holder, other) = warm_then_fill(&cluster);
+    // Both wait: `affine` shares 32 of its 40 blocks with the holder's
+    // cache, `fresh` shares nothing with any pod.
+    let affine = spawn_body(
+        &cluster,
+        "affine".into(),
+        "standard",
+        prefixed_body("affine", "x"),
+    );
+    wait_until("1 waiting request", Duration::from_secs(5), || {
+        waiting(&cluster) == 1.0
+    });
+    let fresh = spawn_body(
+        &cluster,
+        "fresh".into(),
+        "standard",
+        prefixed_body("fresh", "y"),
+    );
+    wait_until("2 waiting requests", Duration::from_secs(5), || {
+        waiting(&cluster) == 2.0
+    });
+    let holder_before = cluster.sims[holder].requests();
+
+    // The other pod frees first: the fresh request, behind, takes it; the
+    // head holds out for the holder (for up to 32/40 × 13.3 s).
+    cluster.sims[other].fault(json!({"queueDepth": null}));
+    let (response, _) = fresh.join().expect("client");
+    assert_eq!(answered_by(&cluster, &response), other);
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!affine.is_finished(), "still holding out");
+    assert_eq!(waiting(&cluster), 1.0);
+    assert_eq!(cluster.sims[holder].requests(), holder_before);
+
+    // The holder frees: the request goes where its prefix is.
+    cluster.sims[holder].fault(json!({"queueDepth": null}));
+    let (response, _) = affine.join().expect("client");
+    assert_eq!(answered_by(&cluster, &response), holder);
+    let cached: u64 = response.json().expect("completion")["usage"]["prompt_tokens_details"]
+        ["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached > 0,
+        "served from the holder's cache: {}",
+        response.body
+    );
+    wait_until("an empty queue", Duration::from_secs(2), || {
+        waiting(&cluster) == 0.0
+    });
+    // Envoy flushes its log every 50 ms.
+    std::thread::sleep(Duration::from_millis(200));
+    let end = wait_end(&cluster, "affine");
+    assert_eq!(end["outcome"], "routed");
+    let held_ms = end["heldOutMs"].as_u64().unwrap_or(0);
+    assert!(
+        held_ms >= 1000,
+        "held out from the other pod's freeing: {end}"
+    );
+    assert_eq!(wait_end(&cluster, "fresh")["heldOutMs"], 0);
+}
+
+#[test]
+fn holding_out_ends_at_its_bound_and_the_request_takes_a_pod_with_room() {
+    // affinityWaitMs 1000: the 32 of 40 blocks to gain are worth 800 ms.
+    let cluster = affine_cluster(json!({"affinityWaitMs": 1000}));
+    let (_, other) = warm_then_fill(&cluster);
+    let affine = spawn_body(
+        &cluster,
+        "affine".into(),
+        "standard",
+        prefixed_body("affine", "x"),
+    );
+    wait_until("1 waiting request", Duration::from_secs(5), || {
+        waiting(&cluster) == 1.0
+    });
+    // Only the other pod ever frees.
+    cluster.sims[other].fault(json!({"queueDepth": null}));
+    let (response, took) = affine.join().expect("client");
+    assert_eq!(answered_by(&cluster, &response), other);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    let end = wait_end(&cluster, "affine");
+    assert_eq!(end["outcome"], "routed");
+    let held_ms = end["heldOutMs"].as_u64().unwrap_or(0);
+    assert!((800..1500).contains(&held_ms), "held out ~800 ms: {end}");
 }

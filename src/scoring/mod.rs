@@ -11,7 +11,8 @@
 //! Exclusions: `health < healthExclusionThreshold` (default 0.3) or
 //! `queue ≥ maxQueue` (default 20). Among the others, a pod far ahead in
 //! in-flight requests loses its cache match for the decision
-//! ([`balance`]). The highest composite wins; exact ties
+//! ([`balance`]; not for a request leaving the gateway's wait queue, see
+//! [`crate::router::Attempt`]). The highest composite wins; exact ties
 //! (within 1e-9) go to the higher load score, then the higher queue score,
 //! then rotate by a caller-supplied tie breaker so equal pods share traffic
 //! evenly. With no cache anywhere the cache term is 0 for all and the load
@@ -192,12 +193,14 @@ impl ScoringPolicy {
     }
 
     /// Scores `pods` and picks one. `tie_breaker` (any per-request varying
-    /// number, e.g. a counter) spreads exact ties evenly.
+    /// number, e.g. a counter) spreads exact ties evenly; `balance_guard`
+    /// applies [`balance`].
     pub fn decide(
         &self,
         pods: &[Candidate<'_>],
         needs_adapter: bool,
         tie_breaker: u64,
+        balance_guard: bool,
     ) -> Decision {
         let mut excluded = Vec::new();
         let mut eligible = Vec::with_capacity(pods.len());
@@ -216,7 +219,7 @@ impl ScoringPolicy {
             .iter_mut()
             .zip(balance::overloaded(&inflight, &self.balance))
         {
-            if overloaded {
+            if balance_guard && overloaded {
                 pod.cache_match = 0.0;
             }
         }

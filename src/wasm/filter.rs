@@ -34,8 +34,8 @@ use super::logging::event;
 use super::{load_config, metrics, shared};
 use crate::config::NoPodPolicy;
 use crate::index::{Merged, RecentDecisions};
-use crate::queueing::PRIORITY_HEADER;
-use crate::router::{ClusterView, Outcome, Rejected, Routed, Router, RoutingRequest};
+use crate::queueing::{Priority, PRIORITY_HEADER};
+use crate::router::{Attempt, ClusterView, Outcome, Rejected, Routed, Router, RoutingRequest};
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
 
@@ -293,8 +293,14 @@ impl RequestContext {
                 return self.reject(&internal_error("cannot return to the request context"));
             }
         }
+        let priority = host::header_text(HeaderMap::Request, PRIORITY_HEADER);
         let outcome = match worker.router.prepare(body, chat) {
-            Ok(request) => worker.decide(request, &self.request_id),
+            // Behind earlier requests a round did not reach: it waits its turn.
+            Ok(request) if worker.waiting.must_queue(Priority::from_header(&priority)) => {
+                let ahead = worker.waiting.len();
+                Outcome::NoEligiblePod(Box::new(worker.router.queued_behind(request, ahead)))
+            }
+            Ok(request) => worker.decide(request, &self.request_id, Attempt::Arrival),
             Err(rejected) => Outcome::Rejected(rejected),
         };
         let elapsed_us = started.elapsed().as_micros() as u64;
@@ -304,7 +310,6 @@ impl RequestContext {
                 self.reject(&rejected)
             }
             Outcome::NoEligiblePod(no_pod) => {
-                let priority = host::header_text(HeaderMap::Request, PRIORITY_HEADER);
                 match waiting::admit(
                     &mut worker,
                     self.context_id,
@@ -401,7 +406,7 @@ fn answer(request_id: &str, rejected: &Rejected) {
 impl Worker {
     /// Routes a prepared request with the current snapshot; a routed one
     /// is recorded as this worker's decision.
-    fn decide(&mut self, request: RoutingRequest, request_id: &str) -> Outcome {
+    fn decide(&mut self, request: RoutingRequest, request_id: &str, attempt: Attempt) -> Outcome {
         self.requests = self.requests.wrapping_add(1);
         let tie_breaker = self.requests;
         let Some(table) = self.tables.current() else {
@@ -425,7 +430,9 @@ impl Worker {
             inflight: &inflight,
             now_ms,
         };
-        let outcome = self.router.route_prepared(request, &view, tie_breaker);
+        let outcome = self
+            .router
+            .route_prepared(request, &view, tie_breaker, attempt);
         let Outcome::Routed(routed) = &outcome else {
             return outcome;
         };

@@ -53,7 +53,7 @@ use kvroute::config::{Config, IndexMode, PodConfig};
 use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
-use kvroute::router::{ClusterView, Outcome, Router, RoutingRequest};
+use kvroute::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
 use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
@@ -134,6 +134,10 @@ pub struct RequestOutcome {
     pub cached_tokens: u64,
     /// 503s the router answered before routing it.
     pub rejections: u32,
+    /// Arrival (first try) to being sent to its pod: gateway waiting and
+    /// 503 retries (0 for the cache-blind policies, which never hold a
+    /// request: their queueing is on the pods, inside TTFT).
+    pub wait_us: u64,
 }
 
 /// The numbers of one run.
@@ -151,6 +155,9 @@ pub struct Summary {
     pub pod_shares: Vec<f64>,
     /// 503s answered (each followed by a retry).
     pub rejections: u64,
+    /// [`RequestOutcome::wait_us`] percentiles.
+    pub wait_p50_ms: f64,
+    pub wait_p99_ms: f64,
 }
 
 impl Summary {
@@ -158,8 +165,13 @@ impl Summary {
         let n = outcomes.len();
         let prompt: u64 = outcomes.iter().map(|o| o.prompt_tokens).sum();
         let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
-        let mut ttft: Vec<u64> = outcomes.iter().map(|o| o.ttft_us).collect();
-        ttft.sort_unstable();
+        let sorted = |value: fn(&RequestOutcome) -> u64| {
+            let mut values: Vec<u64> = outcomes.iter().map(value).collect();
+            values.sort_unstable();
+            values
+        };
+        let ttft = sorted(|o| o.ttft_us);
+        let wait = sorted(|o| o.wait_us);
         let mut counts = vec![0usize; pods];
         for o in outcomes {
             counts[o.pod] += 1;
@@ -179,6 +191,8 @@ impl Summary {
             max_pod_share: pod_shares.iter().copied().fold(0.0, f64::max),
             pod_shares,
             rejections: outcomes.iter().map(|o| u64::from(o.rejections)).sum(),
+            wait_p50_ms: percentile(&wait, 0.50) as f64 / 1000.0,
+            wait_p99_ms: percentile(&wait, 0.99) as f64 / 1000.0,
         }
     }
 }
@@ -384,6 +398,7 @@ impl<'a> Simulation<'a> {
                 prompt_tokens: r.prompt_tokens,
                 cached_tokens: 0,
                 rejections: 0,
+                wait_us: 0,
             })
             .collect();
         let mut sim = Simulation {
@@ -542,15 +557,29 @@ impl<'a> Simulation<'a> {
     fn arrive(&mut self, index: usize, now: u64) {
         // Requests already waiting go first.
         self.dispatch_gateway(now);
-        if let Some(pod) = self.choose(index, now) {
-            self.send(index, pod, now);
-            return;
+        let behind = self
+            .gateway
+            .as_ref()
+            .is_some_and(|q| q.must_queue(Priority::Standard));
+        let mut holding_out = false;
+        if !behind {
+            match self.choose(index, now, Attempt::Arrival) {
+                Placement::Placed => return,
+                Placement::HoldingOut => holding_out = true,
+                Placement::Wait | Placement::Gone => {}
+            }
         }
         let Some(gateway) = &mut self.gateway else {
             self.reject(index, now);
             return;
         };
-        match gateway.admit(index as u32, Priority::Standard, now / 1000, index) {
+        match gateway.admit(
+            index as u32,
+            Priority::Standard,
+            now / 1000,
+            holding_out,
+            index,
+        ) {
             Admission::Queued => {}
             Admission::Displaced(victim) => self.reject(victim.item, now),
             Admission::Refused(index) => self.reject(index, now),
@@ -570,41 +599,47 @@ impl<'a> Simulation<'a> {
             return;
         };
         // The queue keeps time in milliseconds.
-        for waiter in gateway.expire(now / 1000) {
+        let now_ms = now / 1000;
+        for waiter in gateway.expire(now_ms) {
             self.reject(waiter.item, now);
         }
-        gateway.dispatch(|waiter| match self.choose(waiter.item, now) {
-            Some(pod) => {
-                self.send(waiter.item, pod, now);
-                Placement::Placed
-            }
-            None => Placement::Wait,
+        gateway.dispatch(now_ms, |waiter| {
+            let holding_ms = waiter.holding_ms(now_ms);
+            self.choose(waiter.item, now, Attempt::Waiting { holding_ms })
         });
         self.gateway = Some(gateway);
     }
 
-    /// The pod `policy` picks for request `index`; `None` is a 503.
-    fn choose(&mut self, index: usize, now: u64) -> Option<usize> {
+    /// Routes request `index` as `policy` does: [`Placement::Placed`] when
+    /// it was sent to a pod.
+    fn choose(&mut self, index: usize, now: u64, attempt: Attempt) -> Placement {
         let requests = self.requests;
         let request = &requests[index];
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
-        match &mut self.chooser {
-            Chooser::Kvroute(view) => view.choose(request, &inflight, now / 1000),
+        let pod = match &mut self.chooser {
+            Chooser::Kvroute(view) => match view.choose(request, &inflight, now / 1000, attempt) {
+                Ok(pod) => pod,
+                Err(placement) => return placement,
+            },
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
                 *next += 1;
-                Some(pod)
+                pod
             }
-            Chooser::LeastRequest => (0..n).min_by_key(|&p| (inflight[p], p)),
-            Chooser::Random(state) => Some((splitmix(state) % n as u64) as usize),
-            Chooser::RingHash(ring) => Some(ring_pick(ring, request.session_key)),
-        }
+            Chooser::LeastRequest => (0..n).min_by_key(|&p| (inflight[p], p)).unwrap_or(0),
+            Chooser::Random(state) => (splitmix(state) % n as u64) as usize,
+            Chooser::RingHash(ring) => ring_pick(ring, request.session_key),
+        };
+        self.send(index, pod, now);
+        Placement::Placed
     }
 
     /// Request `index` is sent to `pod` at `now`.
     fn send(&mut self, index: usize, pod: usize, now: u64) {
-        self.outcomes[index].pod = pod;
+        let outcome = &mut self.outcomes[index];
+        outcome.pod = pod;
+        outcome.wait_us = now - outcome.arrival_us;
         let state = &mut self.pods[pod];
         state.inflight += 1;
         if state.slots_used < self.spec.max_batch && state.waiting.is_empty() {
@@ -742,11 +777,19 @@ impl<'a> KvrouteView<'a> {
     }
 
     /// The filter's decision for `request` (the core's own
-    /// [`Router::route_prepared`] on the published view); `None` is a 503.
-    fn choose(&mut self, request: &Request, inflight: &[u32], now_ms: u64) -> Option<usize> {
+    /// [`Router::route_prepared`] on the published view): the pod, or why
+    /// it is not routed ([`Placement::Wait`]: no pod can take it, a 503
+    /// under `"reject"`).
+    fn choose(
+        &mut self,
+        request: &Request,
+        inflight: &[u32],
+        now_ms: u64,
+        attempt: Attempt,
+    ) -> Result<usize, Placement> {
         self.requests += 1;
         if self.table.pods.is_empty() {
-            return None; // nothing published yet
+            return Err(Placement::Wait); // nothing published yet
         }
         let prepared = if request.routable {
             RoutingRequest {
@@ -771,9 +814,15 @@ impl<'a> KvrouteView<'a> {
             // freezes, so its snapshot is never stale.
             now_ms: self.table.published_at_ms,
         };
-        let Outcome::Routed(routed) = self.router.route_prepared(prepared, &view, self.requests)
-        else {
-            return None;
+        let routed = match self
+            .router
+            .route_prepared(prepared, &view, self.requests, attempt)
+        {
+            Outcome::Routed(routed) => routed,
+            Outcome::NoEligiblePod(waiting) if waiting.holding_out.is_some() => {
+                return Err(Placement::HoldingOut)
+            }
+            Outcome::NoEligiblePod(_) | Outcome::Rejected(_) => return Err(Placement::Wait),
         };
         self.recent.record(routed.slot, &routed.chain);
         // As the service does on the decision queue: recorded and its
@@ -781,7 +830,7 @@ impl<'a> KvrouteView<'a> {
         self.cluster
             .record_decision(routed.slot, &routed.chain, now_ms);
         self.publish_buckets(now_ms);
-        Some(routed.slot)
+        Ok(routed.slot)
     }
 
     /// The service writes the buckets its pending decisions changed
@@ -876,7 +925,9 @@ mod tests {
                         Outcome::Rejected(_) | Outcome::NoEligiblePod(_) => None,
                     }
                 };
-                let chosen = view.choose(r, &inflight, i as u64 * 1000);
+                let chosen = view
+                    .choose(r, &inflight, i as u64 * 1000, Attempt::Arrival)
+                    .ok();
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);

@@ -7,7 +7,9 @@
 //! the figure the real-Envoy benchmark offers its loads against). At load
 //! `L` the trace's timestamps are divided so that it arrives at `L ×`
 //! capacity. Per load and policy: hit rate (and its share of the
-//! pooled-cache bound), TTFT p50/p90/p99, 503s answered and max pod share.
+//! pooled-cache bound), TTFT p50/p90/p99, 503s answered, the wait before
+//! a request is sent to a pod (gateway waiting and retries, p50/p99) and
+//! max pod share.
 //! A policy *sustains* a load while its TTFT p90 stays within the target
 //! (2 s at time scale 1, scaled with `--time-scale`); the highest load each
 //! sustains is reported as a ratio to round robin's.
@@ -113,13 +115,13 @@ fn policies_of(points: &[LoadPoint]) -> Vec<Policy> {
 /// loads.
 pub fn markdown(points: &[LoadPoint], pooled_bound: f64, target_ms: f64) -> String {
     let mut out = String::from(
-        "| load | policy | hit rate | % of pooled bound | TTFT p50 | TTFT p90 | TTFT p99 | 503s | max pod share |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| load | policy | hit rate | % of pooled bound | TTFT p50 | TTFT p90 | TTFT p99 | 503s | wait p50 | wait p99 | max pod share |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             out,
-            "| {:.2}× | {} | {:.1} % | {:.0} % | {} | {} | {} | {} | {:.1} % |",
+            "| {:.2}× | {} | {:.1} % | {:.0} % | {} | {} | {} | {} | {} | {} | {:.1} % |",
             p.load,
             p.policy.name(),
             s.hit_rate * 100.0,
@@ -128,6 +130,8 @@ pub fn markdown(points: &[LoadPoint], pooled_bound: f64, target_ms: f64) -> Stri
             millis(s.ttft_p90_ms),
             millis(s.ttft_p99_ms),
             s.rejections,
+            millis(s.wait_p50_ms),
+            millis(s.wait_p99_ms),
             s.max_pod_share * 100.0
         );
     }
@@ -168,7 +172,8 @@ pub fn json(points: &[LoadPoint], pooled_bound: f64, target_ms: f64) -> Value {
             json!({"load": p.load, "speedup": p.speedup, "policy": p.policy.name(),
                    "hitRate": s.hit_rate, "ofPooledBound": s.hit_rate / pooled_bound.max(1e-9),
                    "ttftP50Ms": s.ttft_p50_ms, "ttftP90Ms": s.ttft_p90_ms, "ttftP99Ms": s.ttft_p99_ms,
-                   "rejections": s.rejections, "maxPodShare": s.max_pod_share})
+                   "rejections": s.rejections, "waitP50Ms": s.wait_p50_ms, "waitP99Ms": s.wait_p99_ms,
+                   "maxPodShare": s.max_pod_share})
         })
         .collect();
     let sustained: serde_json::Map<String, Value> = policies_of(points)

@@ -606,6 +606,8 @@ fn summary_json(m: &Summary) -> Value {
         "maxPodShare": m.max_pod_share,
         "podShares": m.pod_shares,
         "rejections": m.rejections,
+        "waitP50Ms": m.wait_p50_ms,
+        "waitP99Ms": m.wait_p99_ms,
     })
 }
 
@@ -677,19 +679,21 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
         pretty(&router_config_json(&report.config)),
     )?;
     for run in &report.runs {
-        let mut csv =
-            String::from("line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections\n");
+        let mut csv = String::from(
+            "line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms\n",
+        );
         for o in &run.outcomes {
             let _ = writeln!(
                 csv,
-                "{},{},{:.3},{:.3},{},{},{}",
+                "{},{},{:.3},{:.3},{},{},{},{:.3}",
                 o.line,
                 o.pod,
                 o.arrival_us as f64 / 1000.0,
                 o.ttft_us as f64 / 1000.0,
                 o.prompt_tokens,
                 o.cached_tokens,
-                o.rejections
+                o.rejections,
+                o.wait_us as f64 / 1000.0
             );
         }
         std::fs::write(dir.join(format!("requests-{}.csv", run.policy.name())), csv)?;

@@ -8,7 +8,11 @@
 //! - **routed**, when a dispatch round places it: on the root tick (every
 //!   [`TICK_MS`]), when a routed request of this worker ends (`on_log`),
 //!   and before a new request of this worker is routed (so it cannot
-//!   overtake); routed with the snapshot of that moment;
+//!   overtake); routed with the snapshot of that moment. A round offers
+//!   room to the first `affinityWindow` requests of the head class; one
+//!   holding out for the pod that caches its prefix stays (policy in
+//!   [`crate::queueing`]), and an arrival behind the window waits its turn
+//!   without being routed;
 //! - **answered** 503 + `retry-after` when it waited `maxWaitMs`
 //!   (`deadline`, on the tick), or when the queue is full (`queue_full`:
 //!   the arrival, or a lower-priority entry it displaces);
@@ -61,7 +65,7 @@ use crate::config::Config;
 use crate::queueing::{
     Admission, Placement, Priority, WaitPolicy, WaitQueue, WaitRejection, Waiter,
 };
-use crate::router::{NoEligiblePod, Outcome, Rejected, RoutingRequest};
+use crate::router::{Attempt, NoEligiblePod, Outcome, Rejected, RoutingRequest};
 use crate::wasm::host;
 use crate::wasm::logging::event;
 use crate::wasm::metrics;
@@ -111,6 +115,16 @@ impl Waiting {
         self.queue.is_empty()
     }
 
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Whether an arrival of this class must wait behind the queue
+    /// without being routed ([`WaitQueue::must_queue`]).
+    pub fn must_queue(&self, priority: Priority) -> bool {
+        self.queue.must_queue(priority)
+    }
+
     /// The routing of request `context_id`, if the queue dispatched it.
     pub fn take_dispatched(&mut self, context_id: u32) -> Option<RoutedRequest> {
         self.dispatched.remove(&context_id)
@@ -151,7 +165,8 @@ fn log_end(waiter: &Waiter<WaitingRequest>, outcome: &str, now_ms: u64) {
     event(
         log::Level::Info,
         "wait_end",
-        json!({"requestId": waiter.item.request_id, "outcome": outcome, "waitedMs": waited_ms}),
+        json!({"requestId": waiter.item.request_id, "outcome": outcome, "waitedMs": waited_ms,
+               "heldOutMs": waiter.holding_ms(now_ms)}),
     );
 }
 
@@ -166,6 +181,7 @@ pub fn admit(
 ) -> Result<(), Rejected> {
     let now_ms = host::now_ms();
     let priority = Priority::from_header(priority_header);
+    let holding_out = no_pod.holding_out.map(|hold| hold.pod_id);
     let item = WaitingRequest {
         request: no_pod.request,
         request_id: request_id.to_string(),
@@ -173,7 +189,10 @@ pub fn admit(
     };
     let waiting = &mut worker.waiting;
     let policy = waiting.queue.policy();
-    let admitted = match waiting.queue.admit(context_id, priority, now_ms, item) {
+    let admission = waiting
+        .queue
+        .admit(context_id, priority, now_ms, holding_out.is_some(), item);
+    let admitted = match admission {
         Admission::Queued => Ok(()),
         Admission::Displaced(victim) => {
             count(WaitRejection::QueueFull);
@@ -194,7 +213,8 @@ pub fn admit(
         event(
             log::Level::Info,
             "wait",
-            json!({"requestId": request_id, "priority": priority.name(), "waiting": waiting.queue.len()}),
+            json!({"requestId": request_id, "priority": priority.name(), "waiting": waiting.queue.len(),
+                   "holdingOutFor": holding_out}),
         );
     }
     waiting.export_len();
@@ -219,8 +239,9 @@ pub fn leave(worker: &mut Worker, context_id: u32) {
     }
 }
 
-/// A dispatch round: routes the heads while a pod can take them. Leaves
-/// the last placed request's context effective.
+/// A dispatch round ([`WaitQueue::dispatch`]): routes waiting requests
+/// while a pod can take them. Leaves the last placed request's context
+/// effective.
 pub fn dispatch(worker: &mut Worker) {
     if worker.waiting.queue.is_empty() {
         return;
@@ -229,7 +250,7 @@ pub fn dispatch(worker: &mut Worker) {
     // the worker; an empty `WaitQueue` allocates nothing.
     let policy = worker.waiting.queue.policy();
     let mut queue = std::mem::replace(&mut worker.waiting.queue, WaitQueue::new(policy));
-    queue.dispatch(|waiter| place(worker, waiter));
+    queue.dispatch(host::now_ms(), |waiter| place(worker, waiter));
     worker.waiting.queue = queue;
     worker.waiting.export_len();
 }
@@ -247,7 +268,13 @@ fn place(worker: &mut Worker, waiter: &Waiter<WaitingRequest>) -> Placement {
     }
     let started = Instant::now();
     let request_id = &waiter.item.request_id;
-    let routed = match worker.decide(waiter.item.request.clone(), request_id) {
+    let attempt = Attempt::Waiting {
+        holding_ms: waiter.holding_ms(now_ms),
+    };
+    let routed = match worker.decide(waiter.item.request.clone(), request_id, attempt) {
+        Outcome::NoEligiblePod(no_pod) if no_pod.holding_out.is_some() => {
+            return Placement::HoldingOut
+        }
         Outcome::NoEligiblePod(_) => return Placement::Wait,
         Outcome::Rejected(rejected) => Err(rejected),
         Outcome::Routed(routed) => {
