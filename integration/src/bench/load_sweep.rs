@@ -84,9 +84,12 @@ pub fn run(
         })
         .collect::<Result<_, _>>()?;
     let first = &workloads[0];
-    let mut description = super::report::workload_json(first);
-    for field in ["description", "offeredRps", "offeredLoad"] {
-        description.as_object_mut().map(|o| o.remove(field));
+    // What every load shares; the per-load figures are under "loads".
+    let mut shared = super::report::workload_json(first);
+    if let Some(fields) = shared.as_object_mut() {
+        for field in ["description", "offeredRps", "offeredLoad"] {
+            fields.remove(field);
+        }
     }
     let mut doc = json!({
         "command": command,
@@ -94,7 +97,7 @@ pub fn run(
         "date": super::shell("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
         "host": super::host(),
         "quick": args.quick,
-        "workload": description,
+        "workload": shared,
         "sustainP90Ms": args.sustain_p90_ms.unwrap_or(SUSTAIN_P90_MS_AT_SCALE_1 * first.time_scale),
         "maxErrorShare": MAX_ERROR_SHARE,
         "loads": workloads.iter().zip(&loads).map(|(w, load)| json!({
@@ -143,7 +146,9 @@ pub fn run(
             super::print_row(&row, started);
             row["load"] = json!(load);
             // 100 quantiles per row would dwarf the rest of the document.
-            row.as_object_mut().map(|o| o.remove("ttftQuantilesMs"));
+            if let Some(fields) = row.as_object_mut() {
+                fields.remove("ttftQuantilesMs");
+            }
             let rows = doc["rows"].as_array_mut().expect("rows");
             rows.retain(|r| !(r["policy"] == policy.as_str() && r["load"] == load));
             rows.push(row);
