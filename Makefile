@@ -134,9 +134,11 @@ fuzz-smoke: fuzz-build
 	$(call fuzz-each,$(FUZZ_SMOKE_SECONDS))
 
 ## bench: kvroute vs the peer routers (smg, vllm-router) and Envoy's
-## built-in balancers on simulated pods, fairness checks, proxy overhead,
-## 1M-block scale (~35 min on 2 cores; BENCH_ARGS=--quick for a shorter run)
-## -> integration/results/; then the core's micro-benchmarks
+## built-in balancers on simulated pods, fairness checks, the load sweep
+## (trace at 0.5–2.5× of cache-blind capacity, every policy), proxy
+## overhead, 1M-block scale (~65 min on 2 cores, ~30 of them the sweep;
+## BENCH_ARGS=--quick for a shorter run) -> integration/results/ (the sweep
+## in integration/results/load-sweep/); then the core's micro-benchmarks
 bench: wasm envoy bench-micro
 	-$(MAKE) peers
 	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench

@@ -10,19 +10,24 @@
 //!   approximate in Envoy, the [`peers`], Envoy's round robin, least
 //!   request, random, ring hash);
 //! - [`load`]: the streaming load generator (open and closed loop);
+//! - [`load_sweep`]: every policy on the trace at offered loads from 0.5× to
+//!   2.5× of the cache-blind capacity, and the highest load each sustains;
 //! - [`fairness`]: each router's added latency on an idle system;
 //! - [`overhead`]: proxy overhead and the 1M-block scale figures;
 //! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
 //!
 //! ```text
-//! kvroute-bench [all|workload NAME..|fairness|overhead|scale|render] [--quick] [--out DIR]
+//! kvroute-bench [all|workload NAME..|load-sweep|fairness|overhead|scale|render] [--quick] [--out DIR]
 //! ```
 //! Results merge into `DIR/results.json` (a later `workload lora` replaces
 //! only that workload, `workload lora --policies P` only P's row there), and
-//! README.md and the charts are re-rendered from it.
+//! README.md and the charts are re-rendered from it. The load sweep has its
+//! own folder, `DIR/load-sweep/` (`load-sweep --policies P` replaces P's
+//! rows there).
 
 pub mod fairness;
 pub mod load;
+pub mod load_sweep;
 pub mod overhead;
 pub mod peers;
 pub mod plot;
@@ -47,8 +52,9 @@ use workload::{GenOptions, WORKLOADS};
     about = "Benchmark kvroute against peer routers and Envoy's built-in load balancers on simulated vLLM pods"
 )]
 pub struct BenchArgs {
-    /// all | workload | fairness | overhead | scale | render (re-render
-    /// README.md and the charts from results.json)
+    /// all | workload | load-sweep | fairness | overhead | scale | render
+    /// (re-render README.md and the charts from results.json and
+    /// load-sweep/load-sweep.json)
     #[arg(default_value = "all")]
     pub command: String,
     /// Workload names for `workload` (shared-prefix, multi-turn, lora, trace,
@@ -66,6 +72,14 @@ pub struct BenchArgs {
     /// Offered load as a share of the cache-blind cluster capacity.
     #[arg(long, default_value_t = 0.7)]
     pub load: f64,
+    /// Offered loads of `load-sweep` (default 0.5,1,1.5,2,2.5; quick
+    /// 0.5,1.5,2.5).
+    #[arg(long, value_delimiter = ',')]
+    pub loads: Vec<f64>,
+    /// TTFT p90 a policy must keep to sustain a load in `load-sweep`
+    /// (default: 20 s × the trace workload's time scale).
+    #[arg(long)]
+    pub sustain_p90_ms: Option<f64>,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Trace replay speedup (default: the one offering `--load`).
@@ -87,7 +101,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kvroute_config: Option<String>,
     /// Copy each run's router log (kvroute's decision events, a peer's own
-    /// log) to DIR/WORKLOAD-POLICY.log, for decision analysis.
+    /// log) to DIR/WORKLOAD-POLICY.log (load sweep:
+    /// DIR/load-sweep-LOAD-POLICY.log), for decision analysis.
     #[arg(long)]
     pub keep_logs: Option<PathBuf>,
     /// The kvroute-sim binary (default: next to this one).
@@ -160,22 +175,23 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         results["workloads"] = json!({});
     }
     let every_workload = || WORKLOADS.iter().map(|s| s.to_string()).collect();
-    let (workloads, fairness, overhead, scale): (Vec<String>, bool, bool, bool) =
+    let (workloads, sweep, fairness, overhead, scale): (Vec<String>, bool, bool, bool, bool) =
         match args.command.as_str() {
-            "all" => (every_workload(), true, true, true),
+            "all" => (every_workload(), true, true, true, true),
             "workload" => {
                 if args.names.is_empty() {
                     return Err(format!("workload needs a name: {}", WORKLOADS.join(", ")));
                 }
-                (args.names.clone(), false, false, false)
+                (args.names.clone(), false, false, false, false)
             }
-            "fairness" => (Vec::new(), true, false, false),
-            "overhead" => (Vec::new(), false, true, false),
-            "scale" => (Vec::new(), false, false, true),
-            "render" => (Vec::new(), false, false, false),
+            "load-sweep" => (Vec::new(), true, false, false, false),
+            "fairness" => (Vec::new(), false, true, false, false),
+            "overhead" => (Vec::new(), false, false, true, false),
+            "scale" => (Vec::new(), false, false, false, true),
+            "render" => (Vec::new(), false, false, false, false),
             other => {
                 return Err(format!(
-                    "unknown command {other:?}: all | workload NAME.. | fairness | overhead | scale | render"
+                    "unknown command {other:?}: all | workload NAME.. | load-sweep | fairness | overhead | scale | render"
                 ))
             }
         };
@@ -206,7 +222,11 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         .join(" ");
     if args.command == "render" {
         write_results(&out, &mut results)?;
+        load_sweep::render(&out.join(load_sweep::FOLDER))?;
         return Ok(results);
+    }
+    if args.command == "load-sweep" {
+        return load_sweep::run(args, &opts, &policies, &sim, &out, &command);
     }
     if args.command == "all" {
         results["command"] = json!(command);
@@ -237,21 +257,12 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         );
         let mut rows = Vec::new();
         for policy in &policies {
-            let row = run_policy(policy, &w, &sim, args.keep_logs.as_deref())?;
-            match row["unavailable"].as_str() {
-                Some(reason) => eprintln!("   {policy:28} unavailable: {reason}"),
-                None => eprintln!(
-                    "   {policy:28} hit {:.3}  ttft p50 {} p90 {} p99 {}  errors {}  share {}  cpu {} s/1k  ({:.0} s elapsed)",
-                    row["hitRate"].as_f64().unwrap_or(0.0),
-                    row["ttftMs"]["p50"],
-                    row["ttftMs"]["p90"],
-                    row["ttftMs"]["p99"],
-                    row["errors"],
-                    row["maxShareOverFair"],
-                    row["routerCpuSPer1k"],
-                    started.elapsed().as_secs_f64()
-                ),
-            }
+            let kept_log = args
+                .keep_logs
+                .as_ref()
+                .map(|dir| dir.join(format!("{name}-{policy}.log")));
+            let row = run_policy(policy, &w, &sim, kept_log.as_deref())?;
+            print_row(&row, started);
             rows.push(row);
         }
         // `workload NAME --policies P,Q` reruns those rows and keeps the
@@ -273,6 +284,9 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         results["workloads"][name.as_str()] = entry;
         write_results(&out, &mut results)?;
     }
+    if sweep {
+        load_sweep::run(args, &opts, &policies, &sim, &out, &command)?;
+    }
     if overhead {
         let o = overhead::overhead(&sim, args.quick).map_err(|e| format!("overhead: {e}"))?;
         results["overhead"] = o;
@@ -293,11 +307,12 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
 
 /// One policy on one workload, on fresh pods; a policy that cannot run
 /// here (a peer not installed or not starting) gives a row saying why.
+/// `kept_log`: where to copy the router's log.
 fn run_policy(
     policy: &str,
     w: &workload::Workload,
     sim: &Path,
-    keep_logs: Option<&Path>,
+    kept_log: Option<&Path>,
 ) -> Result<Value, String> {
     let stack = match stack::start(policy, w, sim) {
         Ok(stack) => stack,
@@ -336,20 +351,36 @@ fn run_policy(
         }
         _ => String::new(),
     };
-    if let Some(dir) = keep_logs {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let kept = dir.join(format!("{}-{policy}.log", w.name));
-        std::fs::copy(stack.log_path(), &kept).map_err(|e| format!("{}: {e}", kept.display()))?;
+    if let Some(kept) = kept_log {
+        if let Some(dir) = kept.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        std::fs::copy(stack.log_path(), kept).map_err(|e| format!("{}: {e}", kept.display()))?;
     }
-    let filter = overhead::route_field(&log, "latencyUs");
+    let filter = overhead::event_field(&log, "route", "latencyUs");
     let mut row = report::policy_figures(policy, w, &outcomes, wall, &stats, &filter);
     // What kvroute's index knew at decision time: the share of each
     // prompt's blocks it matched on the chosen pod (the pods' hit rate
     // is what was actually cached by then).
-    let matched: f64 = overhead::route_field(&log, "matchedBlocks").iter().sum();
-    let blocks: f64 = overhead::route_field(&log, "blocks").iter().sum();
+    let matched: f64 = overhead::event_field(&log, "route", "matchedBlocks")
+        .iter()
+        .sum();
+    let blocks: f64 = overhead::event_field(&log, "route", "blocks").iter().sum();
     if blocks > 0.0 {
         row["indexMatchShare"] = json!((matched / blocks * 1e4).round() / 1e4);
+    }
+    // Requests kvroute held in its gateway wait queue (every pod at
+    // maxQueue), with how long each waited, whatever the outcome (routed,
+    // 503 at the deadline or a full queue, client gone).
+    if policy.starts_with("kvroute") {
+        let waited =
+            report::sorted(overhead::event_field(&log, "wait_end", "waitedMs").into_iter());
+        row["gatewayWaitMs"] = json!({
+            "requests": waited.len(),
+            "p50": report::percentile(&waited, 50.0),
+            "p90": report::percentile(&waited, 90.0),
+            "max": waited.last(),
+        });
     }
     row["router"] = stack.router();
     row["routerCpuS"] = json!(cpu_s.map(|s| (s * 100.0).round() / 100.0));
@@ -358,6 +389,26 @@ fn run_policy(
         (per_1k * 100.0).round() / 100.0
     }));
     Ok(row)
+}
+
+/// One line of progress on stderr for a policy's row.
+fn print_row(row: &Value, started: Instant) {
+    let policy = row["policy"].as_str().unwrap_or("");
+    match row["unavailable"].as_str() {
+        Some(reason) => eprintln!("   {policy:28} unavailable: {reason}"),
+        None => eprintln!(
+            "   {policy:28} hit {:.3}  ttft p50 {} p90 {} p99 {}  errors {} (503s {})  share {}  cpu {} s/1k  ({:.0} s elapsed)",
+            row["hitRate"].as_f64().unwrap_or(0.0),
+            row["ttftMs"]["p50"],
+            row["ttftMs"]["p90"],
+            row["ttftMs"]["p99"],
+            row["errors"],
+            row["http503"],
+            row["maxShareOverFair"],
+            row["routerCpuSPer1k"],
+            started.elapsed().as_secs_f64()
+        ),
+    }
 }
 
 /// Writes results.json, README.md and the charts.

@@ -107,12 +107,13 @@ fn bodies(size: usize, count: usize) -> Vec<String> {
         .collect()
 }
 
-/// The integer `field` (`latencyUs`, `matchedBlocks`, `blocks`) of each of
-/// the filter's `route` log lines in `log`.
-pub fn route_field(log: &str, field: &str) -> Vec<f64> {
+/// The integer `field` of each of the filter's `event` log lines in `log`
+/// (`route`: `latencyUs`, `matchedBlocks`, `blocks`; `wait_end`: `waitedMs`).
+pub fn event_field(log: &str, event: &str, field: &str) -> Vec<f64> {
     let key = format!("\"{field}\":");
+    let tag = format!("\"event\":\"{event}\"");
     log.lines()
-        .filter(|l| l.contains("\"event\":\"route\""))
+        .filter(|l| l.contains(&tag))
         .filter_map(|l| {
             let at = l.find(&key)? + key.len();
             let digits: String = l[at..].chars().take_while(|c| c.is_ascii_digit()).collect();
@@ -200,7 +201,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
                     let p = closed_loop(&kv.listen, &set, concurrency, phase);
                     a.extend(p.latencies_us);
                     a_err += p.errors;
-                    filter.extend(route_field(&log_since(kv, offset), "latencyUs"));
+                    filter.extend(event_field(&log_since(kv, offset), "route", "latencyUs"));
                 } else {
                     let p = closed_loop(&plain.listen, &set, concurrency, phase);
                     b.extend(p.latencies_us);
@@ -457,7 +458,7 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let rate = 20.0;
     let sent = churn(&cluster, prompts, prompt_bytes, rate, window);
     let churn_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0) - c1;
-    let mut filter = route_field(&log_since(&cluster.envoy, offset), "latencyUs");
+    let mut filter = event_field(&log_since(&cluster.envoy, offset), "route", "latencyUs");
     let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
     let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
     Ok(json!({

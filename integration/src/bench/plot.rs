@@ -1,6 +1,7 @@
 //! PNG charts of the results (plotters, text in DejaVu Sans embedded from
 //! the `dejavu` crate): hit rate and TTFT p50 by policy (kvroute, the peer
-//! routers, Envoy's balancers), and TTFT CDFs, one panel per workload.
+//! routers, Envoy's balancers), TTFT CDFs, one panel per workload, and
+//! the load sweep's TTFT p90 against offered load.
 
 use std::path::Path;
 use std::sync::Once;
@@ -247,6 +248,82 @@ pub fn ttft_cdf(path: &Path, workloads: &Value) -> Result<(), Error> {
             .label_font(("sans-serif", 12))
             .draw()?;
     }
+    root.present()?;
+    Ok(())
+}
+
+/// One policy's line: its name, its (x, y) points and its colour.
+type Line<'a> = (&'a str, Vec<(f64, f64)>, RGBColor);
+
+/// Load sweep: TTFT p90 against offered load (log scale), one line per
+/// policy of [`POLICIES`] in its colour, the sustain target dashed.
+pub fn ttft_p90_by_load(path: &Path, rows: &[Value], target_ms: f64) -> Result<(), Error> {
+    fonts();
+    let series: Vec<Line> = POLICIES
+        .iter()
+        .zip(COLORS)
+        .filter_map(|(p, c)| {
+            let line: Vec<(f64, f64)> = rows
+                .iter()
+                .filter(|r| r["policy"] == *p)
+                .filter_map(|r| Some((r["load"].as_f64()?, r["ttftMs"]["p90"].as_f64()?)))
+                .collect();
+            (!line.is_empty()).then_some((*p, line, c))
+        })
+        .collect();
+    let points = || series.iter().flat_map(|s| s.1.iter().copied());
+    let (lo, hi) = points().fold((f64::INFINITY, 0.0f64), |(lo, hi), (x, _)| {
+        (lo.min(x), hi.max(x))
+    });
+    let (lo, hi) = if lo < hi { (lo, hi) } else { (0.0, 1.0) };
+    let (ymin, ymax) = points().fold(
+        (target_ms.max(1.0), target_ms.max(1.0)),
+        |(a, b), (_, y)| (a.min(y.max(1.0)), b.max(y)),
+    );
+    let root = BitMapBackend::new(path, (1000, 640)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let pad = (hi - lo) * 0.04;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "TTFT p90 vs offered load (trace, real Envoy)",
+            ("sans-serif", 22),
+        )
+        .margin(14)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(lo - pad..hi + pad, (ymin * 0.8..ymax * 1.25).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("offered load (× cache-blind capacity)")
+        .y_desc("TTFT p90 ms (log)")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    chart
+        .draw_series(DashedLineSeries::new(
+            [(lo - pad, target_ms), (hi + pad, target_ms)],
+            8,
+            6,
+            POOLED.stroke_width(2),
+        ))?
+        .label(format!("sustain target ({target_ms:.0} ms)"))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], POOLED.stroke_width(2)));
+    for (policy, line, color) in series {
+        chart
+            .draw_series(LineSeries::new(line.clone(), color.stroke_width(3)))?
+            .label(policy)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(3))
+            });
+        chart.draw_series(line.into_iter().map(|p| Circle::new(p, 4, color.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", 13))
+        .draw()?;
     root.present()?;
     Ok(())
 }

@@ -14,7 +14,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
     Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
-fn sorted(values: impl Iterator<Item = f64>) -> Vec<f64> {
+pub(super) fn sorted(values: impl Iterator<Item = f64>) -> Vec<f64> {
     let mut v: Vec<f64> = values.collect();
     v.sort_by(f64::total_cmp);
     v
@@ -31,7 +31,7 @@ fn quantiles(sorted: &[f64], n: usize) -> Vec<f64> {
         .collect()
 }
 
-fn round(v: f64, digits: i32) -> f64 {
+pub(super) fn round(v: f64, digits: i32) -> f64 {
     let f = 10f64.powi(digits);
     (v * f).round() / f
 }
@@ -102,6 +102,7 @@ pub fn policy_figures(
         "requests": outcomes.len(),
         "completed": ok.len(),
         "errors": outcomes.len() - ok.len(),
+        "http503": outcomes.iter().filter(|o| o.status == 503).count(),
         "errorKinds": error_kinds,
         "hitRate": round(cached as f64 / prompt.max(1) as f64, 4),
         "hitRateUsage": round(usage_cached as f64 / usage_prompt.max(1) as f64, 4),
@@ -147,7 +148,7 @@ pub fn workload_json(workload: &Workload) -> Value {
     })
 }
 
-fn ms(v: &Value) -> String {
+pub(super) fn ms(v: &Value) -> String {
     match v.as_f64() {
         Some(x) if x >= 100.0 => format!("{x:.0}"),
         Some(x) => format!("{x:.1}"),
@@ -155,7 +156,7 @@ fn ms(v: &Value) -> String {
     }
 }
 
-fn pct(v: f64) -> String {
+pub(super) fn pct(v: f64) -> String {
     format!("{:.1}%", v * 100.0)
 }
 
