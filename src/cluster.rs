@@ -43,15 +43,15 @@ const PENDING_BLOCKS: usize = 262_144;
 /// thread (each is a shared-data write of ~9 µs in Envoy 1.40's V8 at a
 /// million blocks); the service takes steps while its time budget lasts,
 /// so a large resync is published over several ticks.
-pub const PUBLISH_BUCKETS: usize = 128;
+pub const PUBLISH_BUCKETS: usize = 64;
 
 /// Blocks stored or removed per [`ClusterState::fold_step`]: well under a
 /// millisecond of Envoy's main thread, even where each new block's table
 /// entry lands on a page not touched before (a page fault each).
-pub const FOLD_STEP_BLOCKS: usize = 1024;
+pub const FOLD_STEP_BLOCKS: usize = 512;
 
 /// Slab slots a drop scans per [`ClusterState::fold_step`].
-pub const FOLD_STEP_SLOTS: usize = 32_768;
+pub const FOLD_STEP_SLOTS: usize = 16_384;
 
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]

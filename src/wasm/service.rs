@@ -20,14 +20,15 @@
 //! The main thread also serves Envoy's admin and xDS, so no callback may
 //! stall it — and answers of many pods can land in one pass of Envoy's event
 //! loop. The service ticks every [`TICK_MS`] (rounds start on the tick that
-//! finds one due) and spends at most [`FOLD_BUDGET_US`] folding and
-//! [`PUBLISH_BUDGET_US`] publishing per tick, over all callbacks until the
-//! next tick: an answer is only classified and queued when it arrives;
-//! folding goes in steps of [`FOLD_STEP_BLOCKS`] blocks (a 16k-block full
-//! report takes several, over ticks if need be); a publication writes
-//! changed buckets in steps of [`PUBLISH_BUCKETS`] and leaves the rest to
-//! the following ticks; bodies over `maxReportBytes` are never read. The
-//! first step of each kind in a tick always runs, so both make progress.
+//! finds one due) and spends at most [`TICK_BUDGET_US`] per tick folding
+//! answers (at most [`FOLD_SHARE_US`] of it) and writing changed buckets,
+//! over all its callbacks until the next tick: an answer is only
+//! classified and queued when it arrives; folding goes in steps of
+//! [`FOLD_STEP_BLOCKS`] blocks (a 16k-block full report takes several,
+//! over ticks if need be); changed buckets are written in steps of
+//! [`PUBLISH_BUCKETS`], the rest left to the following ticks; bodies over
+//! `maxReportBytes` are never read. A step may overrun the budget by its
+//! own length (parsing one body is one step).
 //! An answer that changed no block is published with the next round (its
 //! pod's queue and load with it): at 64 idle pods a table per answer was
 //! most of the service's main-thread time. Per-pod gauges are set once
@@ -59,14 +60,17 @@ use crate::snapshot::{bucket_key, decode_decision, PodTable, DECISION_QUEUE};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
-const TICK_MS: u64 = 50;
+const TICK_MS: u64 = 25;
 
-/// Main-thread time per tick for folding answers (a step may overrun it:
-/// parsing one body, bounded by `maxReportBytes`, is one step).
-const FOLD_BUDGET_US: u64 = 3_000;
+/// Main-thread time per tick for folding answers and writing changed
+/// buckets (a step may overrun it: parsing one body, bounded by
+/// `maxReportBytes`, is one step).
+const TICK_BUDGET_US: u64 = 3_000;
 
-/// Main-thread time per tick for writing changed buckets.
-const PUBLISH_BUDGET_US: u64 = 3_000;
+/// The part of [`TICK_BUDGET_US`] folding may take; the rest is left to
+/// writing, so that folding cannot starve publication. Folding first lets
+/// a bucket collect a tick's changes before it is written once.
+const FOLD_SHARE_US: u64 = 1_500;
 
 /// Answers (body and parse) the heap is grown for up front.
 const RESERVED_BODIES: usize = 8;
@@ -109,9 +113,10 @@ pub struct ServiceRoot {
     polling: Option<ReportPolling>,
     queue: Option<u32>,
     next_round_ms: u64,
-    /// What is left of this tick's folding and publishing time.
-    fold_budget_us: u64,
-    publish_budget_us: u64,
+    /// What is left of this tick's folding and writing time, and what
+    /// folding took of it.
+    budget_us: u64,
+    folding_us: u64,
     /// Answers were folded since the last publication.
     folds_unpublished: bool,
     last_publish_ms: u64,
@@ -199,7 +204,7 @@ impl ServiceRoot {
             return 0;
         };
         let mut written = 0;
-        while self.publish_budget_us > 0 {
+        while self.budget_us > 0 {
             let started = Instant::now();
             let buckets = state.publish_buckets(now, PUBLISH_BUCKETS);
             for (bucket, value) in &buckets {
@@ -207,7 +212,7 @@ impl ServiceRoot {
             }
             written += buckets.len();
             let spent = started.elapsed().as_micros() as u64;
-            self.publish_budget_us = self.publish_budget_us.saturating_sub(spent.max(1));
+            self.budget_us = self.budget_us.saturating_sub(spent.max(1));
             if buckets.len() < PUBLISH_BUCKETS {
                 break;
             }
@@ -365,13 +370,14 @@ impl ServiceRoot {
         };
         let now = host::now_ms();
         let polling = &mut self.polling;
-        while self.fold_budget_us > 0 {
+        while self.budget_us > 0 && self.folding_us < FOLD_SHARE_US {
             let started = Instant::now();
             let Some(step) = state.fold_step(now, FOLD_STEP_BLOCKS) else {
                 break;
             };
             let spent = started.elapsed().as_micros() as u64;
-            self.fold_budget_us = self.fold_budget_us.saturating_sub(spent.max(1));
+            self.budget_us = self.budget_us.saturating_sub(spent.max(1));
+            self.folding_us += spent.max(1);
             let FoldStep::Done(folded) = step else {
                 continue;
             };
@@ -495,8 +501,9 @@ impl RootContext for ServiceRoot {
         }
         // A new configuration starts a new view; the first one only once.
         if self.config.as_deref() != Some(&config) {
-            reserve_heap(&config);
             self.state = Some(ClusterState::new(&config, host::now_ms()));
+            // After the index took its own reservation.
+            reserve_heap(&config);
             self.polling = Some(ReportPolling::new(&config));
             self.config = Some(Rc::new(config));
             self.next_round_ms = 0;
@@ -512,7 +519,7 @@ impl RootContext for ServiceRoot {
         if self.queue.is_none() {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
-        (self.fold_budget_us, self.publish_budget_us) = (FOLD_BUDGET_US, PUBLISH_BUDGET_US);
+        (self.budget_us, self.folding_us) = (TICK_BUDGET_US, 0);
         self.fold();
         let now = host::now_ms();
         if now >= self.next_round_ms {
