@@ -10,7 +10,10 @@
 //! per request; reports pulled every 2000 ms; with no eligible pod a
 //! request waits in the gateway (at most 256 per worker, at most 30 s),
 //! holding out for the pod caching its prefix for up to two thirds of
-//! that (offered room in windows of 32).
+//! that (offered room in windows of 32); the choice reaches Envoy through
+//! the override-host policy (`x-gateway-destination-endpoint`, the chosen
+//! pod then the runners-up); a pod seen failing upstream is ejected for
+//! 1 s, doubling while it keeps failing, at most 30 s.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -180,6 +183,40 @@ pub enum NoPodPolicy {
     Fallback,
 }
 
+/// How the filter hands its choice to Envoy.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum UpstreamMode {
+    /// `x-gateway-destination-endpoint` = the chosen pod, then the other
+    /// eligible pods best first, for a cluster with Envoy's override-host
+    /// load-balancing policy: a retry after a connection failure goes to
+    /// the next pod, and only the cluster's members can be reached.
+    #[default]
+    OverrideHost,
+    /// `x-envoy-original-dst-host` = the chosen pod, for an ORIGINAL_DST
+    /// cluster: one pod, no failover.
+    OriginalDst,
+}
+
+/// Passive health ([`crate::ejection`]): a pod an upstream request failed
+/// to reach is ejected for `ejectionMs`, doubled for each ejection that
+/// follows the previous one within its length, at most `maxEjectionMs`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct PassiveHealthConfig {
+    pub ejection_ms: u64,
+    pub max_ejection_ms: u64,
+}
+
+impl Default for PassiveHealthConfig {
+    fn default() -> Self {
+        PassiveHealthConfig {
+            ejection_ms: 1000,
+            max_ejection_ms: 30_000,
+        }
+    }
+}
+
 /// Log verbosity of the plugin.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default, PartialOrd, Ord)]
 #[serde(rename_all = "camelCase")]
@@ -265,6 +302,9 @@ pub struct Config {
     pub affinity_window: usize,
     pub fallback_pod: Option<String>,
     pub retry_after_seconds: u32,
+    /// How the chosen pod reaches Envoy (and which cluster type it needs).
+    pub upstream_mode: UpstreamMode,
+    pub passive_health: PassiveHealthConfig,
     /// Adds `x-kvroute-pod`, `x-kvroute-score`, `x-kvroute-cache-match`.
     pub decision_headers: bool,
     pub log_level: LogLevel,
@@ -310,6 +350,8 @@ impl Default for Config {
             affinity_window: 32,
             fallback_pod: None,
             retry_after_seconds: 1,
+            upstream_mode: UpstreamMode::OverrideHost,
+            passive_health: PassiveHealthConfig::default(),
             decision_headers: false,
             log_level: LogLevel::Info,
             report_cluster: "kvroute_reports".into(),
@@ -408,6 +450,13 @@ impl Config {
         if let Some(ms) = self.pending_decision_ms {
             positive("pendingDecisionMs", ms)?;
         }
+        positive("passiveHealth.ejectionMs", self.passive_health.ejection_ms)?;
+        if self.passive_health.max_ejection_ms < self.passive_health.ejection_ms {
+            return Err(invalid(
+                "passiveHealth.maxEjectionMs",
+                "must be >= passiveHealth.ejectionMs",
+            ));
+        }
         if let Some(blocks) = self.max_pod_index_blocks {
             positive("maxPodIndexBlocks", blocks as u64)?;
         }
@@ -442,6 +491,10 @@ impl Config {
                 ));
             }
             validate_address(&pod.address)
+                .and_then(|()| match self.upstream_mode {
+                    UpstreamMode::OverrideHost => validate_endpoint_address(&pod.address),
+                    UpstreamMode::OriginalDst => Ok(()),
+                })
                 .map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
             if !addresses.insert(pod.address.as_str()) {
                 return Err(invalid(
@@ -580,6 +633,22 @@ pub fn validate_address(address: &str) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("must have a valid host (got {address:?})"))
+    }
+}
+
+/// An address Envoy's override-host policy can match: the endpoint's
+/// resolved address as Envoy prints it (`10.0.0.5:8000`, `[fd00::5]:8000`),
+/// so an IP literal in canonical form; a host name would never match and
+/// every request would silently go to the fallback policy.
+fn validate_endpoint_address(address: &str) -> Result<(), String> {
+    match address.parse::<std::net::SocketAddr>() {
+        Ok(parsed) if parsed.to_string() == address => Ok(()),
+        Ok(parsed) => Err(format!(
+            "must be written as Envoy prints the endpoint, {parsed} (got {address:?})"
+        )),
+        Err(_) => Err(format!(
+            "must be an IP literal and port with upstreamMode \"overrideHost\" (Envoy matches the endpoint's resolved address; got {address:?})"
+        )),
     }
 }
 

@@ -14,7 +14,9 @@
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
 //!    `onNoEligiblePod` hands the request back to wait in the gateway
 //!    ([`Outcome::NoEligiblePod`], the default), answers 503 with
-//!    `retry-after`, or uses `fallbackPod`.
+//!    `retry-after`, or uses `fallbackPod`. The routed request lists its
+//!    [`Destination`]s: the winner, then the other eligible pods by
+//!    composite, where Envoy retries after a connection failure.
 //! 6. Under `"wait"`, a request whose chosen pod caches fewer of its blocks
 //!    than a pod excluded at `maxQueue` is handed back too, *holding out*
 //!    for that pod ([`HoldOut`]), for at most `affinityWaitMs` × the share
@@ -45,6 +47,14 @@ pub struct ClusterView<'a> {
     pub now_ms: u64,
 }
 
+/// A pod a request may be sent to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination {
+    pub slot: usize,
+    pub pod_id: String,
+    pub address: String,
+}
+
 /// A request sent to a pod.
 #[derive(Debug, Clone)]
 pub struct Routed {
@@ -70,6 +80,10 @@ pub struct Routed {
     pub fallback: bool,
     /// The snapshot was stale: routed by load with self-decayed health.
     pub stale_snapshot: bool,
+    /// Where Envoy may send it, in order: the chosen pod, then the other
+    /// eligible pods best first (override-host retries take them in turn);
+    /// `fallbackPod` alone when it is a fallback.
+    pub destinations: Vec<Destination>,
     pub decision: Decision,
 }
 
@@ -379,6 +393,20 @@ impl Router {
             }
         }
         let composite = decision.winner().map_or(0.0, |w| w.composite);
+        let ranked = if fallback {
+            vec![pod]
+        } else {
+            decision.ranked()
+        };
+        let destinations = ranked
+            .into_iter()
+            .filter_map(|index| view.table.pods.get(index))
+            .map(|p| Destination {
+                slot: p.slot,
+                pod_id: p.id.clone(),
+                address: p.address.clone(),
+            })
+            .collect();
         Outcome::Routed(Box::new(Routed {
             pod,
             slot: chosen.slot,
@@ -397,6 +425,7 @@ impl Router {
             degraded,
             fallback,
             stale_snapshot,
+            destinations,
             decision,
         }))
     }
@@ -637,6 +666,12 @@ mod tests {
         let fresh = route(1500);
         assert_eq!((fresh.pod_id.as_str(), fresh.stale_snapshot), ("a", false));
         assert_eq!(fresh.cache_match, 1.0);
+        let order: Vec<(&str, &str)> = fresh
+            .destinations
+            .iter()
+            .map(|d| (d.pod_id.as_str(), d.address.as_str()))
+            .collect();
+        assert_eq!(order, [("a", "127.0.0.1:9001"), ("b", "127.0.0.1:9002")]);
 
         // Stale after grace (2000 + 1000) + 2 intervals = 7000 ms.
         let stale = route(1000 + 7001);

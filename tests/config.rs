@@ -3,7 +3,8 @@
 //! how model targets separate block chains.
 
 use kvroute::config::{
-    BadRequestPolicy, Config, IndexMode, LogLevel, ModelTarget, NoPodPolicy, Weights,
+    BadRequestPolicy, Config, IndexMode, LogLevel, ModelTarget, NoPodPolicy, PassiveHealthConfig,
+    UpstreamMode, Weights,
 };
 use kvroute::hashing::BlockHasher;
 use kvroute::request::Prompt;
@@ -87,6 +88,14 @@ fn defaults() {
     );
     assert_eq!(config.fallback_pod, None);
     assert_eq!(config.retry_after_seconds, 1);
+    assert_eq!(config.upstream_mode, UpstreamMode::OverrideHost);
+    assert_eq!(
+        config.passive_health,
+        PassiveHealthConfig {
+            ejection_ms: 1000,
+            max_ejection_ms: 30_000
+        }
+    );
     assert!(!config.decision_headers);
     assert_eq!(config.log_level, LogLevel::Info);
     assert_eq!(config.report_cluster, "kvroute_reports");
@@ -304,16 +313,24 @@ fn pod_rules() {
             "the message quotes the address: {message}"
         );
     }
-    for good in [
-        "localhost:8000",
-        "vllm-0.vllm.svc.cluster.local:8000",
-        "[::1]:80",
-        "1.2.3.4:65535",
-    ] {
+    for good in ["[::1]:80", "1.2.3.4:65535", "[fd00::5]:8000"] {
         parse(&format!(
             r#"{{"pods": [{{"id": "a", "address": "{good}"}}]}}"#
         ))
         .unwrap_or_else(|e| panic!("{good} is a valid address: {e}"));
+    }
+    // Host names (and IP literals Envoy prints differently) never match an
+    // override-host endpoint; an ORIGINAL_DST setup may still use them.
+    for name in [
+        "localhost:8000",
+        "vllm-0.vllm.svc.cluster.local:8000",
+        "[::0001]:80",
+    ] {
+        let pods = format!(r#""pods": [{{"id": "a", "address": "{name}"}}]"#);
+        let message = rejects(&format!("{{{pods}}}"), "pods[0].address");
+        assert!(message.contains(name), "{message}");
+        parse(&format!(r#"{{{pods}, "upstreamMode": "originalDst"}}"#))
+            .unwrap_or_else(|e| panic!("{name} is a valid ORIGINAL_DST address: {e}"));
     }
     let many: Vec<String> = (0..65)
         .map(|i| format!(r#"{{"id": "p{i}", "address": "10.0.0.1:{}"}}"#, 1000 + i))
@@ -321,10 +338,40 @@ fn pod_rules() {
     rejects(&format!(r#"{{"pods": [{}]}}"#, many.join(",")), "pods");
     parse(&format!(r#"{{"pods": [{}]}}"#, many[..64].join(","))).expect("64 pods fit the masks");
     // Attributes are numeric.
-    let config =
-        parse(r#"{"pods": [{"id": "a", "address": "h:1", "attributes": {"costPerHour": 2.5}}]}"#)
-            .unwrap();
+    let config = parse(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:1", "attributes": {"costPerHour": 2.5}}]}"#,
+    )
+    .unwrap();
     assert_eq!(config.pods[0].attributes["costPerHour"], 2.5);
+}
+
+#[test]
+fn upstream_mode_and_passive_health() {
+    let config = parse(&with_pods(
+        r#""upstreamMode": "originalDst", "passiveHealth": {"ejectionMs": 250}"#,
+    ))
+    .unwrap();
+    assert_eq!(config.upstream_mode, UpstreamMode::OriginalDst);
+    assert_eq!(
+        config.passive_health,
+        PassiveHealthConfig {
+            ejection_ms: 250,
+            max_ejection_ms: 30_000
+        }
+    );
+    rejects(&with_pods(r#""upstreamMode": "eds""#), "upstreamMode");
+    rejects(
+        &with_pods(r#""passiveHealth": {"ejectionMs": 0}"#),
+        "passiveHealth.ejectionMs",
+    );
+    rejects(
+        &with_pods(r#""passiveHealth": {"ejectionMs": 5000, "maxEjectionMs": 1000}"#),
+        "passiveHealth.maxEjectionMs",
+    );
+    rejects(
+        &with_pods(r#""passiveHealth": {"ejectMs": 5}"#),
+        "passiveHealth.ejectMs",
+    );
 }
 
 #[test]

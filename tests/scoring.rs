@@ -239,6 +239,21 @@ fn full_queues_are_excluded_and_all_excluded_means_no_choice() {
 
     let d = decide(&policy, &[], false);
     assert_eq!(d.chosen, None, "no pods at all");
+    assert!(d.ranked().is_empty());
+}
+
+/// The failover order: the chosen pod, then the other eligible pods by
+/// composite; excluded pods are never in it.
+#[test]
+fn ranked_lists_the_winner_then_the_runners_up_best_first() {
+    let policy = default_policy();
+    let holder = Pod { cache: 0.9, ..IDLE };
+    let partial = Pod { cache: 0.4, ..IDLE };
+    let busy = Pod { load: 0.9, ..IDLE };
+    let full = Pod { queue: 20, ..IDLE };
+    let d = decide(&policy, &[busy, full, partial, IDLE, holder], false);
+    assert_eq!(d.chosen, Some(4));
+    assert_eq!(d.ranked(), vec![4, 2, 3, 0]);
 }
 
 #[test]

@@ -85,8 +85,10 @@ pub fn free_port() -> u16 {
 }
 
 /// Fills the Envoy template. `plugin_config` is the kvroute JSON shared by
-/// the filter and the service; `passthrough` the addresses non-inference
-/// paths are balanced over.
+/// the filter and the service: its `upstreamMode` picks the template's
+/// section (`overrideHost` when absent, as in kvroute) and, for
+/// override-host, its `pods` are the pod cluster's endpoints. `passthrough`
+/// are the addresses non-inference paths are balanced over.
 pub fn render_envoy_config(
     wasm: &Path,
     listen_port: u16,
@@ -95,14 +97,18 @@ pub fn render_envoy_config(
     passthrough: &[String],
 ) -> String {
     let template = include_str!("../../envoy/envoy.template.yaml");
-    let endpoints: Vec<String> = passthrough
-        .iter()
-        .map(|address| {
-            let (host, port) = address.rsplit_once(':').expect("host:port");
-            format!("        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}")
+    let mode = plugin_config["upstreamMode"]
+        .as_str()
+        .unwrap_or("overrideHost");
+    let pods: Vec<String> = plugin_config["pods"]
+        .as_array()
+        .map(|pods| {
+            pods.iter()
+                .filter_map(|p| p["address"].as_str().map(String::from))
+                .collect()
         })
-        .collect();
-    template
+        .unwrap_or_default();
+    keep_section(template, mode)
         .replace("{{wasm}}", &wasm.display().to_string())
         .replace("{{listen_port}}", &listen_port.to_string())
         .replace("{{admin_port}}", &admin_port.to_string())
@@ -111,7 +117,43 @@ pub fn render_envoy_config(
             "{{plugin_config}}",
             &plugin_config.to_string().replace('\'', "''"),
         )
-        .replace("{{passthrough_endpoints}}", &endpoints.join("\n"))
+        .replace("{{pod_endpoints}}", &lb_endpoints(&pods))
+        .replace("{{passthrough_endpoints}}", &lb_endpoints(passthrough))
+}
+
+/// The template without its marker lines and without the sections of the
+/// other upstream modes (`# {{#mode}}` … `# {{/mode}}`).
+fn keep_section(template: &str, mode: &str) -> String {
+    let mut inside: Option<bool> = None;
+    let mut out = String::with_capacity(template.len());
+    for line in template.lines() {
+        let marker = line.trim_start().strip_prefix("# {{");
+        if let Some(opened) = marker.and_then(|m| m.strip_prefix('#')) {
+            inside = Some(opened.trim_end_matches("}}") == mode);
+        } else if marker.is_some_and(|m| m.starts_with('/')) {
+            inside = None;
+        } else if inside != Some(false) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// `lb_endpoints` entries for `host:port` addresses (`[]` for none).
+fn lb_endpoints(addresses: &[String]) -> String {
+    if addresses.is_empty() {
+        return "          []".into();
+    }
+    addresses
+        .iter()
+        .map(|address| {
+            let (host, port) = address.rsplit_once(':').expect("host:port");
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            format!("        - endpoint: {{address: {{socket_address: {{address: \"{host}\", port_value: {port}}}}}}}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// A child process killed on drop.

@@ -111,6 +111,21 @@ impl Decision {
         let chosen = self.chosen?;
         self.scored.iter().find(|s| s.index == chosen)
     }
+
+    /// Candidate indexes to try in order: the chosen pod, then the other
+    /// eligible pods by composite, highest first (ties in candidate order).
+    /// Empty when every pod was excluded.
+    pub fn ranked(&self) -> Vec<usize> {
+        let Some(chosen) = self.chosen else {
+            return Vec::new();
+        };
+        let mut runners_up: Vec<&ScoredPod> =
+            self.scored.iter().filter(|s| s.index != chosen).collect();
+        runners_up.sort_by(|a, b| b.composite.total_cmp(&a.composite));
+        std::iter::once(chosen)
+            .chain(runners_up.into_iter().map(|s| s.index))
+            .collect()
+    }
 }
 
 /// The configured scorers, weights and exclusion rules.

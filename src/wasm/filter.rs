@@ -8,8 +8,17 @@
 //!   the request is complete — at the body's `end_of_stream`, or at the
 //!   trailers when the request has them (HTTP/2, or HTTP/1 chunked with
 //!   `enable_trailers`), where the buffered body is still readable — and
-//!   set `x-envoy-original-dst-host` before continuing, which the
-//!   ORIGINAL_DST cluster reads;
+//!   set the routing header before continuing: `upstreamMode`
+//!   `overrideHost` sets `x-gateway-destination-endpoint` to the
+//!   destinations, comma-separated, which Envoy's override-host policy
+//!   takes one per attempt (only addresses of the cluster's members, the
+//!   fallback policy after the list); `originalDst` sets
+//!   `x-envoy-original-dst-host`, which the ORIGINAL_DST cluster connects to;
+//! - `on_http_response_headers` runs for the pod's response and for
+//!   Envoy's own 503 after a failed connection, with `response.flags`,
+//!   `upstream.address` (the last attempt's host) and
+//!   `upstream.request_attempt_count` readable: what passive health
+//!   ([`crate::ejection`]) learns from, and which pod is serving;
 //! - `on_log` runs once at the end of every stream (also after local
 //!   replies and client resets): the in-flight count is released there.
 //!
@@ -32,16 +41,23 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::NoPodPolicy;
+use crate::config::{NoPodPolicy, UpstreamMode};
+use crate::ejection::UpstreamOutcome;
 use crate::index::{Merged, RecentDecisions};
 use crate::queueing::{Priority, PRIORITY_HEADER};
-use crate::router::{Attempt, ClusterView, Outcome, Rejected, Routed, Router, RoutingRequest};
+use crate::router::{
+    Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
+};
 use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
 
 mod waiting;
 
-const ROUTING_HEADER: &str = "x-envoy-original-dst-host";
+/// Where an ORIGINAL_DST cluster connects (`upstreamMode` `originalDst`).
+const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
+/// The override-host policy's source in `envoy/envoy.template.yaml`, the
+/// Gateway API Inference Extension's header (`upstreamMode` `overrideHost`).
+const OVERRIDE_HOST_HEADER: &str = "x-gateway-destination-endpoint";
 
 /// Per-worker state shared by the worker's requests.
 struct Worker {
@@ -70,6 +86,7 @@ impl RootContext for FilterRoot {
         let Some(config) = load_config(configuration, "filter") else {
             return false;
         };
+        shared::init_ejections();
         if config.on_no_eligible_pod == NoPodPolicy::Wait {
             if let Err(status) = host::set_tick_period_ms(waiting::TICK_MS) {
                 log::error!("kvroute filter: cannot start the wait-queue tick: {status}");
@@ -112,8 +129,11 @@ impl RootContext for FilterRoot {
 }
 
 struct RoutedRequest {
+    /// The pod serving it: the chosen one until a failover moves it.
     slot: usize,
     pod_id: String,
+    /// The destinations given to Envoy, in order.
+    listed: Vec<Destination>,
     composite: f64,
     cache_match: f64,
     predicted_cached_tokens: u64,
@@ -138,10 +158,13 @@ impl Context for RequestContext {}
 
 impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // An ORIGINAL_DST cluster connects wherever this header says: never
-        // let a client choose. If the host cannot remove it, refuse.
-        if host::remove_header(HeaderMap::Request, ROUTING_HEADER).is_err() {
-            return self.reject(&internal_error("cannot strip x-envoy-original-dst-host"));
+        // Envoy connects wherever these headers say (ORIGINAL_DST: any
+        // address; override-host: any member): never let a client choose,
+        // whatever the mode. If the host cannot remove them, refuse.
+        for header in [ORIGINAL_DST_HEADER, OVERRIDE_HOST_HEADER] {
+            if host::remove_header(HeaderMap::Request, header).is_err() {
+                return self.reject(&internal_error(&format!("cannot strip {header}")));
+            }
         }
         let Some(worker) = self.worker.clone() else {
             return self.reject(&internal_error("kvroute filter is not configured"));
@@ -185,6 +208,7 @@ impl HttpContext for RequestContext {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.response_ok = host::header_text(HeaderMap::Response, ":status") == "200";
         self.pick_up_dispatched();
+        self.observe_upstream();
         let (Some(routed), Some(worker)) = (&self.routed, &self.worker) else {
             return Action::Continue;
         };
@@ -326,8 +350,9 @@ impl RequestContext {
             }
             Outcome::Routed(routed) => {
                 let model_label = worker.router.model_label(&routed.model).to_string();
+                let mode = worker.router.config().upstream_mode;
                 drop(worker);
-                match deliver(&routed, &model_label, elapsed_us, &self.request_id) {
+                match deliver(&routed, mode, &model_label, elapsed_us, &self.request_id) {
                     Ok(delivered) => {
                         self.routed = Some(delivered);
                         Action::Continue
@@ -336,6 +361,70 @@ impl RequestContext {
                 }
             }
         }
+    }
+
+    /// Learns from the response's start which listed pods Envoy failed to
+    /// reach, ejecting them for every worker, and which pod is serving: after
+    /// a failover it takes over the in-flight count and the decision header.
+    fn observe_upstream(&mut self) {
+        let (Some(routed), Some(worker)) = (self.routed.as_mut(), self.worker.as_ref()) else {
+            return;
+        };
+        let last_host = host::property(&["upstream", "address"])
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
+        let outcome = UpstreamOutcome {
+            attempts: host::property_u64(&["upstream", "request_attempt_count"]).unwrap_or(1),
+            last_host: last_host.as_deref(),
+            flags: host::property_u64(&["response", "flags"]).unwrap_or(0),
+        };
+        let listed: Vec<&str> = routed.listed.iter().map(|d| d.address.as_str()).collect();
+        let failed = outcome.failed(&listed);
+        let served = outcome.served();
+        if failed.is_empty() && served.is_none_or(|address| listed.first() == Some(&address)) {
+            return;
+        }
+        let mut worker = worker.borrow_mut();
+        let Some(table) = worker.tables.current() else {
+            return;
+        };
+        let policy = worker.router.config().passive_health.clone();
+        let now_ms = host::now_ms();
+        let pod_at = |address: &str| table.pods.iter().find(|p| p.address == address);
+        for pod in failed.iter().filter_map(|address| pod_at(address)) {
+            if let Some(ejection) = shared::eject(pod, &table, now_ms, &policy) {
+                metrics::increment(&metrics::labelled(
+                    "epp_passive_ejections_total",
+                    "pod",
+                    &pod.id,
+                ));
+                event(
+                    log::Level::Warn,
+                    "pod_ejected",
+                    json!({"requestId": self.request_id, "pod": pod.id, "address": pod.address,
+                           "ejectionMs": ejection.duration_ms(), "attempts": outcome.attempts, "responseFlags": outcome.flags}),
+                );
+            }
+        }
+        let Some(server) = served.and_then(pod_at) else {
+            return;
+        };
+        if server.slot == routed.slot {
+            return;
+        }
+        metrics::increment("epp_failovers_total");
+        event(
+            log::Level::Info,
+            "failover",
+            json!({"requestId": self.request_id, "chosen": routed.pod_id, "servedBy": server.id, "attempts": outcome.attempts}),
+        );
+        if routed.counted {
+            shared::adjust_inflight(routed.slot, -1);
+            routed.counted = shared::adjust_inflight(server.slot, 1);
+        }
+        routed.slot = server.slot;
+        routed.pod_id = server.id.clone();
+        // The cache prediction was for the chosen pod.
+        routed.predicted_cached_tokens = 0;
     }
 
     /// Takes over the routing of a request the wait queue dispatched.
@@ -409,7 +498,8 @@ impl Worker {
     fn decide(&mut self, request: RoutingRequest, request_id: &str, attempt: Attempt) -> Outcome {
         self.requests = self.requests.wrapping_add(1);
         let tie_breaker = self.requests;
-        let Some(table) = self.tables.current() else {
+        let now_ms = host::now_ms();
+        let Some(table) = self.tables.routable(now_ms) else {
             return Outcome::Rejected(Rejected {
                 status: 503,
                 kind: "ServiceUnavailableError",
@@ -423,7 +513,6 @@ impl Worker {
             buckets: table.buckets,
             fetch: shared::bucket,
         };
-        let now_ms = host::now_ms();
         let view = ClusterView {
             table: &table,
             index: &Merged(&snapshot, &self.recent),
@@ -472,15 +561,24 @@ impl Worker {
 }
 
 /// Sends the effective context's request to its pod: sets the routing
-/// header, counts it in flight, records the decision's metrics (under
-/// `model_label`) and log.
+/// header of `mode`, counts it in flight, records the decision's metrics
+/// (under `model_label`) and log.
 fn deliver(
     routed: &Routed,
+    mode: UpstreamMode,
     model_label: &str,
     elapsed_us: u64,
     request_id: &str,
 ) -> Result<RoutedRequest, Rejected> {
-    if host::set_header(HeaderMap::Request, ROUTING_HEADER, &routed.address).is_err() {
+    let (header, listed) = match mode {
+        UpstreamMode::OverrideHost => (OVERRIDE_HOST_HEADER, routed.destinations.clone()),
+        UpstreamMode::OriginalDst => (
+            ORIGINAL_DST_HEADER,
+            routed.destinations.iter().take(1).cloned().collect(),
+        ),
+    };
+    let addresses: Vec<&str> = listed.iter().map(|d| d.address.as_str()).collect();
+    if host::set_header(HeaderMap::Request, header, &addresses.join(",")).is_err() {
         return Err(internal_error("cannot set the routing header"));
     }
     let counted = shared::adjust_inflight(routed.slot, 1);
@@ -527,6 +625,7 @@ fn deliver(
     Ok(RoutedRequest {
         slot: routed.slot,
         pod_id: routed.pod_id.clone(),
+        listed,
         composite: routed.composite,
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,

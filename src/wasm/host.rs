@@ -257,6 +257,13 @@ pub fn property(path: &[&str]) -> Option<Vec<u8>> {
     .flatten()
 }
 
+/// An unsigned integer property (`["upstream", "request_attempt_count"]`),
+/// which Envoy serialises as 8 bytes, little-endian.
+pub fn property_u64(path: &[&str]) -> Option<u64> {
+    let bytes: [u8; 8] = property(path)?.try_into().ok()?;
+    Some(u64::from_le_bytes(bytes))
+}
+
 /// A shared-data value and its CAS token (`None`, 0 when absent).
 pub fn shared_get(key: &str) -> HostResult<(Option<Vec<u8>>, u32)> {
     let mut data: *mut u8 = null_mut();

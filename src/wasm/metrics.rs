@@ -68,6 +68,7 @@ pub fn export_from_zero(config: &Config) {
         "epp_degraded_routing_total",
         "epp_fallback_routing_total",
         "epp_snapshot_stale_total",
+        "epp_failovers_total",
     ] {
         let _ = id(MetricKind::Counter, name);
     }
@@ -121,10 +122,9 @@ pub fn export_from_zero(config: &Config) {
 
 /// A pod's series, defined at 0 (configured or discovered pods).
 pub fn export_pod_from_zero(pod: &str) {
-    let _ = id(
-        MetricKind::Counter,
-        &labelled("epp_report_failures_total", "pod", pod),
-    );
+    for counter in ["epp_report_failures_total", "epp_passive_ejections_total"] {
+        let _ = id(MetricKind::Counter, &labelled(counter, "pod", pod));
+    }
     for gauge in ["epp_queue_depth", "epp_pod_health_score", "epp_pod_load"] {
         let _ = id(MetricKind::Gauge, &labelled(gauge, "pod", pod));
     }

@@ -255,7 +255,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         saturation.push(entry);
     }
     Ok(json!({
-        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1) behind two Envoy 1.40 (--concurrency 2): kvroute (ORIGINAL_DST + filter) and plain (STATIC cluster, no filter); closed-loop keep-alive clients on the same 2 cores, {rounds} alternating rounds of {} s per side; added = kvroute − plain percentile", phase.as_secs()),
+        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1) behind two Envoy 1.40 (--concurrency 2): kvroute (filter + override-host cluster) and plain (STATIC cluster, no filter); closed-loop keep-alive clients on the same 2 cores, {rounds} alternating rounds of {} s per side; added = kvroute − plain percentile", phase.as_secs()),
         "latency": latency,
         "saturation": saturation,
     }))

@@ -25,8 +25,8 @@
 //!   request's callback (`on_log`, a new request's body callback), and
 //!   makes the following host calls act on that request until the
 //!   callback returns: `proxy_replace_header_map_value` on its request
-//!   headers (`x-envoy-original-dst-host`, which the ORIGINAL_DST cluster
-//!   then follows), `proxy_continue_stream(0)` (resumes it), and
+//!   headers (the routing header, which the cluster then follows),
+//!   `proxy_continue_stream(0)` (resumes it), and
 //!   `proxy_send_local_response` (the 503 with `retry-after` arrives).
 //! - A client that resets its connection while its request is paused:
 //!   `on_log` runs for the request's context (within milliseconds), which
@@ -280,7 +280,8 @@ fn place(worker: &mut Worker, waiter: &Waiter<WaitingRequest>) -> Placement {
         Outcome::Routed(routed) => {
             let elapsed_us = started.elapsed().as_micros() as u64;
             let model_label = worker.router.model_label(&routed.model).to_string();
-            deliver(&routed, &model_label, elapsed_us, request_id)
+            let mode = worker.router.config().upstream_mode;
+            deliver(&routed, mode, &model_label, elapsed_us, request_id)
         }
     };
     match routed {
