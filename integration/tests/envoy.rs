@@ -6,7 +6,6 @@
 //! metrics. Run serially (`--test-threads=1`): each test owns the machine.
 
 use std::net::TcpListener;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -599,51 +598,6 @@ fn malformed_bodies_get_defined_answers() {
         requests_per_pod(&cluster).iter().sum::<u64>(),
         2,
         "rejected bodies never reached a pod"
-    );
-}
-
-#[test]
-fn spoofed_destination_header_never_reaches_its_target() {
-    let cluster = start(2, base_config(), &[], vec![]);
-    let trap = TcpListener::bind("127.0.0.1:0").unwrap();
-    let trap_address = trap.local_addr().unwrap().to_string();
-    trap.set_nonblocking(true).unwrap();
-    let touched = Arc::new(AtomicBool::new(false));
-    let flag = touched.clone();
-    let watcher = std::thread::spawn(move || {
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if trap.accept().is_ok() {
-                flag.store(true, Ordering::SeqCst);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    });
-    for path in ["/v1/completions", "/v1/models"] {
-        let body = completion("where do I go", 2).to_string();
-        let r = http::request(
-            &cluster.envoy.listen,
-            "POST",
-            path,
-            &[
-                ("content-type", "application/json"),
-                ("x-envoy-original-dst-host", &trap_address),
-            ],
-            Some(body.as_bytes()),
-            Duration::from_secs(10),
-        )
-        .expect("answer");
-        assert!(
-            r.header("x-sim-pod").is_some(),
-            "{path} answered by a pod: {} {}",
-            r.status,
-            r.body
-        );
-    }
-    watcher.join().unwrap();
-    assert!(
-        !touched.load(Ordering::SeqCst),
-        "the spoofed address was connected to"
     );
 }
 

@@ -94,9 +94,17 @@ fn override_host_sends_a_shared_prefix_to_the_pod_that_holds_it() {
     assert_eq!(counter(&cluster, "epp_failovers_total", &[]), 0.0);
 }
 
+/// In either upstream mode, a client's routing headers (a non-member alone,
+/// or listed before a member) are never connected to.
 #[test]
 fn spoofed_endpoint_headers_never_reach_a_non_member() {
-    let cluster = start(2, config("overrideHost"));
+    for mode in ["overrideHost", "originalDst"] {
+        spoofs_never_reach_a_non_member(mode);
+    }
+}
+
+fn spoofs_never_reach_a_non_member(mode: &str) {
+    let cluster = start(2, config(mode));
     let trap = TcpListener::bind("127.0.0.1:0").unwrap();
     let trap_address = trap.local_addr().unwrap().to_string();
     trap.set_nonblocking(true).unwrap();
@@ -139,7 +147,7 @@ fn spoofed_endpoint_headers_never_reach_a_non_member() {
             .expect("answer");
             assert!(
                 r.header("x-sim-pod").is_some(),
-                "{path} with {header}: {value}: answered by a pod: {} {}",
+                "{mode}: {path} with {header}: {value}: answered by a pod: {} {}",
                 r.status,
                 r.body
             );
@@ -148,7 +156,7 @@ fn spoofed_endpoint_headers_never_reach_a_non_member() {
     watcher.join().unwrap();
     assert!(
         !touched.load(Ordering::SeqCst),
-        "the spoofed address was connected to"
+        "{mode}: the spoofed address was connected to"
     );
 }
 
