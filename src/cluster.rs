@@ -157,6 +157,23 @@ pub enum PullKind {
     Metrics,
 }
 
+impl PullKind {
+    fn index(self) -> usize {
+        match self {
+            PullKind::Report => 0,
+            PullKind::Metrics => 1,
+        }
+    }
+
+    /// Log field value.
+    pub fn name(self) -> &'static str {
+        match self {
+            PullKind::Report => "report",
+            PullKind::Metrics => "metrics",
+        }
+    }
+}
+
 /// How the host answered a pull: the HTTP status (`None`: no response —
 /// connection failure, reset mid-body, timeout) and the body's size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,8 +185,15 @@ pub struct PullAnswer<'a> {
 /// A change of a pod's reporting state, to log once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Transition {
-    Failing { pod: String, failure: Failure },
-    Recovered { pod: String },
+    Failing {
+        pod: String,
+        kind: PullKind,
+        failure: Failure,
+    },
+    Recovered {
+        pod: String,
+        kind: PullKind,
+    },
 }
 
 /// What one report did to the index.
@@ -206,17 +230,22 @@ struct PodRecord {
     metrics_adapters: Vec<String>,
     last_success_ms: u64,
     inflight_at_report: u32,
-    failing: Option<Failure>,
+    /// Why each kind of pull fails, if it does ([`PullKind::index`]): one
+    /// kind failing and the other succeeding is one steady state, not a
+    /// failure and a recovery on every round.
+    failing: [Option<Failure>; 2],
     failures: u64,
 }
 
 impl PodRecord {
     /// A good answer: the pod is fresh again.
-    fn succeeded(&mut self, now_ms: u64, inflight: u32) -> Option<Transition> {
+    fn succeeded(&mut self, kind: PullKind, now_ms: u64, inflight: u32) -> Option<Transition> {
         self.last_success_ms = now_ms;
         self.inflight_at_report = inflight;
-        self.failing.take().map(|_| Transition::Recovered {
+        let failing = self.failing.get_mut(kind.index())?;
+        failing.take().map(|_| Transition::Recovered {
             pod: self.config.id.clone(),
+            kind,
         })
     }
 }
@@ -304,7 +333,7 @@ impl ClusterState {
                 metrics_adapters: Vec::new(),
                 last_success_ms: now_ms,
                 inflight_at_report: 0,
-                failing: None,
+                failing: [None, None],
                 failures: 0,
             });
         }
@@ -372,7 +401,7 @@ impl ClusterState {
             }
             Some(code) => Failure::Status(code.parse().unwrap_or(0)),
         };
-        let transition = self.record_failure(pod_id, failure.clone());
+        let transition = self.record_failure(pod_id, kind, failure.clone());
         (Err(failure), transition)
     }
 
@@ -405,7 +434,7 @@ impl ClusterState {
                     return Some(FoldStep::Partial);
                 }
                 Err(failure) => {
-                    let transition = self.record_failure(&pod, failure.clone());
+                    let transition = self.record_failure(&pod, PullKind::Report, failure.clone());
                     (Err(failure), transition)
                 }
             },
@@ -452,7 +481,7 @@ impl ClusterState {
                 self.finish_report(fold, now_ms)
             }
             Err(failure) => {
-                let transition = self.record_failure(pod_id, failure.clone());
+                let transition = self.record_failure(pod_id, PullKind::Report, failure.clone());
                 (Err(failure), transition)
             }
         }
@@ -597,7 +626,10 @@ impl ClusterState {
         record.report_load = report.gpu_utilization;
         record.reported_health = report.health;
         record.report_adapters = report.adapters;
-        (Ok(fold.summary), record.succeeded(now_ms, fold.inflight))
+        (
+            Ok(fold.summary),
+            record.succeeded(PullKind::Report, now_ms, fold.inflight),
+        )
     }
 
     /// Folds a vLLM `/metrics` page from `pod_id`.
@@ -615,7 +647,7 @@ impl ClusterState {
             Ok(metrics) => metrics,
             Err(why) => {
                 let failure = Failure::Malformed(why);
-                let transition = self.record_failure(pod_id, failure.clone());
+                let transition = self.record_failure(pod_id, PullKind::Metrics, failure.clone());
                 return (Err(failure), transition);
             }
         };
@@ -626,18 +658,28 @@ impl ClusterState {
         record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
         // (non-finite samples never get here: they read as not reported)
         record.metrics_adapters = metrics.running_adapters.unwrap_or_default();
-        (Ok(()), record.succeeded(now_ms, inflight))
+        (
+            Ok(()),
+            record.succeeded(PullKind::Metrics, now_ms, inflight),
+        )
     }
 
-    /// Counts a failed pull; a transition when the pod was not already
-    /// failing this way.
-    pub fn record_failure(&mut self, pod_id: &str, failure: Failure) -> Option<Transition> {
+    /// Counts a failed pull; a transition when that kind of pull of the
+    /// pod was not already failing this way.
+    pub fn record_failure(
+        &mut self,
+        pod_id: &str,
+        kind: PullKind,
+        failure: Failure,
+    ) -> Option<Transition> {
         let record = self.pods.iter_mut().find(|r| r.config.id == pod_id)?;
         record.failures += 1;
-        let changed = record.failing.as_ref().map(Failure::kind) != Some(failure.kind());
-        record.failing = Some(failure.clone());
+        let failing = record.failing.get_mut(kind.index())?;
+        let changed = failing.as_ref().map(Failure::kind) != Some(failure.kind());
+        *failing = Some(failure.clone());
         changed.then(|| Transition::Failing {
             pod: pod_id.to_string(),
+            kind,
             failure,
         })
     }

@@ -805,20 +805,24 @@ fn cluster_health_decays_with_staleness_and_recovers() {
 
     // Failures while stale: a transition on the first, not on repeats.
     assert!(matches!(
-        cluster.record_failure("a", Failure::Unreachable),
-        Some(Transition::Failing { ref pod, failure: Failure::Unreachable }) if pod == "a"
+        cluster.record_failure("a", PullKind::Report, Failure::Unreachable),
+        Some(Transition::Failing { ref pod, failure: Failure::Unreachable, .. }) if pod == "a"
     ));
-    assert_eq!(cluster.record_failure("a", Failure::Unreachable), None);
     assert_eq!(
-        cluster.record_failure("a", Failure::Status(503)),
+        cluster.record_failure("a", PullKind::Report, Failure::Unreachable),
+        None
+    );
+    assert_eq!(
+        cluster.record_failure("a", PullKind::Report, Failure::Status(503)),
         Some(Transition::Failing {
             pod: "a".into(),
+            kind: PullKind::Report,
             failure: Failure::Status(503)
         }),
         "a different kind of failure is a state change"
     );
     assert_eq!(
-        cluster.record_failure("a", Failure::Status(500)),
+        cluster.record_failure("a", PullKind::Report, Failure::Status(500)),
         None,
         "same kind"
     );
@@ -831,14 +835,23 @@ fn cluster_health_decays_with_staleness_and_recovers() {
     assert!(matches!(result, Err(Failure::Malformed(ref why)) if why.contains("podId")));
     assert_eq!(transition, None, "still malformed: no new transition");
     assert_eq!(cluster.failures("a"), 6);
-    assert_eq!(cluster.record_failure("nobody", Failure::Unreachable), None);
+    assert_eq!(
+        cluster.record_failure("nobody", PullKind::Report, Failure::Unreachable),
+        None
+    );
 
     // The next good report restores health and says "recovered" once.
     let t1 = t0 + 20_000;
     let body = report("a", "e1", 2, 1, false, &[], &[], 0.9);
     let (result, transition) = cluster.apply_report("a", &body, t1, 0);
     assert!(result.is_ok());
-    assert_eq!(transition, Some(Transition::Recovered { pod: "a".into() }));
+    assert_eq!(
+        transition,
+        Some(Transition::Recovered {
+            pod: "a".into(),
+            kind: PullKind::Report
+        })
+    );
     assert!(
         (cluster.health("a", t1) - 0.9).abs() < 1e-12,
         "reported health"
@@ -1107,4 +1120,54 @@ proptest! {
         prop_assert_eq!(at_once.report_query("a", "/r"), stepped.report_query("a", "/r"));
         prop_assert_eq!(at_once.pod_table(10).pods, stepped.pod_table(10).pods);
     }
+}
+
+#[test]
+fn a_report_endpoint_that_fails_beside_good_metrics_is_logged_once_not_every_round() {
+    // Stock vLLM in precise mode: the report endpoint answers 404 every
+    // round, /metrics answers 200. One failing transition, then silence;
+    // metrics successes do not "recover" the report pulls.
+    let mut cluster = ClusterState::new(&cluster_config(), 0);
+    let metrics = b"vllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n";
+    let mut transitions = Vec::new();
+    for round in 0..5u64 {
+        let now = round * 2000;
+        let (_, transition) = cluster.accept_pull(
+            "a",
+            PullKind::Report,
+            answer(Some("404"), 9),
+            |_| b"not found".to_vec(),
+            0,
+        );
+        transitions.extend(transition);
+        let (result, _) = cluster.apply_metrics("a", metrics, now, 0);
+        result.unwrap();
+        // An earlier metrics failure, then success: that kind recovers.
+        if round == 2 {
+            let (_, failing) = cluster.apply_metrics("a", b"}{\n", now, 0);
+            let (_, recovered) = cluster.apply_metrics("a", metrics, now, 0);
+            transitions.extend(failing);
+            transitions.extend(recovered);
+        }
+    }
+    assert_eq!(
+        transitions,
+        vec![
+            Transition::Failing {
+                pod: "a".into(),
+                kind: PullKind::Report,
+                failure: Failure::Status(404)
+            },
+            Transition::Failing {
+                pod: "a".into(),
+                kind: PullKind::Metrics,
+                failure: Failure::Malformed("metrics line 1: unclosed label set".into())
+            },
+            Transition::Recovered {
+                pod: "a".into(),
+                kind: PullKind::Metrics
+            },
+        ]
+    );
+    assert_eq!(cluster.failures("a"), 6, "every failure still counts");
 }

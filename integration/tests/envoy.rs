@@ -790,11 +790,13 @@ fn random_model_names_do_not_grow_the_stats() {
     std::thread::sleep(Duration::from_millis(1200)); // a stats flush
     let before = series(&cluster);
     let listen = cluster.envoy.listen.clone();
-    let handles: Vec<_> = (0..8)
+    const CLIENTS: usize = 8;
+    const NAMES_PER_CLIENT: usize = 1250;
+    let handles: Vec<_> = (0..CLIENTS)
         .map(|t| {
             let listen = listen.clone();
             std::thread::spawn(move || {
-                for i in 0..100 {
+                for i in 0..NAMES_PER_CLIENT {
                     let model = format!("random {t}-{i} {:x}", (t * 7919 + i) as u64 * 104_729);
                     let body = json!({"model": model, "prompt": "hi", "max_tokens": 1});
                     let r = http::post_json(&listen, "/v1/completions", &body.to_string()).unwrap();
@@ -809,16 +811,17 @@ fn random_model_names_do_not_grow_the_stats() {
         h.join().unwrap();
     }
     std::thread::sleep(Duration::from_millis(1200));
+    let names = CLIENTS * NAMES_PER_CLIENT;
     assert_eq!(
         series(&cluster),
         before,
-        "800 random model names added series"
+        "{names} random model names added series"
     );
     assert_eq!(
         cluster
             .envoy
             .metric("epp_routing_decisions_total", &[("model", "other")]),
-        Some(801.0)
+        Some(names as f64 + 1.0)
     );
     assert_eq!(
         cluster

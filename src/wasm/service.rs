@@ -153,17 +153,17 @@ impl ServiceRoot {
                         polling.failed(pod, host::now_ms());
                     }
                 }
-                if pull != Pull::Discovery {
-                    self.fail(pod, Failure::Unreachable);
+                if let Pull::Pod(kind) = pull {
+                    self.fail(pod, kind, Failure::Unreachable);
                 }
             }
         }
     }
 
-    fn fail(&mut self, pod: &str, failure: Failure) {
+    fn fail(&mut self, pod: &str, kind: PullKind, failure: Failure) {
         metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", pod));
         if let Some(state) = self.state.as_mut() {
-            log_transition(state.record_failure(pod, failure));
+            log_transition(state.record_failure(pod, kind, failure));
         }
     }
 
@@ -584,15 +584,15 @@ fn log_cadence(change: Option<CadenceChange>) {
 
 fn log_transition(transition: Option<Transition>) {
     match transition {
-        Some(Transition::Failing { pod, failure }) => event(
+        Some(Transition::Failing { pod, kind, failure }) => event(
             log::Level::Warn,
             "pod_report_failing",
-            json!({"pod": pod, "failure": failure.to_string()}),
+            json!({"pod": pod, "pull": kind.name(), "failure": failure.to_string()}),
         ),
-        Some(Transition::Recovered { pod }) => event(
+        Some(Transition::Recovered { pod, kind }) => event(
             log::Level::Info,
             "pod_report_recovered",
-            json!({"pod": pod}),
+            json!({"pod": pod, "pull": kind.name()}),
         ),
         None => {}
     }
