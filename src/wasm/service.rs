@@ -29,10 +29,11 @@
 //! [`PUBLISH_BUCKETS`], the rest left to the following ticks; bodies over
 //! `maxReportBytes` are never read. A step may overrun the budget by its
 //! own length (parsing one body is one step).
-//! An answer that changed no block is published with the next round (its
-//! pod's queue and load with it): at 64 idle pods a table per answer was
-//! most of the service's main-thread time. Per-pod gauges are set once
-//! per round.
+//! A report answer that changed no block is published with the next round
+//! (its pod's queue and load with it), not with a table of its own: 64
+//! idle pods answer 64 long-polls a second. Metrics answers are published
+//! as they come (their queue and load are what they are for). Per-pod
+//! gauges are set once per round.
 //!
 //! Host behaviour: a pull that fails (connection refused, reset mid-body,
 //! timeout, a body over the host's buffer limit) still calls
