@@ -533,30 +533,31 @@ fn wait_end(cluster: &Cluster, id: &str) -> Value {
         .unwrap_or_else(|| panic!("no wait_end for {id}"))
 }
 
+/// Sends `prefixed_body(id, suffix)` at standard priority and waits until
+/// it is the `position`-th waiting request.
+fn queue_standard(
+    cluster: &Cluster,
+    id: &str,
+    suffix: &str,
+    position: u32,
+) -> JoinHandle<(http::Response, Duration)> {
+    let request = spawn_body(cluster, id.into(), "standard", prefixed_body(id, suffix));
+    wait_until(
+        &format!("{position} waiting request(s)"),
+        Duration::from_secs(5),
+        || waiting(cluster) == f64::from(position),
+    );
+    request
+}
+
 #[test]
 fn a_waiting_request_holds_out_for_the_pod_caching_its_prefix_while_another_takes_the_freed_pod() {
     let cluster = affine_cluster(json!({}));
     let (holder, other) = warm_then_fill(&cluster);
     // Both wait: `affine` shares 32 of its 40 blocks with the holder's
     // cache, `fresh` shares nothing with any pod.
-    let affine = spawn_body(
-        &cluster,
-        "affine".into(),
-        "standard",
-        prefixed_body("affine", "x"),
-    );
-    wait_until("1 waiting request", Duration::from_secs(5), || {
-        waiting(&cluster) == 1.0
-    });
-    let fresh = spawn_body(
-        &cluster,
-        "fresh".into(),
-        "standard",
-        prefixed_body("fresh", "y"),
-    );
-    wait_until("2 waiting requests", Duration::from_secs(5), || {
-        waiting(&cluster) == 2.0
-    });
+    let affine = queue_standard(&cluster, "affine", "x", 1);
+    let fresh = queue_standard(&cluster, "fresh", "y", 2);
     let holder_before = cluster.sims[holder].requests();
 
     // The other pod frees first: the fresh request, behind, takes it; the
@@ -602,15 +603,7 @@ fn holding_out_ends_at_its_bound_and_the_request_takes_a_pod_with_room() {
     // affinityWaitMs 1000: the 32 of 40 blocks to gain are worth 800 ms.
     let cluster = affine_cluster(json!({"affinityWaitMs": 1000}));
     let (_, other) = warm_then_fill(&cluster);
-    let affine = spawn_body(
-        &cluster,
-        "affine".into(),
-        "standard",
-        prefixed_body("affine", "x"),
-    );
-    wait_until("1 waiting request", Duration::from_secs(5), || {
-        waiting(&cluster) == 1.0
-    });
+    let affine = queue_standard(&cluster, "affine", "x", 1);
     // Only the other pod ever frees.
     cluster.sims[other].fault(json!({"queueDepth": null}));
     let (response, took) = affine.join().expect("client");
