@@ -162,7 +162,7 @@ impl ServiceRoot {
     }
 
     fn fail(&mut self, pod: &str, kind: PullKind, failure: Failure) {
-        metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", pod));
+        count_failure(pod);
         if let Some(state) = self.state.as_mut() {
             log_transition(state.record_failure(pod, kind, failure));
         }
@@ -403,11 +403,7 @@ impl ServiceRoot {
                 }
                 // Metrics: the pod's queue and load changed.
                 Ok(None) => self.folds_unpublished = true,
-                Err(_) => metrics::increment(&metrics::labelled(
-                    "epp_report_failures_total",
-                    "pod",
-                    &folded.pod,
-                )),
+                Err(_) => count_failure(&folded.pod),
             }
         }
     }
@@ -426,6 +422,11 @@ fn reserve_heap(config: &Config) {
         .saturating_mul(16)
         .saturating_add(config.max_report_bytes.saturating_mul(RESERVED_BODIES));
     drop(std::hint::black_box(Vec::<u8>::with_capacity(bytes)));
+}
+
+/// A failed pull of `pod` (any kind), for `epp_report_failures_total`.
+fn count_failure(pod: &str) {
+    metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", pod));
 }
 
 /// The body of the current HTTP call response (empty if the host has none).
@@ -475,7 +476,7 @@ impl Context for ServiceRoot {
             if kind == PullKind::Report {
                 polling.failed(&pod, now);
             }
-            metrics::increment(&metrics::labelled("epp_report_failures_total", "pod", &pod));
+            count_failure(&pod);
         }
         self.fold();
         if self.folds_unpublished && now.saturating_sub(self.last_publish_ms) >= PUBLISH_GAP_MS {

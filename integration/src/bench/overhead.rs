@@ -342,20 +342,23 @@ fn stat_cpu_s(path: &str) -> Option<f64> {
     Some((utime + stime) / 100.0) // USER_HZ
 }
 
-/// One series, rendered alone: a full `/stats/prometheus` of 64 pods is
-/// itself a stall of the main thread the probe would measure.
+/// The series matching `name`, rendered alone: a full `/stats/prometheus`
+/// of 64 pods is itself a stall of the main thread the probe would measure.
+fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
+    crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}"))
+        .map(|r| r.body)
+        .unwrap_or_default()
+}
+
 fn metric(envoy: &Envoy, name: &str) -> Option<f64> {
-    let page = crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}")).ok()?;
-    prometheus_value(&page.body, name, &[])
+    prometheus_value(&prometheus_filtered(envoy, name), name, &[])
 }
 
 /// `epp_service_busy_us` since Envoy started: callbacks, how many took
 /// over 10 ms, and the upper bound of the highest bucket reached.
 fn service_busy(envoy: &Envoy) -> Value {
     let name = "epp_service_busy_us";
-    let page = crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}"))
-        .map(|r| r.body)
-        .unwrap_or_default();
+    let page = prometheus_filtered(envoy, name);
     let bucket = |le: &str| prometheus_value(&page, &format!("{name}_bucket"), &[("le", le)]);
     let count = prometheus_value(&page, &format!("{name}_count"), &[]);
     let within_10ms = bucket("10000");
