@@ -6,7 +6,7 @@
 //! metrics. Run serially (`--test-threads=1`): each test owns the machine.
 
 use std::net::TcpListener;
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
@@ -141,7 +141,11 @@ fn follow_up_before_any_report_finds_its_predecessors_pod() {
 
 #[test]
 fn multi_turn_conversations_stick_to_their_pod() {
-    let cluster = start(4, base_config(), &[], vec![]);
+    // Pods 10× slower than the harness default, so the 16 openings are all
+    // in flight together: at time scale 0.02 a request finishes in ~10 ms,
+    // about as long as a loaded machine takes to send all 16, and in-flight
+    // counts never reach the balance guard.
+    let cluster = start(4, base_config(), &["--time-scale", "0.2"], vec![]);
     let system = text("system prompt", 2048);
     let conversations = 16;
     let mut histories: Vec<Vec<Value>> = (0..conversations)
@@ -159,12 +163,15 @@ fn multi_turn_conversations_stick_to_their_pod() {
         // system prompt); later turns come one at a time.
         let responses: Vec<http::Response> = if turn == 1 {
             let listen = cluster.envoy.listen.clone();
+            let start_together = Arc::new(Barrier::new(conversations));
             let handles: Vec<_> = histories
                 .iter()
                 .map(|history| {
                     let body = json!({"model": "sim-model", "messages": history, "max_tokens": 16});
                     let listen = listen.clone();
+                    let start_together = start_together.clone();
                     std::thread::spawn(move || {
+                        start_together.wait();
                         http::post_json(&listen, "/v1/chat/completions", &body.to_string())
                             .expect("response")
                     })
