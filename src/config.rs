@@ -28,6 +28,11 @@ pub const MAX_PODS: usize = 64;
 /// make it about 1.3 GB of the service's memory.
 pub const MAX_INDEX_BLOCKS: usize = 16 * 1024 * 1024;
 
+/// Longest block (bytes or tokens), coarse ones included: a block is hashed
+/// from one buffer, and a longer one would resolve matches too coarsely to
+/// be of use.
+pub const MAX_BLOCK_UNITS: usize = 64 * 1024;
+
 /// Tolerance on "weights sum to 1.0".
 const WEIGHT_SUM_TOLERANCE: f64 = 1e-6;
 
@@ -253,6 +258,12 @@ pub struct Config {
     pub health_exclusion_threshold: f64,
     pub block_size_bytes: usize,
     pub block_size_tokens: usize,
+    /// Blocks of the block size before coarse blocks begin
+    /// ([`crate::hashing::BlockLayout`]).
+    pub coarse_after_blocks: usize,
+    /// A coarse block is this many blocks long (1: all blocks alike).
+    pub coarse_block_factor: usize,
+    /// Most blocks of a prompt the router hashes and matches.
     pub max_prefix_blocks: usize,
     /// Secret mixed into the first block's seed so outsiders cannot predict
     /// block hashes. Pods must hash with the same value.
@@ -326,7 +337,9 @@ impl Default for Config {
             health_exclusion_threshold: 0.3,
             block_size_bytes: 64,
             block_size_tokens: 16,
-            max_prefix_blocks: 256,
+            coarse_after_blocks: 256,
+            coarse_block_factor: 16,
+            max_prefix_blocks: 2048,
             hash_seed: String::new(),
             mode: IndexMode::Precise,
             max_index_blocks: 1_000_000,
@@ -430,6 +443,18 @@ impl Config {
         positive("blockSizeBytes", self.block_size_bytes as u64)?;
         positive("blockSizeTokens", self.block_size_tokens as u64)?;
         positive("maxPrefixBlocks", self.max_prefix_blocks as u64)?;
+        positive("coarseBlockFactor", self.coarse_block_factor as u64)?;
+        for (field, size) in [
+            ("blockSizeBytes", self.block_size_bytes),
+            ("blockSizeTokens", self.block_size_tokens),
+        ] {
+            if size.saturating_mul(self.coarse_block_factor) > MAX_BLOCK_UNITS {
+                return Err(invalid(
+                    "coarseBlockFactor",
+                    format!("{field} × coarseBlockFactor must be at most {MAX_BLOCK_UNITS}"),
+                ));
+            }
+        }
         positive("podReportIntervalMs", self.pod_report_interval_ms)?;
         positive("reportTimeoutMs", self.report_timeout_ms)?;
         positive("podCapacityBlocks", self.pod_capacity_blocks as u64)?;

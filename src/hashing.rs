@@ -1,8 +1,8 @@
 //! Chained block hashing of prompts.
 //!
-//! A prompt is cut into fixed-size blocks: `blockSizeBytes` bytes of its
-//! canonical text (text mode) or `blockSizeTokens` token IDs, each as 4
-//! little-endian bytes (token mode). Block `i`'s identifier is
+//! A prompt is cut into blocks of its canonical text (text mode, sizes in
+//! bytes) or of its token IDs, each as 4 little-endian bytes (token mode,
+//! sizes in tokens). Block `i`'s identifier is
 //!
 //! ```text
 //! h[0] = xxh64(block[0], seed)        seed = xxh64("kvroute/v1" 0 mode 0 hashSeed 0 baseModel 0 adapter, 0)
@@ -10,10 +10,24 @@
 //! ```
 //!
 //! so each hash covers the block's whole prefix, and two models (or a base
-//! model and one of its LoRA adapters) never share a block. A trailing
-//! partial block is not hashed (an engine cannot reuse it either), and at
-//! most `maxPrefixBlocks` blocks are hashed so a huge prompt costs bounded
-//! work: O(min(len, maxPrefixBlocks · blockSize)) bytes hashed.
+//! model and one of its LoRA adapters) never share a block.
+//!
+//! **Block layout** ([`BlockLayout`]): the first `coarseAfterBlocks` blocks
+//! are `blockSize` long (64 bytes or 16 tokens: vLLM's block), later ones
+//! `blockSize × coarseBlockFactor` (1 KiB or 256 tokens by default):
+//!
+//! ```text
+//! |64|64|64| … 256 fine blocks (16 KiB) … |  1 KiB  |  1 KiB  | … up to maxPrefixBlocks
+//! ```
+//!
+//! Short prompts, and the system prompts and tool definitions that open long
+//! ones, are matched block by block; past 16 KiB a match is resolved to
+//! 1 KiB, at most 1/16 of what it already covers. That keeps a 128k-token
+//! prompt at ~750 blocks instead of 8,192, and so its lookups, its pending
+//! decision and the pods' reports 11× smaller. The defaults (2,048 blocks)
+//! cover 1.77 MiB of text (~460k tokens) or 462,848 tokens. A trailing
+//! partial block is not hashed (an engine cannot reuse it either).
+//! Hashing is O(min(len, covered(maxPrefixBlocks))) bytes.
 
 use xxhash_rust::xxh64::xxh64;
 
@@ -62,60 +76,117 @@ impl ChainSeed {
     }
 }
 
-/// Hashes whole `block_size`-byte blocks of `bytes`, at most `max_blocks`.
-pub fn hash_bytes(
-    seed: &ChainSeed,
-    bytes: &[u8],
-    block_size: usize,
-    max_blocks: usize,
-) -> Vec<u64> {
-    let mut chain = Vec::with_capacity((bytes.len() / block_size).min(max_blocks));
-    let mut previous = seed.0;
-    for block in bytes.chunks_exact(block_size).take(max_blocks) {
-        previous = xxh64(block, previous);
-        chain.push(previous);
-    }
-    chain
+/// Where a prompt's blocks end, in the prompt's units (bytes or tokens):
+/// see the module documentation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLayout {
+    pub block_size: usize,
+    pub coarse_after: usize,
+    pub coarse_factor: usize,
+    pub max_blocks: usize,
 }
 
-/// Hashes whole blocks of `block_size` token IDs, at most `max_blocks`.
-pub fn hash_tokens(
-    seed: &ChainSeed,
-    tokens: &[u32],
-    block_size: usize,
-    max_blocks: usize,
-) -> Vec<u64> {
-    let mut chain = Vec::with_capacity((tokens.len() / block_size).min(max_blocks));
-    let mut previous = seed.0;
-    let mut block_bytes = Vec::with_capacity(block_size * 4);
-    for block in tokens.chunks_exact(block_size).take(max_blocks) {
-        block_bytes.clear();
-        for token in block {
-            block_bytes.extend_from_slice(&token.to_le_bytes());
+impl BlockLayout {
+    fn coarse_size(&self) -> usize {
+        self.block_size.saturating_mul(self.coarse_factor)
+    }
+
+    /// Units covered by the first `blocks` blocks.
+    pub fn covered(&self, blocks: usize) -> u64 {
+        let fine = blocks.min(self.coarse_after);
+        let coarse = blocks - fine;
+        (fine as u64).saturating_mul(self.block_size as u64)
+            + (coarse as u64).saturating_mul(self.coarse_size() as u64)
+    }
+
+    /// The same layout without its cap: what a pod caches (every full block
+    /// of the prompt, as vLLM does), of which the router sees the first
+    /// `max_blocks`.
+    pub fn uncapped(&self) -> BlockLayout {
+        BlockLayout {
+            max_blocks: usize::MAX,
+            ..*self
         }
-        previous = xxh64(&block_bytes, previous);
-        chain.push(previous);
     }
-    chain
+
+    /// The prompt's whole blocks, in order, at most `max_blocks`.
+    fn blocks<'a, T>(&self, units: &'a [T]) -> impl Iterator<Item = &'a [T]> + 'a {
+        let split = units.len().min(self.coarse_after.saturating_mul(self.block_size));
+        let (fine, coarse) = units.split_at(split);
+        fine.chunks_exact(self.block_size.max(1))
+            .chain(coarse.chunks_exact(self.coarse_size().max(1)))
+            .take(self.max_blocks)
+    }
 }
 
-/// Hashes prompts the way one configuration says: block sizes, cap and
+/// Hashes the whole blocks of `bytes` laid out by `layout`.
+pub fn hash_bytes(seed: &ChainSeed, bytes: &[u8], layout: &BlockLayout) -> Vec<u64> {
+    let mut previous = seed.0;
+    layout
+        .blocks(bytes)
+        .map(|block| {
+            previous = xxh64(block, previous);
+            previous
+        })
+        .collect()
+}
+
+/// Hashes the whole blocks of `tokens` laid out by `layout`.
+pub fn hash_tokens(seed: &ChainSeed, tokens: &[u32], layout: &BlockLayout) -> Vec<u64> {
+    let mut previous = seed.0;
+    let mut block_bytes = Vec::with_capacity(layout.coarse_size().saturating_mul(4).min(1 << 16));
+    layout
+        .blocks(tokens)
+        .map(|block| {
+            block_bytes.clear();
+            for token in block {
+                block_bytes.extend_from_slice(&token.to_le_bytes());
+            }
+            previous = xxh64(&block_bytes, previous);
+            previous
+        })
+        .collect()
+}
+
+/// Hashes prompts the way one configuration says: block layouts and
 /// secret. The simulated pods build the same hasher from the same config.
 #[derive(Debug, Clone)]
 pub struct BlockHasher {
     secret: String,
-    block_size_bytes: usize,
-    block_size_tokens: usize,
-    max_blocks: usize,
+    text: BlockLayout,
+    tokens: BlockLayout,
 }
 
 impl BlockHasher {
     pub fn from_config(config: &Config) -> BlockHasher {
+        let layout = |block_size| BlockLayout {
+            block_size,
+            coarse_after: config.coarse_after_blocks,
+            coarse_factor: config.coarse_block_factor,
+            max_blocks: config.max_prefix_blocks,
+        };
         BlockHasher {
             secret: config.hash_seed.clone(),
-            block_size_bytes: config.block_size_bytes,
-            block_size_tokens: config.block_size_tokens,
-            max_blocks: config.max_prefix_blocks,
+            text: layout(config.block_size_bytes),
+            tokens: layout(config.block_size_tokens),
+        }
+    }
+
+    /// The same hasher without the router's cap: what a pod caches. Its
+    /// chains start with the capped ones.
+    pub fn uncapped(&self) -> BlockHasher {
+        BlockHasher {
+            secret: self.secret.clone(),
+            text: self.text.uncapped(),
+            tokens: self.tokens.uncapped(),
+        }
+    }
+
+    /// The layout of `prompt`'s kind.
+    pub fn layout(&self, prompt: &Prompt) -> &BlockLayout {
+        match prompt {
+            Prompt::Text(_) => &self.text,
+            Prompt::Tokens(_) => &self.tokens,
         }
     }
 
@@ -126,23 +197,70 @@ impl BlockHasher {
             Prompt::Text(bytes) => {
                 let seed =
                     ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Text);
-                hash_bytes(&seed, bytes, self.block_size_bytes, self.max_blocks)
+                hash_bytes(&seed, bytes, &self.text)
             }
             Prompt::Tokens(tokens) => {
                 let seed =
                     ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Tokens);
-                hash_tokens(&seed, tokens, self.block_size_tokens, self.max_blocks)
+                hash_tokens(&seed, tokens, &self.tokens)
             }
         }
     }
 
-    /// Tokens in one block of `prompt`'s kind, counting a text block as
-    /// `blockSizeBytes / 4` tokens (the simulator's tokenizer).
-    pub fn tokens_per_block(&self, prompt: &Prompt) -> u64 {
-        match prompt {
-            Prompt::Text(_) => (self.block_size_bytes / BYTES_PER_TOKEN) as u64,
-            Prompt::Tokens(_) => self.block_size_tokens as u64,
+    /// How much of `prompt` its first blocks cover.
+    pub fn coverage(&self, prompt: &Prompt) -> Coverage {
+        Coverage {
+            layout: *self.layout(prompt),
+            prompt_units: prompt.len() as u64,
+            units_per_token: match prompt {
+                Prompt::Text(_) => BYTES_PER_TOKEN as u64,
+                Prompt::Tokens(_) => 1,
+            },
         }
+    }
+}
+
+/// How much of one prompt a matched chain prefix covers: the true share of
+/// the whole prompt (partial tail and unhashed rest included) and its
+/// tokens, counting a text token as [`BYTES_PER_TOKEN`] bytes (the
+/// simulator's tokenizer, and the estimate for predictions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coverage {
+    layout: BlockLayout,
+    prompt_units: u64,
+    units_per_token: u64,
+}
+
+impl Coverage {
+    /// A prompt routed by load alone: nothing to cover.
+    pub const NONE: Coverage = Coverage {
+        layout: BlockLayout {
+            block_size: 1,
+            coarse_after: 0,
+            coarse_factor: 1,
+            max_blocks: 0,
+        },
+        prompt_units: 0,
+        units_per_token: 1,
+    };
+
+    /// Share of the whole prompt the first `blocks` blocks cover.
+    pub fn fraction(&self, blocks: u32) -> f64 {
+        if self.prompt_units == 0 {
+            return 0.0;
+        }
+        self.units(blocks) as f64 / self.prompt_units as f64
+    }
+
+    /// Prompt tokens the first `blocks` blocks cover.
+    pub fn tokens(&self, blocks: u32) -> u64 {
+        self.units(blocks) / self.units_per_token.max(1)
+    }
+
+    fn units(&self, blocks: u32) -> u64 {
+        self.layout
+            .covered(blocks as usize)
+            .min(self.prompt_units)
     }
 }
 
@@ -153,6 +271,16 @@ pub const BYTES_PER_TOKEN: usize = 4;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Blocks of `size` all the way, at most `max`.
+    fn uniform(size: usize, max: usize) -> BlockLayout {
+        BlockLayout {
+            block_size: size,
+            coarse_after: usize::MAX,
+            coarse_factor: 1,
+            max_blocks: max,
+        }
+    }
 
     /// Fixed vectors, computed independently with the reference xxHash
     /// (python-xxhash): the same values must come out on the host and in
@@ -166,7 +294,7 @@ mod tests {
             "seed {:#x}",
             seed.value()
         );
-        let chain = hash_bytes(&seed, b"abcdefghijklmnopqrstuvwxyz0123456789", 8, 256);
+        let chain = hash_bytes(&seed, b"abcdefghijklmnopqrstuvwxyz0123456789", &uniform(8, 256));
         let expected = [
             0x85a5_244b_becd_b716,
             0xe1ad_c143_6704_99be,
@@ -177,8 +305,7 @@ mod tests {
         let tokens = hash_tokens(
             &ChainSeed::new("", "m", None, BlockMode::Tokens),
             &[1, 2, 3, 4, 5],
-            2,
-            256,
+            &uniform(2, 256),
         );
         assert_eq!(
             tokens,
@@ -191,13 +318,13 @@ mod tests {
     #[test]
     fn each_block_covers_its_prefix() {
         let seed = ChainSeed::new("", "m", None, BlockMode::Text);
-        let a = hash_bytes(&seed, b"AAAABBBBCCCC", 4, 256);
-        let b = hash_bytes(&seed, b"XAAABBBBCCCC", 4, 256);
+        let a = hash_bytes(&seed, b"AAAABBBBCCCC", &uniform(4, 256));
+        let b = hash_bytes(&seed, b"XAAABBBBCCCC", &uniform(4, 256));
         assert!(
             a.iter().zip(&b).all(|(x, y)| x != y),
             "a change in block 0 changes every later hash"
         );
-        let c = hash_bytes(&seed, b"AAAABBBBDDDD", 4, 256);
+        let c = hash_bytes(&seed, b"AAAABBBBDDDD", &uniform(4, 256));
         assert_eq!(a[..2], c[..2]);
         assert_ne!(a[2], c[2]);
     }
@@ -205,10 +332,62 @@ mod tests {
     #[test]
     fn partial_blocks_and_cap() {
         let seed = ChainSeed::new("", "m", None, BlockMode::Text);
-        assert_eq!(hash_bytes(&seed, b"abc", 4, 256).len(), 0);
-        assert_eq!(hash_bytes(&seed, b"abcdefg", 4, 256).len(), 1);
-        assert_eq!(hash_bytes(&seed, &[7u8; 4000], 4, 256).len(), 256);
-        assert_eq!(hash_tokens(&seed, &[1; 33], 16, 256).len(), 2);
+        assert_eq!(hash_bytes(&seed, b"abc", &uniform(4, 256)).len(), 0);
+        assert_eq!(hash_bytes(&seed, b"abcdefg", &uniform(4, 256)).len(), 1);
+        assert_eq!(hash_bytes(&seed, &[7u8; 4000], &uniform(4, 256)).len(), 256);
+        assert_eq!(hash_tokens(&seed, &[1; 33], &uniform(16, 256)).len(), 2);
+    }
+
+    #[test]
+    fn coarse_blocks_follow_the_fine_ones() {
+        let seed = ChainSeed::new("", "m", None, BlockMode::Text);
+        let layout = BlockLayout {
+            block_size: 4,
+            coarse_after: 2,
+            coarse_factor: 3,
+            max_blocks: 4,
+        };
+        // 8 fine bytes, then 12-byte blocks; the 6-byte tail is not hashed.
+        let bytes = b"aaaabbbbccccccccccccddddddddddddeeeeee";
+        let chain = hash_bytes(&seed, bytes, &layout);
+        let mut expected = Vec::new();
+        let mut previous = seed.value();
+        for block in [&bytes[..4], &bytes[4..8], &bytes[8..20], &bytes[20..32]] {
+            previous = xxh64(block, previous);
+            expected.push(previous);
+        }
+        assert_eq!(chain, expected);
+        assert_eq!(
+            [0, 1, 2, 3, 4].map(|n| layout.covered(n)),
+            [0, 4, 8, 20, 32]
+        );
+        // The router's capped chain is where the pod's whole chain starts.
+        let longer = [&bytes[..], &[b'f'; 30][..]].concat();
+        let whole = hash_bytes(&seed, &longer, &layout.uncapped());
+        assert_eq!(whole.len(), 7);
+        assert_eq!(whole[..4], hash_bytes(&seed, &longer, &layout)[..]);
+    }
+
+    #[test]
+    fn the_defaults_match_a_128k_token_prompt_end_to_end() {
+        let hasher = BlockHasher::from_config(&Config::default());
+        let target = ModelTarget {
+            base_model: "m".into(),
+            adapter: None,
+        };
+        let prompt = Prompt::Text(vec![b'x'; 512 * 1024]);
+        let chain = hasher.chain(&target, &prompt);
+        assert_eq!(chain.len(), 256 + 496, "16 KiB fine, then 1 KiB blocks");
+        let coverage = hasher.coverage(&prompt);
+        assert_eq!(coverage.fraction(chain.len() as u32), 1.0);
+        assert_eq!(coverage.tokens(chain.len() as u32), 131_072);
+        assert_eq!(coverage.tokens(256), 4096);
+        // The share counts the whole prompt, the unhashed tail included.
+        let short = Prompt::Text(vec![b'x'; 100]);
+        assert_eq!(hasher.coverage(&short).fraction(1), 0.64);
+        let tokens = Prompt::Tokens(vec![7; 300_000]);
+        assert_eq!(hasher.chain(&target, &tokens).len(), 256 + 1155);
+        assert_eq!(Coverage::NONE.fraction(3), 0.0);
     }
 
     #[test]

@@ -30,7 +30,7 @@
 //! decayed from its last report as the service would have done.
 
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
-use crate::hashing::BlockHasher;
+use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
 use crate::request::parse_request;
 use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
@@ -199,8 +199,9 @@ pub struct RoutingRequest {
     pub adapter: Option<String>,
     /// The prompt's block chain; empty when routing by load alone.
     pub chain: Vec<u64>,
-    /// Prompt tokens per block (for the predicted cached tokens).
-    pub tokens_per_block: u64,
+    /// How much of the whole prompt a matched prefix covers (the cache
+    /// match and the predicted cached tokens).
+    pub coverage: Coverage,
     /// Why cache-aware routing is skipped, for a bad or unknown request.
     pub degraded: Option<String>,
 }
@@ -212,7 +213,7 @@ impl RoutingRequest {
             model,
             adapter: None,
             chain: Vec::new(),
-            tokens_per_block: 0,
+            coverage: Coverage::NONE,
             degraded: Some(degraded),
         }
     }
@@ -288,7 +289,7 @@ impl Router {
             model,
             adapter,
             chain,
-            tokens_per_block,
+            coverage,
             degraded: request_degraded,
         } = request;
         // A request that waits is routed again later, as it came.
@@ -298,7 +299,7 @@ impl Router {
                     model: model.clone(),
                     adapter: adapter.clone(),
                     chain,
-                    tokens_per_block,
+                    coverage,
                     degraded: request_degraded.clone(),
                 },
                 rejected,
@@ -330,11 +331,7 @@ impl Router {
                 Candidate {
                     slot: pod.slot,
                     id: &pod.id,
-                    cache_match: if chain.is_empty() {
-                        0.0
-                    } else {
-                        f64::from(matched) / chain.len() as f64
-                    },
+                    cache_match: coverage.fraction(matched),
                     inflight,
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
@@ -386,7 +383,7 @@ impl Router {
         if !fallback {
             let hold = self.hold_out(&decision, &candidates, &matches, matched_blocks);
             if let Some(hold) =
-                hold.filter(|h| attempt.holding_ms() < self.hold_bound_ms(h, &chain))
+                hold.filter(|h| attempt.holding_ms() < self.hold_bound_ms(h, &coverage))
             {
                 let rejected = self.holding_out_rejection(&hold, chain.len());
                 return waiting(chain, rejected, Some(hold));
@@ -421,7 +418,7 @@ impl Router {
             chain,
             matched_blocks,
             composite,
-            predicted_cached_tokens: u64::from(matched_blocks) * tokens_per_block,
+            predicted_cached_tokens: coverage.tokens(matched_blocks),
             degraded,
             fallback,
             stale_snapshot,
@@ -461,13 +458,12 @@ impl Router {
     }
 
     /// How long a request may hold out in all for `hold`:
-    /// `affinityWaitMs` × the share of its `chain` cached on the full pod
+    /// `affinityWaitMs` × the share of the prompt cached on the full pod
     /// and not on the pod with room — the wait worth the prefill it saves,
     /// `affinityWaitMs` being the wait worth a whole prompt's.
-    pub fn hold_bound_ms(&self, hold: &HoldOut, chain: &[u64]) -> u64 {
-        let saved = u64::from(hold.held_blocks.saturating_sub(hold.offered_blocks));
-        let blocks = (chain.len() as u64).max(1);
-        self.config.affinity_wait_bound_ms().saturating_mul(saved) / blocks
+    pub fn hold_bound_ms(&self, hold: &HoldOut, coverage: &Coverage) -> u64 {
+        let saved = coverage.fraction(hold.held_blocks) - coverage.fraction(hold.offered_blocks);
+        (self.config.affinity_wait_bound_ms() as f64 * saved.max(0.0)) as u64
     }
 
     /// The 503 of a request holding out, if it cannot wait any longer.
@@ -550,7 +546,7 @@ impl Router {
         match self.config.resolve_model(&request.model) {
             Some(target) => Ok(RoutingRequest {
                 chain: self.hasher.chain(&target, &request.prompt),
-                tokens_per_block: self.hasher.tokens_per_block(&request.prompt),
+                coverage: self.hasher.coverage(&request.prompt),
                 adapter: target.adapter,
                 model: request.model,
                 degraded: None,
@@ -782,7 +778,7 @@ mod tests {
         );
         // The whole prompt to gain: two thirds of maxWaitMs (20 s).
         assert_eq!(
-            case.router.hold_bound_ms(&hold, &case.request.chain),
+            case.router.hold_bound_ms(&hold, &case.request.coverage),
             20_000
         );
         let waiting = |holding_ms| Attempt::Waiting { holding_ms };
@@ -793,7 +789,7 @@ mod tests {
         let partial = HoldOutCase::new(config(), 20, 4);
         let hold = held_out(partial.route([0, 0], Attempt::Arrival));
         assert_eq!(
-            partial.router.hold_bound_ms(&hold, &partial.request.chain),
+            partial.router.hold_bound_ms(&hold, &partial.request.coverage),
             8_000
         );
         assert_eq!(routed_to(partial.route([0, 0], waiting(8_000))), "b");

@@ -61,7 +61,14 @@ fn defaults() {
         (config.block_size_bytes, config.block_size_tokens),
         (64, 16)
     );
-    assert_eq!(config.max_prefix_blocks, 256);
+    assert_eq!(
+        (
+            config.coarse_after_blocks,
+            config.coarse_block_factor,
+            config.max_prefix_blocks
+        ),
+        (256, 16, 2048)
+    );
     assert_eq!(config.hash_seed, "");
     assert_eq!(config.mode, IndexMode::Precise);
     assert_eq!(config.max_index_blocks, 1_000_000);
@@ -253,8 +260,12 @@ fn every_numeric_rule_names_its_field() {
     rejects(&with_pods(r#""reportLongPoll": "no""#), "reportLongPoll");
     rejects(&with_pods(r#""podCapacityBlocks": 0"#), "podCapacityBlocks");
     rejects(&with_pods(r#""maxBodyBytes": 0"#), "maxBodyBytes");
-    rejects(&with_pods(r#""maxIndexBlocks": 255"#), "maxIndexBlocks");
-    parse(&with_pods(r#""maxIndexBlocks": 256"#)).unwrap();
+    rejects(&with_pods(r#""coarseBlockFactor": 0"#), "coarseBlockFactor");
+    // 64 bytes × 1024 = 64 KiB blocks are the longest.
+    parse(&with_pods(r#""coarseBlockFactor": 1024"#)).unwrap();
+    rejects(&with_pods(r#""coarseBlockFactor": 1025"#), "coarseBlockFactor");
+    rejects(&with_pods(r#""maxIndexBlocks": 2047"#), "maxIndexBlocks");
+    parse(&with_pods(r#""maxIndexBlocks": 2048"#)).unwrap();
     // Bounded above (memory), and never an overflowing bucket count.
     rejects(
         &with_pods(r#""maxIndexBlocks": 34359738384"#),
@@ -546,6 +557,6 @@ fn chains_separate_adapters_and_share_aliases() {
     let tokens = Prompt::Tokens((0..100).collect());
     assert_eq!(hasher.chain(&target("llama-3-8b", None), &tokens).len(), 6);
     // A 64-byte text block counts as 16 tokens; a token block is 16 tokens.
-    assert_eq!(hasher.tokens_per_block(&prompt), 16);
-    assert_eq!(hasher.tokens_per_block(&tokens), 16);
+    assert_eq!(hasher.coverage(&prompt).tokens(1), 16);
+    assert_eq!(hasher.coverage(&tokens).tokens(6), 96);
 }

@@ -58,13 +58,6 @@ pub fn prompt_tokens(prompt: &Prompt) -> u64 {
     }
 }
 
-/// Prompt tokens served from cache when the first `cached_blocks` blocks
-/// of the prompt's chain are cached (a prompt's trailing partial block is
-/// never cached).
-pub fn cached_tokens(cached_blocks: usize, tokens_per_block: u64, prompt_tokens: u64) -> u64 {
-    (cached_blocks as u64 * tokens_per_block).min(prompt_tokens)
-}
-
 /// Latency parameters. Durations are the unscaled (real GPU) values; every
 /// method applies `time_scale`.
 #[derive(Debug, Clone, PartialEq)]
@@ -737,7 +730,9 @@ impl PodModel {
             cache,
             adapters,
             cost,
-            hasher: BlockHasher::from_config(config),
+            // Every full block of the prompt, as vLLM caches it; the
+            // router matches the first maxPrefixBlocks of the same chain.
+            hasher: BlockHasher::from_config(config).uncapped(),
             engine: PrefillEngine::new(),
         }
     }
@@ -761,8 +756,7 @@ impl PodModel {
         let chain = self.hasher.chain(target, prompt);
         let cached_blocks = self.engine.cached_prefix(&self.cache, &chain);
         let tokens = prompt_tokens(prompt);
-        let cached_tokens =
-            cached_tokens(cached_blocks, self.hasher.tokens_per_block(prompt), tokens);
+        let cached_tokens = self.hasher.coverage(prompt).tokens(cached_blocks as u32);
         Admission {
             prefill: self.cost.prefill(tokens - cached_tokens),
             chain,

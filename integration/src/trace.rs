@@ -226,12 +226,9 @@ pub fn chunk_text(id: u64) -> Vec<u8> {
     out
 }
 
-/// The first `max_bytes` bytes of the prompt of `request` (all of it when
-/// `max_bytes ≥ input_length × 4`). The router and pods hash only whole
-/// blocks up to `maxPrefixBlocks`, so the replay builds only that much.
-pub fn prompt_prefix(request: &TraceRequest, max_bytes: usize) -> Vec<u8> {
-    let total = (request.input_length as usize).saturating_mul(BYTES_PER_TOKEN);
-    let len = total.min(max_bytes);
+/// The full prompt text of `request`: `input_length × 4` ASCII bytes.
+pub fn prompt_text(request: &TraceRequest) -> String {
+    let len = (request.input_length as usize).saturating_mul(BYTES_PER_TOKEN);
     let mut out = Vec::with_capacity(len);
     for &id in &request.hash_ids {
         if out.len() >= len {
@@ -247,12 +244,7 @@ pub fn prompt_prefix(request: &TraceRequest, max_bytes: usize) -> Vec<u8> {
         let want = len - out.len();
         generate(&mut out, header.as_bytes(), seed, want);
     }
-    out
-}
-
-/// The full prompt text of `request`: `input_length × 4` ASCII bytes.
-pub fn prompt_text(request: &TraceRequest) -> String {
-    String::from_utf8(prompt_prefix(request, usize::MAX)).expect("generated text is ASCII")
+    String::from_utf8(out).expect("generated text is ASCII")
 }
 
 /// An OpenAI `/v1/completions` body for `request`: the prompt text, and
@@ -321,10 +313,6 @@ mod tests {
         let d = prompt_text(&request(4, 600, &[5]));
         assert_eq!(c.len(), 2400);
         assert_ne!(c[CHUNK_BYTES..], d[CHUNK_BYTES..]);
-        assert_eq!(
-            prompt_prefix(&request(3, 600, &[5]), 100),
-            c.as_bytes()[..100]
-        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use kvroute::config::Config;
-use kvroute::hashing::BlockHasher;
+use kvroute::hashing::{BlockHasher, Coverage};
 use kvroute::request::parse_request;
 use serde_json::{json, Value};
 
@@ -39,18 +39,19 @@ pub struct BenchRequest {
     pub body: String,
     /// `x-session-id` (session-hashing key).
     pub session: String,
-    /// Block chain the router and the pods compute for this prompt.
+    /// Block chain the pods compute for this prompt (every full block; the
+    /// router matches its first `maxPrefixBlocks`).
     pub chain: Vec<u64>,
-    /// Prompt tokens (simulated tokenizer) and tokens per hashed block.
+    /// Prompt tokens (simulated tokenizer) and how blocks cover them.
     pub prompt_tokens: u64,
-    pub block_tokens: u64,
+    pub coverage: Coverage,
     pub output_tokens: u64,
 }
 
 impl BenchRequest {
     /// Tokens a cache holding the first `blocks` blocks saves.
     pub fn cached_tokens(&self, blocks: usize) -> u64 {
-        (blocks as u64 * self.block_tokens).min(self.prompt_tokens)
+        self.coverage.tokens(blocks as u32)
     }
 }
 
@@ -205,7 +206,7 @@ fn stream_fields(body: &mut Value) {
 /// Hashes drafts the way the router and the pods will.
 fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest> {
     let config = parse_plugin(plugin);
-    let hasher = BlockHasher::from_config(&config);
+    let hasher = BlockHasher::from_config(&config).uncapped();
     drafts
         .into_iter()
         .zip(times)
@@ -226,7 +227,7 @@ fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest
                 session: d.session,
                 chain,
                 prompt_tokens: prompt_tokens(&parsed.prompt),
-                block_tokens: hasher.tokens_per_block(&parsed.prompt),
+                coverage: hasher.coverage(&parsed.prompt),
                 output_tokens: d.output_tokens,
             }
         })

@@ -58,7 +58,7 @@ use kvroute::snapshot::{PodTable, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
 use super::workload::{Request, Workload};
-use crate::model::{cached_tokens, CostModel, KvCache, PodLoad, PrefillEngine, DEFAULT_LOG_EVENTS};
+use crate::model::{CostModel, KvCache, PodLoad, PrefillEngine, DEFAULT_LOG_EVENTS};
 
 /// The report service's tick: due report calls go out on it (or on an
 /// answer), a round (publication) on the first tick it is due.
@@ -222,11 +222,7 @@ pub fn cache_bound(workload: &Workload, capacity: Option<usize>) -> f64 {
     let mut cache = KvCache::new(capacity.unwrap_or(usize::MAX), 1);
     let (mut cached, mut prompt) = (0u64, 0u64);
     for r in &workload.requests {
-        cached += cached_tokens(
-            cache.cached_prefix(&r.chain),
-            r.block_tokens,
-            r.prompt_tokens,
-        );
+        cached += r.coverage.tokens(cache.cached_prefix(&r.chain) as u32);
         prompt += r.prompt_tokens;
         cache.insert_chain(&r.chain);
     }
@@ -657,11 +653,7 @@ impl<'a> Simulation<'a> {
         let state = &mut self.pods[pod];
         state.slots_used += 1;
         state.prefill_queued += 1;
-        let cached = cached_tokens(
-            state.engine.cached_prefix(&state.cache, &request.chain),
-            request.block_tokens,
-            request.prompt_tokens,
-        );
+        let cached = request.coverage.tokens(state.engine.cached_prefix(&state.cache, &request.chain) as u32);
         let cost = &self.spec.cost;
         let slot = state.engine.schedule(
             cost,
@@ -795,8 +787,9 @@ impl<'a> KvrouteView<'a> {
             RoutingRequest {
                 model: String::new(),
                 adapter: None,
-                chain: request.chain.clone(),
-                tokens_per_block: request.block_tokens,
+                // The router sees the first maxPrefixBlocks of the pods' chain.
+                chain: request.chain[..request.chain.len().min(self.config.max_prefix_blocks)].to_vec(),
+                coverage: request.coverage,
                 degraded: None,
             }
         } else {
@@ -958,11 +951,7 @@ mod tests {
             let admission = model.admit(&target, &prompt);
             assert_eq!(admission.chain, r.chain);
             assert_eq!(admission.prompt_tokens, r.prompt_tokens);
-            let cached = cached_tokens(
-                model.cache.cached_prefix(&r.chain),
-                r.block_tokens,
-                r.prompt_tokens,
-            );
+            let cached = r.coverage.tokens(model.cache.cached_prefix(&r.chain) as u32);
             assert_eq!(admission.cached_tokens, cached);
             assert_eq!(admission.prefill, cost.prefill(r.prompt_tokens - cached));
             model.finish_prefill(&admission);

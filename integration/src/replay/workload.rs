@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use kvroute::config::{Config, ModelTarget};
-use kvroute::hashing::BlockHasher;
+use kvroute::hashing::{BlockHasher, Coverage};
 use kvroute::request::{parse_request, Prompt};
 use serde_json::Value;
 
@@ -23,11 +23,12 @@ pub struct Request {
     pub arrival_us: u64,
     pub prompt_tokens: u64,
     pub output_tokens: u64,
-    /// The prompt's block chain (router and pods alike).
+    /// The prompt's block chain as the pods cache it: every full block (the
+    /// router matches the first `maxPrefixBlocks`).
     pub chain: Vec<u64>,
-    /// Prompt tokens per chain block (text blocks count 4 bytes a token,
-    /// as the pods do).
-    pub block_tokens: u64,
+    /// How blocks cover the prompt's tokens (text blocks count 4 bytes a
+    /// token, as the pods do).
+    pub coverage: Coverage,
     /// The router can read the body (within `maxBodyBytes`): else it routes
     /// by load alone, as the filter does.
     pub routable: bool,
@@ -83,20 +84,16 @@ impl Workload {
         model: &str,
         speedup: f64,
     ) -> Workload {
-        let hasher = BlockHasher::from_config(config);
+        let hasher = BlockHasher::from_config(config).uncapped();
         let target = ModelTarget {
             base_model: model.to_string(),
             adapter: None,
         };
-        // Only whole blocks up to maxPrefixBlocks are hashed: build no more text.
-        let hashed_bytes = config
-            .block_size_bytes
-            .saturating_mul(config.max_prefix_blocks);
         let out = requests
             .iter()
             .map(|r| {
-                let text = trace::prompt_prefix(r, hashed_bytes);
-                let chain = hasher.chain(&target, &Prompt::Text(text));
+                let prompt = Prompt::Text(trace::prompt_text(r).into_bytes());
+                let chain = hasher.chain(&target, &prompt);
                 // The completions body: the prompt plus ~100 bytes of JSON.
                 let body_bytes = (r.input_length as usize).saturating_mul(4) + 128;
                 Request {
@@ -106,7 +103,7 @@ impl Workload {
                     output_tokens: r.output_length.max(1),
                     routable: body_bytes <= config.max_body_bytes,
                     session_key: r.hash_ids.first().copied().unwrap_or(r.line as u64),
-                    block_tokens: hasher.tokens_per_block(&Prompt::Text(Vec::new())),
+                    coverage: hasher.coverage(&prompt),
                     chain,
                 }
             })
@@ -120,7 +117,7 @@ impl Workload {
     /// routing core's own parser; `max_tokens` (else
     /// `max_completion_tokens`, else 16) is the output length.
     pub fn from_openai(text: &str, config: &Config, speedup: f64) -> Result<Workload, TraceError> {
-        let hasher = BlockHasher::from_config(config);
+        let hasher = BlockHasher::from_config(config).uncapped();
         let mut out = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             if raw.trim().is_empty() {
@@ -191,7 +188,7 @@ impl Workload {
                 output_tokens: output,
                 routable: bytes.len() <= config.max_body_bytes,
                 session_key: chain.first().copied().unwrap_or(line as u64),
-                block_tokens: hasher.tokens_per_block(&parsed.prompt),
+                coverage: hasher.coverage(&parsed.prompt),
                 chain,
             });
         }
