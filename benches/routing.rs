@@ -20,6 +20,11 @@
 //!
 //! Afterwards it prints memory per indexed block and the median and p99 of
 //! 10,000 individually timed end-to-end (tree) iterations.
+//!
+//! `prepare_*`: `Router::prepare` of a request body — JSON parse, canonical
+//! prompt, block chain — for completions bodies of 16 KiB, 128 KiB and
+//! 512 KiB (128k tokens) and a 512 KiB chat body of 64 messages, with the
+//! default block layout (the whole prompt is hashed).
 
 use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
@@ -30,6 +35,7 @@ use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::BlockHasher;
 use kvroute::index::{PrefixLookup, PrefixMatch, PrefixTree};
 use kvroute::request::Prompt;
+use kvroute::router::Router;
 use kvroute::scoring::{Candidate, Decision, ScoringPolicy};
 use kvroute::snapshot::{SnapshotIndex, SnapshotPublisher};
 
@@ -312,5 +318,49 @@ fn latency(n: u64, mut run: impl FnMut(u64) -> Decision) -> (f64, f64, f64) {
     (at(0.5), at(0.99), samples[samples.len() - 1])
 }
 
-criterion_group!(benches, routing);
+/// Request bodies of about `bytes` bytes: a completions prompt, or chat
+/// messages of 8 KiB each.
+fn body(bytes: usize, chat: bool) -> Vec<u8> {
+    let mut rng = Rng(bytes as u64);
+    let text = |rng: &mut Rng, n: usize| String::from_utf8(self::text(rng, n)).expect("ASCII");
+    let value = if chat {
+        let messages: Vec<serde_json::Value> = (0..bytes / 8192)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                serde_json::json!({"role": role, "content": text(&mut rng, 8192)})
+            })
+            .collect();
+        serde_json::json!({"model": "m", "messages": messages, "max_tokens": 16})
+    } else {
+        serde_json::json!({"model": "m", "prompt": text(&mut rng, bytes), "max_tokens": 16})
+    };
+    value.to_string().into_bytes()
+}
+
+fn prepare(c: &mut Criterion) {
+    let config = Config::parse(
+        br#"{"pods": [{"id": "a", "address": "127.0.0.1:1"}], "models": {"m": {"baseModel": "m"}}}"#,
+    )
+    .expect("config");
+    let router = Router::new(config);
+    let mut group = c.benchmark_group("prepare");
+    group
+        .sample_size(30)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    for (name, bytes, chat) in [
+        ("prepare_16KiB", 16 * 1024, false),
+        ("prepare_128KiB", 128 * 1024, false),
+        ("prepare_512KiB", 512 * 1024, false),
+        ("prepare_512KiB_chat", 512 * 1024, true),
+    ] {
+        let body = body(bytes, chat);
+        let blocks = router.prepare(&body, chat).expect("prepares").chain.len();
+        eprintln!("{name}: {} body bytes, {blocks} blocks", body.len());
+        group.bench_function(name, |b| b.iter(|| router.prepare(black_box(&body), chat)));
+    }
+    group.finish();
+}
+
+criterion_group!(benches, routing, prepare);
 criterion_main!(benches);

@@ -7,7 +7,8 @@
 //! 2. The model is resolved through `models`; an unknown one follows
 //!    `onUnknownModel` (route by load alone, or 404).
 //! 3. The prompt is hashed into its block chain and looked up in the index
-//!    view; each pod's cache match = matched blocks / chain length.
+//!    view; each pod's cache match = the share of the whole prompt its
+//!    matched blocks cover ([`Coverage`]).
 //! 4. Candidates: the published pods, queue = reported queue + requests
 //!    routed to the pod since its report (the in-flight counters), so a
 //!    burst between two reports spreads instead of piling on the hot pod.
@@ -20,7 +21,7 @@
 //! 6. Under `"wait"`, a request whose chosen pod caches fewer of its blocks
 //!    than a pod excluded at `maxQueue` is handed back too, *holding out*
 //!    for that pod ([`HoldOut`]), for at most `affinityWaitMs` × the share
-//!    of its blocks it would save ([`Router::hold_bound_ms`]) in all; the
+//!    of the prompt it would save ([`Router::hold_bound_ms`]) in all; the
 //!    wait queue then offers the room to the next waiting request
 //!    ([`crate::queueing`]). A request leaving the wait queue
 //!    ([`Attempt::Waiting`]) is scored without the balance guard.

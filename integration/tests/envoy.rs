@@ -228,6 +228,58 @@ fn multi_turn_conversations_stick_to_their_pod() {
 }
 
 #[test]
+fn long_conversations_follow_their_own_history_past_a_shared_head() {
+    // 8 conversations share a 24 KiB head (system prompt, tool definitions)
+    // and each carries 40 KiB of its own history: past the head only that
+    // history tells them apart. Every turn 2 must follow its turn 1, with
+    // the whole turn-1 prompt cached (not just the 4k tokens of the head).
+    let cluster = start(4, base_config(), &[], vec![]);
+    let head = text("shared head", 24 * 1024);
+    let mut histories: Vec<Vec<Value>> = (0..8)
+        .map(|c| {
+            vec![
+                json!({"role": "system", "content": head}),
+                json!({"role": "user", "content": text(&format!("conversation {c} history"), 40 * 1024)}),
+            ]
+        })
+        .collect();
+    let send = |history: &[Value]| {
+        let body = json!({"model": "sim-model", "messages": history, "max_tokens": 4});
+        cluster.post("/v1/chat/completions", &body)
+    };
+    let first: Vec<(String, u64)> = histories
+        .iter()
+        .map(|history| {
+            let r = send(history);
+            let prompt_tokens = r.json().unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+            (served_by(&r), prompt_tokens)
+        })
+        .collect();
+    cluster.wait_reports(2);
+    for (c, history) in histories.iter_mut().enumerate() {
+        history.push(json!({"role": "assistant", "content": "ok"}));
+        history.push(json!({"role": "user", "content": "and then?"}));
+        let r = send(history);
+        let pod = served_by(&r);
+        let cached = r.json().unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let matched: f64 = r
+            .header("x-kvroute-cache-match")
+            .and_then(|v| v.parse().ok())
+            .expect("x-kvroute-cache-match");
+        let (turn1_pod, turn1_tokens) = &first[c];
+        assert_eq!(&pod, turn1_pod, "conversation {c}'s turn 2");
+        // Everything turn 1 computed but its last partial 1 KiB block.
+        assert!(
+            cached + 256 >= *turn1_tokens,
+            "conversation {c}: {cached} of turn 1's {turn1_tokens} tokens cached"
+        );
+        assert!(matched > 0.95, "conversation {c}: cache match {matched}");
+    }
+}
+
+#[test]
 fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     // Slow pods (time scale 0.5, 4 concurrent) so 50 requests are all in
     // flight at once; maxQueue 20.

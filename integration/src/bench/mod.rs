@@ -2,9 +2,9 @@
 //! pick instead (SGLang Model Gateway, vLLM's router) and Envoy's built-in
 //! balancers, on the same simulated pods, in one run.
 //!
-//! - [`workload`]: the five workloads (shared-prefix groups, multi-turn
+//! - [`workload`]: the six workloads (shared-prefix groups, multi-turn
 //!   chat, LoRA multi-tenant, Mooncake trace replay, closed-loop agentic
-//!   tool loops), KV sizing and the offline bounds (pooled LRU, infinite
+//!   tool loops, long-context coding sessions), KV sizing and the offline bounds (pooled LRU, infinite
 //!   cache);
 //! - [`stack`]: fresh pods + a router per policy (kvroute precise /
 //!   approximate in Envoy, the [`peers`], Envoy's round robin, least
@@ -58,7 +58,7 @@ pub struct BenchArgs {
     #[arg(default_value = "all")]
     pub command: String,
     /// Workload names for `workload` (shared-prefix, multi-turn, lora, trace,
-    /// agentic).
+    /// agentic, long-context).
     pub names: Vec<String>,
     /// Smaller workloads and shorter phases (a few minutes in all).
     #[arg(long)]

@@ -21,7 +21,14 @@ use crate::sim::token_text;
 use crate::trace;
 
 /// Names accepted by `kvroute-bench workload NAME`, in report order.
-pub const WORKLOADS: [&str; 5] = ["shared-prefix", "multi-turn", "lora", "trace", "agentic"];
+pub const WORKLOADS: [&str; 6] = [
+    "shared-prefix",
+    "multi-turn",
+    "lora",
+    "trace",
+    "agentic",
+    "long-context",
+];
 
 /// The working set (see [`knee`]) is this share of the cluster's KV blocks.
 pub const WORKING_SET_SHARE: f64 = 0.72;
@@ -301,6 +308,7 @@ pub fn build(name: &str, opts: &GenOptions) -> Result<Workload, String> {
         "lora" => Ok(lora(opts)),
         "trace" => trace_replay(opts),
         "agentic" => Ok(agentic(opts)),
+        "long-context" => Ok(long_context(opts)),
         other => Err(format!(
             "unknown workload {other:?} (one of {})",
             WORKLOADS.join(", ")
@@ -650,6 +658,74 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
     ))
 }
 
+/// Closed-loop tool-calling sessions: session `a` opens with a shared head
+/// (`heads[a % heads.len()]`: system prompt, tool definitions) and its own
+/// task; each later turn appends the model's answer and the next tool
+/// result. Each session starts within the first second and sends turn
+/// `t + 1` when turn `t` completes.
+struct ToolLoop {
+    heads: Vec<String>,
+    tasks: Vec<String>,
+    tools: Vec<Vec<String>>,
+    answer_tokens: u64,
+}
+
+impl ToolLoop {
+    fn body(&self, a: usize, turn: usize) -> Value {
+        let answer: String = (0..self.answer_tokens).map(token_text).collect();
+        let mut messages = vec![
+            json!({"role": "system", "content": self.heads[a % self.heads.len()]}),
+            json!({"role": "user", "content": self.tasks[a]}),
+        ];
+        for tool in &self.tools[a][..turn] {
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.push(json!({"role": "user", "content": tool}));
+        }
+        json!({"model": "sim-model", "messages": messages, "max_tokens": self.answer_tokens, "temperature": 0})
+    }
+
+    /// Tokens turn `turn` of session `a` adds to its history.
+    fn new_tokens(&self, a: usize, turn: usize) -> u64 {
+        let bytes = match turn {
+            0 => self.heads[a % self.heads.len()].len() + self.tasks[a].len(),
+            _ => self.tools[a][turn - 1].len(),
+        };
+        bytes as u64 / 4 + if turn == 0 { 0 } else { self.answer_tokens }
+    }
+
+    /// The drafts and their planned times: each turn's cached-case time
+    /// after the last (only its new tokens prefilled). The plan orders the
+    /// requests for the bounds and estimates the offered rate; the run
+    /// itself is closed-loop.
+    fn drafts(&self, rng: &mut Rng, cost: &CostModel) -> (Vec<Draft>, Vec<f64>) {
+        let (sessions, turns) = (self.tasks.len(), self.tools.first().map_or(0, Vec::len));
+        let mut planned: Vec<(f64, usize, usize)> = Vec::with_capacity(sessions * turns);
+        for a in 0..sessions {
+            let mut t = rng.unit();
+            for turn in 0..turns {
+                planned.push((t, a, turn));
+                t += service_s(cost, self.new_tokens(a, turn), self.answer_tokens);
+            }
+        }
+        planned.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let mut index_of = vec![vec![0usize; turns]; sessions];
+        for (i, &(_, a, turn)) in planned.iter().enumerate() {
+            index_of[a][turn] = i;
+        }
+        let drafts = planned
+            .iter()
+            .map(|&(_, a, turn)| Draft {
+                path: "/v1/chat/completions",
+                body: self.body(a, turn),
+                session: format!("agent-{a}"),
+                output_tokens: self.answer_tokens,
+                follows: (turn > 0).then(|| index_of[a][turn - 1]),
+            })
+            .collect();
+        (drafts, planned.iter().map(|p| p.0).collect())
+    }
+}
+
 /// 5. Agentic tool loops (closed loop): `agents` agents over a few shared
 ///    2,000-token system prompts (tool definitions), each with its own
 ///    200-token task; every turn appends the model's 64-token answer (the
@@ -672,60 +748,20 @@ fn agentic(opts: &GenOptions) -> Workload {
             )
         })
         .collect();
-    let answer: String = (0..answer_tokens).map(token_text).collect();
     let tasks: Vec<String> = (0..agents)
         .map(|a| words(&format!("agent {a} task: "), a | 5 << 60, 200 * 4))
         .collect();
     let tools = turn_texts(&mut rng, agents, turns, (150, 450), 6, |a, t| {
         format!("tool result {a}-{t}: ")
     });
-    let body = |a: usize, turn: usize| -> Value {
-        let mut messages = vec![
-            json!({"role": "system", "content": system[a % system.len()]}),
-            json!({"role": "user", "content": tasks[a]}),
-        ];
-        for tool in &tools[a][..turn] {
-            messages.push(json!({"role": "assistant", "content": answer}));
-            messages.push(json!({"role": "user", "content": tool}));
-        }
-        json!({"model": "sim-model", "messages": messages, "max_tokens": answer_tokens, "temperature": 0})
+    let tool_loop = ToolLoop {
+        heads: system,
+        tasks,
+        tools,
+        answer_tokens,
     };
-    // The planned schedule: each turn's cached-case time after the last
-    // (only the appended tokens prefilled); it orders the requests for the
-    // bounds and estimates the offered rate, the run itself is closed-loop.
-    let cost = CostModel::gpu_8b(time_scale);
-    let mut planned: Vec<(f64, usize, usize)> = Vec::with_capacity((agents * turns) as usize);
-    for (a, agent_tools) in tools.iter().enumerate() {
-        let mut t = rng.unit();
-        for turn in 0..turns as usize {
-            planned.push((t, a, turn));
-            let new_tokens = if turn == 0 {
-                2200
-            } else {
-                agent_tools[turn - 1].len() as u64 / 4 + answer_tokens
-            };
-            t += service_s(&cost, new_tokens, answer_tokens);
-        }
-    }
-    planned.sort_by(|x, y| x.0.total_cmp(&y.0));
-    let mut index_of = vec![vec![0usize; turns as usize]; agents as usize];
-    for (i, &(_, a, turn)) in planned.iter().enumerate() {
-        index_of[a][turn] = i;
-    }
-    let drafts: Vec<Draft> = planned
-        .iter()
-        .map(|&(_, a, turn)| Draft {
-            path: "/v1/chat/completions",
-            body: body(a, turn),
-            session: format!("agent-{a}"),
-            output_tokens: answer_tokens,
-            follows: (turn > 0).then(|| index_of[a][turn - 1]),
-        })
-        .collect();
-    let times: Vec<f64> = planned.iter().map(|p| p.0).collect();
-    // Histories grow to ~32 KB: hash them whole (default: the first 16 KB).
-    let mut plugin = base_plugin();
-    plugin["maxPrefixBlocks"] = json!(1024);
+    let (drafts, times) = tool_loop.drafts(&mut rng, &CostModel::gpu_8b(time_scale));
+    let plugin = base_plugin();
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let span = times.last().copied().unwrap_or(1.0).max(1e-3);
     let offered = drafts.len() as f64 / span;
@@ -742,6 +778,62 @@ fn agentic(opts: &GenOptions) -> Workload {
         cap,
         offered,
         Some(agents as usize),
+    )
+}
+
+/// 6. Coding-agent sessions with long contexts (closed loop, like
+///    [`agentic`]): `sessions` sessions over two shared 8,000-token
+///    system+tools heads, each with its own 500-token task; every turn
+///    appends the 64-token answer and a 3,000–9,000-token tool result (a
+///    file read, a test log), so a session grows to ~50k tokens (quick) or
+///    ~70k–100k tokens (full). Past the head, only a session's own history
+///    tells the sessions apart: a router that matches only the first
+///    16 KiB (4k tokens) sees one head and scatters the turns by load.
+fn long_context(opts: &GenOptions) -> Workload {
+    let (sessions, turns) = if opts.quick { (8, 7) } else { (16, 12) };
+    let heads = 2;
+    let (time_scale, max_batch) = (0.1, MAX_BATCH);
+    let answer_tokens = 64u64;
+    let mut rng = Rng::new(opts.seed ^ 7);
+    let head: Vec<String> = (0..heads)
+        .map(|h| {
+            words(
+                &format!("coding agent {h}: system prompt and tool definitions. "),
+                7000 + h,
+                8000 * 4,
+            )
+        })
+        .collect();
+    let tasks: Vec<String> = (0..sessions)
+        .map(|a| words(&format!("session {a} task: "), a | 7 << 60, 500 * 4))
+        .collect();
+    let tools = turn_texts(&mut rng, sessions, turns, (3000, 9000), 8, |a, t| {
+        format!("tool output {a}-{t}: ")
+    });
+    let tool_loop = ToolLoop {
+        heads: head,
+        tasks,
+        tools,
+        answer_tokens,
+    };
+    let (drafts, times) = tool_loop.drafts(&mut rng, &CostModel::gpu_8b(time_scale));
+    let plugin = base_plugin();
+    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
+    let span = times.last().copied().unwrap_or(1.0).max(1e-3);
+    let offered = drafts.len() as f64 / span;
+    let requests = finish(drafts, &plugin, &times);
+    assemble(
+        "long-context",
+        format!("{sessions} coding-agent sessions × {turns} turns, closed loop, 2 shared 8,000-token system+tools heads, 500-token task per session, each turn appends the 64-token answer and a 3,000–9,000-token tool result (sessions grow to {}k tokens); chat API", requests.iter().map(|r| r.prompt_tokens).max().unwrap_or(0) / 1000),
+        plugin,
+        requests,
+        opts,
+        max_batch,
+        4,
+        time_scale,
+        cap,
+        offered,
+        Some(sessions as usize),
     )
 }
 
@@ -831,7 +923,7 @@ mod tests {
 
     #[test]
     fn workloads_are_deterministic_and_sized() {
-        for name in ["shared-prefix", "multi-turn", "lora", "agentic"] {
+        for name in ["shared-prefix", "multi-turn", "lora", "agentic", "long-context"] {
             let a = build(name, &opts()).unwrap();
             let b = build(name, &opts()).unwrap();
             assert_eq!(a.requests.len(), b.requests.len());
