@@ -210,6 +210,18 @@ fn stream_fields(body: &mut Value) {
     body["stream_options"] = json!({"include_usage": true});
 }
 
+/// `plugin` with `--kvroute-config` merged in: what the router and the
+/// pods run with, so also what the requests are hashed with.
+fn with_extra(plugin: &Value, opts: &GenOptions) -> Value {
+    let mut plugin = plugin.clone();
+    if let (Some(target), Some(extra)) = (plugin.as_object_mut(), opts.plugin_extra.as_object()) {
+        for (k, v) in extra {
+            target.insert(k.clone(), v.clone());
+        }
+    }
+    plugin
+}
+
 /// Hashes drafts the way the router and the pods will.
 fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest> {
     let config = parse_plugin(plugin);
@@ -334,12 +346,7 @@ fn assemble(
     offered_rps: f64,
     agents: Option<usize>,
 ) -> Workload {
-    let mut plugin = plugin;
-    if let (Some(target), Some(extra)) = (plugin.as_object_mut(), opts.plugin_extra.as_object()) {
-        for (k, v) in extra {
-            target.insert(k.clone(), v.clone());
-        }
-    }
+    let plugin = with_extra(&plugin, opts);
     let unique_blocks = unique_blocks(&requests);
     let working_set_blocks = knee(&requests, unique_blocks);
     let longest = requests.iter().map(|r| r.chain.len()).max().unwrap_or(1);
@@ -404,7 +411,7 @@ fn shared_prefix(opts: &GenOptions) -> Workload {
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let rate = cap * opts.load;
     let times = poisson(&mut rng, drafts.len(), rate);
-    let requests = finish(drafts, &plugin, &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
     assemble(
         "shared-prefix",
         format!("{groups} groups × {prompts} prompts, 2,048-token system prompt per group, 256-token question, 256 output tokens; random order, Poisson arrivals"),
@@ -507,7 +514,7 @@ fn multi_turn(opts: &GenOptions) -> Workload {
         }
     }
     let offered = total as f64 / t;
-    let requests = finish(drafts, &plugin, &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
     assemble(
         "multi-turn",
         format!("{users} users × {rounds} rounds ({active} conversations active at once, ≥ {min_gap:.2} s between a user's rounds), shared 1,000-token system prompt, 100–200-token questions, 100-token answers kept in the history; chat API"),
@@ -566,7 +573,7 @@ fn lora(opts: &GenOptions) -> Workload {
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let rate = cap * opts.load;
     let times = poisson(&mut rng, drafts.len(), rate);
-    let requests = finish(drafts, &plugin, &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
     assemble(
         "lora",
         format!("{n} requests over 10 tenants (adapters lora-0..9 of sim-model), Zipf(1.0) popularity (top tenant {:.0}%), 1,536-token tenant system prompt, 128-token question, 64 output tokens, 4 adapter slots per pod", 100.0 / sum),
@@ -636,7 +643,7 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
         .map(|l| (l.timestamp_ms / 1000.0 - first) / speedup)
         .collect();
     let offered = n as f64 / (span / speedup);
-    let requests = finish(drafts, &plugin, &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
     Ok(assemble(
         "trace",
         format!(
@@ -765,7 +772,7 @@ fn agentic(opts: &GenOptions) -> Workload {
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let span = times.last().copied().unwrap_or(1.0).max(1e-3);
     let offered = drafts.len() as f64 / span;
-    let requests = finish(drafts, &plugin, &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
     assemble(
         "agentic",
         format!("{agents} agents × {turns} turns, closed loop (each agent's next turn sent the moment its last answer completes), {system_prompts} shared 2,000-token system prompts, 200-token task per agent, each turn appends the 64-token answer and a 150–450-token tool result; chat API"),
@@ -821,7 +828,7 @@ fn long_context(opts: &GenOptions) -> Workload {
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let span = times.last().copied().unwrap_or(1.0).max(1e-3);
     let offered = drafts.len() as f64 / span;
-    let requests = finish(drafts, &plugin, &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
     assemble(
         "long-context",
         format!("{sessions} coding-agent sessions × {turns} turns, closed loop, 2 shared 8,000-token system+tools heads, 500-token task per session, each turn appends the 64-token answer and a 3,000–9,000-token tool result (sessions grow to {}k tokens); chat API", requests.iter().map(|r| r.prompt_tokens).max().unwrap_or(0) / 1000),
