@@ -41,7 +41,7 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::{NoPodPolicy, UpstreamMode};
+use crate::config::UpstreamMode;
 use crate::ejection::UpstreamOutcome;
 use crate::index::{Merged, RecentDecisions};
 use crate::queueing::{Priority, PRIORITY_HEADER};
@@ -59,6 +59,12 @@ const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// Gateway API Inference Extension's header (`upstreamMode` `overrideHost`).
 const OVERRIDE_HOST_HEADER: &str = "x-gateway-destination-endpoint";
 
+/// Period of the root's tick: the metrics flush (see [`metrics`]), and the
+/// wait queue's deadlines, owed answers and a dispatch round (a pod's
+/// queue falls when its report arrives, not only when a request of this
+/// worker ends).
+const TICK_MS: u64 = 25;
+
 /// Per-worker state shared by the worker's requests.
 struct Worker {
     router: Router,
@@ -67,6 +73,8 @@ struct Worker {
     recent: RecentDecisions,
     decision_queue: Option<u32>,
     requests: u64,
+    /// Requests routed, for sampling the `route` log (`routeLogSample`).
+    routed: u64,
     /// Requests waiting for a pod ([`waiting`]).
     waiting: waiting::Waiting,
 }
@@ -87,11 +95,14 @@ impl RootContext for FilterRoot {
             return false;
         };
         shared::init_ejections();
-        if config.on_no_eligible_pod == NoPodPolicy::Wait {
-            if let Err(status) = host::set_tick_period_ms(waiting::TICK_MS) {
-                log::error!("kvroute filter: cannot start the wait-queue tick: {status}");
-                return false;
-            }
+        if !shared::claim_inflight() {
+            log::error!("kvroute filter: cannot claim an in-flight key in shared data");
+            return false;
+        }
+        // Flushes the metrics ([`metrics`]) and runs the wait queue.
+        if let Err(status) = host::set_tick_period_ms(TICK_MS) {
+            log::error!("kvroute filter: cannot start the tick: {status}");
+            return false;
         }
         self.worker = Some(Rc::new(RefCell::new(Worker {
             recent: RecentDecisions::new(&config),
@@ -100,6 +111,7 @@ impl RootContext for FilterRoot {
             tables: shared::TableCache::default(),
             decision_queue: None,
             requests: 0,
+            routed: 0,
         })));
         true
     }
@@ -108,6 +120,7 @@ impl RootContext for FilterRoot {
         if let Some(worker) = &self.worker {
             waiting::on_tick(&mut worker.borrow_mut());
         }
+        metrics::flush();
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -137,8 +150,6 @@ struct RoutedRequest {
     composite: f64,
     cache_match: f64,
     predicted_cached_tokens: u64,
-    /// The in-flight count was raised and must be released.
-    counted: bool,
 }
 
 struct RequestContext {
@@ -260,11 +271,14 @@ impl HttpContext for RequestContext {
             self.routed = worker.waiting.take_dispatched(self.context_id);
         }
         if let Some(routed) = &self.routed {
-            if routed.counted {
-                shared::adjust_inflight(routed.slot, -1);
-                // Last: it makes the waiting requests' contexts effective.
-                waiting::dispatch(&mut worker);
-            }
+            shared::adjust_inflight(&[(routed.slot, -1)]);
+            // Last: it makes the waiting requests' contexts effective.
+            waiting::dispatch(&mut worker);
+        }
+        // Off every request's path: a worker with nothing in flight flushes
+        // now, a busy one on the tick.
+        if shared::idle() {
+            metrics::flush();
         }
     }
 }
@@ -351,8 +365,10 @@ impl RequestContext {
             Outcome::Routed(routed) => {
                 let model_label = worker.router.model_label(&routed.model).to_string();
                 let mode = worker.router.config().upstream_mode;
+                let log_route = worker.sample_route_log();
                 drop(worker);
-                match deliver(&routed, mode, &model_label, elapsed_us, &self.request_id) {
+                let timing = (elapsed_us, log_route);
+                match deliver(&routed, mode, &model_label, timing, &self.request_id) {
                     Ok(delivered) => {
                         self.routed = Some(delivered);
                         Action::Continue
@@ -417,10 +433,7 @@ impl RequestContext {
             "failover",
             json!({"requestId": self.request_id, "chosen": routed.pod_id, "servedBy": server.id, "attempts": outcome.attempts}),
         );
-        if routed.counted {
-            shared::adjust_inflight(routed.slot, -1);
-            routed.counted = shared::adjust_inflight(server.slot, 1);
-        }
+        shared::adjust_inflight(&[(routed.slot, -1), (server.slot, 1)]);
         routed.slot = server.slot;
         routed.pod_id = server.id.clone();
         // The cache prediction was for the chosen pod.
@@ -493,6 +506,14 @@ fn answer(request_id: &str, rejected: &Rejected) {
 }
 
 impl Worker {
+    /// Whether the next routed request logs its `route` line: one in
+    /// `routeLogSample` (0: none).
+    fn sample_route_log(&mut self) -> bool {
+        self.routed = self.routed.wrapping_add(1);
+        let sample = u64::from(self.router.config().route_log_sample);
+        sample > 0 && self.routed.is_multiple_of(sample)
+    }
+
     /// Routes a prepared request with the current snapshot; a routed one
     /// is recorded as this worker's decision.
     fn decide(&mut self, request: RoutingRequest, request_id: &str, attempt: Attempt) -> Outcome {
@@ -562,12 +583,13 @@ impl Worker {
 
 /// Sends the effective context's request to its pod: sets the routing
 /// header of `mode`, counts it in flight, records the decision's metrics
-/// (under `model_label`) and log.
+/// (under `model_label`, the decision taking `elapsed_us`) and, when
+/// `log_route`, its `route` log line.
 fn deliver(
     routed: &Routed,
     mode: UpstreamMode,
     model_label: &str,
-    elapsed_us: u64,
+    (elapsed_us, log_route): (u64, bool),
     request_id: &str,
 ) -> Result<RoutedRequest, Rejected> {
     let (header, listed) = match mode {
@@ -581,7 +603,7 @@ fn deliver(
     if host::set_header(HeaderMap::Request, header, &addresses.join(",")).is_err() {
         return Err(internal_error("cannot set the routing header"));
     }
-    let counted = shared::adjust_inflight(routed.slot, 1);
+    shared::adjust_inflight(&[(routed.slot, 1)]);
     metrics::increment(&metrics::labelled(
         "epp_routing_decisions_total",
         "model",
@@ -614,14 +636,16 @@ fn deliver(
     if routed.fallback {
         metrics::increment("epp_fallback_routing_total");
     }
-    event(
-        log::Level::Info,
-        "route",
-        json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
+    if log_route {
+        event(
+            log::Level::Info,
+            "route",
+            json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
                "composite": (routed.composite * 1e4).round() / 1e4, "cacheMatch": (routed.cache_match * 1e4).round() / 1e4,
                "matchedBlocks": routed.matched_blocks, "blocks": routed.chain.len(),
                "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us}),
-    );
+        );
+    }
     Ok(RoutedRequest {
         slot: routed.slot,
         pod_id: routed.pod_id.clone(),
@@ -629,6 +653,5 @@ fn deliver(
         composite: routed.composite,
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
-        counted,
     })
 }

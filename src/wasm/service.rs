@@ -537,6 +537,7 @@ impl RootContext for ServiceRoot {
             }
             self.poll_reports(&config);
         }
+        metrics::flush();
     }
 
     /// Decisions from the filters: recorded, and their buckets written at
