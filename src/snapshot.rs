@@ -260,26 +260,33 @@ pub fn add_inflight(total: &mut Vec<u32>, bytes: &[u8]) {
     }
 }
 
-/// An approximate-mode decision on the shared queue: pod slot (1 byte) then
-/// the chain's hashes (8 bytes LE each).
-pub fn encode_decision(slot: usize, chain: &[u64]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(1 + chain.len() * 8);
-    bytes.push(slot as u8);
+/// Appends a routing decision to a batch for the shared queue (a worker
+/// sends its decisions together: one wake-up of the service per batch, not
+/// per request): pod slot (1 byte), chain length (u32 LE), then the
+/// chain's hashes (8 bytes LE each).
+pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
+    batch.reserve(5 + chain.len() * 8);
+    batch.push(slot as u8);
+    batch.extend_from_slice(&u32::try_from(chain.len()).unwrap_or(u32::MAX).to_le_bytes());
     for hash in chain {
-        bytes.extend_from_slice(&hash.to_le_bytes());
+        batch.extend_from_slice(&hash.to_le_bytes());
     }
-    bytes
 }
 
-pub fn decode_decision(bytes: &[u8]) -> Option<(usize, Vec<u64>)> {
-    let (&slot, rest) = bytes.split_first()?;
-    if rest.len() % 8 != 0 {
-        return None;
+/// The decisions of a batch, `None` if it is malformed.
+pub fn decode_decisions(mut bytes: &[u8]) -> Option<Vec<(usize, Vec<u64>)>> {
+    let mut decisions = Vec::new();
+    while let Some((&slot, rest)) = bytes.split_first() {
+        let len: [u8; 4] = rest.get(..4)?.try_into().ok()?;
+        let len = usize::try_from(u32::from_le_bytes(len)).ok()?;
+        let hashes = rest.get(4..4 + len.checked_mul(8)?)?;
+        let chain = (0..len)
+            .map(|i| le_u64(hashes, i * 8))
+            .collect::<Option<_>>()?;
+        decisions.push((usize::from(slot), chain));
+        bytes = rest.get(4 + hashes.len()..)?;
     }
-    let chain = (0..rest.len() / 8)
-        .map(|i| le_u64(rest, i * 8))
-        .collect::<Option<_>>()?;
-    Some((slot as usize, chain))
+    Some(decisions)
 }
 
 #[cfg(test)]
@@ -351,10 +358,16 @@ mod tests {
             vec![1, 0, 7],
             "grown to the longest; a short value adds nothing"
         );
+        let mut batch = Vec::new();
+        push_decision(&mut batch, 3, &[1, 2]);
+        push_decision(&mut batch, 0, &[]);
+        push_decision(&mut batch, 7, &[u64::MAX]);
         assert_eq!(
-            decode_decision(&encode_decision(3, &[1, 2])),
-            Some((3, vec![1, 2]))
+            decode_decisions(&batch),
+            Some(vec![(3, vec![1, 2]), (0, vec![]), (7, vec![u64::MAX])])
         );
-        assert_eq!(decode_decision(&[1, 2, 3]), None);
+        assert_eq!(decode_decisions(&[]), Some(vec![]));
+        assert_eq!(decode_decisions(&batch[..batch.len() - 1]), None, "torn");
+        assert_eq!(decode_decisions(&[1, 9, 0, 0, 0, 1]), None, "short chain");
     }
 }

@@ -26,6 +26,15 @@
 //! until a pod can (see [`waiting`], which also lists the host behaviour
 //! that resuming and answering it from other contexts relies on).
 //!
+//! Per-request work that need not be on the request's path is batched per
+//! worker: the routing decisions for the service (one shared-queue message
+//! per batch) and the metrics ([`metrics`]) are flushed on the root tick
+//! ([`TICK_MS`]), when a request ends with nothing else in flight on the
+//! worker (after its response), or when [`FLUSH_DECISIONS`] decisions
+//! piled up. Other workers therefore learn of a decision when its request
+//! ends or at most one tick later (its own worker at once, through
+//! [`RecentDecisions`]); in-flight counts are not batched.
+//!
 //! Every host call goes through [`super::host`], which returns the host's
 //! status instead of panicking: a request the host cannot serve is answered
 //! or passed through, never a VM abort.
@@ -48,7 +57,7 @@ use crate::queueing::{Priority, PRIORITY_HEADER};
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
-use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
+use crate::snapshot::{push_decision, SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
 
 mod waiting;
@@ -59,11 +68,15 @@ const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// Gateway API Inference Extension's header (`upstreamMode` `overrideHost`).
 const OVERRIDE_HOST_HEADER: &str = "x-gateway-destination-endpoint";
 
-/// Period of the root's tick: the metrics flush (see [`metrics`]), and the
-/// wait queue's deadlines, owed answers and a dispatch round (a pod's
+/// Period of the root's tick: the flush of the batched decisions and
+/// metrics ([`Worker::flush`]), and the wait queue's deadlines, owed answers and a dispatch round (a pod's
 /// queue falls when its report arrives, not only when a request of this
 /// worker ends).
 const TICK_MS: u64 = 25;
+
+/// Decisions batched before they are sent at once (bounds the batch, and
+/// how late the other workers learn of a burst's decisions).
+const FLUSH_DECISIONS: usize = 64;
 
 /// Per-worker state shared by the worker's requests.
 struct Worker {
@@ -72,6 +85,8 @@ struct Worker {
     /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
     decision_queue: Option<u32>,
+    /// Decisions not yet sent to the service, and how many.
+    decisions: (Vec<u8>, usize),
     requests: u64,
     /// Requests routed, for sampling the `route` log (`routeLogSample`).
     routed: u64,
@@ -110,6 +125,7 @@ impl RootContext for FilterRoot {
             router: Router::new(config),
             tables: shared::TableCache::default(),
             decision_queue: None,
+            decisions: (Vec::new(), 0),
             requests: 0,
             routed: 0,
         })));
@@ -118,9 +134,10 @@ impl RootContext for FilterRoot {
 
     fn on_tick(&mut self) {
         if let Some(worker) = &self.worker {
-            waiting::on_tick(&mut worker.borrow_mut());
+            let mut worker = worker.borrow_mut();
+            waiting::on_tick(&mut worker);
+            worker.flush();
         }
-        metrics::flush();
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -278,7 +295,7 @@ impl HttpContext for RequestContext {
         // Off every request's path: a worker with nothing in flight flushes
         // now, a busy one on the tick.
         if shared::idle() {
-            metrics::flush();
+            worker.flush();
         }
     }
 }
@@ -569,15 +586,36 @@ impl Worker {
             );
         }
         self.recent.record(routed.slot, &routed.chain);
-        // To the service, which shares it with every worker.
+        if !routed.chain.is_empty() {
+            push_decision(&mut self.decisions.0, routed.slot, &routed.chain);
+            self.decisions.1 += 1;
+            if self.decisions.1 >= FLUSH_DECISIONS {
+                self.send_decisions();
+            }
+        }
+        outcome
+    }
+
+    /// Sends the batched decisions to the service, which shares them with
+    /// every worker.
+    fn send_decisions(&mut self) {
+        if self.decisions.1 == 0 {
+            return;
+        }
         if self.decision_queue.is_none() {
             self.decision_queue = resolve_decision_queue();
         }
-        if let (Some(queue), false) = (self.decision_queue, routed.chain.is_empty()) {
-            let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
-            let _ = host::enqueue(queue, &message);
+        if let Some(queue) = self.decision_queue {
+            let _ = host::enqueue(queue, &self.decisions.0);
         }
-        outcome
+        self.decisions.0.clear();
+        self.decisions.1 = 0;
+    }
+
+    /// Hands the batched decisions to the service and the metrics to Envoy.
+    fn flush(&mut self) {
+        self.send_decisions();
+        metrics::flush();
     }
 }
 
