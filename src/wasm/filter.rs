@@ -69,9 +69,9 @@ const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 const OVERRIDE_HOST_HEADER: &str = "x-gateway-destination-endpoint";
 
 /// Period of the root's tick: the flush of the batched decisions and
-/// metrics ([`Worker::flush`]), and the wait queue's deadlines, owed answers and a dispatch round (a pod's
-/// queue falls when its report arrives, not only when a request of this
-/// worker ends).
+/// metrics ([`Worker::flush`]), and the wait queue's deadlines, owed
+/// answers and a dispatch round (a pod's queue falls when its report
+/// arrives, not only when a request of this worker ends).
 const TICK_MS: u64 = 25;
 
 /// Decisions batched before they are sent at once (bounds the batch, and
@@ -114,7 +114,7 @@ impl RootContext for FilterRoot {
             log::error!("kvroute filter: cannot claim an in-flight key in shared data");
             return false;
         }
-        // Flushes the metrics ([`metrics`]) and runs the wait queue.
+        // Flushes the batches and runs the wait queue.
         if let Err(status) = host::set_tick_period_ms(TICK_MS) {
             log::error!("kvroute filter: cannot start the tick: {status}");
             return false;

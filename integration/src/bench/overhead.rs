@@ -5,7 +5,10 @@
 //!   Envoy with a plain STATIC cluster and no filter. Closed-loop
 //!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the two measured in
 //!   alternating phases (A B, B A, …) so drift hits both; the filter's own
-//!   time from the `latencyUs` of its `route` log lines.
+//!   time from the `latencyUs` of its `route` log lines. On two cores or
+//!   more the load generator and the sim run on CPU 0, the Envoys on CPU 1
+//!   (`taskset`), and the saturation phases report each Envoy's CPU
+//!   seconds per 1,000 requests (`/proc/<pid>/stat`).
 //! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
 //!   ingest time, index gauges, main-thread CPU per tick (from
 //!   `/proc/<envoy>/task/<main>/stat`), the filter's time at that index
