@@ -319,6 +319,10 @@ pub struct Config {
     /// Adds `x-kvroute-pod`, `x-kvroute-score`, `x-kvroute-cache-match`.
     pub decision_headers: bool,
     pub log_level: LogLevel,
+    /// One routed request in this many logs its INFO `route` line (1: every
+    /// one; 0: none), so a busy proxy need not format and write a line per
+    /// request.
+    pub route_log_sample: u32,
     /// Envoy cluster the service reaches pods through (report and metrics).
     pub report_cluster: String,
     pub report_path: String,
@@ -367,6 +371,7 @@ impl Default for Config {
             passive_health: PassiveHealthConfig::default(),
             decision_headers: false,
             log_level: LogLevel::Info,
+            route_log_sample: 1,
             report_cluster: "kvroute_reports".into(),
             report_path: "/kvroute/v1/report".into(),
             metrics_path: None,

@@ -9,7 +9,8 @@
 //! | `kvroute/pods`          | JSON [`PodTable`]: generation, bucket count, per pod id, address, queue, load, health, adapters, attributes | only when the generation changes |
 //! | `kvroute/generation`    | the table's generation, 8 bytes LE             | once |
 //! | `kvroute/idx/{b:x}`     | bucket `b`: sorted `(hash u64 LE, pod mask u64 LE)` pairs, 16 B each | O(k log n) buckets |
-//! | `kvroute/inflight`      | u32 LE per pod slot: requests routed and not finished (CAS-updated by filters) | once, plus one CAS write |
+//! | `kvroute/workers`       | how many workers claimed an in-flight key, u32 LE | only when the generation changes |
+//! | `kvroute/inflight/{w}`  | worker `w`'s requests routed and not finished: its nonce (u64 LE), then u32 LE per pod slot; written only by that worker | every other worker's, once |
 //!
 //! A block hash lives in bucket `hash & (buckets − 1)`, `buckets` a power of
 //! two ≈ `maxIndexBlocks / 16`, so a bucket holds ~16 entries (~256 B) at a
@@ -26,11 +27,16 @@ use crate::index::{match_by_bisection, PodMask, PrefixLookup, PrefixMatch};
 
 pub const POD_TABLE_KEY: &str = "kvroute/pods";
 pub const GENERATION_KEY: &str = "kvroute/generation";
-pub const INFLIGHT_KEY: &str = "kvroute/inflight";
+pub const WORKERS_KEY: &str = "kvroute/workers";
 /// Shared queue carrying approximate-mode decisions from filters to the service.
 pub const DECISION_QUEUE: &str = "kvroute/decisions";
 
 const ENTRY_BYTES: usize = 16;
+
+/// The shared-data key of worker `worker`'s in-flight counts.
+pub fn inflight_key(worker: u32) -> String {
+    format!("kvroute/inflight/{worker}")
+}
 
 /// The shared-data key of bucket `bucket`.
 pub fn bucket_key(bucket: u32) -> String {
@@ -225,44 +231,62 @@ impl PodTable {
     }
 }
 
-/// Decodes the in-flight counters (missing slots read as 0).
-pub fn decode_inflight(bytes: &[u8], slots: usize) -> Vec<u32> {
-    let mut counts: Vec<u32> = bytes
-        .chunks_exact(4)
-        .map(|c| {
-            c.iter()
-                .rev()
-                .fold(0, |word, &byte| word << 8 | u32::from(byte))
-        })
-        .collect();
-    counts.resize(slots.max(counts.len()), 0);
-    counts
-}
-
-pub fn encode_inflight(counts: &[u32]) -> Vec<u8> {
-    counts.iter().flat_map(|c| c.to_le_bytes()).collect()
-}
-
-/// An approximate-mode decision on the shared queue: pod slot (1 byte) then
-/// the chain's hashes (8 bytes LE each).
-pub fn encode_decision(slot: usize, chain: &[u64]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(1 + chain.len() * 8);
-    bytes.push(slot as u8);
-    for hash in chain {
-        bytes.extend_from_slice(&hash.to_le_bytes());
-    }
+/// One worker's in-flight counts as published: the nonce of the worker
+/// that wrote them (so a worker can tell its key was claimed twice), then
+/// one u32 per pod slot.
+pub fn encode_inflight(nonce: u64, counts: &[u32]) -> Vec<u8> {
+    let mut bytes = nonce.to_le_bytes().to_vec();
+    bytes.extend(counts.iter().flat_map(|c| c.to_le_bytes()));
     bytes
 }
 
-pub fn decode_decision(bytes: &[u8]) -> Option<(usize, Vec<u64>)> {
-    let (&slot, rest) = bytes.split_first()?;
-    if rest.len() % 8 != 0 {
-        return None;
+/// The nonce of an encoded worker value (`None`: too short).
+pub fn inflight_nonce(bytes: &[u8]) -> Option<u64> {
+    le_u64(bytes, 0)
+}
+
+/// Adds an encoded worker value's counts to `total` (grown as needed).
+pub fn add_inflight(total: &mut Vec<u32>, bytes: &[u8]) {
+    let counts = bytes.get(8..).unwrap_or_default().chunks_exact(4);
+    if total.len() < counts.len() {
+        total.resize(counts.len(), 0);
     }
-    let chain = (0..rest.len() / 8)
-        .map(|i| le_u64(rest, i * 8))
-        .collect::<Option<_>>()?;
-    Some((slot as usize, chain))
+    for (sum, count) in total.iter_mut().zip(counts) {
+        let count = count
+            .iter()
+            .rev()
+            .fold(0, |word, &byte| word << 8 | u32::from(byte));
+        *sum = sum.saturating_add(count);
+    }
+}
+
+/// Appends a routing decision to a batch for the shared queue (a worker
+/// sends its decisions together: one wake-up of the service per batch, not
+/// per request): pod slot (1 byte), chain length (u32 LE), then the
+/// chain's hashes (8 bytes LE each).
+pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
+    batch.reserve(5 + chain.len() * 8);
+    batch.push(slot as u8);
+    batch.extend_from_slice(&u32::try_from(chain.len()).unwrap_or(u32::MAX).to_le_bytes());
+    for hash in chain {
+        batch.extend_from_slice(&hash.to_le_bytes());
+    }
+}
+
+/// The decisions of a batch, `None` if it is malformed.
+pub fn decode_decisions(mut bytes: &[u8]) -> Option<Vec<(usize, Vec<u64>)>> {
+    let mut decisions = Vec::new();
+    while let Some((&slot, rest)) = bytes.split_first() {
+        let len: [u8; 4] = rest.get(..4)?.try_into().ok()?;
+        let len = usize::try_from(u32::from_le_bytes(len)).ok()?;
+        let hashes = rest.get(4..4 + len.checked_mul(8)?)?;
+        let chain = (0..len)
+            .map(|i| le_u64(hashes, i * 8))
+            .collect::<Option<_>>()?;
+        decisions.push((usize::from(slot), chain));
+        bytes = rest.get(4 + hashes.len()..)?;
+    }
+    Some(decisions)
 }
 
 #[cfg(test)]
@@ -312,14 +336,38 @@ mod tests {
 
     #[test]
     fn inflight_and_decisions_round_trip() {
+        let (a, b) = (encode_inflight(11, &[1, 0, 7]), encode_inflight(12, &[2]));
         assert_eq!(
-            decode_inflight(&encode_inflight(&[1, 0, 7]), 5),
-            vec![1, 0, 7, 0, 0]
+            (inflight_nonce(&a), inflight_nonce(&b)),
+            (Some(11), Some(12))
         );
+        assert_eq!(inflight_nonce(&[1, 2]), None);
+        let mut total = vec![0; 5];
+        add_inflight(&mut total, &a);
+        add_inflight(&mut total, &b);
         assert_eq!(
-            decode_decision(&encode_decision(3, &[1, 2])),
-            Some((3, vec![1, 2]))
+            total,
+            vec![3, 0, 7, 0, 0],
+            "summed per slot, missing slots 0"
         );
-        assert_eq!(decode_decision(&[1, 2, 3]), None);
+        let mut grown = Vec::new();
+        add_inflight(&mut grown, &a);
+        add_inflight(&mut grown, &[1, 2, 3]);
+        assert_eq!(
+            grown,
+            vec![1, 0, 7],
+            "grown to the longest; a short value adds nothing"
+        );
+        let mut batch = Vec::new();
+        push_decision(&mut batch, 3, &[1, 2]);
+        push_decision(&mut batch, 0, &[]);
+        push_decision(&mut batch, 7, &[u64::MAX]);
+        assert_eq!(
+            decode_decisions(&batch),
+            Some(vec![(3, vec![1, 2]), (0, vec![]), (7, vec![u64::MAX])])
+        );
+        assert_eq!(decode_decisions(&[]), Some(vec![]));
+        assert_eq!(decode_decisions(&batch[..batch.len() - 1]), None, "torn");
+        assert_eq!(decode_decisions(&[1, 9, 0, 0, 0, 1]), None, "short chain");
     }
 }

@@ -413,6 +413,15 @@ fn no_eligible_pod_policy() {
 }
 
 #[test]
+fn route_log_sampling_defaults_to_every_request() {
+    assert_eq!(parse(&with_pods("")).unwrap().route_log_sample, 1);
+    let config = parse(&with_pods(r#""routeLogSample": 100"#)).unwrap();
+    assert_eq!(config.route_log_sample, 100);
+    rejects(&with_pods(r#""routeLogSample": -1"#), "routeLogSample");
+    rejects(&with_pods(r#""routeLogSample": 0.5"#), "routeLogSample");
+}
+
+#[test]
 fn waiting_in_the_gateway_is_bounded() {
     let config = parse(&with_pods(
         r#""onNoEligiblePod": "wait", "maxWaitingRequests": 8, "maxWaitMs": 500"#,

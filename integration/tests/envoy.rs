@@ -97,6 +97,40 @@ fn long_shared_prefix_goes_to_the_pod_that_holds_it() {
     assert_eq!(decisions, Some(11.0));
 }
 
+/// `routeLogSample` thins the INFO `route` lines only: with 0 no routed
+/// request logs one, other INFO lines still appear, and every decision is
+/// still counted (the worker's metric batch reaches Envoy within a tick).
+#[test]
+fn route_log_sample_zero_silences_route_lines_but_not_the_counts() {
+    let mut config = base_config();
+    config["routeLogSample"] = json!(0);
+    let cluster = start(2, config, &[], vec![]);
+    for i in 0..6 {
+        let r = cluster.post("/v1/completions", &completion(&format!("sampled {i}"), 1));
+        assert_eq!(r.status, 200);
+    }
+    let r = http::get(&cluster.envoy.listen, "/v1/completions").expect("response");
+    assert_eq!(r.status, 405);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let decisions = loop {
+        let decisions = cluster
+            .envoy
+            .metric("epp_routing_decisions_total", &[("model", "sim-model")]);
+        let log = cluster.envoy.log();
+        let settled = decisions == Some(6.0) && log.contains("\"event\":\"reject\"");
+        if settled || Instant::now() > deadline {
+            assert!(
+                !log.contains("\"event\":\"route\""),
+                "a route line was logged"
+            );
+            break decisions;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(decisions, Some(6.0));
+    assert!(cluster.envoy.log().contains("\"event\":\"reject\""));
+}
+
 /// Precise mode's pending decisions: a follow-up 0.2 s after its
 /// predecessor, sharing a fresh 5 KB prefix, lands where the predecessor
 /// went — though the 2 s report interval means no report has said so, and

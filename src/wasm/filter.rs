@@ -26,6 +26,15 @@
 //! until a pod can (see [`waiting`], which also lists the host behaviour
 //! that resuming and answering it from other contexts relies on).
 //!
+//! Per-request work that need not be on the request's path is batched per
+//! worker: the routing decisions for the service (one shared-queue message
+//! per batch) and the metrics ([`metrics`]) are flushed on the root tick
+//! ([`TICK_MS`]), when a request ends with nothing else in flight on the
+//! worker (after its response), or when [`FLUSH_DECISIONS`] decisions
+//! piled up. Other workers therefore learn of a decision when its request
+//! ends or at most one tick later (its own worker at once, through
+//! [`RecentDecisions`]); in-flight counts are not batched.
+//!
 //! Every host call goes through [`super::host`], which returns the host's
 //! status instead of panicking: a request the host cannot serve is answered
 //! or passed through, never a VM abort.
@@ -41,14 +50,14 @@ use serde_json::json;
 use super::host::{self, Buffer, HeaderMap};
 use super::logging::event;
 use super::{load_config, metrics, shared};
-use crate::config::{NoPodPolicy, UpstreamMode};
+use crate::config::UpstreamMode;
 use crate::ejection::UpstreamOutcome;
 use crate::index::{Merged, RecentDecisions};
 use crate::queueing::{Priority, PRIORITY_HEADER};
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
-use crate::snapshot::{SnapshotIndex, DECISION_QUEUE};
+use crate::snapshot::{push_decision, SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
 
 mod waiting;
@@ -59,6 +68,16 @@ const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// Gateway API Inference Extension's header (`upstreamMode` `overrideHost`).
 const OVERRIDE_HOST_HEADER: &str = "x-gateway-destination-endpoint";
 
+/// Period of the root's tick: the flush of the batched decisions and
+/// metrics ([`Worker::flush`]), and the wait queue's deadlines, owed
+/// answers and a dispatch round (a pod's queue falls when its report
+/// arrives, not only when a request of this worker ends).
+const TICK_MS: u64 = 25;
+
+/// Decisions batched before they are sent at once (bounds the batch, and
+/// how late the other workers learn of a burst's decisions).
+const FLUSH_DECISIONS: usize = 64;
+
 /// Per-worker state shared by the worker's requests.
 struct Worker {
     router: Router,
@@ -66,7 +85,11 @@ struct Worker {
     /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
     decision_queue: Option<u32>,
+    /// Decisions not yet sent to the service, and how many.
+    decisions: (Vec<u8>, usize),
     requests: u64,
+    /// Requests routed, for sampling the `route` log (`routeLogSample`).
+    routed: u64,
     /// Requests waiting for a pod ([`waiting`]).
     waiting: waiting::Waiting,
 }
@@ -87,11 +110,14 @@ impl RootContext for FilterRoot {
             return false;
         };
         shared::init_ejections();
-        if config.on_no_eligible_pod == NoPodPolicy::Wait {
-            if let Err(status) = host::set_tick_period_ms(waiting::TICK_MS) {
-                log::error!("kvroute filter: cannot start the wait-queue tick: {status}");
-                return false;
-            }
+        if !shared::claim_inflight() {
+            log::error!("kvroute filter: cannot claim an in-flight key in shared data");
+            return false;
+        }
+        // Flushes the batches and runs the wait queue.
+        if let Err(status) = host::set_tick_period_ms(TICK_MS) {
+            log::error!("kvroute filter: cannot start the tick: {status}");
+            return false;
         }
         self.worker = Some(Rc::new(RefCell::new(Worker {
             recent: RecentDecisions::new(&config),
@@ -99,14 +125,18 @@ impl RootContext for FilterRoot {
             router: Router::new(config),
             tables: shared::TableCache::default(),
             decision_queue: None,
+            decisions: (Vec::new(), 0),
             requests: 0,
+            routed: 0,
         })));
         true
     }
 
     fn on_tick(&mut self) {
         if let Some(worker) = &self.worker {
-            waiting::on_tick(&mut worker.borrow_mut());
+            let mut worker = worker.borrow_mut();
+            waiting::on_tick(&mut worker);
+            worker.flush();
         }
     }
 
@@ -137,8 +167,6 @@ struct RoutedRequest {
     composite: f64,
     cache_match: f64,
     predicted_cached_tokens: u64,
-    /// The in-flight count was raised and must be released.
-    counted: bool,
 }
 
 struct RequestContext {
@@ -260,11 +288,14 @@ impl HttpContext for RequestContext {
             self.routed = worker.waiting.take_dispatched(self.context_id);
         }
         if let Some(routed) = &self.routed {
-            if routed.counted {
-                shared::adjust_inflight(routed.slot, -1);
-                // Last: it makes the waiting requests' contexts effective.
-                waiting::dispatch(&mut worker);
-            }
+            shared::adjust_inflight(&[(routed.slot, -1)]);
+            // Last: it makes the waiting requests' contexts effective.
+            waiting::dispatch(&mut worker);
+        }
+        // Off every request's path: a worker with nothing in flight flushes
+        // now, a busy one on the tick.
+        if shared::idle() {
+            worker.flush();
         }
     }
 }
@@ -351,8 +382,10 @@ impl RequestContext {
             Outcome::Routed(routed) => {
                 let model_label = worker.router.model_label(&routed.model).to_string();
                 let mode = worker.router.config().upstream_mode;
+                let log_route = worker.sample_route_log();
                 drop(worker);
-                match deliver(&routed, mode, &model_label, elapsed_us, &self.request_id) {
+                let timing = (elapsed_us, log_route);
+                match deliver(&routed, mode, &model_label, timing, &self.request_id) {
                     Ok(delivered) => {
                         self.routed = Some(delivered);
                         Action::Continue
@@ -417,10 +450,7 @@ impl RequestContext {
             "failover",
             json!({"requestId": self.request_id, "chosen": routed.pod_id, "servedBy": server.id, "attempts": outcome.attempts}),
         );
-        if routed.counted {
-            shared::adjust_inflight(routed.slot, -1);
-            routed.counted = shared::adjust_inflight(server.slot, 1);
-        }
+        shared::adjust_inflight(&[(routed.slot, -1), (server.slot, 1)]);
         routed.slot = server.slot;
         routed.pod_id = server.id.clone();
         // The cache prediction was for the chosen pod.
@@ -493,6 +523,14 @@ fn answer(request_id: &str, rejected: &Rejected) {
 }
 
 impl Worker {
+    /// Whether the next routed request logs its `route` line: one in
+    /// `routeLogSample` (0: none).
+    fn sample_route_log(&mut self) -> bool {
+        self.routed = self.routed.wrapping_add(1);
+        let sample = u64::from(self.router.config().route_log_sample);
+        sample > 0 && self.routed.is_multiple_of(sample)
+    }
+
     /// Routes a prepared request with the current snapshot; a routed one
     /// is recorded as this worker's decision.
     fn decide(&mut self, request: RoutingRequest, request_id: &str, attempt: Attempt) -> Outcome {
@@ -548,26 +586,48 @@ impl Worker {
             );
         }
         self.recent.record(routed.slot, &routed.chain);
-        // To the service, which shares it with every worker.
+        if !routed.chain.is_empty() {
+            push_decision(&mut self.decisions.0, routed.slot, &routed.chain);
+            self.decisions.1 += 1;
+            if self.decisions.1 >= FLUSH_DECISIONS {
+                self.send_decisions();
+            }
+        }
+        outcome
+    }
+
+    /// Sends the batched decisions to the service, which shares them with
+    /// every worker.
+    fn send_decisions(&mut self) {
+        if self.decisions.1 == 0 {
+            return;
+        }
         if self.decision_queue.is_none() {
             self.decision_queue = resolve_decision_queue();
         }
-        if let (Some(queue), false) = (self.decision_queue, routed.chain.is_empty()) {
-            let message = crate::snapshot::encode_decision(routed.slot, &routed.chain);
-            let _ = host::enqueue(queue, &message);
+        if let Some(queue) = self.decision_queue {
+            let _ = host::enqueue(queue, &self.decisions.0);
         }
-        outcome
+        self.decisions.0.clear();
+        self.decisions.1 = 0;
+    }
+
+    /// Hands the batched decisions to the service and the metrics to Envoy.
+    fn flush(&mut self) {
+        self.send_decisions();
+        metrics::flush();
     }
 }
 
 /// Sends the effective context's request to its pod: sets the routing
 /// header of `mode`, counts it in flight, records the decision's metrics
-/// (under `model_label`) and log.
+/// (under `model_label`, the decision taking `elapsed_us`) and, when
+/// `log_route`, its `route` log line.
 fn deliver(
     routed: &Routed,
     mode: UpstreamMode,
     model_label: &str,
-    elapsed_us: u64,
+    (elapsed_us, log_route): (u64, bool),
     request_id: &str,
 ) -> Result<RoutedRequest, Rejected> {
     let (header, listed) = match mode {
@@ -581,7 +641,7 @@ fn deliver(
     if host::set_header(HeaderMap::Request, header, &addresses.join(",")).is_err() {
         return Err(internal_error("cannot set the routing header"));
     }
-    let counted = shared::adjust_inflight(routed.slot, 1);
+    shared::adjust_inflight(&[(routed.slot, 1)]);
     metrics::increment(&metrics::labelled(
         "epp_routing_decisions_total",
         "model",
@@ -614,14 +674,16 @@ fn deliver(
     if routed.fallback {
         metrics::increment("epp_fallback_routing_total");
     }
-    event(
-        log::Level::Info,
-        "route",
-        json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
+    if log_route {
+        event(
+            log::Level::Info,
+            "route",
+            json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
                "composite": (routed.composite * 1e4).round() / 1e4, "cacheMatch": (routed.cache_match * 1e4).round() / 1e4,
                "matchedBlocks": routed.matched_blocks, "blocks": routed.chain.len(),
                "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us}),
-    );
+        );
+    }
     Ok(RoutedRequest {
         slot: routed.slot,
         pod_id: routed.pod_id.clone(),
@@ -629,6 +691,5 @@ fn deliver(
         composite: routed.composite,
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
-        counted,
     })
 }

@@ -14,8 +14,9 @@
 //! After folding answers the snapshot is published at once (at most every
 //! [`PUBLISH_GAP_MS`], else on the next tick), so a pod's new blocks reach
 //! the filters milliseconds after the pod stored them. The filters' routing
-//! decisions arrive on a shared queue: approximate mode's only signal,
-//! precise mode's pending entries until reports confirm them.
+//! decisions arrive on a shared queue, batched per worker: approximate
+//! mode's only signal, precise mode's pending entries until reports
+//! confirm them.
 //!
 //! The main thread also serves Envoy's admin and xDS, so no callback may
 //! stall it — and answers of many pods can land in one pass of Envoy's event
@@ -57,7 +58,7 @@ use crate::cluster::{
 };
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
-use crate::snapshot::{bucket_key, decode_decision, PodTable, DECISION_QUEUE};
+use crate::snapshot::{bucket_key, decode_decisions, PodTable, DECISION_QUEUE};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
@@ -537,6 +538,7 @@ impl RootContext for ServiceRoot {
             }
             self.poll_reports(&config);
         }
+        metrics::flush();
     }
 
     /// Decisions from the filters: recorded, and their buckets written at
@@ -549,8 +551,12 @@ impl RootContext for ServiceRoot {
         };
         let now = host::now_ms();
         while let Ok(Some(message)) = host::dequeue(queue_id) {
-            match decode_decision(&message) {
-                Some((slot, chain)) => state.record_decision(slot, &chain, now),
+            match decode_decisions(&message) {
+                Some(decisions) => {
+                    for (slot, chain) in decisions {
+                        state.record_decision(slot, &chain, now);
+                    }
+                }
                 None => log::warn!(
                     "kvroute service: malformed decision message ({} bytes)",
                     message.len()

@@ -1,16 +1,39 @@
-//! Envoy shared data access for the snapshot (layout: [`crate::snapshot`])
-//! and the passive-health ejections ([`crate::ejection`]). Every read
-//! copies the value into the VM, so callers read only what a request needs
-//! and cache the pod table per generation and the ejections per CAS token.
+//! Envoy shared data access for the snapshot (layout: [`crate::snapshot`]),
+//! the in-flight counts and the passive-health ejections
+//! ([`crate::ejection`]). Every read copies the value into the VM, so
+//! callers read only what a request needs and cache the pod table per
+//! generation and the ejections per CAS token.
+//!
+//! In-flight counts are kept per worker VM, with no compare-and-swap on the
+//! request path: each VM claims an index `w` once (a CAS increment of
+//! `kvroute/workers`), keeps its own counts locally and writes them whole
+//! to `kvroute/inflight/{w}` on every change — one plain write, as no one
+//! else writes that key. A reader adds every other worker's key to its own
+//! counts. So a decision sees every request another worker routed (and
+//! every one it released) before that decision started, as the single
+//! CAS-updated counter did: a herd spreads across workers just as fast.
+//! The staleness accepted is in the worker count only: it is re-read when
+//! the pod table's generation changes, so a worker VM started later is
+//! counted by the others from their next table (the service publishes one
+//! at least every `podReportIntervalMs`); Envoy starts its workers before
+//! it serves, and the first decision of each worker reads the count.
+//! The key `kvroute/workers` is created by a plain write (a write to an
+//! absent key ignores the CAS token), so two VMs configuring at once may
+//! claim the same index: each value carries its writer's random nonce, and
+//! a VM that finds another's nonce under its key (checked with the worker
+//! count) claims a new index. A VM's index outlives its plugin roots, so a
+//! configuration reload in the same VM reuses it.
 
+use std::cell::RefCell;
+use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
 use super::host::{self, Status};
 use crate::config::PassiveHealthConfig;
 use crate::ejection::{without_pods, Ejection, Ejections, EJECTIONS_KEY};
 use crate::snapshot::{
-    bucket_key, decode_inflight, encode_inflight, PodTable, PublishedPod, GENERATION_KEY,
-    INFLIGHT_KEY, POD_TABLE_KEY,
+    add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, PodTable,
+    PublishedPod, GENERATION_KEY, POD_TABLE_KEY, WORKERS_KEY,
 };
 
 /// Retries of a compare-and-swap update under contention.
@@ -75,6 +98,7 @@ impl TableCache {
                 return Some(table.clone());
             }
         }
+        refresh_inflight();
         let bytes = get(POD_TABLE_KEY).0?;
         match PodTable::decode(&bytes) {
             Ok(table) => {
@@ -97,21 +121,148 @@ pub fn publish_table(table: &PodTable) {
     set(GENERATION_KEY, &table.generation.to_le_bytes());
 }
 
-/// In-flight requests per pod slot.
-pub fn inflight(slots: usize) -> Vec<u32> {
-    decode_inflight(&get(INFLIGHT_KEY).0.unwrap_or_default(), slots)
+/// This VM's in-flight counts and the key it publishes them under.
+struct Inflight {
+    worker: u32,
+    nonce: u64,
+    counts: Vec<u32>,
+    /// How many workers claimed a key, as last read.
+    workers: u32,
 }
 
-/// Adds `delta` to pod `slot`'s in-flight count, atomically across workers.
-pub fn adjust_inflight(slot: usize, delta: i64) -> bool {
-    update(INFLIGHT_KEY, |bytes| {
-        let mut counts = decode_inflight(bytes, slot + 1);
-        if let Some(count) = counts.get_mut(slot) {
-            *count = (i64::from(*count) + delta).clamp(0, i64::from(u32::MAX)) as u32;
-        }
-        Some((encode_inflight(&counts), ()))
+thread_local! {
+    // One VM per thread: the VM's counts, shared by its plugin roots.
+    static INFLIGHT: RefCell<Option<Inflight>> = const { RefCell::new(None) };
+}
+
+fn workers() -> u32 {
+    get(WORKERS_KEY)
+        .0
+        .and_then(|bytes| bytes.try_into().ok())
+        .map_or(0, u32::from_le_bytes)
+}
+
+/// A new worker index (see the module documentation for the race on
+/// creating the key).
+fn claim_index() -> Option<u32> {
+    if get(WORKERS_KEY).0.is_none() {
+        set(WORKERS_KEY, &0u32.to_le_bytes());
+    }
+    update(WORKERS_KEY, |bytes| {
+        let claimed = bytes.try_into().map_or(0, u32::from_le_bytes);
+        Some((claimed.saturating_add(1).to_le_bytes().to_vec(), claimed))
     })
-    .is_some()
+}
+
+impl Inflight {
+    fn publish(&self) {
+        set(
+            &inflight_key(self.worker),
+            &encode_inflight(self.nonce, &self.counts),
+        );
+    }
+}
+
+/// Gives this VM its own in-flight key (once; later plugin roots of the
+/// VM share it). False when no index could be claimed.
+pub fn claim_inflight() -> bool {
+    INFLIGHT.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.is_some() {
+            return true;
+        }
+        let Some(worker) = claim_index() else {
+            return false;
+        };
+        // WASI's random source: VMs configured at the same instant differ.
+        let nonce = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let inflight = Inflight {
+            worker,
+            nonce,
+            counts: Vec::new(),
+            workers: workers().max(worker.saturating_add(1)),
+        };
+        inflight.publish();
+        *cell = Some(inflight);
+        true
+    })
+}
+
+/// Re-reads the worker count, and claims a new index if another VM's
+/// nonce is under this VM's key.
+fn refresh_inflight() {
+    INFLIGHT.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let Some(inflight) = cell.as_mut() else {
+            return;
+        };
+        let owner = get(&inflight_key(inflight.worker)).0;
+        if owner.as_deref().and_then(inflight_nonce) != Some(inflight.nonce) {
+            if let Some(worker) = claim_index() {
+                log::warn!(
+                    "kvroute filter: in-flight key {} was claimed twice; now {worker}",
+                    inflight.worker
+                );
+                inflight.worker = worker;
+                inflight.publish();
+            }
+        }
+        inflight.workers = workers().max(inflight.worker.saturating_add(1));
+    });
+}
+
+/// Requests in flight per pod slot (at least `slots` of them), over every
+/// worker: this VM's own counts and every other worker's key (all of them
+/// for the service, which has none).
+pub fn inflight(slots: usize) -> Vec<u32> {
+    INFLIGHT.with(|cell| {
+        let cell = cell.borrow();
+        let (own, workers) = match cell.as_ref() {
+            Some(inflight) => (Some(inflight), inflight.workers),
+            None => (None, workers()),
+        };
+        let mut total = own.map(|i| i.counts.clone()).unwrap_or_default();
+        for worker in (0..workers).filter(|w| own.is_none_or(|i| i.worker != *w)) {
+            if let Some(bytes) = get(&inflight_key(worker)).0 {
+                add_inflight(&mut total, &bytes);
+            }
+        }
+        if total.len() < slots {
+            total.resize(slots, 0);
+        }
+        total
+    })
+}
+
+/// Whether this VM has no request in flight.
+pub fn idle() -> bool {
+    INFLIGHT.with(|cell| {
+        cell.borrow()
+            .as_ref()
+            .is_none_or(|i| i.counts.iter().all(|&c| c == 0))
+    })
+}
+
+/// Adds each `(slot, delta)` to this VM's in-flight counts and publishes
+/// them (one write).
+pub fn adjust_inflight(changes: &[(usize, i64)]) {
+    INFLIGHT.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let Some(inflight) = cell.as_mut() else {
+            return;
+        };
+        for &(slot, delta) in changes {
+            if inflight.counts.len() <= slot {
+                inflight.counts.resize(slot + 1, 0);
+            }
+            if let Some(count) = inflight.counts.get_mut(slot) {
+                *count = (i64::from(*count) + delta).clamp(0, i64::from(u32::MAX)) as u32;
+            }
+        }
+        inflight.publish();
+    });
 }
 
 /// Creates the ejections value if it is absent, so that every later

@@ -5,7 +5,10 @@
 //!   Envoy with a plain STATIC cluster and no filter. Closed-loop
 //!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the two measured in
 //!   alternating phases (A B, B A, …) so drift hits both; the filter's own
-//!   time from the `latencyUs` of its `route` log lines.
+//!   time from the `latencyUs` of its `route` log lines. On two cores or
+//!   more the load generator and the sim run on CPU 0, the Envoys on CPU 1
+//!   (`taskset`), and the saturation phases report each Envoy's CPU
+//!   seconds per 1,000 requests (`/proc/<pid>/stat`).
 //! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
 //!   ingest time, index gauges, main-thread CPU per tick (from
 //!   `/proc/<envoy>/task/<main>/stat`), the filter's time at that index
@@ -141,6 +144,21 @@ fn stats(values: &mut [f64]) -> Value {
     })
 }
 
+/// The load generator's (and the sim's) core and the Envoys' core when
+/// the machine has two: so neither side's CPU shows up in the other's.
+const LOAD_CPU: usize = 0;
+const ENVOY_CPU: usize = 1;
+
+/// Pins every thread of process `pid` (children it starts later inherit
+/// it) to `cpu` with `taskset`; false when that fails.
+fn pin(pid: u32, cpu: usize) -> bool {
+    std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", &cpu.to_string(), &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Runs the overhead measurement.
 pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     // Defaults as users run them: no decision headers on responses.
@@ -153,6 +171,9 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         "--max-batch".into(),
         "4096".into(),
     ];
+    // Before anything starts: the sim inherits the load generator's core.
+    let pinned = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
+        && pin(std::process::id(), LOAD_CPU);
     let cluster = Cluster::start(sim_binary, spec)?;
     let plain_dir = cluster.dir.join("plain");
     std::fs::create_dir_all(&plain_dir)?;
@@ -179,6 +200,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     );
     let quiet = Envoy::start(&quiet_dir, &yaml, listen, admin)?;
     let kv = &cluster.envoy;
+    let pinned = pinned && [kv, &plain, &quiet].iter().all(|e| pin(e.pid(), ENVOY_CPU));
     let (rounds, phase) = if quick {
         (2, Duration::from_secs(2))
     } else {
@@ -230,18 +252,24 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let sat_concurrency = 32;
     for size in [1024usize, 16 * 1024] {
         let set = bodies(size, 32);
-        // (requests, seconds) of kvroute, plain, kvroute without INFO logs.
-        let mut sums = [(0usize, 0.0f64); 3];
-        let targets = [&kv.listen, &plain.listen, &quiet.listen];
+        // (requests, seconds, Envoy CPU seconds) of kvroute, plain,
+        // kvroute without INFO logs.
+        let mut sums = [(0usize, 0.0f64, 0.0f64); 3];
+        let targets = [kv, &plain, &quiet];
         for round in 0..rounds {
             let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
             for which in order {
-                let p = closed_loop(targets[which], &set, sat_concurrency, phase);
+                let cpu_before = process_cpu_s(targets[which].pid()).unwrap_or(0.0);
+                let p = closed_loop(&targets[which].listen, &set, sat_concurrency, phase);
+                let cpu = process_cpu_s(targets[which].pid()).unwrap_or(0.0) - cpu_before;
                 sums[which].0 += p.latencies_us.len();
                 sums[which].1 += p.elapsed_s;
+                sums[which].2 += cpu;
             }
         }
-        let [ra, rb, rq] = sums.map(|(n, t)| n as f64 / t);
+        let [ra, rb, rq] = sums.map(|(n, t, _)| n as f64 / t);
+        let [ca, cb, cq] =
+            sums.map(|(n, _, cpu)| (cpu * 1000.0 / n.max(1) as f64 * 1e4).round() / 1e4);
         let entry = json!({
             "bodyBytes": size,
             "concurrency": sat_concurrency,
@@ -250,12 +278,13 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "ratio": (ra / rb * 1000.0).round() / 1000.0,
             "kvrouteNoLogRps": rq.round(),
             "noLogRatio": (rq / rb * 1000.0).round() / 1000.0,
+            "envoyCpuSPer1000": {"kvroute": ca, "plain": cb, "kvrouteNoLog": cq},
         });
         eprintln!("overhead saturation: {entry}");
         saturation.push(entry);
     }
     Ok(json!({
-        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1) behind two Envoy 1.40 (--concurrency 2): kvroute (filter + override-host cluster) and plain (STATIC cluster, no filter); closed-loop keep-alive clients on the same 2 cores, {rounds} alternating rounds of {} s per side; added = kvroute − plain percentile", phase.as_secs()),
+        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1) behind two Envoy 1.40 (--concurrency 2): kvroute (filter + override-host cluster) and plain (STATIC cluster, no filter); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
         "latency": latency,
         "saturation": saturation,
     }))
@@ -281,10 +310,10 @@ pub fn overhead_markdown(o: &Value) -> String {
             l["filterUs"]["p99"],
         ));
     }
-    out.push_str("\n| body | concurrency | plain req/s | kvroute req/s | ratio | kvroute, filter INFO log off | ratio |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("\n| body | concurrency | plain req/s | kvroute req/s | ratio | kvroute, filter INFO log off | ratio | Envoy CPU-s per 1,000 requests: plain / kvroute / INFO log off |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for s in o["saturation"].as_array().into_iter().flatten() {
         out.push_str(&format!(
-            "| {} KiB | {} | {} | {} | {:.1}% | {} | {:.1}% |\n",
+            "| {} KiB | {} | {} | {} | {:.1}% | {} | {:.1}% | {} / {} / {} |\n",
             s["bodyBytes"].as_u64().unwrap_or(0) / 1024,
             s["concurrency"],
             s["plainRps"],
@@ -292,6 +321,9 @@ pub fn overhead_markdown(o: &Value) -> String {
             s["ratio"].as_f64().unwrap_or(0.0) * 100.0,
             s["kvrouteNoLogRps"],
             s["noLogRatio"].as_f64().unwrap_or(0.0) * 100.0,
+            s["envoyCpuSPer1000"]["plain"],
+            s["envoyCpuSPer1000"]["kvroute"],
+            s["envoyCpuSPer1000"]["kvrouteNoLog"],
         ));
     }
     out.push('\n');

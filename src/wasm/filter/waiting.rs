@@ -6,7 +6,7 @@
 //! (its body or headers callback returned `Pause`) and joins the queue of
 //! the worker's root context under its HTTP context id. It leaves:
 //! - **routed**, when a dispatch round places it: on the root tick (every
-//!   [`TICK_MS`]), when a routed request of this worker ends (`on_log`),
+//!   [`super::TICK_MS`]), when a routed request of this worker ends (`on_log`),
 //!   and before a new request of this worker is routed (so it cannot
 //!   overtake); routed with the snapshot of that moment. A round offers
 //!   room to the first `affinityWindow` requests of the head class; one
@@ -69,11 +69,6 @@ use crate::router::{Attempt, NoEligiblePod, Outcome, Rejected, RoutingRequest};
 use crate::wasm::host;
 use crate::wasm::logging::event;
 use crate::wasm::metrics;
-
-/// Period of the filter root's tick: deadlines, owed answers and a
-/// dispatch round (a pod's queue falls when its report arrives, not only
-/// when a request of this worker ends).
-pub const TICK_MS: u64 = 25;
 
 /// A paused request waiting for a pod.
 pub struct WaitingRequest {
@@ -281,7 +276,14 @@ fn place(worker: &mut Worker, waiter: &Waiter<WaitingRequest>) -> Placement {
             let elapsed_us = started.elapsed().as_micros() as u64;
             let model_label = worker.router.model_label(&routed.model).to_string();
             let mode = worker.router.config().upstream_mode;
-            deliver(&routed, mode, &model_label, elapsed_us, request_id)
+            let log_route = worker.sample_route_log();
+            deliver(
+                &routed,
+                mode,
+                &model_label,
+                (elapsed_us, log_route),
+                request_id,
+            )
         }
     };
     match routed {
