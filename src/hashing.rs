@@ -85,10 +85,20 @@ pub fn hash_tokens(
     block_size: usize,
     max_blocks: usize,
 ) -> Vec<u64> {
-    let mut chain = Vec::with_capacity((tokens.len() / block_size).min(max_blocks));
-    let mut previous = seed.0;
+    let whole = tokens.len() / block_size * block_size;
+    let capped = whole.min(max_blocks.saturating_mul(block_size));
+    continue_token_chain(seed.0, tokens.get(..capped).unwrap_or_default(), block_size)
+}
+
+/// Continues a token chain after the block whose hash is `previous` (the
+/// seed's value for a prompt's first block): the hashes of the whole
+/// `block_size`-token blocks of `tokens`. The vLLM bridge derives kvroute's
+/// keys this way from the token IDs of stored blocks and their parent's key.
+pub fn continue_token_chain(previous: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut chain = Vec::with_capacity(tokens.len() / block_size.max(1));
+    let mut previous = previous;
     let mut block_bytes = Vec::with_capacity(block_size * 4);
-    for block in tokens.chunks_exact(block_size).take(max_blocks) {
+    for block in tokens.chunks_exact(block_size.max(1)) {
         block_bytes.clear();
         for token in block {
             block_bytes.extend_from_slice(&token.to_le_bytes());

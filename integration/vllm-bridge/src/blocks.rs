@@ -1,0 +1,220 @@
+//! One pod's cached blocks as kvroute sees them, built from vLLM's events.
+//!
+//! vLLM's block hashes are opaque, so each stored block gets the kvroute
+//! chain key of token mode instead, computed from the event's `token_ids`
+//! and the parent's kvroute key (the prompt's first block: the chain seed
+//! of the base model and the adapter, `lora_name`), exactly as the filter
+//! hashes a token-ID prompt. That needs `blockSizeTokens` = vLLM's
+//! `block_size`; a block of another size, or whose parent is unknown (it
+//! was stored before the bridge's history starts), is left out and
+//! counted: under-reporting costs a cache hit, never a stale route.
+//!
+//! The vLLM → kvroute mapping is kept so `BlockRemoved` can be applied.
+//! Several vLLM blocks may carry one kvroute key (vLLM also hashes
+//! `cache_salt` and multimodal keys; a hash may also sit in two media), so
+//! keys are reference-counted: stored on the first, removed with the last.
+//! Changes go to a [`ReportLog`] that protocol v1 reports are built from.
+
+use std::collections::HashMap;
+
+use kvroute::hashing::{continue_token_chain, BlockMode, ChainSeed};
+use kvroute::report::StoredChain;
+use kvroute::report_log::{chain_segments, ReportLog};
+use serde_json::{Map, Value};
+
+use crate::wire::KvEvent;
+
+/// What must match the filter's token-mode hashing.
+#[derive(Debug, Clone)]
+pub struct Hashing {
+    pub secret: String,
+    pub base_model: String,
+    pub block_size_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Mapped {
+    key: u64,
+    /// How many times vLLM stored this hash without removing it.
+    refs: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Key {
+    parent: Option<u64>,
+    refs: u32,
+}
+
+/// Why blocks of an event were left out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Skipped {
+    /// The parent block is not known.
+    pub unknown_parent: u64,
+    /// `block_size` differs from `blockSizeTokens`, or `token_ids` does not
+    /// cover the blocks.
+    pub wrong_size: u64,
+    /// An adapter given only as `lora_id` (no `lora_name` to seed with).
+    pub unnamed_adapter: u64,
+}
+
+/// The pod's blocks, keyed by kvroute chain keys (see the module docs).
+pub struct PodBlocks {
+    hashing: Hashing,
+    /// Chain seeds per adapter (`None`: the base model).
+    seeds: HashMap<Option<String>, u64>,
+    vllm: HashMap<u64, Mapped>,
+    keys: HashMap<u64, Key>,
+    log: ReportLog,
+    pub skipped: Skipped,
+}
+
+impl PodBlocks {
+    pub fn new(hashing: Hashing, max_log: usize) -> PodBlocks {
+        PodBlocks {
+            hashing,
+            seeds: HashMap::new(),
+            vllm: HashMap::new(),
+            keys: HashMap::new(),
+            log: ReportLog::new(max_log),
+            skipped: Skipped::default(),
+        }
+    }
+
+    /// Blocks held (kvroute keys).
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Whether kvroute key `key` is held.
+    pub fn contains(&self, key: u64) -> bool {
+        self.keys.contains_key(&key)
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.log.seq()
+    }
+
+    fn seed(&mut self, adapter: Option<&str>) -> u64 {
+        let hashing = &self.hashing;
+        *self
+            .seeds
+            .entry(adapter.map(str::to_string))
+            .or_insert_with(|| {
+                ChainSeed::new(
+                    &hashing.secret,
+                    &hashing.base_model,
+                    adapter,
+                    BlockMode::Tokens,
+                )
+                .value()
+            })
+    }
+
+    /// Applies one event.
+    pub fn apply(&mut self, event: &KvEvent) {
+        match event {
+            KvEvent::Stored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                lora_name,
+                ..
+            } => {
+                let blocks = block_hashes.len() as u64;
+                if *block_size != self.hashing.block_size_tokens
+                    || token_ids.len() != block_hashes.len() * block_size
+                {
+                    self.skipped.wrong_size += blocks;
+                    return;
+                }
+                if lora_name.is_none() && lora_id.is_some_and(|id| id > 0) {
+                    self.skipped.unnamed_adapter += blocks;
+                    return;
+                }
+                let parent = match parent_block_hash {
+                    None => None,
+                    Some(hash) => match self.vllm.get(hash) {
+                        Some(mapped) => Some(mapped.key),
+                        None => {
+                            self.skipped.unknown_parent += blocks;
+                            return;
+                        }
+                    },
+                };
+                let previous = match parent {
+                    Some(key) => key,
+                    None => self.seed(lora_name.as_deref()),
+                };
+                let keys = continue_token_chain(previous, token_ids, *block_size);
+                let mut parent = parent;
+                for (&hash, key) in block_hashes.iter().zip(keys) {
+                    self.vllm
+                        .entry(hash)
+                        .and_modify(|m| m.refs += 1)
+                        .or_insert(Mapped { key, refs: 1 });
+                    let entry = self.keys.entry(key).or_insert(Key { parent, refs: 0 });
+                    entry.refs += 1;
+                    if entry.refs == 1 {
+                        self.log.push(key, parent, true);
+                    }
+                    parent = Some(key);
+                }
+            }
+            KvEvent::Removed { block_hashes, .. } => {
+                for hash in block_hashes {
+                    let Some(mapped) = self.vllm.get_mut(hash) else {
+                        continue;
+                    };
+                    mapped.refs -= 1;
+                    let key = mapped.key;
+                    if mapped.refs == 0 {
+                        self.vllm.remove(hash);
+                    }
+                    if let Some(held) = self.keys.get_mut(&key) {
+                        held.refs -= 1;
+                        if held.refs == 0 {
+                            let parent = held.parent;
+                            self.keys.remove(&key);
+                            self.log.push(key, parent, false);
+                        }
+                    }
+                }
+            }
+            KvEvent::AllCleared => self.clear(),
+        }
+    }
+
+    /// Drops every block (each logged as removed, so a router following
+    /// this epoch's deltas drops them too).
+    pub fn clear(&mut self) {
+        for (key, held) in self.keys.drain() {
+            self.log.push(key, held.parent, false);
+        }
+        self.vllm.clear();
+    }
+
+    /// Every block held, as parent-first chains.
+    pub fn held(&self) -> Vec<StoredChain> {
+        let nodes: Vec<(u64, Option<u64>)> =
+            self.keys.iter().map(|(&k, h)| (k, h.parent)).collect();
+        chain_segments(&nodes)
+    }
+
+    /// The block part of the report answering `?since=…&epoch=…`.
+    pub fn report_body(
+        &self,
+        pod_id: &str,
+        epoch: &str,
+        since: Option<u64>,
+        asked_epoch: Option<&str>,
+    ) -> Map<String, Value> {
+        self.log
+            .report_body(pod_id, epoch, since, asked_epoch, || self.held())
+    }
+}
