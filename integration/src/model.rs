@@ -42,7 +42,7 @@ use std::time::Duration;
 
 use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::{BlockHasher, BYTES_PER_TOKEN};
-use kvroute::report_log::{chain_segments, ReportLog};
+use kvroute::report_log::{chain_segments, BlockEvent, ReportLog};
 use kvroute::request::Prompt;
 use serde_json::{json, Value};
 
@@ -245,6 +245,11 @@ impl KvCache {
     /// The oldest `since` a delta can still be built from.
     pub fn oldest_since(&self) -> u64 {
         self.log.oldest_since()
+    }
+
+    /// The logged events after `since` (see [`ReportLog::events_after`]).
+    pub fn events_after(&self, since: u64) -> Option<impl Iterator<Item = &BlockEvent>> {
+        self.log.events_after(since)
     }
 
     /// Leading blocks of `chain` present (no recency change).

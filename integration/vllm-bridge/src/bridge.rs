@@ -14,6 +14,12 @@
 //!   Batches already applied that come again right after a replay (the
 //!   subscription overlaps the replay) are skipped.
 //! - A malformed frame is counted and logged, never fatal.
+//! - Every `probe` the bridge asks the replay socket for the batches from
+//!   its last one on: the same batch back (same digest) means the same
+//!   publisher, and anything after it was missed by the subscription and is
+//!   applied; no such batch, or another one, means the pod restarted (the
+//!   ZMQ subscription neither reports a lost publisher nor reconnects), so
+//!   the bridge reconnects and starts over.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -22,6 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::watch;
+use xxhash_rust::xxh64::xxh64;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::blocks::{Hashing, PodBlocks};
@@ -62,6 +69,8 @@ pub struct State {
     pub blocks: PodBlocks,
     /// Last publisher `seq` applied (`None`: none since the epoch began).
     last_seq: Option<i64>,
+    /// xxh64 of that batch's payload, to recognise it in a replay.
+    last_digest: u64,
     /// After a replay up to this `seq`, subscribed batches up to it are
     /// duplicates, not a restart.
     replayed_to: Option<i64>,
@@ -108,6 +117,7 @@ impl Bridge {
                 epoch: epoch.clone(),
                 blocks: PodBlocks::new(hashing.clone(), max_log),
                 last_seq: None,
+                last_digest: 0,
                 replayed_to: None,
             }),
             hashing,
@@ -138,6 +148,7 @@ impl Bridge {
             epoch: new_epoch(),
             blocks: PodBlocks::new(self.hashing.clone(), self.max_log),
             last_seq: None,
+            last_digest: 0,
             replayed_to: None,
         };
         self.notify(&state);
@@ -147,6 +158,7 @@ impl Bridge {
     /// logged and passed over.
     fn apply(&self, state: &mut State, seq: i64, payload: &[u8]) {
         state.last_seq = Some(seq);
+        state.last_digest = xxh64(payload, 0);
         match decode_batch(payload) {
             Ok(batch) => {
                 self.counters.batches.fetch_add(1, Ordering::Relaxed);
@@ -258,20 +270,64 @@ impl Bridge {
                 "batches from {from} are gone from the replay buffer"
             ));
         }
+        self.apply_replayed(&frames);
+    }
+
+    /// Applies replayed batches not applied yet; the subscription's copies
+    /// of them that follow are duplicates.
+    fn apply_replayed(&self, frames: &[(i64, Bytes)]) {
         let mut state = self.lock();
-        for (seq, payload) in &frames {
+        for (seq, payload) in frames {
             if state.last_seq.is_none_or(|last| *seq > last) {
                 self.apply(&mut state, *seq, payload);
             }
         }
-        state.replayed_to = frames.last().map(|f| f.0);
+        if let Some((last, _)) = frames.last() {
+            state.replayed_to = Some(state.replayed_to.map_or(*last, |to| to.max(*last)));
+        }
         self.notify(&state);
+    }
+
+    /// The periodic check (see the module documentation); `false` when the
+    /// publisher restarted and the subscription must start over.
+    async fn probe(&self, replay: &str) -> bool {
+        let (last, digest) = {
+            let state = self.lock();
+            (state.last_seq, state.last_digest)
+        };
+        let Ok(frames) = replay_from(replay, last.unwrap_or(0)).await else {
+            // Unreachable: the pod is down or busy; its next answer tells.
+            return true;
+        };
+        let Some(last) = last else {
+            self.apply_replayed(&frames);
+            return true;
+        };
+        match frames.first() {
+            Some((seq, payload)) if *seq == last && xxh64(payload, 0) == digest => {
+                if frames.len() > 1 {
+                    self.counters.gaps.fetch_add(1, Ordering::Relaxed);
+                }
+                self.apply_replayed(&frames);
+                true
+            }
+            _ => {
+                self.counters
+                    .publisher_restarts
+                    .fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "kvroute-vllm-bridge {}: batch {last} is no longer the one applied: the publisher restarted",
+                    self.pod_id
+                );
+                false
+            }
+        }
     }
 
     /// Follows the pod's events until the process ends: connects (retrying
     /// while the pod is down), rebuilds from a replay, applies batches, and
     /// starts over when the connection drops.
-    pub async fn run(&self, endpoints: Endpoints) {
+    pub async fn run(&self, endpoints: Endpoints, probe: Duration) {
         loop {
             let mut socket = SubSocket::new();
             let mut monitor = socket.monitor();
@@ -290,8 +346,17 @@ impl Bridge {
             self.counters.connects.fetch_add(1, Ordering::Relaxed);
             self.reset(&format!("connected to {}", endpoints.events));
             self.catch_up(&endpoints, 0, None).await;
+            let mut probes = tokio::time::interval(probe);
+            probes.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            probes.tick().await;
             loop {
                 tokio::select! {
+                    _ = probes.tick(), if endpoints.replay.is_some() => {
+                        let replay = endpoints.replay.as_deref().unwrap_or_default();
+                        if !self.probe(replay).await {
+                            break;
+                        }
+                    }
                     message = socket.recv() => match message {
                         Ok(message) => self.receive(&endpoints, message).await,
                         Err(e) => {

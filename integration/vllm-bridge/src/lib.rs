@@ -51,6 +51,10 @@ pub struct Options {
     /// The model vLLM serves, as `baseModel` in kvroute's `models`.
     #[arg(long)]
     pub base_model: String,
+    /// How often the replay socket is asked whether the publisher is
+    /// still the same (restart detection, missed batches).
+    #[arg(long, default_value_t = 1000)]
+    pub probe_ms: u64,
     /// Bound of the report event log (block events).
     #[arg(long, default_value_t = 100_000)]
     pub log_events: usize,
@@ -62,6 +66,17 @@ pub struct Running {
     pub bridge: Arc<Bridge>,
     pub addr: std::net::SocketAddr,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops the bridge and waits until its sockets are closed (the listen
+    /// address is free again).
+    pub async fn stop(mut self) {
+        for task in std::mem::take(&mut self.tasks) {
+            task.abort();
+            let _ = task.await;
+        }
+    }
 }
 
 impl Drop for Running {
@@ -103,11 +118,12 @@ pub async fn start(options: Options) -> Result<Running, String> {
         topic: options.topic.clone(),
     };
     let follower = bridge.clone();
+    let probe = std::time::Duration::from_millis(options.probe_ms.max(10));
     let tasks = vec![
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         }),
-        tokio::spawn(async move { follower.run(endpoints).await }),
+        tokio::spawn(async move { follower.run(endpoints, probe).await }),
     ];
     Ok(Running {
         bridge,
