@@ -218,3 +218,103 @@ impl PodBlocks {
             .report_body(pod_id, epoch, since, asked_epoch, || self.held())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute::hashing::hash_tokens;
+
+    fn blocks() -> PodBlocks {
+        PodBlocks::new(
+            Hashing {
+                secret: "s".into(),
+                base_model: "m".into(),
+                block_size_tokens: 2,
+            },
+            100,
+        )
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], lora: Option<&str>) -> KvEvent {
+        KvEvent::Stored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size: 2,
+            lora_id: lora.map(|_| 1),
+            medium: None,
+            lora_name: lora.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn keys_are_the_filters_token_chain() {
+        let mut pod = blocks();
+        pod.apply(&stored(&[10], None, &[1, 2], None));
+        pod.apply(&stored(&[11, 12], Some(10), &[3, 4, 5, 6], None));
+        pod.apply(&stored(&[20], None, &[1, 2], Some("a")));
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        for key in hash_tokens(&seed, &[1, 2, 3, 4, 5, 6], 2, 256) {
+            assert!(pod.contains(key));
+        }
+        let adapter = ChainSeed::new("s", "m", Some("a"), BlockMode::Tokens);
+        assert!(pod.contains(hash_tokens(&adapter, &[1, 2], 2, 256)[0]));
+        assert_eq!(pod.len(), 4);
+    }
+
+    #[test]
+    fn a_key_stays_while_any_vllm_block_holds_it() {
+        let mut pod = blocks();
+        // Same tokens, two vLLM hashes (e.g. two cache_salts).
+        pod.apply(&stored(&[10], None, &[1, 2], None));
+        pod.apply(&stored(&[30], None, &[1, 2], None));
+        assert_eq!(pod.len(), 1);
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![10, 99],
+            medium: None,
+        });
+        assert_eq!(pod.len(), 1);
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![30],
+            medium: None,
+        });
+        assert!(pod.is_empty());
+    }
+
+    #[test]
+    fn unmappable_blocks_are_left_out_and_counted() {
+        let mut pod = blocks();
+        pod.apply(&stored(&[11], Some(404), &[3, 4], None));
+        pod.apply(&KvEvent::Stored {
+            block_hashes: vec![12],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 4,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+        });
+        pod.apply(&KvEvent::Stored {
+            block_hashes: vec![13],
+            parent_block_hash: None,
+            token_ids: vec![1, 2],
+            block_size: 2,
+            lora_id: Some(3),
+            medium: None,
+            lora_name: None,
+        });
+        assert!(pod.is_empty());
+        assert_eq!(
+            pod.skipped,
+            Skipped {
+                unknown_parent: 1,
+                wrong_size: 1,
+                unnamed_adapter: 1
+            }
+        );
+        pod.apply(&stored(&[10], None, &[1, 2], None));
+        pod.apply(&KvEvent::AllCleared);
+        assert!(pod.is_empty());
+        assert_eq!(pod.seq(), 2);
+    }
+}
