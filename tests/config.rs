@@ -332,6 +332,21 @@ fn pod_rules() {
         parse(&format!(r#"{{{pods}, "upstreamMode": "originalDst"}}"#))
             .unwrap_or_else(|e| panic!("{name} is a valid ORIGINAL_DST address: {e}"));
     }
+    // A sidecar's report address (e.g. kvroute-vllm-bridge): any host:port,
+    // the report cluster is ORIGINAL_DST.
+    let config = parse(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "vllm-0-bridge:8081"}]}"#,
+    )
+    .expect("reportAddress");
+    assert_eq!(
+        config.pods[0].report_address.as_deref(),
+        Some("vllm-0-bridge:8081")
+    );
+    let message = rejects(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "bridge"}]}"#,
+        "pods[0].reportAddress",
+    );
+    assert!(message.contains("bridge"), "{message}");
     let many: Vec<String> = (0..65)
         .map(|i| format!(r#"{{"id": "p{i}", "address": "10.0.0.1:{}"}}"#, 1000 + i))
         .collect();

@@ -1100,6 +1100,7 @@ mod tests {
             pods: vec![PodConfig {
                 id: "p".into(),
                 address: "127.0.0.1:1".into(),
+                report_address: None,
                 attributes: Default::default(),
             }],
             ..Config::default()
