@@ -3,14 +3,16 @@
 //! blocks the sim's cache holds (the sim's own protocol v1 report is the
 //! truth), through evictions, `AllBlocksCleared`, gaps with replay, gaps
 //! beyond the replay buffer, a bridge restart, a pod restart and garbage
-//! frames. Never a block the pod does not hold.
+//! frames. Never a block the pod does not hold. Then in real Envoy:
+//! kvroute's precise mode fed only by bridges routes to the pod holding a
+//! prompt's prefix, the adapter's chains apart from the base model's.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvroute::report::parse_report;
-use kvroute_integration::harness::{free_port, prometheus_value, Sim};
+use kvroute_integration::harness::{free_port, prometheus_value, Cluster, ClusterSpec, Sim};
 use kvroute_integration::http;
 use kvroute_vllm_bridge::{start, Options, Running};
 use serde_json::json;
@@ -290,4 +292,112 @@ fn bridge_and_pod_restarts_leave_nothing_stale() {
     pod.complete("m", &prompt(3, 2));
     assert_eq!(converged(&pod, &running).len(), 2);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A token-ID completion request through Envoy: the pod that served it
+/// and kvroute's cache match for it.
+fn routed(cluster: &Cluster, model: &str, tokens: &[u32]) -> (String, String) {
+    let body = json!({"model": model, "prompt": tokens, "max_tokens": 2});
+    let r = cluster.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let pod = r.header("x-sim-pod").expect("x-sim-pod").to_string();
+    assert_eq!(r.header("x-kvroute-pod"), Some(pod.as_str()));
+    let matched = r.header("x-kvroute-cache-match").unwrap_or("").to_string();
+    (pod, matched)
+}
+
+/// Three sims publishing vLLM KV events, one bridge each, kvroute pulling
+/// reports only from the bridges (`reportAddress`). A 4096-token prefix
+/// is cached on a pod directly (kvroute made no decision, so only the
+/// bridge can tell it): 10/10 requests sharing it go to that pod, for the
+/// base model, and — the same tokens cached under the LoRA adapter on
+/// another pod — 10/10 adapter requests go to that one.
+#[test]
+fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
+    let pods = 3;
+    let zmq: Vec<(String, String)> = (0..pods)
+        .map(|_| {
+            (
+                format!("tcp://127.0.0.1:{}", free_port()),
+                format!("tcp://127.0.0.1:{}", free_port()),
+            )
+        })
+        .collect();
+    let listens: Vec<String> = (0..pods)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let config = json!({
+        "podReportIntervalMs": 200,
+        "reportTimeoutMs": 400,
+        "blockSizeTokens": 16,
+        "models": {
+            "m": {"baseModel": "m"},
+            "m-lora": {"baseModel": "m", "adapter": "lora-a"},
+        },
+    });
+    let mut spec = ClusterSpec::new(pods, config);
+    spec.per_pod_args = zmq
+        .iter()
+        .map(|(events, replay)| {
+            vec![
+                "--kv-events".into(),
+                events.clone(),
+                "--kv-replay".into(),
+                replay.clone(),
+            ]
+        })
+        .collect();
+    spec.report_addresses = listens.iter().cloned().map(Some).collect();
+    let cluster = Cluster::start(Path::new(SIM), spec).expect("cluster starts");
+    let config_file = cluster.dir.join("kvroute.json");
+    let bridges: Vec<Running> = (0..pods)
+        .map(|i| {
+            http::runtime()
+                .block_on(start(Options {
+                    events: zmq[i].0.clone(),
+                    replay: Some(zmq[i].1.clone()),
+                    topic: String::new(),
+                    listen: listens[i].clone(),
+                    pod_id: format!("pod-{i}"),
+                    config: Some(config_file.clone()),
+                    base_model: "m".into(),
+                    probe_ms: 1000,
+                    log_events: 100_000,
+                }))
+                .expect("bridge starts")
+        })
+        .collect();
+    let prefix: Vec<u32> = (0..4096).map(|i| 1000 + i * 7 % 50_000).collect();
+    for (model, holder) in [("m", 1), ("m-lora", 2)] {
+        let mut warm = prefix.clone();
+        warm.extend([1, 2, 3]);
+        let body = json!({"model": model, "prompt": warm, "max_tokens": 1});
+        let r = http::post_json(&cluster.sims[holder].address, "/v1/completions", &body.to_string())
+            .expect("warm-up");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // Bridges have the blocks, then kvroute has the bridges' reports.
+    for holder in [1, 2] {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while report_blocks(&listens[holder]).1.len() < 256 {
+            assert!(Instant::now() < deadline, "bridge {holder} lags");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    cluster.wait_reports(3);
+    for (model, holder) in [("m", "pod-1"), ("m-lora", "pod-2")] {
+        for i in 0..10u32 {
+            let mut tokens = prefix.clone();
+            tokens.extend([60_000 + i, 7, 7]);
+            let (pod, matched) = routed(&cluster, model, &tokens);
+            assert_eq!(pod, holder, "{model} request {i} left the prefix's holder");
+            eprintln!("{model} {i}: {matched}");
+        }
+    }
+    // kvroute never pulled the pods' own reports: only the bridges'.
+    for sim in &cluster.sims {
+        assert_eq!(sim.stats()["reportRequests"], json!(0), "{}", sim.id);
+    }
+    assert!(counter(&bridges[1], "kvbridge_batches_total") >= 1.0);
+    assert_eq!(counter(&bridges[1], "kvbridge_malformed_frames_total"), 0.0);
 }
