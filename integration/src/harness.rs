@@ -415,7 +415,8 @@ impl Cluster {
                 .iter()
                 .enumerate()
                 .map(|(i, port)| {
-                    let mut pod = json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")});
+                    let mut pod =
+                        json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")});
                     if let Some(Some(report)) = spec.report_addresses.get(i) {
                         pod["reportAddress"] = json!(report);
                     }

@@ -372,8 +372,12 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
         let mut warm = prefix.clone();
         warm.extend([1, 2, 3]);
         let body = json!({"model": model, "prompt": warm, "max_tokens": 1});
-        let r = http::post_json(&cluster.sims[holder].address, "/v1/completions", &body.to_string())
-            .expect("warm-up");
+        let r = http::post_json(
+            &cluster.sims[holder].address,
+            "/v1/completions",
+            &body.to_string(),
+        )
+        .expect("warm-up");
         assert_eq!(r.status, 200, "{}", r.body);
     }
     // Bridges have the blocks, then kvroute has the bridges' reports.
@@ -391,7 +395,10 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
             tokens.extend([60_000 + i, 7, 7]);
             let (pod, matched) = routed(&cluster, model, &tokens);
             assert_eq!(pod, holder, "{model} request {i} left the prefix's holder");
-            eprintln!("{model} {i}: {matched}");
+            // Known from the bridge's report, from the first request on
+            // (no earlier decision through kvroute to remember).
+            let matched: f64 = matched.parse().expect("x-kvroute-cache-match");
+            assert!(matched > 0.95, "{model} request {i}: cache match {matched}");
         }
     }
     // kvroute never pulled the pods' own reports: only the bridges'.
