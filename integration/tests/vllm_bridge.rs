@@ -408,3 +408,39 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
     assert!(counter(&bridges[1], "kvbridge_batches_total") >= 1.0);
     assert_eq!(counter(&bridges[1], "kvbridge_malformed_frames_total"), 0.0);
 }
+
+/// Long-poll: a report asked with `wait` for the current epoch and seq is
+/// held until the pod stores a block, then answers the delta at once.
+#[test]
+fn a_long_polled_report_answers_when_the_pod_stores() {
+    let dir = temp("long-poll");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &[]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    let address = running.addr.to_string();
+    // `since` 0 always answers a full resync at once: a first event.
+    pod.complete("m", &prompt(0, 1));
+    converged(&pod, &running);
+    let current = http::get(&address, "/kvroute/v1/report").expect("report");
+    let current = parse_report(current.body.as_bytes()).expect("valid");
+    let query = format!(
+        "/kvroute/v1/report?since={}&epoch={}&wait=5000",
+        current.seq, current.epoch
+    );
+    let asked = Instant::now();
+    let held = std::thread::spawn(move || http::get(&address, &query).expect("long poll"));
+    std::thread::sleep(Duration::from_millis(300));
+    pod.complete("m", &prompt(1, 3));
+    let answer = parse_report(held.join().expect("joined").body.as_bytes()).expect("valid");
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(!answer.full);
+    assert_eq!(
+        answer.stored.iter().map(|c| c.hashes.len()).sum::<usize>(),
+        3
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
