@@ -175,6 +175,10 @@ impl Publisher {
     pub fn publish(&self, cache: &KvCache, cleared: bool) {
         let mut state = self.lock();
         let Some(events) = cache.events_after(state.published) else {
+            // The log dropped events never published (a change larger than
+            // `--log-events`): they are lost, as a publisher queue overflow
+            // loses them; go on from here.
+            state.published = cache.seq();
             return;
         };
         let mut batch: Vec<KvEvent> = Vec::new();
