@@ -18,8 +18,9 @@
 //!   its last one on: the same batch back (same digest) means the same
 //!   publisher, and anything after it was missed by the subscription and is
 //!   applied; no such batch, or another one, means the pod restarted (the
-//!   ZMQ subscription neither reports a lost publisher nor reconnects), so
-//!   the bridge reconnects and starts over.
+//!   ZMQ subscription neither reports a lost publisher nor reconnects), and
+//!   only later ones means a hole: either way the bridge reconnects and
+//!   starts over (a new epoch rebuilt from the buffer).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -310,6 +311,16 @@ impl Bridge {
                 }
                 self.apply_replayed(&frames);
                 true
+            }
+            // The buffer moved past our last batch while the subscription
+            // delivered nothing: a hole, as in `catch_up`.
+            Some((seq, _)) if *seq > last => {
+                self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "kvroute-vllm-bridge {}: batches after {last} were missed and are gone from the replay buffer",
+                    self.pod_id
+                );
+                false
             }
             _ => {
                 self.counters
