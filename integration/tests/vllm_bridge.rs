@@ -119,6 +119,7 @@ fn bridge(pod: &Pod, listen: &str, config: &Path) -> Running {
             pod_id: "pod-0".into(),
             config: Some(config.to_path_buf()),
             base_model: "m".into(),
+            lora_id: Vec::new(),
             probe_ms: 100,
             log_events: 100_000,
         }))
@@ -361,6 +362,7 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
                     pod_id: format!("pod-{i}"),
                     config: Some(config_file.clone()),
                     base_model: "m".into(),
+                    lora_id: Vec::new(),
                     probe_ms: 1000,
                     log_events: 100_000,
                 }))

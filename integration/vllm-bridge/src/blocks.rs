@@ -30,6 +30,9 @@ pub struct Hashing {
     pub secret: String,
     pub base_model: String,
     pub block_size_tokens: usize,
+    /// Adapter names by vLLM's `lora_id`, for older vLLM whose events
+    /// carry no `lora_name`.
+    pub lora_ids: HashMap<i64, String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -53,7 +56,8 @@ pub struct Skipped {
     /// `block_size` differs from `blockSizeTokens`, or `token_ids` does not
     /// cover the blocks.
     pub wrong_size: u64,
-    /// An adapter given only as `lora_id` (no `lora_name` to seed with).
+    /// An adapter given only as a `lora_id` not in `--lora-id` (no name to
+    /// seed with).
     pub unnamed_adapter: u64,
 }
 
@@ -133,10 +137,17 @@ impl PodBlocks {
                     self.skipped.wrong_size += blocks;
                     return;
                 }
-                if lora_name.is_none() && lora_id.is_some_and(|id| id > 0) {
-                    self.skipped.unnamed_adapter += blocks;
-                    return;
-                }
+                let adapter = match (lora_name, lora_id) {
+                    (Some(name), _) => Some(name.clone()),
+                    (None, Some(id)) if *id > 0 => match self.hashing.lora_ids.get(id) {
+                        Some(name) => Some(name.clone()),
+                        None => {
+                            self.skipped.unnamed_adapter += blocks;
+                            return;
+                        }
+                    },
+                    (None, _) => None,
+                };
                 let parent = match parent_block_hash {
                     None => None,
                     Some(hash) => match self.vllm.get(hash) {
@@ -149,7 +160,7 @@ impl PodBlocks {
                 };
                 let previous = match parent {
                     Some(key) => key,
-                    None => self.seed(lora_name.as_deref()),
+                    None => self.seed(adapter.as_deref()),
                 };
                 let keys = continue_token_chain(previous, token_ids, *block_size);
                 let mut parent = parent;
@@ -230,6 +241,7 @@ mod tests {
                 secret: "s".into(),
                 base_model: "m".into(),
                 block_size_tokens: 2,
+                lora_ids: HashMap::from([(7, "a".to_string())]),
             },
             100,
         )
@@ -260,6 +272,27 @@ mod tests {
         let adapter = ChainSeed::new("s", "m", Some("a"), BlockMode::Tokens);
         assert!(pod.contains(hash_tokens(&adapter, &[1, 2], 2, 256)[0]));
         assert_eq!(pod.len(), 4);
+        // Older vLLM: the adapter only as `lora_id`, named by `--lora-id`.
+        pod.apply(&KvEvent::Stored {
+            block_hashes: vec![21],
+            parent_block_hash: Some(20),
+            token_ids: vec![3, 4],
+            block_size: 2,
+            lora_id: Some(7),
+            medium: None,
+            lora_name: None,
+        });
+        pod.apply(&KvEvent::Stored {
+            block_hashes: vec![22],
+            parent_block_hash: None,
+            token_ids: vec![3, 4],
+            block_size: 2,
+            lora_id: Some(7),
+            medium: None,
+            lora_name: None,
+        });
+        assert!(pod.contains(hash_tokens(&adapter, &[1, 2, 3, 4], 2, 256)[1]));
+        assert!(pod.contains(hash_tokens(&adapter, &[3, 4], 2, 256)[0]));
     }
 
     #[test]

@@ -51,6 +51,11 @@ pub struct Options {
     /// The model vLLM serves, as `baseModel` in kvroute's `models`.
     #[arg(long)]
     pub base_model: String,
+    /// `NAME=ID`: the adapter vLLM numbers `ID` (its `lora_int_id`), for
+    /// older vLLM whose events carry `lora_id` but no `lora_name`
+    /// (repeatable or comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = parse_lora_id)]
+    pub lora_id: Vec<(String, i64)>,
     /// How often the replay socket is asked whether the publisher is
     /// still the same (restart detection, missed batches).
     #[arg(long, default_value_t = 1000)]
@@ -58,6 +63,16 @@ pub struct Options {
     /// Bound of the report event log (block events).
     #[arg(long, default_value_t = 100_000)]
     pub log_events: usize,
+}
+
+fn parse_lora_id(text: &str) -> Result<(String, i64), String> {
+    let (name, id) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=ID, got {text:?}"))?;
+    let id = id
+        .parse()
+        .map_err(|_| format!("lora id of {name:?} is not a number"))?;
+    Ok((name.to_string(), id))
 }
 
 /// A running bridge: its state, the address it serves on, and its tasks
@@ -101,6 +116,11 @@ pub async fn start(options: Options) -> Result<Running, String> {
         secret: config.hash_seed.clone(),
         base_model: options.base_model.clone(),
         block_size_tokens: config.block_size_tokens,
+        lora_ids: options
+            .lora_id
+            .iter()
+            .map(|(name, id)| (*id, name.clone()))
+            .collect(),
     };
     let listener = TcpListener::bind(&options.listen)
         .await
