@@ -65,6 +65,7 @@ lint: setup
 
 test-host:
 	$(CARGO) test -p kvroute
+	$(CARGO) test -p kvroute-vllm-bridge
 
 ## test-wasm: the core's unit tests and tests/ compiled to wasm32-wasip1
 ## (without the proxy-wasm glue, which needs Envoy as host), executed under

@@ -258,6 +258,12 @@ fn routing(c: &mut Criterion) {
     group.bench_function("hash_16KiB", |b| {
         b.iter(|| f.hasher.chain(&f.target, black_box(&f.prompt)))
     });
+    // A token-ID prompt of the same 16 KiB (4096 IDs, 256 blocks of 16):
+    // the chain the vLLM bridge derives from vLLM's events.
+    let tokens = Prompt::Tokens((0..4096u32).map(|i| i * 31 % 50_000).collect());
+    group.bench_function("hash_4096_tokens", |b| {
+        b.iter(|| f.hasher.chain(&f.target, black_box(&tokens)))
+    });
     group.bench_function("end_to_end_tree", |b| {
         b.iter(|| {
             tie += 1;

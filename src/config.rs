@@ -134,8 +134,13 @@ pub struct AttributeScorerConfig {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct PodConfig {
     pub id: String,
-    /// `host:port` the request is sent to, and where its report is pulled.
+    /// `host:port` the request is sent to, and where its report (unless
+    /// `reportAddress`) and vLLM metrics are pulled.
     pub address: String,
+    /// `host:port` to pull the pod's report from instead of `address`: a
+    /// sidecar serving it, such as kvroute-vllm-bridge beside stock vLLM.
+    #[serde(default)]
+    pub report_address: Option<String>,
     /// Numeric attributes for attribute scorers (e.g. `costPerHour`).
     #[serde(default)]
     pub attributes: BTreeMap<String, f64>,
@@ -526,6 +531,10 @@ impl Config {
                     UpstreamMode::OriginalDst => Ok(()),
                 })
                 .map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
+            if let Some(report) = &pod.report_address {
+                validate_address(report)
+                    .map_err(|rule| invalid(format!("pods[{i}].reportAddress"), rule))?;
+            }
             if !addresses.insert(pod.address.as_str()) {
                 return Err(invalid(
                     format!("pods[{i}].address"),

@@ -111,7 +111,9 @@ impl BlockLayout {
 
     /// The prompt's whole blocks, in order, at most `max_blocks`.
     fn blocks<'a, T>(&self, units: &'a [T]) -> impl Iterator<Item = &'a [T]> + 'a {
-        let split = units.len().min(self.coarse_after.saturating_mul(self.block_size));
+        let split = units
+            .len()
+            .min(self.coarse_after.saturating_mul(self.block_size));
         let (fine, coarse) = units.split_at(split);
         fine.chunks_exact(self.block_size.max(1))
             .chain(coarse.chunks_exact(self.coarse_size().max(1)))
@@ -133,10 +135,21 @@ pub fn hash_bytes(seed: &ChainSeed, bytes: &[u8], layout: &BlockLayout) -> Vec<u
 
 /// Hashes the whole blocks of `tokens` laid out by `layout`.
 pub fn hash_tokens(seed: &ChainSeed, tokens: &[u32], layout: &BlockLayout) -> Vec<u64> {
-    let mut previous = seed.0;
-    let mut block_bytes = Vec::with_capacity(layout.coarse_size().saturating_mul(4).min(1 << 16));
-    layout
-        .blocks(tokens)
+    chain_token_blocks(seed.0, layout.blocks(tokens))
+}
+
+/// Continues a token chain after the block whose hash is `previous` (the
+/// seed's value for a prompt's first block): the hashes of the whole
+/// `block_size`-token blocks of `tokens`. The vLLM bridge derives kvroute's
+/// keys this way from the token IDs of stored blocks and their parent's key.
+pub fn continue_token_chain(previous: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
+    chain_token_blocks(previous, tokens.chunks_exact(block_size.max(1)))
+}
+
+/// Chains `blocks` of token IDs, each as 4 little-endian bytes a token.
+fn chain_token_blocks<'a>(mut previous: u64, blocks: impl Iterator<Item = &'a [u32]>) -> Vec<u64> {
+    let mut block_bytes = Vec::new();
+    blocks
         .map(|block| {
             block_bytes.clear();
             for token in block {
@@ -258,9 +271,7 @@ impl Coverage {
     }
 
     fn units(&self, blocks: u32) -> u64 {
-        self.layout
-            .covered(blocks as usize)
-            .min(self.prompt_units)
+        self.layout.covered(blocks as usize).min(self.prompt_units)
     }
 }
 
@@ -294,7 +305,11 @@ mod tests {
             "seed {:#x}",
             seed.value()
         );
-        let chain = hash_bytes(&seed, b"abcdefghijklmnopqrstuvwxyz0123456789", &uniform(8, 256));
+        let chain = hash_bytes(
+            &seed,
+            b"abcdefghijklmnopqrstuvwxyz0123456789",
+            &uniform(8, 256),
+        );
         let expected = [
             0x85a5_244b_becd_b716,
             0xe1ad_c143_6704_99be,

@@ -30,6 +30,7 @@ pub mod index;
 pub mod polling;
 pub mod queueing;
 pub mod report;
+pub mod report_log;
 pub mod request;
 pub mod router;
 pub mod scoring;

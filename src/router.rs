@@ -790,7 +790,9 @@ mod tests {
         let partial = HoldOutCase::new(config(), 20, 4);
         let hold = held_out(partial.route([0, 0], Attempt::Arrival));
         assert_eq!(
-            partial.router.hold_bound_ms(&hold, &partial.request.coverage),
+            partial
+                .router
+                .hold_bound_ms(&hold, &partial.request.coverage),
             8_000
         );
         assert_eq!(routed_to(partial.route([0, 0], waiting(8_000))), "b");

@@ -263,7 +263,10 @@ fn every_numeric_rule_names_its_field() {
     rejects(&with_pods(r#""coarseBlockFactor": 0"#), "coarseBlockFactor");
     // 64 bytes × 1024 = 64 KiB blocks are the longest.
     parse(&with_pods(r#""coarseBlockFactor": 1024"#)).unwrap();
-    rejects(&with_pods(r#""coarseBlockFactor": 1025"#), "coarseBlockFactor");
+    rejects(
+        &with_pods(r#""coarseBlockFactor": 1025"#),
+        "coarseBlockFactor",
+    );
     rejects(&with_pods(r#""maxIndexBlocks": 2047"#), "maxIndexBlocks");
     parse(&with_pods(r#""maxIndexBlocks": 2048"#)).unwrap();
     // Bounded above (memory), and never an overflowing bucket count.
@@ -343,6 +346,21 @@ fn pod_rules() {
         parse(&format!(r#"{{{pods}, "upstreamMode": "originalDst"}}"#))
             .unwrap_or_else(|e| panic!("{name} is a valid ORIGINAL_DST address: {e}"));
     }
+    // A sidecar's report address (e.g. kvroute-vllm-bridge): any host:port,
+    // the report cluster is ORIGINAL_DST.
+    let config = parse(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "vllm-0-bridge:8081"}]}"#,
+    )
+    .expect("reportAddress");
+    assert_eq!(
+        config.pods[0].report_address.as_deref(),
+        Some("vllm-0-bridge:8081")
+    );
+    let message = rejects(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "bridge"}]}"#,
+        "pods[0].reportAddress",
+    );
+    assert!(message.contains("bridge"), "{message}");
     let many: Vec<String> = (0..65)
         .map(|i| format!(r#"{{"id": "p{i}", "address": "10.0.0.1:{}"}}"#, 1000 + i))
         .collect();

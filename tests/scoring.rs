@@ -382,6 +382,7 @@ fn counterintuitive_case_follows_the_arithmetic_not_the_design_claim() {
     valid.pods = vec![kvroute::config::PodConfig {
         id: "a".into(),
         address: "127.0.0.1:9001".into(),
+        report_address: None,
         attributes: BTreeMap::new(),
     }];
     valid
@@ -783,6 +784,7 @@ fn config_with(weights: Weights, max_queue: u32) -> Config {
         pods: vec![kvroute::config::PodConfig {
             id: "a".into(),
             address: "127.0.0.1:9001".into(),
+            report_address: None,
             attributes: BTreeMap::new(),
         }],
         ..Config::default()

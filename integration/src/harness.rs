@@ -357,6 +357,9 @@ pub struct ClusterSpec {
     pub sim_args: Vec<String>,
     /// Extra flags per pod index.
     pub per_pod_args: Vec<Vec<String>>,
+    /// Per pod index, the `reportAddress` to list (a report sidecar such as
+    /// kvroute-vllm-bridge; the test runs it).
+    pub report_addresses: Vec<Option<String>>,
     /// Pods the harness does not run, `(id, address)` (a test's own
     /// server): listed in `pods` after the sims, not waited for.
     pub extra_pods: Vec<(String, String)>,
@@ -375,6 +378,7 @@ impl ClusterSpec {
             pods,
             sim_args: vec!["--time-scale".into(), "0.02".into()],
             per_pod_args: Vec::new(),
+            report_addresses: Vec::new(),
             extra_pods: Vec::new(),
             plugin_config,
             listen_port: None,
@@ -410,7 +414,14 @@ impl Cluster {
             ports
                 .iter()
                 .enumerate()
-                .map(|(i, port)| json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")}))
+                .map(|(i, port)| {
+                    let mut pod =
+                        json!({"id": format!("pod-{i}"), "address": format!("127.0.0.1:{port}")});
+                    if let Some(Some(report)) = spec.report_addresses.get(i) {
+                        pod["reportAddress"] = json!(report);
+                    }
+                    pod
+                })
                 .chain(
                     spec.extra_pods
                         .iter()

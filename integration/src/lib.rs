@@ -6,6 +6,7 @@ pub mod bench;
 pub mod harness;
 pub mod hostile;
 pub mod http;
+pub mod kv_events;
 pub mod model;
 pub mod replay;
 pub mod sim;

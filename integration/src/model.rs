@@ -42,7 +42,7 @@ use std::time::Duration;
 
 use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::{BlockHasher, BYTES_PER_TOKEN};
-use kvroute::report::hash_to_hex;
+use kvroute::report_log::{chain_segments, BlockEvent, ReportLog};
 use kvroute::request::Prompt;
 use serde_json::{json, Value};
 
@@ -161,11 +161,7 @@ impl CostModel {
 
 /// One chain segment of a report: `hashes[0]`'s parent is `parent`, each
 /// later hash's parent is the previous one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Segment {
-    pub parent: Option<u64>,
-    pub hashes: Vec<u64>,
-}
+pub type Segment = kvroute::report::StoredChain;
 
 /// What [`KvCache::insert_chain`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -178,23 +174,12 @@ pub struct InsertOutcome {
 
 /// Cache changes after some sequence number, coalesced: each hash at most
 /// once, `stored` in parent-first segments.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct CacheDelta {
-    pub stored: Vec<Segment>,
-    pub removed: Vec<u64>,
-}
+pub type CacheDelta = kvroute::report_log::LogDelta;
 
 #[derive(Debug, Clone, Copy)]
 struct Block {
     parent: Option<u64>,
     tick: u64,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Event {
-    hash: u64,
-    parent: Option<u64>,
-    stored: bool,
 }
 
 /// The pod's KV cache (see the module documentation).
@@ -205,11 +190,7 @@ pub struct KvCache {
     /// Recency tick → hash; the first entry is the least recently used.
     order: BTreeMap<u64, u64>,
     tick: u64,
-    /// Events `floor + 1 ..= seq`, oldest first.
-    log: VecDeque<Event>,
-    seq: u64,
-    floor: u64,
-    max_log: usize,
+    log: ReportLog,
     /// Evictions not yet logged (silent eviction storm).
     silent: Vec<(u64, Option<u64>)>,
 }
@@ -222,10 +203,7 @@ impl KvCache {
             blocks: HashMap::new(),
             order: BTreeMap::new(),
             tick: 0,
-            log: VecDeque::new(),
-            seq: 0,
-            floor: 0,
-            max_log: max_log.max(1),
+            log: ReportLog::new(max_log),
             silent: Vec::new(),
         }
     }
@@ -254,12 +232,17 @@ impl KvCache {
 
     /// The last event's sequence number (0: none yet).
     pub fn seq(&self) -> u64 {
-        self.seq
+        self.log.seq()
     }
 
     /// The oldest `since` a delta can still be built from.
     pub fn oldest_since(&self) -> u64 {
-        self.floor
+        self.log.oldest_since()
+    }
+
+    /// The logged events after `since` (see [`ReportLog::events_after`]).
+    pub fn events_after(&self, since: u64) -> Option<impl Iterator<Item = &BlockEvent>> {
+        self.log.events_after(since)
     }
 
     /// Leading blocks of `chain` present (no recency change).
@@ -283,11 +266,7 @@ impl KvCache {
                 }
                 let parent = if i == 0 { None } else { Some(chain[i - 1]) };
                 self.blocks.insert(chain[i], Block { parent, tick: 0 });
-                self.push_event(Event {
-                    hash: chain[i],
-                    parent,
-                    stored: true,
-                });
+                self.log.push(chain[i], parent, true);
                 outcome.inserted += 1;
             }
         }
@@ -297,11 +276,7 @@ impl KvCache {
         while self.blocks.len() > self.capacity {
             let (_, hash) = self.order.pop_first().expect("order tracks every block");
             let block = self.blocks.remove(&hash).expect("order tracks every block");
-            self.push_event(Event {
-                hash,
-                parent: block.parent,
-                stored: false,
-            });
+            self.log.push(hash, block.parent, false);
             outcome.evicted += 1;
         }
         outcome
@@ -316,15 +291,6 @@ impl KvCache {
             }
             block.tick = tick;
             self.order.insert(tick, hash);
-        }
-    }
-
-    fn push_event(&mut self, event: Event) {
-        self.log.push_back(event);
-        self.seq += 1;
-        while self.log.len() > self.max_log {
-            self.log.pop_front();
-            self.floor += 1;
         }
     }
 
@@ -343,11 +309,7 @@ impl KvCache {
             self.silent.extend(dropped);
         } else {
             for (hash, parent) in dropped {
-                self.push_event(Event {
-                    hash,
-                    parent,
-                    stored: false,
-                });
+                self.log.push(hash, parent, false);
             }
         }
         count
@@ -363,11 +325,7 @@ impl KvCache {
             if self.blocks.contains_key(&hash) || !seen.insert(hash) {
                 continue;
             }
-            self.push_event(Event {
-                hash,
-                parent,
-                stored: false,
-            });
+            self.log.push(hash, parent, false);
             logged += 1;
         }
         logged
@@ -382,32 +340,7 @@ impl KvCache {
     /// `since` were already dropped from the log (or `since` is in the
     /// future).
     pub fn delta(&self, since: u64) -> Option<CacheDelta> {
-        if since < self.floor || since > self.seq {
-            return None;
-        }
-        let start = (since - self.floor) as usize;
-        // Last event per hash wins; keep the order of those last events.
-        let mut last: HashMap<u64, usize> = HashMap::new();
-        let events: Vec<&Event> = self.log.range(start..).collect();
-        for (i, event) in events.iter().enumerate() {
-            last.insert(event.hash, i);
-        }
-        let mut stored = Vec::new();
-        let mut removed = Vec::new();
-        for (i, event) in events.iter().enumerate() {
-            if last[&event.hash] != i {
-                continue;
-            }
-            if event.stored {
-                stored.push((event.hash, event.parent));
-            } else {
-                removed.push(event.hash);
-            }
-        }
-        Some(CacheDelta {
-            stored: segments(&stored),
-            removed,
-        })
+        self.log.delta(since)
     }
 
     /// Every block held, as parent-first chain segments.
@@ -418,7 +351,7 @@ impl KvCache {
             .rev()
             .map(|&hash| (hash, self.blocks[&hash].parent))
             .collect();
-        segments(&nodes)
+        chain_segments(&nodes)
     }
 
     /// The protocol v1 report answering `?since=…&epoch=…`: a delta when
@@ -432,85 +365,16 @@ impl KvCache {
         asked_epoch: Option<&str>,
         load: &PodLoad,
     ) -> Value {
-        let delta = match (since, asked_epoch) {
-            (Some(since), Some(asked)) if since > 0 && asked == epoch => {
-                self.delta(since).map(|d| (since, d))
-            }
-            _ => None,
-        };
-        let (full, since, stored, removed) = match delta {
-            Some((since, delta)) => (false, since, delta.stored, delta.removed),
-            None => (true, 0, self.full(), Vec::new()),
-        };
-        let stored: Vec<Value> = stored
-            .iter()
-            .map(|s| {
-                json!({
-                    "parent": s.parent.map(hash_to_hex),
-                    "hashes": s.hashes.iter().map(|&h| hash_to_hex(h)).collect::<Vec<_>>(),
-                })
-            })
-            .collect();
-        json!({
-            "version": 1,
-            "podId": pod_id,
-            "epoch": epoch,
-            "seq": self.seq,
-            "since": since,
-            "full": full,
-            "stored": stored,
-            "removed": removed.iter().map(|&h| hash_to_hex(h)).collect::<Vec<_>>(),
-            "queueDepth": load.queue_depth,
-            "running": load.running,
-            "gpuUtilization": load.gpu_utilization,
-            "health": load.health,
-            "adapters": load.adapters,
-        })
+        let mut body = self
+            .log
+            .report_body(pod_id, epoch, since, asked_epoch, || self.full());
+        body.insert("queueDepth".into(), json!(load.queue_depth));
+        body.insert("running".into(), json!(load.running));
+        body.insert("gpuUtilization".into(), json!(load.gpu_utilization));
+        body.insert("health".into(), json!(load.health));
+        body.insert("adapters".into(), json!(load.adapters));
+        Value::Object(body)
     }
-}
-
-/// Groups `(hash, parent)` nodes into parent-first chain segments: a
-/// depth-first walk from the nodes whose parent is not among them, a segment
-/// running on while each node continues the previous one.
-fn segments(nodes: &[(u64, Option<u64>)]) -> Vec<Segment> {
-    let present: HashSet<u64> = nodes.iter().map(|n| n.0).collect();
-    let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
-    let mut parent_of: HashMap<u64, Option<u64>> = HashMap::new();
-    let mut roots = Vec::new();
-    for &(hash, parent) in nodes {
-        parent_of.insert(hash, parent);
-        match parent {
-            Some(p) if present.contains(&p) && p != hash => {
-                children.entry(p).or_default().push(hash)
-            }
-            _ => roots.push(hash),
-        }
-    }
-    let mut out: Vec<Segment> = Vec::new();
-    let mut visited = HashSet::new();
-    for root in roots {
-        let mut stack = vec![root];
-        while let Some(hash) = stack.pop() {
-            if !visited.insert(hash) {
-                continue;
-            }
-            let parent = parent_of[&hash];
-            match out.last_mut() {
-                Some(seg) if parent.is_some() && seg.hashes.last().copied() == parent => {
-                    seg.hashes.push(hash)
-                }
-                _ => out.push(Segment {
-                    parent,
-                    hashes: vec![hash],
-                }),
-            }
-            if let Some(kids) = children.get(&hash) {
-                // Reversed so the first child is visited first.
-                stack.extend(kids.iter().rev());
-            }
-        }
-    }
-    out
 }
 
 /// The load part of a report.
@@ -1230,6 +1094,7 @@ mod tests {
             pods: vec![PodConfig {
                 id: "p".into(),
                 address: "127.0.0.1:1".into(),
+                report_address: None,
                 attributes: Default::default(),
             }],
             ..Config::default()

@@ -21,7 +21,8 @@
 //!   (at most [`MAX_REPORT_WAIT_MS`]) ends; at most [`REPORT_WAITERS`] are
 //!   held at once, others answer at once, as do the report faults and a sim
 //!   started with `--no-long-poll`;
-//! - `POST /admin/fault`, `GET /admin/stats`, `POST /admin/reset-stats`.
+//! - `POST /admin/fault`, `GET /admin/stats`, `POST /admin/reset-stats`;
+//! - with `--kv-events`, vLLM's ZMQ KV events too ([`crate::kv_events`]).
 //!
 //! Every response carries `x-sim-pod: <pod id>`.
 
@@ -47,10 +48,12 @@ use axum::{Json, Router};
 use clap::Parser;
 use kvroute::config::Config;
 use kvroute::request::{parse_request, Prompt};
+use kvroute_vllm_bridge::wire::Shape;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
+use crate::kv_events::{Publisher, PublisherOptions};
 use crate::model::{
     AdapterSlots, Admission, CostModel, KvCache, PodLoad, PodModel, DEFAULT_LOG_EVENTS,
 };
@@ -111,6 +114,32 @@ pub struct SimOptions {
     /// Ignore the report endpoint's `wait` (a pod without long-poll).
     #[arg(long)]
     pub no_long_poll: bool,
+    /// Also publish the cache as vLLM's KV events on this ZMQ PUB endpoint
+    /// (e.g. `tcp://127.0.0.1:5557`; token-ID prompts only, see
+    /// [`crate::kv_events`]).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// vLLM's replay endpoint (ZMQ ROUTER) for `--kv-events`.
+    #[arg(long)]
+    pub kv_replay: Option<String>,
+    /// vLLM's `topic` for `--kv-events`.
+    #[arg(long, default_value = "")]
+    pub kv_topic: String,
+    /// Batches the replay socket keeps (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_replay_buffer: usize,
+    /// msgspec's struct shape of the events: `map` (vLLM from mid-2026)
+    /// or `array` (older vLLM's positional arrays).
+    #[arg(long, default_value = "map", value_parser = parse_shape)]
+    pub kv_events_format: Shape,
+}
+
+fn parse_shape(text: &str) -> Result<Shape, String> {
+    match text {
+        "map" => Ok(Shape::Map),
+        "array" => Ok(Shape::Positional),
+        _ => Err(format!("expected map or array, got {text:?}")),
+    }
 }
 
 /// The `i`-th synthetic prompt a pod preloads: distinct per pod and index
@@ -230,6 +259,8 @@ struct Sim {
     cache_seq: watch::Sender<u64>,
     report_waiters: Semaphore,
     long_poll: bool,
+    /// `--kv-events`: the vLLM-style event publisher.
+    kv_events: Option<Arc<Publisher>>,
     next_id: AtomicU64,
     inner: Mutex<Inner>,
 }
@@ -253,6 +284,9 @@ impl Sim {
     /// changing the cache, with the lock held).
     fn cache_changed(&self, inner: &Inner) {
         self.cache_seq.send_replace(inner.pod.cache.seq());
+        if let Some(publisher) = &self.kv_events {
+            publisher.publish(&inner.pod.cache, false);
+        }
     }
 
     fn load(&self, inner: &Inner) -> PodLoad {
@@ -312,7 +346,21 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
         .await
         .map_err(|e| format!("cannot listen on {}:{}: {e}", options.host, options.port))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let app = app(&options, config, addr);
+    let kv_events = match &options.kv_events {
+        Some(endpoint) => Some(
+            Publisher::start(PublisherOptions {
+                endpoint: endpoint.clone(),
+                replay_endpoint: options.kv_replay.clone(),
+                topic: options.kv_topic.clone(),
+                buffer_steps: options.kv_replay_buffer,
+                shape: options.kv_events_format,
+                block_size: config.block_size_tokens,
+            })
+            .await?,
+        ),
+        None => None,
+    };
+    let app = app(&options, config, addr, kv_events);
     let pod_id = options
         .pod_id
         .clone()
@@ -354,7 +402,12 @@ async fn shutdown_signal() {
 }
 
 /// The router of one simulated pod listening on `addr`.
-pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
+pub fn app(
+    options: &SimOptions,
+    config: Config,
+    addr: SocketAddr,
+    kv_events: Option<Arc<Publisher>>,
+) -> Router {
     let pod_id = options
         .pod_id
         .clone()
@@ -402,6 +455,7 @@ pub fn app(options: &SimOptions, config: Config, addr: SocketAddr) -> Router {
         cache_seq: watch::channel(seq).0,
         report_waiters: Semaphore::new(REPORT_WAITERS),
         long_poll: !options.no_long_poll,
+        kv_events,
         next_id: AtomicU64::new(1),
         inner: Mutex::new(Inner {
             pod,
@@ -714,6 +768,11 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
         (admission, slot)
     };
     let blocks = admission.chain.len();
+    let admission_chain = sim
+        .kv_events
+        .as_ref()
+        .map(|_| admission.chain.clone())
+        .unwrap_or_default();
     let scheduled = Scheduled {
         sim: sim.clone(),
         admission: Some(admission),
@@ -722,6 +781,9 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     drop(waiting);
     let running = Running::new(&sim, permit, blocks);
     tokio::time::sleep_until(sim.at(slot.end)).await;
+    if let (Some(publisher), Prompt::Tokens(tokens)) = (&sim.kv_events, &parsed.prompt) {
+        publisher.admit(&admission_chain, tokens, target.adapter.as_deref());
+    }
     let admission = scheduled.finish();
     tokio::time::sleep_until(sim.at(slot.first_token)).await;
     {
@@ -1038,6 +1100,8 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     for (key, v) in object {
         let ok = match key.as_str() {
             "crash" | "hang" | "evictAll" | "silent" | "flushSilent" => v.is_boolean(),
+            "clearAll" | "kvGarbage" => v.is_boolean() && sim.kv_events.is_some(),
+            "kvDrop" => v.is_u64() && sim.kv_events.is_some(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
             "report" => matches!(
                 v.as_str(),
@@ -1096,6 +1160,19 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         }
         if flag("flushSilent") == Some(true) {
             flushed = Some(inner.pod.cache.flush_silent());
+        }
+        if let Some(publisher) = &sim.kv_events {
+            if let Some(batches) = object.get("kvDrop").and_then(Value::as_u64) {
+                publisher.drop_next(batches);
+            }
+            if flag("kvGarbage") == Some(true) {
+                publisher.send_garbage();
+            }
+            // vLLM's prefix-cache reset: one AllBlocksCleared.
+            if flag("clearAll") == Some(true) {
+                evicted = Some(inner.pod.cache.evict_all(false));
+                publisher.publish(&inner.pod.cache, true);
+            }
         }
         sim.cache_changed(&inner);
     }

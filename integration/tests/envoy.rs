@@ -285,7 +285,9 @@ fn long_conversations_follow_their_own_history_past_a_shared_head() {
         .iter()
         .map(|history| {
             let r = send(history);
-            let prompt_tokens = r.json().unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+            let prompt_tokens = r.json().unwrap()["usage"]["prompt_tokens"]
+                .as_u64()
+                .unwrap();
             (served_by(&r), prompt_tokens)
         })
         .collect();

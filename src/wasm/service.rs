@@ -355,7 +355,7 @@ impl ServiceRoot {
             self.call(
                 &pod.id,
                 &config.report_cluster,
-                &pod.address,
+                pod.report_address.as_deref().unwrap_or(&pod.address),
                 path,
                 pull,
                 *timeout,

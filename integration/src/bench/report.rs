@@ -467,7 +467,13 @@ fn fairness_markdown(results: &Value) -> String {
 pub fn targets(results: &Value) -> Value {
     let mut out = Vec::new();
     let workloads = &results["workloads"];
-    for name in ["shared-prefix", "multi-turn", "trace", "agentic", "long-context"] {
+    for name in [
+        "shared-prefix",
+        "multi-turn",
+        "trace",
+        "agentic",
+        "long-context",
+    ] {
         let w = &workloads[name];
         let pooled = w["bounds"]["pooledLru"].as_f64();
         if let (Some(pooled), Some(p), Some(rr)) = (

@@ -930,7 +930,13 @@ mod tests {
 
     #[test]
     fn workloads_are_deterministic_and_sized() {
-        for name in ["shared-prefix", "multi-turn", "lora", "agentic", "long-context"] {
+        for name in [
+            "shared-prefix",
+            "multi-turn",
+            "lora",
+            "agentic",
+            "long-context",
+        ] {
             let a = build(name, &opts()).unwrap();
             let b = build(name, &opts()).unwrap();
             assert_eq!(a.requests.len(), b.requests.len());

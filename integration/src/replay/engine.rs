@@ -239,6 +239,7 @@ pub fn sim_pods(count: usize) -> Vec<PodConfig> {
         .map(|i| PodConfig {
             id: format!("pod-{i}"),
             address: format!("10.0.0.{}:8000", i + 1),
+            report_address: None,
             attributes: Default::default(),
         })
         .collect()
@@ -653,7 +654,9 @@ impl<'a> Simulation<'a> {
         let state = &mut self.pods[pod];
         state.slots_used += 1;
         state.prefill_queued += 1;
-        let cached = request.coverage.tokens(state.engine.cached_prefix(&state.cache, &request.chain) as u32);
+        let cached = request
+            .coverage
+            .tokens(state.engine.cached_prefix(&state.cache, &request.chain) as u32);
         let cost = &self.spec.cost;
         let slot = state.engine.schedule(
             cost,
@@ -788,7 +791,8 @@ impl<'a> KvrouteView<'a> {
                 model: String::new(),
                 adapter: None,
                 // The router sees the first maxPrefixBlocks of the pods' chain.
-                chain: request.chain[..request.chain.len().min(self.config.max_prefix_blocks)].to_vec(),
+                chain: request.chain[..request.chain.len().min(self.config.max_prefix_blocks)]
+                    .to_vec(),
                 coverage: request.coverage,
                 degraded: None,
             }
@@ -951,7 +955,9 @@ mod tests {
             let admission = model.admit(&target, &prompt);
             assert_eq!(admission.chain, r.chain);
             assert_eq!(admission.prompt_tokens, r.prompt_tokens);
-            let cached = r.coverage.tokens(model.cache.cached_prefix(&r.chain) as u32);
+            let cached = r
+                .coverage
+                .tokens(model.cache.cached_prefix(&r.chain) as u32);
             assert_eq!(admission.cached_tokens, cached);
             assert_eq!(admission.prefill, cost.prefill(r.prompt_tokens - cached));
             model.finish_prefill(&admission);

@@ -1,0 +1,288 @@
+//! kvroute-sim's `--kv-events`: the simulated pod publishes its cache as
+//! stock vLLM does, so kvroute-vllm-bridge can be tested against it: ZMQ
+//! PUB messages `[topic, seq, EventBatch]` (see `kvroute_vllm_bridge::wire`)
+//! and a ROUTER replay socket answering a start seq with the buffered
+//! `(seq, payload)` frames and seq −1.
+//!
+//! Each cache change becomes one batch: the cache's logged events since
+//! the last batch, stored blocks grouped into chains as vLLM groups a
+//! request's new blocks. Only token-ID prompts are published (vLLM caches
+//! tokens; the sim has no tokenizer for text prompts). vLLM's block hashes
+//! are opaque to consumers, so the sim publishes its own opaque ones (not
+//! kvroute's keys), and the bridge has to derive kvroute's keys from the
+//! token IDs as it must with vLLM.
+//!
+//! Faults for the bridge's tests: batches left off the PUB socket (still
+//! buffered for replay: a gap), garbage frames, and `AllBlocksCleared`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use kvroute_vllm_bridge::wire::{encode_batch, KvEvent, Shape};
+use tokio::sync::mpsc;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::model::KvCache;
+
+/// Where and how to publish.
+#[derive(Debug, Clone)]
+pub struct PublisherOptions {
+    /// PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557`.
+    pub endpoint: String,
+    /// ROUTER endpoint to bind for replays.
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    pub buffer_steps: usize,
+    pub shape: Shape,
+    /// Tokens per block (vLLM's `block_size`, the sim's `blockSizeTokens`).
+    pub block_size: usize,
+}
+
+/// A block's tokens and adapter, kept from its admission until its
+/// removal is published.
+struct BlockTokens {
+    tokens: Vec<u32>,
+    lora_name: Option<String>,
+}
+
+struct State {
+    /// The cache `seq` published up to.
+    published: u64,
+    blocks: HashMap<u64, BlockTokens>,
+    next_seq: i64,
+    buffer: VecDeque<(i64, Bytes)>,
+    /// Batches still to leave off the PUB socket.
+    drop_next: u64,
+}
+
+/// The pod's publisher (see the module documentation).
+pub struct Publisher {
+    options: PublisherOptions,
+    state: Mutex<State>,
+    outgoing: mpsc::UnboundedSender<ZmqMessage>,
+}
+
+/// The opaque hash published for kvroute key `key`.
+fn vllm_hash(key: u64) -> u64 {
+    xxhash_rust::xxh64::xxh64(&key.to_le_bytes(), 0x766c_6c6d)
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+fn message(frames: Vec<Bytes>) -> ZmqMessage {
+    frames.try_into().expect("at least one frame")
+}
+
+impl Publisher {
+    /// Binds the sockets and starts sending (on the current runtime).
+    pub async fn start(options: PublisherOptions) -> Result<Arc<Publisher>, String> {
+        let mut publisher = PubSocket::new();
+        publisher
+            .bind(&options.endpoint)
+            .await
+            .map_err(|e| format!("cannot bind {}: {e}", options.endpoint))?;
+        let (outgoing, mut queue) = mpsc::unbounded_channel::<ZmqMessage>();
+        tokio::spawn(async move {
+            while let Some(message) = queue.recv().await {
+                let _ = publisher.send(message).await;
+            }
+        });
+        let this = Arc::new(Publisher {
+            options: options.clone(),
+            state: Mutex::new(State {
+                published: 0,
+                blocks: HashMap::new(),
+                next_seq: 0,
+                buffer: VecDeque::new(),
+                drop_next: 0,
+            }),
+            outgoing,
+        });
+        if let Some(endpoint) = &options.replay_endpoint {
+            let mut router = RouterSocket::new();
+            router
+                .bind(endpoint)
+                .await
+                .map_err(|e| format!("cannot bind {endpoint}: {e}"))?;
+            let replayer = this.clone();
+            tokio::spawn(async move { replayer.serve_replays(router).await });
+        }
+        Ok(this)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn serve_replays(&self, mut router: RouterSocket) {
+        while let Ok(request) = router.recv().await {
+            let frames = request.into_vec();
+            // [identity, delimiter, start seq], as vLLM expects.
+            let (Some(identity), Some(start), 3) = (frames.first(), frames.get(2), frames.len())
+            else {
+                continue;
+            };
+            let Some(start) = kvroute_vllm_bridge::wire::decode_seq(start) else {
+                continue;
+            };
+            let replies: Vec<(i64, Bytes)> = self
+                .lock()
+                .buffer
+                .iter()
+                .filter(|(seq, _)| *seq >= start)
+                .cloned()
+                .chain(std::iter::once((-1, Bytes::new())))
+                .collect();
+            for (seq, payload) in replies {
+                let reply = message(vec![
+                    identity.clone(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                ]);
+                if router.send(reply).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Keeps `tokens`' blocks (the admitted prompt whose kvroute chain is
+    /// `chain`) so their stored events can carry token IDs.
+    pub fn admit(&self, chain: &[u64], tokens: &[u32], lora_name: Option<&str>) {
+        let mut state = self.lock();
+        for (key, block) in chain
+            .iter()
+            .zip(tokens.chunks_exact(self.options.block_size))
+        {
+            state.blocks.entry(*key).or_insert_with(|| BlockTokens {
+                tokens: block.to_vec(),
+                lora_name: lora_name.map(str::to_string),
+            });
+        }
+    }
+
+    /// Publishes the cache's events since the last call as one batch;
+    /// with `cleared`, its removals as one `AllBlocksCleared` instead.
+    pub fn publish(&self, cache: &KvCache, cleared: bool) {
+        let mut state = self.lock();
+        let Some(events) = cache.events_after(state.published) else {
+            // The log dropped events never published (a change larger than
+            // `--log-events`): they are lost, as a publisher queue overflow
+            // loses them; go on from here.
+            state.published = cache.seq();
+            return;
+        };
+        let mut batch: Vec<KvEvent> = Vec::new();
+        let mut removed_any = false;
+        for event in events {
+            if !event.stored {
+                let Some(_) = state.blocks.remove(&event.hash) else {
+                    continue;
+                };
+                removed_any = true;
+                if cleared {
+                    continue;
+                }
+                let hash = vllm_hash(event.hash);
+                match batch.last_mut() {
+                    Some(KvEvent::Removed { block_hashes, .. }) => block_hashes.push(hash),
+                    _ => batch.push(KvEvent::Removed {
+                        block_hashes: vec![hash],
+                        medium: Some("GPU".into()),
+                    }),
+                }
+                continue;
+            }
+            let Some(block) = state.blocks.get(&event.hash) else {
+                continue;
+            };
+            let parent = event.parent.map(vllm_hash);
+            // A block continuing the previous stored chain joins it.
+            if let Some(KvEvent::Stored {
+                block_hashes,
+                token_ids,
+                lora_name,
+                ..
+            }) = batch.last_mut()
+            {
+                if block_hashes.last().copied() == parent && *lora_name == block.lora_name {
+                    block_hashes.push(vllm_hash(event.hash));
+                    token_ids.extend_from_slice(&block.tokens);
+                    continue;
+                }
+            }
+            batch.push(KvEvent::Stored {
+                block_hashes: vec![vllm_hash(event.hash)],
+                parent_block_hash: parent,
+                token_ids: block.tokens.clone(),
+                block_size: self.options.block_size,
+                lora_id: block.lora_name.as_ref().map(|_| 1),
+                medium: Some("GPU".into()),
+                lora_name: block.lora_name.clone(),
+            });
+        }
+        state.published = cache.seq();
+        if cleared && removed_any {
+            batch.push(KvEvent::AllCleared);
+        }
+        if batch.is_empty() {
+            return;
+        }
+        let payload = encode_batch(now(), &batch, 0, self.options.shape);
+        self.send(&mut state, Bytes::from(payload));
+    }
+
+    /// Numbers, buffers and (unless dropped) sends one payload.
+    fn send(&self, state: &mut State, payload: Bytes) {
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        state.buffer.push_back((seq, payload.clone()));
+        while state.buffer.len() > self.options.buffer_steps.max(1) {
+            state.buffer.pop_front();
+        }
+        if state.drop_next > 0 {
+            state.drop_next -= 1;
+            return;
+        }
+        let _ = self.outgoing.send(message(vec![
+            Bytes::from(self.options.topic.clone().into_bytes()),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ]));
+    }
+
+    /// Leaves the next `batches` off the PUB socket (still replayable).
+    pub fn drop_next(&self, batches: u64) {
+        self.lock().drop_next += batches;
+    }
+
+    /// Sends garbage: a one-part message, a short seq frame, and a batch
+    /// that is not msgpack (numbered and buffered like a real one).
+    pub fn send_garbage(&self) {
+        let topic = Bytes::from(self.options.topic.clone().into_bytes());
+        let _ = self
+            .outgoing
+            .send(message(vec![Bytes::from_static(b"garbage")]));
+        let _ = self.outgoing.send(message(vec![
+            topic,
+            Bytes::from_static(b"\x01\x02"),
+            Bytes::from_static(b"\x92"),
+        ]));
+        let mut state = self.lock();
+        self.send(&mut state, Bytes::from_static(b"\xc1 not msgpack"));
+    }
+
+    /// Batches published so far (the next seq).
+    pub fn next_seq(&self) -> i64 {
+        self.lock().next_seq
+    }
+}

@@ -1,0 +1,448 @@
+//! kvroute-vllm-bridge against kvroute-sim in `--kv-events` mode, over
+//! real ZMQ and HTTP sockets: the bridge's report must hold exactly the
+//! blocks the sim's cache holds (the sim's own protocol v1 report is the
+//! truth), through evictions, `AllBlocksCleared`, gaps with replay, gaps
+//! beyond the replay buffer, a bridge restart, a pod restart and garbage
+//! frames. Never a block the pod does not hold. Then in real Envoy:
+//! kvroute's precise mode fed only by bridges routes to the pod holding a
+//! prompt's prefix, the adapter's chains apart from the base model's.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvroute::report::parse_report;
+use kvroute_integration::harness::{free_port, prometheus_value, Cluster, ClusterSpec, Sim};
+use kvroute_integration::http;
+use kvroute_vllm_bridge::{start, Options, Running};
+use serde_json::json;
+
+const SIM: &str = env!("CARGO_BIN_EXE_kvroute-sim");
+
+/// 16-token blocks; `m` and its adapter `m-lora` (vLLM's `lora_name`
+/// `lora-a`).
+fn config_file(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).expect("temp dir");
+    let file = dir.join("kvroute.json");
+    let config = json!({
+        "blockSizeTokens": 16,
+        "pods": [{"id": "pod-0", "address": "127.0.0.1:1"}],
+        "models": {
+            "m": {"baseModel": "m"},
+            "m-lora": {"baseModel": "m", "adapter": "lora-a"},
+        },
+    });
+    std::fs::write(&file, config.to_string()).expect("config written");
+    file
+}
+
+/// A sim publishing KV events, and the ports it publishes on.
+struct Pod {
+    sim: Sim,
+    port: u16,
+    events: String,
+    replay: String,
+    args: Vec<String>,
+    config: PathBuf,
+}
+
+impl Pod {
+    fn start(config: &Path, extra: &[&str]) -> Pod {
+        let events = format!("tcp://127.0.0.1:{}", free_port());
+        let replay = format!("tcp://127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = [
+            "--kv-events",
+            &events,
+            "--kv-replay",
+            &replay,
+            "--time-scale",
+            "0.01",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let port = free_port();
+        let sim = Sim::start_on(Path::new(SIM), "pod-0", port, config, &args).expect("sim starts");
+        Pod {
+            sim,
+            port,
+            events,
+            replay,
+            args,
+            config: config.to_path_buf(),
+        }
+    }
+
+    /// Kills the sim and starts it again on the same ports (a pod restart).
+    fn restart(&mut self) {
+        self.sim.kill();
+        self.sim = Sim::start_on(Path::new(SIM), "pod-0", self.port, &self.config, &self.args)
+            .expect("sim restarts");
+    }
+
+    /// A token-ID completion of `tokens` (max 1 output token).
+    fn complete(&self, model: &str, tokens: &[u32]) {
+        let body = json!({"model": model, "prompt": tokens, "max_tokens": 1});
+        let r = http::post_json(&self.sim.address, "/v1/completions", &body.to_string())
+            .expect("completion");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+
+    /// The blocks the sim's cache holds (its own full report).
+    fn blocks(&self) -> BTreeSet<u64> {
+        report_blocks(&self.sim.address).1
+    }
+}
+
+/// `(epoch, blocks)` of a full report from `address`.
+fn report_blocks(address: &str) -> (String, BTreeSet<u64>) {
+    let r = http::get(address, "/kvroute/v1/report").expect("report");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let report = parse_report(r.body.as_bytes()).expect("valid report");
+    assert!(report.full);
+    let blocks = report
+        .stored
+        .iter()
+        .flat_map(|c| c.hashes.iter().copied())
+        .collect();
+    (report.epoch, blocks)
+}
+
+fn bridge(pod: &Pod, listen: &str, config: &Path) -> Running {
+    http::runtime()
+        .block_on(start(Options {
+            events: pod.events.clone(),
+            replay: Some(pod.replay.clone()),
+            topic: String::new(),
+            listen: listen.to_string(),
+            pod_id: "pod-0".into(),
+            config: Some(config.to_path_buf()),
+            base_model: "m".into(),
+            lora_id: Vec::new(),
+            probe_ms: 100,
+            log_events: 100_000,
+        }))
+        .expect("bridge starts")
+}
+
+fn counter(running: &Running, name: &str) -> f64 {
+    let text = http::get(&running.addr.to_string(), "/metrics")
+        .expect("metrics")
+        .body;
+    prometheus_value(&text, name, &[]).unwrap_or_else(|| panic!("{name} in\n{text}"))
+}
+
+/// Waits until the bridge reports exactly the sim's blocks (events take a
+/// moment to arrive: until then it may lag); returns them.
+fn converged(pod: &Pod, running: &Running) -> BTreeSet<u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let truth = pod.blocks();
+        let (_, bridged) = report_blocks(&running.addr.to_string());
+        if bridged == truth {
+            return truth;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bridge has {} blocks the sim has not (stale) and misses {} of its {}",
+            bridged.difference(&truth).count(),
+            truth.difference(&bridged).count(),
+            truth.len()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A prompt of `blocks` 16-token blocks, distinct per `seed`, plus a
+/// partial block (never cached).
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16 + 5).map(|i| seed * 100_000 + i).collect()
+}
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("kvroute-bridge-{name}-{}", std::process::id()))
+}
+
+/// Both wire shapes, base model and adapter, shared prefixes, LRU
+/// evictions and AllBlocksCleared: the bridge's keys are the sim's (which
+/// hashes like the filter), block for block.
+#[test]
+fn the_bridge_reports_exactly_the_pods_cache() {
+    let dir = temp("exact");
+    let config = config_file(&dir);
+    for format in ["map", "array"] {
+        let pod = Pod::start(
+            &config,
+            &["--kv-events-format", format, "--kv-blocks", "40"],
+        );
+        let running = bridge(&pod, "127.0.0.1:0", &config);
+        let shared = prompt(1, 6);
+        pod.complete("m", &shared);
+        let mut longer = shared.clone();
+        longer.truncate(6 * 16);
+        longer.extend(prompt(2, 3));
+        pod.complete("m", &longer);
+        pod.complete("m-lora", &shared);
+        let held = converged(&pod, &running);
+        // 6 + 3 (sharing 6) + 6 for the adapter.
+        assert_eq!(held.len(), 15, "{format}");
+        // Past the 40-block capacity: evictions.
+        for seed in 3..8 {
+            pod.complete("m", &prompt(seed, 8));
+        }
+        converged(&pod, &running);
+        pod.sim.fault(json!({"clearAll": true}));
+        assert!(converged(&pod, &running).is_empty());
+        pod.complete("m-lora", &prompt(9, 4));
+        assert_eq!(converged(&pod, &running).len(), 4);
+        assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 0.0);
+        assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Batches missing from the subscription come back by replay: same
+/// epoch, nothing lost. Garbage frames are counted and passed over.
+#[test]
+fn gaps_are_replayed_and_garbage_is_skipped() {
+    let dir = temp("gap");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &[]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    pod.complete("m", &prompt(1, 2));
+    converged(&pod, &running);
+    let (epoch, _) = report_blocks(&running.addr.to_string());
+    pod.sim.fault(json!({"kvDrop": 2}));
+    for seed in 2..5 {
+        pod.complete("m", &prompt(seed, 2));
+    }
+    assert_eq!(converged(&pod, &running).len(), 8);
+    assert_eq!(report_blocks(&running.addr.to_string()).0, epoch);
+    assert!(counter(&running, "kvbridge_gaps_total") >= 1.0);
+    assert!(counter(&running, "kvbridge_replays_total") >= 2.0);
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
+
+    pod.sim.fault(json!({"kvGarbage": true}));
+    pod.complete("m", &prompt(5, 2));
+    assert_eq!(converged(&pod, &running).len(), 10);
+    assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 3.0);
+    assert_eq!(report_blocks(&running.addr.to_string()).0, epoch);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A gap the replay buffer (2 batches here) no longer covers: new epoch,
+/// rebuilt from the buffer; blocks whose history is gone are left out,
+/// none is kept that the pod dropped meanwhile.
+#[test]
+fn a_gap_beyond_the_replay_buffer_resyncs_without_stale_blocks() {
+    let dir = temp("hole");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &["--kv-replay-buffer", "2", "--kv-blocks", "12"]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    pod.complete("m", &prompt(1, 4));
+    pod.complete("m", &prompt(2, 4));
+    converged(&pod, &running);
+    let (epoch, _) = report_blocks(&running.addr.to_string());
+    pod.sim.fault(json!({"kvDrop": 5}));
+    for seed in 3..9 {
+        pod.complete("m", &prompt(seed, 4));
+    }
+    // The last batches are in the buffer: the newest prompts are known.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counter(&running, "kvbridge_resyncs_total") < 1.0 {
+        assert!(Instant::now() < deadline, "no resync");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Settled: what the bridge holds, the pod holds.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let bridged = loop {
+        let (new_epoch, bridged) = report_blocks(&running.addr.to_string());
+        assert_ne!(new_epoch, epoch);
+        if bridged.is_subset(&pod.blocks()) {
+            break bridged;
+        }
+        assert!(Instant::now() < deadline, "stale blocks stay");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!bridged.is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A restarted bridge rebuilds from the replay buffer (new epoch); a
+/// restarted pod (seq from 0, empty cache) drops every block.
+#[test]
+fn bridge_and_pod_restarts_leave_nothing_stale() {
+    let dir = temp("restart");
+    let config = config_file(&dir);
+    let mut pod = Pod::start(&config, &[]);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let running = bridge(&pod, &listen, &config);
+    pod.complete("m", &prompt(1, 3));
+    pod.complete("m-lora", &prompt(2, 3));
+    let held = converged(&pod, &running);
+    let (epoch, _) = report_blocks(&listen);
+    http::runtime().block_on(running.stop());
+    let running = bridge(&pod, &listen, &config);
+    assert_eq!(converged(&pod, &running), held);
+    assert_ne!(report_blocks(&listen).0, epoch);
+
+    pod.restart();
+    assert!(converged(&pod, &running).is_empty());
+    assert!(counter(&running, "kvbridge_publisher_restarts_total") >= 1.0);
+    pod.complete("m", &prompt(3, 2));
+    assert_eq!(converged(&pod, &running).len(), 2);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A token-ID completion request through Envoy: the pod that served it
+/// and kvroute's cache match for it.
+fn routed(cluster: &Cluster, model: &str, tokens: &[u32]) -> (String, String) {
+    let body = json!({"model": model, "prompt": tokens, "max_tokens": 2});
+    let r = cluster.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let pod = r.header("x-sim-pod").expect("x-sim-pod").to_string();
+    assert_eq!(r.header("x-kvroute-pod"), Some(pod.as_str()));
+    let matched = r.header("x-kvroute-cache-match").unwrap_or("").to_string();
+    (pod, matched)
+}
+
+/// Three sims publishing vLLM KV events, one bridge each, kvroute pulling
+/// reports only from the bridges (`reportAddress`). A 4096-token prefix
+/// is cached on a pod directly (kvroute made no decision, so only the
+/// bridge can tell it): 10/10 requests sharing it go to that pod, for the
+/// base model, and — the same tokens cached under the LoRA adapter on
+/// another pod — 10/10 adapter requests go to that one.
+#[test]
+fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
+    let pods = 3;
+    let zmq: Vec<(String, String)> = (0..pods)
+        .map(|_| {
+            (
+                format!("tcp://127.0.0.1:{}", free_port()),
+                format!("tcp://127.0.0.1:{}", free_port()),
+            )
+        })
+        .collect();
+    let listens: Vec<String> = (0..pods)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let config = json!({
+        "podReportIntervalMs": 200,
+        "reportTimeoutMs": 400,
+        "blockSizeTokens": 16,
+        "models": {
+            "m": {"baseModel": "m"},
+            "m-lora": {"baseModel": "m", "adapter": "lora-a"},
+        },
+    });
+    let mut spec = ClusterSpec::new(pods, config);
+    spec.per_pod_args = zmq
+        .iter()
+        .map(|(events, replay)| {
+            vec![
+                "--kv-events".into(),
+                events.clone(),
+                "--kv-replay".into(),
+                replay.clone(),
+            ]
+        })
+        .collect();
+    spec.report_addresses = listens.iter().cloned().map(Some).collect();
+    let cluster = Cluster::start(Path::new(SIM), spec).expect("cluster starts");
+    let config_file = cluster.dir.join("kvroute.json");
+    let bridges: Vec<Running> = (0..pods)
+        .map(|i| {
+            http::runtime()
+                .block_on(start(Options {
+                    events: zmq[i].0.clone(),
+                    replay: Some(zmq[i].1.clone()),
+                    topic: String::new(),
+                    listen: listens[i].clone(),
+                    pod_id: format!("pod-{i}"),
+                    config: Some(config_file.clone()),
+                    base_model: "m".into(),
+                    lora_id: Vec::new(),
+                    probe_ms: 1000,
+                    log_events: 100_000,
+                }))
+                .expect("bridge starts")
+        })
+        .collect();
+    let prefix: Vec<u32> = (0..4096).map(|i| 1000 + i * 7 % 50_000).collect();
+    for (model, holder) in [("m", 1), ("m-lora", 2)] {
+        let mut warm = prefix.clone();
+        warm.extend([1, 2, 3]);
+        let body = json!({"model": model, "prompt": warm, "max_tokens": 1});
+        let r = http::post_json(
+            &cluster.sims[holder].address,
+            "/v1/completions",
+            &body.to_string(),
+        )
+        .expect("warm-up");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // Bridges have the blocks, then kvroute has the bridges' reports.
+    for holder in [1, 2] {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while report_blocks(&listens[holder]).1.len() < 256 {
+            assert!(Instant::now() < deadline, "bridge {holder} lags");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    cluster.wait_reports(3);
+    for (model, holder) in [("m", "pod-1"), ("m-lora", "pod-2")] {
+        for i in 0..10u32 {
+            let mut tokens = prefix.clone();
+            tokens.extend([60_000 + i, 7, 7]);
+            let (pod, matched) = routed(&cluster, model, &tokens);
+            assert_eq!(pod, holder, "{model} request {i} left the prefix's holder");
+            // Known from the bridge's report, from the first request on
+            // (no earlier decision through kvroute to remember).
+            let matched: f64 = matched.parse().expect("x-kvroute-cache-match");
+            assert!(matched > 0.95, "{model} request {i}: cache match {matched}");
+        }
+    }
+    // kvroute never pulled the pods' own reports: only the bridges'.
+    for sim in &cluster.sims {
+        assert_eq!(sim.stats()["reportRequests"], json!(0), "{}", sim.id);
+    }
+    assert!(counter(&bridges[1], "kvbridge_batches_total") >= 1.0);
+    assert_eq!(counter(&bridges[1], "kvbridge_malformed_frames_total"), 0.0);
+}
+
+/// Long-poll: a report asked with `wait` for the current epoch and seq is
+/// held until the pod stores a block, then answers the delta at once.
+#[test]
+fn a_long_polled_report_answers_when_the_pod_stores() {
+    let dir = temp("long-poll");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &[]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    let address = running.addr.to_string();
+    // `since` 0 always answers a full resync at once: a first event.
+    pod.complete("m", &prompt(0, 1));
+    converged(&pod, &running);
+    let current = http::get(&address, "/kvroute/v1/report").expect("report");
+    let current = parse_report(current.body.as_bytes()).expect("valid");
+    let query = format!(
+        "/kvroute/v1/report?since={}&epoch={}&wait=5000",
+        current.seq, current.epoch
+    );
+    let asked = Instant::now();
+    let held = std::thread::spawn(move || http::get(&address, &query).expect("long poll"));
+    std::thread::sleep(Duration::from_millis(300));
+    pod.complete("m", &prompt(1, 3));
+    let answer = parse_report(held.join().expect("joined").body.as_bytes()).expect("valid");
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(!answer.full);
+    assert_eq!(
+        answer.stored.iter().map(|c| c.hashes.len()).sum::<usize>(),
+        3
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

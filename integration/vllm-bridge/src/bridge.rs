@@ -1,0 +1,422 @@
+//! The bridge's event side: subscribes to one vLLM pod's KV events over
+//! ZMQ, keeps the sequence numbers whole with replays, and feeds
+//! [`PodBlocks`].
+//!
+//! Rules (vLLM numbers batches 0, 1, 2, … per publisher process):
+//! - On every (re)connect the history is unknown (the pod may have
+//!   restarted while we were away): a new epoch with no blocks, rebuilt
+//!   from a replay of everything the publisher still buffers.
+//! - A gap (`seq` > last + 1) asks the replay socket for the missing
+//!   batches; when the buffer no longer starts at last + 1 the bridge
+//!   starts a new epoch (routers resync with `full: true`) rebuilt from
+//!   what the buffer has.
+//! - `seq` going back is a publisher restart: new epoch, rebuilt likewise.
+//!   Batches already applied that come again right after a replay (the
+//!   subscription overlaps the replay) are skipped.
+//! - A malformed frame is counted and logged, never fatal.
+//! - Every `probe` the bridge asks the replay socket for the batches from
+//!   its last one on: the same batch back (same digest) means the same
+//!   publisher, and anything after it was missed by the subscription and is
+//!   applied; no such batch, or another one, means the pod restarted (the
+//!   ZMQ subscription neither reports a lost publisher nor reconnects), and
+//!   only later ones means a hole: either way the bridge reconnects and
+//!   starts over (a new epoch rebuilt from the buffer).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::watch;
+use xxhash_rust::xxh64::xxh64;
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::blocks::{Hashing, PodBlocks};
+use crate::wire::{decode_batch, decode_seq};
+
+/// How long a replay may take to answer each frame.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where the pod publishes.
+#[derive(Debug, Clone)]
+pub struct Endpoints {
+    /// vLLM's `endpoint` (PUB), e.g. `tcp://10.0.0.5:5557`.
+    pub events: String,
+    /// vLLM's `replay_endpoint` (ROUTER); `None`: gaps always resync.
+    pub replay: Option<String>,
+    /// vLLM's `topic` (a prefix filter; empty: everything).
+    pub topic: String,
+}
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub batches: AtomicU64,
+    pub events: AtomicU64,
+    pub unknown_events: AtomicU64,
+    pub malformed_frames: AtomicU64,
+    pub gaps: AtomicU64,
+    pub replays: AtomicU64,
+    pub replay_failures: AtomicU64,
+    pub resyncs: AtomicU64,
+    pub publisher_restarts: AtomicU64,
+    pub connects: AtomicU64,
+}
+
+/// The pod's state under one epoch.
+pub struct State {
+    pub epoch: String,
+    pub blocks: PodBlocks,
+    /// Last publisher `seq` applied (`None`: none since the epoch began).
+    last_seq: Option<i64>,
+    /// xxh64 of that batch's payload, to recognise it in a replay.
+    last_digest: u64,
+    /// After a replay up to this `seq`, subscribed batches up to it are
+    /// duplicates, not a restart.
+    replayed_to: Option<i64>,
+}
+
+/// One bridged pod: its state, counters, and a watch that ticks on every
+/// change (for long-polled reports).
+pub struct Bridge {
+    pub pod_id: String,
+    hashing: Hashing,
+    max_log: usize,
+    state: Mutex<State>,
+    pub counters: Counters,
+    /// (epoch, report seq) after every change.
+    pub changed: watch::Sender<(String, u64)>,
+}
+
+fn new_epoch() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    format!("{:016x}", hasher.finish())
+}
+
+/// What to do with one subscribed batch.
+enum Step {
+    Apply,
+    Duplicate,
+    Gap { from: i64 },
+    Restart,
+}
+
+impl Bridge {
+    pub fn new(pod_id: String, hashing: Hashing, max_log: usize) -> Bridge {
+        let epoch = new_epoch();
+        Bridge {
+            pod_id,
+            state: Mutex::new(State {
+                epoch: epoch.clone(),
+                blocks: PodBlocks::new(hashing.clone(), max_log),
+                last_seq: None,
+                last_digest: 0,
+                replayed_to: None,
+            }),
+            hashing,
+            max_log,
+            counters: Counters::default(),
+            changed: watch::channel((epoch, 0)).0,
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn notify(&self, state: &State) {
+        self.changed
+            .send_replace((state.epoch.clone(), state.blocks.seq()));
+    }
+
+    /// Forgets everything: a new epoch with no blocks.
+    fn reset(&self, why: &str) {
+        let mut state = self.lock();
+        eprintln!(
+            "kvroute-vllm-bridge {}: new epoch ({why}); dropping {} blocks",
+            self.pod_id,
+            state.blocks.len()
+        );
+        *state = State {
+            epoch: new_epoch(),
+            blocks: PodBlocks::new(self.hashing.clone(), self.max_log),
+            last_seq: None,
+            last_digest: 0,
+            replayed_to: None,
+        };
+        self.notify(&state);
+    }
+
+    /// Decodes and applies the batch `seq`; a malformed one is counted,
+    /// logged and passed over.
+    fn apply(&self, state: &mut State, seq: i64, payload: &[u8]) {
+        state.last_seq = Some(seq);
+        state.last_digest = xxh64(payload, 0);
+        match decode_batch(payload) {
+            Ok(batch) => {
+                self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .events
+                    .fetch_add(batch.events.len() as u64, Ordering::Relaxed);
+                self.counters
+                    .unknown_events
+                    .fetch_add(batch.unknown as u64, Ordering::Relaxed);
+                for event in &batch.events {
+                    state.blocks.apply(event);
+                }
+            }
+            Err(e) => self.malformed(&format!("batch {seq}: {e}")),
+        }
+    }
+
+    fn malformed(&self, what: &str) {
+        self.counters
+            .malformed_frames
+            .fetch_add(1, Ordering::Relaxed);
+        eprintln!(
+            "kvroute-vllm-bridge {}: malformed frame: {what}",
+            self.pod_id
+        );
+    }
+
+    fn step(&self, seq: i64) -> Step {
+        let mut state = self.lock();
+        if let Some(to) = state.replayed_to {
+            if seq <= to {
+                return Step::Duplicate;
+            }
+            state.replayed_to = None;
+        }
+        match state.last_seq {
+            None => Step::Apply,
+            Some(last) if seq == last + 1 => Step::Apply,
+            Some(last) if seq > last + 1 => Step::Gap { from: last + 1 },
+            Some(_) => Step::Restart,
+        }
+    }
+
+    /// Handles one subscribed message `[topic, seq, payload]`.
+    async fn receive(&self, endpoints: &Endpoints, message: ZmqMessage) {
+        let frames = message.into_vec();
+        let (Some(seq_frame), Some(payload), 3) = (frames.get(1), frames.get(2), frames.len())
+        else {
+            self.malformed(&format!("{} parts, expected 3", frames.len()));
+            return;
+        };
+        let Some(seq) = decode_seq(seq_frame).filter(|s| *s >= 0) else {
+            self.malformed(&format!("sequence frame of {} bytes", seq_frame.len()));
+            return;
+        };
+        match self.step(seq) {
+            Step::Duplicate => return,
+            Step::Apply => {}
+            Step::Gap { from } => {
+                self.counters.gaps.fetch_add(1, Ordering::Relaxed);
+                self.catch_up(endpoints, from, Some(seq)).await;
+            }
+            Step::Restart => {
+                self.counters
+                    .publisher_restarts
+                    .fetch_add(1, Ordering::Relaxed);
+                self.reset("publisher restarted: seq went back");
+                self.catch_up(endpoints, 0, Some(seq)).await;
+            }
+        }
+        let mut state = self.lock();
+        if state.last_seq.is_none_or(|last| seq > last) {
+            self.apply(&mut state, seq, payload);
+        }
+        self.notify(&state);
+    }
+
+    /// Replays from `from`. If the buffer does not reach back to `from`
+    /// (or cannot be asked), the history has a hole: new epoch, rebuilt
+    /// from whatever the buffer has. `upto` is the batch that revealed the
+    /// gap, which must be covered too (else it is a hole as well).
+    async fn catch_up(&self, endpoints: &Endpoints, from: i64, upto: Option<i64>) {
+        let frames = match &endpoints.replay {
+            Some(replay) => {
+                self.counters.replays.fetch_add(1, Ordering::Relaxed);
+                match replay_from(replay, from).await {
+                    Ok(frames) => frames,
+                    Err(e) => {
+                        self.counters
+                            .replay_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        eprintln!("kvroute-vllm-bridge {}: replay failed: {e}", self.pod_id);
+                        Vec::new()
+                    }
+                }
+            }
+            None => Vec::new(),
+        };
+        let first = frames.first().map(|f| f.0);
+        // The batches before `upto` must all be there, from `from` on.
+        let whole = match (first, upto) {
+            (Some(first), _) => first == from,
+            (None, Some(upto)) => upto == from,
+            (None, None) => true,
+        };
+        if !whole && from > 0 {
+            self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+            self.reset(&format!(
+                "batches from {from} are gone from the replay buffer"
+            ));
+        }
+        self.apply_replayed(&frames);
+    }
+
+    /// Applies replayed batches not applied yet; the subscription's copies
+    /// of them that follow are duplicates.
+    fn apply_replayed(&self, frames: &[(i64, Bytes)]) {
+        let mut state = self.lock();
+        for (seq, payload) in frames {
+            if state.last_seq.is_none_or(|last| *seq > last) {
+                self.apply(&mut state, *seq, payload);
+            }
+        }
+        if let Some((last, _)) = frames.last() {
+            state.replayed_to = Some(state.replayed_to.map_or(*last, |to| to.max(*last)));
+        }
+        self.notify(&state);
+    }
+
+    /// The periodic check (see the module documentation); `false` when the
+    /// publisher restarted and the subscription must start over.
+    async fn probe(&self, replay: &str) -> bool {
+        let (last, digest) = {
+            let state = self.lock();
+            (state.last_seq, state.last_digest)
+        };
+        let Ok(frames) = replay_from(replay, last.unwrap_or(0)).await else {
+            // Unreachable: the pod is down or busy; its next answer tells.
+            return true;
+        };
+        let Some(last) = last else {
+            self.apply_replayed(&frames);
+            return true;
+        };
+        match frames.first() {
+            Some((seq, payload)) if *seq == last && xxh64(payload, 0) == digest => {
+                if frames.len() > 1 {
+                    self.counters.gaps.fetch_add(1, Ordering::Relaxed);
+                }
+                self.apply_replayed(&frames);
+                true
+            }
+            // The buffer moved past our last batch while the subscription
+            // delivered nothing: a hole, as in `catch_up`.
+            Some((seq, _)) if *seq > last => {
+                self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "kvroute-vllm-bridge {}: batches after {last} were missed and are gone from the replay buffer",
+                    self.pod_id
+                );
+                false
+            }
+            _ => {
+                self.counters
+                    .publisher_restarts
+                    .fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "kvroute-vllm-bridge {}: batch {last} is no longer the one applied: the publisher restarted",
+                    self.pod_id
+                );
+                false
+            }
+        }
+    }
+
+    /// Follows the pod's events until the process ends: connects (retrying
+    /// while the pod is down), rebuilds from a replay, applies batches, and
+    /// starts over when the connection drops.
+    pub async fn run(&self, endpoints: Endpoints, probe: Duration) {
+        loop {
+            let mut socket = SubSocket::new();
+            let mut monitor = socket.monitor();
+            if let Err(e) = socket.connect(&endpoints.events).await {
+                eprintln!(
+                    "kvroute-vllm-bridge {}: cannot connect to {}: {e}",
+                    self.pod_id, endpoints.events
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            if let Err(e) = socket.subscribe(&endpoints.topic).await {
+                eprintln!("kvroute-vllm-bridge {}: subscribe: {e}", self.pod_id);
+                continue;
+            }
+            self.counters.connects.fetch_add(1, Ordering::Relaxed);
+            self.reset(&format!("connected to {}", endpoints.events));
+            self.catch_up(&endpoints, 0, None).await;
+            let mut probes = tokio::time::interval(probe);
+            probes.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            probes.tick().await;
+            loop {
+                tokio::select! {
+                    _ = probes.tick(), if endpoints.replay.is_some() => {
+                        let replay = endpoints.replay.as_deref().unwrap_or_default();
+                        if !self.probe(replay).await {
+                            break;
+                        }
+                    }
+                    message = socket.recv() => match message {
+                        Ok(message) => self.receive(&endpoints, message).await,
+                        Err(e) => {
+                            eprintln!("kvroute-vllm-bridge {}: receive: {e}", self.pod_id);
+                            break;
+                        }
+                    },
+                    event = monitor.next() => match event {
+                        Some(SocketEvent::Disconnected(_)) | None => break,
+                        Some(_) => {}
+                    },
+                }
+            }
+        }
+    }
+}
+
+/// Asks vLLM's replay socket for the batches from `start`: sends the
+/// 8-byte start seq and reads `(seq, payload)` frames until seq −1.
+pub async fn replay_from(endpoint: &str, start: i64) -> Result<Vec<(i64, Bytes)>, String> {
+    let mut socket = DealerSocket::new();
+    tokio::time::timeout(REPLAY_TIMEOUT, socket.connect(endpoint))
+        .await
+        .map_err(|_| format!("connect to {endpoint} timed out"))?
+        .map_err(|e| format!("connect to {endpoint}: {e}"))?;
+    // A ROUTER sees [identity, delimiter, body] from a REQ; a DEALER sends
+    // the empty delimiter itself.
+    let request: ZmqMessage = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())]
+        .try_into()
+        .map_err(|e| format!("{e}"))?;
+    socket.send(request).await.map_err(|e| e.to_string())?;
+    let mut frames = Vec::new();
+    loop {
+        let message = tokio::time::timeout(REPLAY_TIMEOUT, socket.recv())
+            .await
+            .map_err(|_| "replay stopped answering".to_string())?
+            .map_err(|e| e.to_string())?;
+        let parts = message.into_vec();
+        let n = parts.len();
+        let (Some(seq), Some(payload)) =
+            (n.checked_sub(2).and_then(|i| parts.get(i)), parts.last())
+        else {
+            return Err(format!("replay frame of {n} parts"));
+        };
+        match decode_seq(seq) {
+            Some(-1) => return Ok(frames),
+            Some(seq) if seq >= start => frames.push((seq, payload.clone())),
+            Some(seq) => return Err(format!("replay sent {seq} before the asked {start}")),
+            None => return Err("replay frame without an 8-byte seq".into()),
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! kvroute-vllm-bridge: a sidecar that subscribes to one vLLM pod's
+//! KV-cache events (ZMQ, msgpack) and serves them as kvroute's report
+//! protocol v1, so kvroute's precise mode works with stock vLLM.
+//!
+//! - [`wire`]: vLLM's event format;
+//! - [`blocks`]: the pod's blocks as kvroute chain keys;
+//! - [`bridge`]: the ZMQ subscription, gaps, replays and epochs;
+//! - [`server`]: the report, `/metrics` and `/health`.
+
+pub mod blocks;
+pub mod bridge;
+pub mod server;
+pub mod wire;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Parser;
+use tokio::net::TcpListener;
+
+use crate::blocks::Hashing;
+use crate::bridge::{Bridge, Endpoints};
+
+/// Command-line options of `kvroute-vllm-bridge`.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvroute-vllm-bridge",
+    about = "Serves a vLLM pod's KV-cache events as kvroute report protocol v1"
+)]
+pub struct Options {
+    /// vLLM's KV events PUB endpoint (`endpoint` of `--kv-events-config`,
+    /// a host instead of `*`).
+    #[arg(long)]
+    pub events: String,
+    /// vLLM's `replay_endpoint`; without it every gap is a resync.
+    #[arg(long)]
+    pub replay: Option<String>,
+    /// vLLM's `topic`.
+    #[arg(long, default_value = "")]
+    pub topic: String,
+    /// Address to serve reports on.
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    pub listen: String,
+    /// The pod's id in kvroute's config (`podId` of reports).
+    #[arg(long)]
+    pub pod_id: String,
+    /// kvroute's configuration file: `hashSeed`, `blockSizeTokens` and
+    /// `reportPath` come from it (defaults without).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The model vLLM serves, as `baseModel` in kvroute's `models`.
+    #[arg(long)]
+    pub base_model: String,
+    /// `NAME=ID`: the adapter vLLM numbers `ID` (its `lora_int_id`), for
+    /// older vLLM whose events carry `lora_id` but no `lora_name`
+    /// (repeatable or comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = parse_lora_id)]
+    pub lora_id: Vec<(String, i64)>,
+    /// How often the replay socket is asked whether the publisher is
+    /// still the same (restart detection, missed batches).
+    #[arg(long, default_value_t = 1000)]
+    pub probe_ms: u64,
+    /// Bound of the report event log (block events).
+    #[arg(long, default_value_t = 100_000)]
+    pub log_events: usize,
+}
+
+fn parse_lora_id(text: &str) -> Result<(String, i64), String> {
+    let (name, id) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=ID, got {text:?}"))?;
+    let id = id
+        .parse()
+        .map_err(|_| format!("lora id of {name:?} is not a number"))?;
+    Ok((name.to_string(), id))
+}
+
+/// A running bridge: its state, the address it serves on, and its tasks
+/// (stopped on drop).
+pub struct Running {
+    pub bridge: Arc<Bridge>,
+    pub addr: std::net::SocketAddr,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops the bridge and waits until its sockets are closed (the listen
+    /// address is free again).
+    pub async fn stop(mut self) {
+        for task in std::mem::take(&mut self.tasks) {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Binds and starts following the pod (on the current tokio runtime).
+pub async fn start(options: Options) -> Result<Running, String> {
+    let config = match &options.config {
+        None => kvroute::config::Config::default(),
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            kvroute::config::Config::parse(&bytes).map_err(|e| e.to_string())?
+        }
+    };
+    let hashing = Hashing {
+        secret: config.hash_seed.clone(),
+        base_model: options.base_model.clone(),
+        block_size_tokens: config.block_size_tokens,
+        fine_blocks: if config.coarse_block_factor > 1 {
+            config.coarse_after_blocks
+        } else {
+            usize::MAX
+        },
+        lora_ids: options
+            .lora_id
+            .iter()
+            .map(|(name, id)| (*id, name.clone()))
+            .collect(),
+    };
+    let listener = TcpListener::bind(&options.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let bridge = Arc::new(Bridge::new(
+        options.pod_id.clone(),
+        hashing,
+        options.log_events,
+    ));
+    let app = server::app(bridge.clone(), &config.report_path);
+    let endpoints = Endpoints {
+        events: options.events.clone(),
+        replay: options.replay.clone(),
+        topic: options.topic.clone(),
+    };
+    let follower = bridge.clone();
+    let probe = std::time::Duration::from_millis(options.probe_ms.max(10));
+    let tasks = vec![
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        }),
+        tokio::spawn(async move { follower.run(endpoints, probe).await }),
+    ];
+    Ok(Running {
+        bridge,
+        addr,
+        tasks,
+    })
+}

@@ -1,0 +1,177 @@
+//! The bridge's HTTP side: report protocol v1 at the report path (deltas,
+//! `full: true` resyncs, long-poll `wait`, answered like kvroute-sim
+//! answers), `/metrics` in Prometheus text format and `/health`.
+//!
+//! The bridge knows the pod's cache, not its load: reports carry
+//! `queueDepth: 0` and `health: 1` and no `gpuUtilization`, so kvroute's
+//! load for the pod comes from vLLM's own `/metrics` (`metricsPath`).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde_json::{json, Value};
+
+use crate::bridge::Bridge;
+
+/// Longest `wait` honoured, as kvroute-sim.
+pub const MAX_REPORT_WAIT_MS: u64 = 60_000;
+
+/// The bridge's HTTP routes.
+pub fn app(bridge: Arc<Bridge>, report_path: &str) -> Router {
+    Router::new()
+        .route(report_path, get(report))
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { "ok" }))
+        .with_state(bridge)
+}
+
+async fn report(
+    State(bridge): State<Arc<Bridge>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let since = query.get("since").and_then(|s| s.parse::<u64>().ok());
+    let epoch = query.get("epoch").cloned();
+    let wait = query.get("wait").and_then(|w| w.parse::<u64>().ok());
+    if let (Some(wait), Some(since), Some(asked)) = (wait, since, epoch.as_deref()) {
+        // Held while the asked epoch is current and has nothing after `since`.
+        let mut changed = bridge.changed.subscribe();
+        let wait = Duration::from_millis(wait.min(MAX_REPORT_WAIT_MS));
+        let _ = tokio::time::timeout(
+            wait,
+            changed.wait_for(|(epoch, seq)| epoch != asked || *seq != since),
+        )
+        .await;
+    }
+    let state = bridge.lock();
+    let mut body = state
+        .blocks
+        .report_body(&bridge.pod_id, &state.epoch, since, epoch.as_deref());
+    drop(state);
+    body.insert("queueDepth".into(), json!(0));
+    body.insert("health".into(), json!(1.0));
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        Value::Object(body).to_string(),
+    )
+        .into_response()
+}
+
+async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
+    let c = &bridge.counters;
+    let state = bridge.lock();
+    let skipped = state.blocks.skipped;
+    let held = state.blocks.len();
+    drop(state);
+    let mut text = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
+        text.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    };
+    let count = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
+    metric(
+        "kvbridge_batches_total",
+        "counter",
+        "Event batches applied.",
+        count(&c.batches),
+    );
+    metric(
+        "kvbridge_events_total",
+        "counter",
+        "KV events applied.",
+        count(&c.events),
+    );
+    metric(
+        "kvbridge_unknown_events_total",
+        "counter",
+        "Events of a kind the bridge does not know (skipped).",
+        count(&c.unknown_events),
+    );
+    metric(
+        "kvbridge_malformed_frames_total",
+        "counter",
+        "Frames that did not decode (skipped).",
+        count(&c.malformed_frames),
+    );
+    metric(
+        "kvbridge_gaps_total",
+        "counter",
+        "Sequence gaps seen.",
+        count(&c.gaps),
+    );
+    metric(
+        "kvbridge_replays_total",
+        "counter",
+        "Replay requests sent.",
+        count(&c.replays),
+    );
+    metric(
+        "kvbridge_replay_failures_total",
+        "counter",
+        "Replay requests that failed.",
+        count(&c.replay_failures),
+    );
+    metric(
+        "kvbridge_resyncs_total",
+        "counter",
+        "Gaps the replay buffer no longer covered (new epoch).",
+        count(&c.resyncs),
+    );
+    metric(
+        "kvbridge_publisher_restarts_total",
+        "counter",
+        "Sequence numbers going back (new epoch).",
+        count(&c.publisher_restarts),
+    );
+    metric(
+        "kvbridge_connects_total",
+        "counter",
+        "Connections to the publisher (each a new epoch).",
+        count(&c.connects),
+    );
+    metric(
+        "kvbridge_blocks_skipped_unknown_parent_total",
+        "counter",
+        "Stored blocks left out: parent not known.",
+        skipped.unknown_parent,
+    );
+    metric(
+        "kvbridge_blocks_skipped_block_size_total",
+        "counter",
+        "Stored blocks left out: block_size is not blockSizeTokens.",
+        skipped.wrong_size,
+    );
+    metric(
+        "kvbridge_blocks_skipped_unnamed_adapter_total",
+        "counter",
+        "Stored blocks left out: adapter without lora_name.",
+        skipped.unnamed_adapter,
+    );
+    metric(
+        "kvbridge_blocks_skipped_past_fine_blocks_total",
+        "counter",
+        "Stored blocks left out: past coarseAfterBlocks, where the filter's blocks are coarse.",
+        skipped.past_fine_blocks,
+    );
+    metric(
+        "kvbridge_blocks",
+        "gauge",
+        "Blocks held (kvroute keys).",
+        held as u64,
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}

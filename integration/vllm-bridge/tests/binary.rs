@@ -1,0 +1,68 @@
+//! The `kvroute-vllm-bridge` binary as deployed: started with its flags
+//! while its pod is not up yet, it serves `/health`, `/metrics` and an
+//! empty full report that kvroute's parser accepts.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The body of `GET path` from `addr` (HTTP/1.1, connection closed).
+fn get(addr: &str, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    Some(response.split_once("\r\n\r\n")?.1.to_string())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn the_binary_serves_before_its_pod_is_up() {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let events = format!("tcp://127.0.0.1:{}", free_port());
+    let _bridge = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvroute-vllm-bridge"))
+            .args(["--events", &events, "--listen", &listen])
+            .args(["--pod-id", "vllm-0", "--base-model", "m"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("bridge starts"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&listen, "/health").is_none() {
+        assert!(Instant::now() < deadline, "no /health");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let report = get(&listen, "/kvroute/v1/report?since=0").expect("report");
+    let report = kvroute::report::parse_report(report.as_bytes()).expect("valid report");
+    assert!(report.full && report.stored.is_empty());
+    assert_eq!(report.pod_id, "vllm-0");
+    let metrics = get(&listen, "/metrics").expect("metrics");
+    assert!(metrics.contains("\nkvbridge_blocks 0\n"), "{metrics}");
+    assert!(
+        metrics.contains("\nkvbridge_connects_total 0\n"),
+        "{metrics}"
+    );
+}

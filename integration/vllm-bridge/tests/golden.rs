@@ -1,0 +1,249 @@
+//! Golden frames: msgpack payloads written out byte by byte as vLLM's
+//! msgspec encoder produces them (`EventBatch`, `BlockStored`,
+//! `BlockRemoved`, `AllBlocksCleared`; map form of newer vLLM, positional
+//! form of older vLLM with its shorter field lists, fields added by later
+//! versions), decoded by the bridge; and the sim's encoder, which must
+//! write the very same bytes.
+
+use kvroute_vllm_bridge::wire::{decode_batch, decode_seq, encode_batch, KvEvent, Shape};
+
+/// msgpack fixstr (< 32 bytes), as msgspec writes short strings.
+fn s(text: &str) -> Vec<u8> {
+    assert!(text.len() < 32);
+    let mut out = vec![0xa0 | text.len() as u8];
+    out.extend_from_slice(text.as_bytes());
+    out
+}
+
+fn cat(parts: &[&[u8]]) -> Vec<u8> {
+    parts.concat()
+}
+
+const TS: [u8; 9] = [0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0]; // float64 1.5
+
+fn stored() -> KvEvent {
+    KvEvent::Stored {
+        block_hashes: vec![0xffff_ffff_ffff_fff0, 7],
+        parent_block_hash: None,
+        token_ids: vec![1, 2, 200, 300],
+        block_size: 2,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+    }
+}
+
+fn removed() -> KvEvent {
+    KvEvent::Removed {
+        block_hashes: vec![7],
+        medium: Some("GPU".into()),
+    }
+}
+
+/// `KVEventBatch(ts=1.5, events=[BlockStored(...), BlockRemoved(...),
+/// AllBlocksCleared()], data_parallel_rank=0)` in vLLM's map form: struct
+/// fields in declaration order, the tag first under `type`, defaults
+/// (`extra_keys=None`, `group_idx=None`, …) omitted.
+fn map_form() -> Vec<u8> {
+    cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x93, 0x88],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[
+            0x92, 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xf0, 0x07,
+        ],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0x94, 0x01, 0x02, 0xcc, 0xc8, 0xcd, 0x01, 0x2c],
+        &s("block_size"),
+        &[0x02],
+        &s("lora_id"),
+        &[0xc0],
+        &s("medium"),
+        &s("GPU"),
+        &s("lora_name"),
+        &[0xc0],
+        &[0x83],
+        &s("type"),
+        &s("BlockRemoved"),
+        &s("block_hashes"),
+        &[0x91, 0x07],
+        &s("medium"),
+        &s("GPU"),
+        &[0x81],
+        &s("type"),
+        &s("AllBlocksCleared"),
+        &s("data_parallel_rank"),
+        &[0x00],
+    ])
+}
+
+#[test]
+fn map_form_decodes() {
+    let batch = decode_batch(&map_form()).expect("decodes");
+    assert_eq!(batch.ts, 1.5);
+    assert_eq!(batch.data_parallel_rank, Some(0));
+    assert_eq!(batch.events, vec![stored(), removed(), KvEvent::AllCleared]);
+    assert_eq!(batch.unknown, 0);
+}
+
+#[test]
+fn the_encoder_writes_vllms_bytes() {
+    let events = [stored(), removed(), KvEvent::AllCleared];
+    assert_eq!(encode_batch(1.5, &events, 0, Shape::Map), map_form());
+    let positional = cat(&[
+        &[0x93],
+        &TS,
+        &[0x91, 0x93],
+        &s("BlockRemoved"),
+        &[0x91, 0x07],
+        &s("GPU"),
+        &[0x00],
+    ]);
+    assert_eq!(
+        encode_batch(1.5, &[removed()], 0, Shape::Positional),
+        positional
+    );
+}
+
+/// Map form from a later vLLM: fields it added (`extra_keys`,
+/// `group_idx`, `kv_cache_spec_kind`) and an event kind unknown here.
+#[test]
+fn added_fields_and_kinds_are_tolerated() {
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x92, 0x8b],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x91, 0x2a],
+        &s("parent_block_hash"),
+        &[0x07],
+        &s("token_ids"),
+        &[0x92, 0x05, 0x06],
+        &s("block_size"),
+        &[0x02],
+        &s("lora_id"),
+        &[0x01],
+        &s("medium"),
+        &s("GPU"),
+        &s("lora_name"),
+        &s("lora-a"),
+        &s("extra_keys"),
+        &[0x91, 0x91],
+        &s("lora-a"),
+        &s("group_idx"),
+        &[0x00],
+        &s("kv_cache_spec_kind"),
+        &s("full_attention"),
+        &[0x81],
+        &s("type"),
+        &s("BlockMoved"),
+        &s("data_parallel_rank"),
+        &[0x01],
+    ]);
+    let batch = decode_batch(&payload).expect("decodes");
+    assert_eq!(batch.unknown, 1);
+    assert_eq!(
+        batch.events,
+        vec![KvEvent::Stored {
+            block_hashes: vec![42],
+            parent_block_hash: Some(7),
+            token_ids: vec![5, 6],
+            block_size: 2,
+            lora_id: Some(1),
+            medium: Some("GPU".into()),
+            lora_name: Some("lora-a".into()),
+        }]
+    );
+}
+
+/// Older vLLM (`array_like=True`): `[ts, events, rank]`, events
+/// `[tag, fields…]`; the oldest `BlockStored` stops at `lora_id` (no
+/// `medium`, no `lora_name`); a negative int hash is the same 64 bits;
+/// a later trailing field is ignored.
+#[test]
+fn positional_form_decodes() {
+    let payload = cat(&[
+        &[0x93],
+        &TS,
+        &[0x93, 0x96],
+        &s("BlockStored"),
+        &[0x92, 0xd1, 0xfc, 0x18, 0xce, 0x80, 0, 0, 0],
+        &[0xc0],
+        &[0x94, 0x01, 0x02, 0x03, 0x04],
+        &[0x02],
+        &[0xc0],
+        &[0x99],
+        &s("BlockStored"),
+        &[0x91, 0x05],
+        &[0xce, 0x80, 0, 0, 0],
+        &[0x92, 0x09, 0x0a],
+        &[0x02],
+        &[0x03],
+        &s("GPU"),
+        &s("lora-a"),
+        &[0xc0],
+        &[0x94],
+        &s("BlockRemoved"),
+        &[0x91, 0x05],
+        &s("GPU"),
+        &[0x00],
+        &[0x00],
+    ]);
+    let batch = decode_batch(&payload).expect("decodes");
+    assert_eq!(batch.data_parallel_rank, Some(0));
+    assert_eq!(
+        batch.events,
+        vec![
+            KvEvent::Stored {
+                block_hashes: vec![(-1000i64) as u64, 0x8000_0000],
+                parent_block_hash: None,
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 2,
+                lora_id: None,
+                medium: None,
+                lora_name: None,
+            },
+            KvEvent::Stored {
+                block_hashes: vec![5],
+                parent_block_hash: Some(0x8000_0000),
+                token_ids: vec![9, 10],
+                block_size: 2,
+                lora_id: Some(3),
+                medium: Some("GPU".into()),
+                lora_name: Some("lora-a".into()),
+            },
+            KvEvent::Removed {
+                block_hashes: vec![5],
+                medium: Some("GPU".into()),
+            },
+        ]
+    );
+}
+
+#[test]
+fn malformed_payloads_are_errors_not_panics() {
+    for bad in [
+        &b""[..],
+        b"\xc1",
+        b"\x93\xcb",
+        b"\x93\xa1x\x90\x00",
+        b"\x93\xcb\x3f\xf8\0\0\0\0\0\0\x91\x91\xa9Unknown!!",
+        b"\x93\xcb\x3f\xf8\0\0\0\0\0\0\x91\x92\xabBlockStored\xa1x",
+    ] {
+        assert!(decode_batch(bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(decode_seq(&[0, 0, 0, 0, 0, 0, 1, 2]), Some(258));
+    assert_eq!(decode_seq(&[0xff; 8]), Some(-1));
+    assert_eq!(decode_seq(&[1, 2]), None);
+}
