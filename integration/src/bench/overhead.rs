@@ -207,7 +207,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         (3, Duration::from_secs(3))
     };
     let mut latency = Vec::new();
-    for (size, concurrency) in [1024usize, 16 * 1024, 128 * 1024]
+    for (size, concurrency) in [1024usize, 16 * 1024, 128 * 1024, 512 * 1024]
         .into_iter()
         .flat_map(|s| [(s, 1usize), (s, 8)])
     {

@@ -536,6 +536,20 @@ pub fn targets(results: &Value) -> Value {
             out.push(json!({"target": format!("added latency ≤ 100 µs p50 at 16 KiB (concurrency {c})"), "measured": format!("{p50:.0} µs"), "met": p50 <= 100.0}));
             out.push(json!({"target": format!("added latency ≤ 500 µs p99 at 16 KiB (concurrency {c})"), "measured": format!("{p99:.0} µs"), "met": p99 <= 500.0}));
         }
+        // The filter's own time, one client: the whole prompt is hashed.
+        for (bytes, quantile, bound_us) in [(16384, "p50", 100.0), (524288, "p99", 1000.0)] {
+            if let Some(us) = sizes
+                .iter()
+                .find(|s| s["bodyBytes"] == bytes && s["concurrency"] == 1)
+                .and_then(|s| s["filterUs"][quantile].as_f64())
+            {
+                out.push(json!({
+                    "target": format!("filter's own time ≤ {bound_us:.0} µs {quantile} at {} KiB", bytes / 1024),
+                    "measured": format!("{us:.0} µs"),
+                    "met": us <= bound_us,
+                }));
+            }
+        }
     }
     if let Some(sat) = o["saturation"].as_array() {
         for s in sat {
