@@ -13,6 +13,27 @@ use serde_json::{json, Map, Value};
 
 use crate::report::{hash_to_hex, StoredChain};
 
+/// Random 64 bits from the process's hash keys, the clock and the pid: a
+/// restarted pod never repeats its epoch (the simulator seeds with it too).
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
+/// A fresh report epoch: 16 hex digits of [`random_u64`].
+pub fn new_epoch() -> String {
+    format!("{:016x}", random_u64())
+}
+
 /// One logged change: `hash` (child of `parent`) stored or removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockEvent {

@@ -47,6 +47,7 @@ use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use kvroute::config::Config;
+use kvroute::report_log::{new_epoch, random_u64};
 use kvroute::request::{parse_request, Prompt};
 use kvroute_vllm_bridge::wire::Shape;
 use serde_json::{json, Value};
@@ -304,20 +305,6 @@ impl Sim {
     }
 }
 
-/// A random 64-bit value from the process's hash keys and the clock.
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    hasher.write_u32(std::process::id());
-    hasher.finish()
-}
-
 fn unix_seconds() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -444,7 +431,7 @@ pub fn app(
     let seq = pod.cache.seq();
     let sim = Arc::new(Sim {
         pod_id,
-        epoch: format!("{:016x}", random_u64()),
+        epoch: new_epoch(),
         config,
         served,
         max_batch,

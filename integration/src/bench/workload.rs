@@ -731,6 +731,38 @@ impl ToolLoop {
             .collect();
         (drafts, planned.iter().map(|p| p.0).collect())
     }
+
+    /// The closed-loop workload `name` on [`MAX_BATCH`] slots and 4 LoRA
+    /// slots, described by `describe` from its requests.
+    fn workload(
+        &self,
+        name: &str,
+        rng: &mut Rng,
+        opts: &GenOptions,
+        time_scale: f64,
+        describe: impl FnOnce(&[BenchRequest]) -> String,
+    ) -> Workload {
+        let (drafts, times) = self.drafts(rng, &CostModel::gpu_8b(time_scale));
+        let plugin = base_plugin();
+        let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, MAX_BATCH);
+        let span = times.last().copied().unwrap_or(1.0).max(1e-3);
+        let offered = drafts.len() as f64 / span;
+        let requests = finish(drafts, &with_extra(&plugin, opts), &times);
+        let description = describe(&requests);
+        assemble(
+            name,
+            description,
+            plugin,
+            requests,
+            opts,
+            MAX_BATCH,
+            4,
+            time_scale,
+            cap,
+            offered,
+            Some(self.tasks.len()),
+        )
+    }
 }
 
 /// 5. Agentic tool loops (closed loop): `agents` agents over a few shared
@@ -743,7 +775,7 @@ impl ToolLoop {
 fn agentic(opts: &GenOptions) -> Workload {
     let (agents, turns) = if opts.quick { (24, 8) } else { (24, 16) };
     let system_prompts = 3;
-    let (time_scale, max_batch) = (0.3, MAX_BATCH);
+    let time_scale = 0.3;
     let answer_tokens = 64u64;
     let mut rng = Rng::new(opts.seed ^ 5);
     let system: Vec<String> = (0..system_prompts)
@@ -767,25 +799,9 @@ fn agentic(opts: &GenOptions) -> Workload {
         tools,
         answer_tokens,
     };
-    let (drafts, times) = tool_loop.drafts(&mut rng, &CostModel::gpu_8b(time_scale));
-    let plugin = base_plugin();
-    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
-    let span = times.last().copied().unwrap_or(1.0).max(1e-3);
-    let offered = drafts.len() as f64 / span;
-    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
-    assemble(
-        "agentic",
-        format!("{agents} agents × {turns} turns, closed loop (each agent's next turn sent the moment its last answer completes), {system_prompts} shared 2,000-token system prompts, 200-token task per agent, each turn appends the 64-token answer and a 150–450-token tool result; chat API"),
-        plugin,
-        requests,
-        opts,
-        max_batch,
-        4,
-        time_scale,
-        cap,
-        offered,
-        Some(agents as usize),
-    )
+    tool_loop.workload("agentic", &mut rng, opts, time_scale, |_| {
+        format!("{agents} agents × {turns} turns, closed loop (each agent's next turn sent the moment its last answer completes), {system_prompts} shared 2,000-token system prompts, 200-token task per agent, each turn appends the 64-token answer and a 150–450-token tool result; chat API")
+    })
 }
 
 /// 6. Coding-agent sessions with long contexts (closed loop, like
@@ -799,7 +815,7 @@ fn agentic(opts: &GenOptions) -> Workload {
 fn long_context(opts: &GenOptions) -> Workload {
     let (sessions, turns) = if opts.quick { (8, 7) } else { (16, 12) };
     let heads = 2;
-    let (time_scale, max_batch) = (0.1, MAX_BATCH);
+    let time_scale = 0.1;
     let answer_tokens = 64u64;
     let mut rng = Rng::new(opts.seed ^ 7);
     let head: Vec<String> = (0..heads)
@@ -823,25 +839,10 @@ fn long_context(opts: &GenOptions) -> Workload {
         tools,
         answer_tokens,
     };
-    let (drafts, times) = tool_loop.drafts(&mut rng, &CostModel::gpu_8b(time_scale));
-    let plugin = base_plugin();
-    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
-    let span = times.last().copied().unwrap_or(1.0).max(1e-3);
-    let offered = drafts.len() as f64 / span;
-    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
-    assemble(
-        "long-context",
-        format!("{sessions} coding-agent sessions × {turns} turns, closed loop, 2 shared 8,000-token system+tools heads, 500-token task per session, each turn appends the 64-token answer and a 3,000–9,000-token tool result (sessions grow to {}k tokens); chat API", requests.iter().map(|r| r.prompt_tokens).max().unwrap_or(0) / 1000),
-        plugin,
-        requests,
-        opts,
-        max_batch,
-        4,
-        time_scale,
-        cap,
-        offered,
-        Some(sessions as usize),
-    )
+    tool_loop.workload("long-context", &mut rng, opts, time_scale, |requests| {
+        let longest = requests.iter().map(|r| r.prompt_tokens).max().unwrap_or(0);
+        format!("{sessions} coding-agent sessions × {turns} turns, closed loop, 2 shared 8,000-token system+tools heads, 500-token task per session, each turn appends the 64-token answer and a 3,000–9,000-token tool result (sessions grow to {}k tokens); chat API", longest / 1000)
+    })
 }
 
 fn file_name(path: &Path) -> String {

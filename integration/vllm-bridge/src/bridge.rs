@@ -24,10 +24,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use kvroute::report_log::new_epoch;
 use tokio::sync::watch;
 use xxhash_rust::xxh64::xxh64;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -87,18 +88,6 @@ pub struct Bridge {
     pub counters: Counters,
     /// (epoch, report seq) after every change.
     pub changed: watch::Sender<(String, u64)>,
-}
-
-fn new_epoch() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    format!("{:016x}", hasher.finish())
 }
 
 /// What to do with one subscribed batch.
