@@ -145,9 +145,7 @@ fn workers() -> u32 {
 /// A new worker index (see the module documentation for the race on
 /// creating the key).
 fn claim_index() -> Option<u32> {
-    if get(WORKERS_KEY).0.is_none() {
-        set(WORKERS_KEY, &0u32.to_le_bytes());
-    }
+    create_if_absent(WORKERS_KEY, &0u32.to_le_bytes());
     update(WORKERS_KEY, |bytes| {
         let claimed = bytes.try_into().map_or(0, u32::from_le_bytes);
         Some((claimed.saturating_add(1).to_le_bytes().to_vec(), claimed))
@@ -265,12 +263,17 @@ pub fn adjust_inflight(changes: &[(usize, i64)]) {
     });
 }
 
-/// Creates the ejections value if it is absent, so that every later
-/// update is a compare-and-swap (a write to an absent key is not).
-pub fn init_ejections() {
-    if get(EJECTIONS_KEY).0.is_none() {
-        set(EJECTIONS_KEY, &Ejections::default().encode());
+/// Creates `key` with `value` if it is absent, so that every later update
+/// is a compare-and-swap (a write to an absent key is not).
+fn create_if_absent(key: &str, value: &[u8]) {
+    if get(key).0.is_none() {
+        set(key, value);
     }
+}
+
+/// Creates the ejections value if it is absent ([`create_if_absent`]).
+pub fn init_ejections() {
+    create_if_absent(EJECTIONS_KEY, &Ejections::default().encode());
 }
 
 /// Ejects `pod` for every worker ([`Ejections::eject`]); `None` when it
