@@ -86,13 +86,20 @@ impl Default for Weights {
     }
 }
 
-/// The balance guard ([`crate::scoring::balance`]): a pod this far ahead
-/// of the least busy one in in-flight requests loses its cache affinity.
+/// The balance guards ([`crate::scoring::balance`]): a pod this far ahead
+/// of the least busy one in in-flight requests, or holding more than
+/// `maxShare` × its fair share of a worker's last `shareWindow` decisions,
+/// loses its cache affinity (the share guard only for a request that moving
+/// costs at most `spillTokens` of cache).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
 pub struct BalanceConfig {
     pub abs_threshold: u32,
     pub rel_threshold: f64,
+    /// Decisions per worker the share guard looks back over; 0 turns it off.
+    pub share_window: u32,
+    pub max_share: f64,
+    pub spill_tokens: u64,
 }
 
 impl Default for BalanceConfig {
@@ -100,9 +107,15 @@ impl Default for BalanceConfig {
         BalanceConfig {
             abs_threshold: 6,
             rel_threshold: 1.3,
+            share_window: 128,
+            max_share: 1.25,
+            spill_tokens: 4096,
         }
     }
 }
+
+/// Longest `balance.shareWindow`: the window is kept per worker.
+pub const MAX_SHARE_WINDOW: u32 = 65_536;
 
 /// Which way a numeric pod attribute is preferred.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -447,6 +460,22 @@ impl Config {
             return Err(invalid(
                 "balance.relThreshold",
                 format!("must be a number >= 1 (got {rel})"),
+            ));
+        }
+        let max_share = self.balance.max_share;
+        if !(max_share.is_finite() && max_share >= 1.0) {
+            return Err(invalid(
+                "balance.maxShare",
+                format!("must be a number >= 1 (got {max_share})"),
+            ));
+        }
+        if self.balance.share_window > MAX_SHARE_WINDOW {
+            return Err(invalid(
+                "balance.shareWindow",
+                format!(
+                    "must be at most {MAX_SHARE_WINDOW} decisions (got {})",
+                    self.balance.share_window
+                ),
             ));
         }
         check_unit("healthExclusionThreshold", self.health_exclusion_threshold)?;

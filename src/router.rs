@@ -44,6 +44,9 @@ pub struct ClusterView<'a> {
     pub index: &'a dyn PrefixLookup,
     /// In-flight requests per pod slot.
     pub inflight: &'a [u32],
+    /// This worker's recent decisions per pod slot
+    /// ([`crate::scoring::balance::RecentShare`]).
+    pub recent_decisions: &'a [u32],
     /// Now, on the clock of `table.published_at_ms`.
     pub now_ms: u64,
 }
@@ -333,7 +336,9 @@ impl Router {
                     slot: pod.slot,
                     id: &pod.id,
                     cache_match: coverage.fraction(matched),
+                    cached_tokens: coverage.tokens(matched),
                     inflight,
+                    recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
                         pod.reported_health * self.staleness.health_factor(age)
@@ -653,6 +658,7 @@ mod tests {
             table: &published,
             index: &tree,
             inflight: &inflight,
+            recent_decisions: &[],
             now_ms,
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
@@ -743,6 +749,7 @@ mod tests {
                 table: &self.table,
                 index: &self.tree,
                 inflight: &inflight,
+                recent_decisions: &[],
                 now_ms: 1000,
             };
             self.router

@@ -51,7 +51,9 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             slot,
             id: IDS[slot],
             cache_match: p.cache,
+            cached_tokens: 0,
             inflight: 0,
+            recent_decisions: 0,
             load: p.load,
             queue: p.queue,
             health: p.health,
@@ -583,7 +585,9 @@ fn cost_candidates<'a>(
             slot,
             id: &pod.id,
             cache_match: cache[slot],
+            cached_tokens: 0,
             inflight: 0,
+            recent_decisions: 0,
             load: 0.3,
             queue: 1,
             health: 1.0,
@@ -936,7 +940,9 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
         slot,
         id,
         cache_match,
+        cached_tokens: 0,
         inflight,
+        recent_decisions: 0,
         load: 0.3,
         // As the router counts it: reported 0 plus those routed since.
         queue: inflight,
@@ -958,4 +964,35 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
     // At high load 8 more is within 30 % of 30: affinity holds.
     let busy = [pod(0, "holder", 0.9, 38), pod(1, "other", 0.0, 30)];
     assert_eq!(policy.decide(&busy, false, 0, true).chosen, Some(0));
+}
+
+#[test]
+fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
+    let policy = ScoringPolicy::from_config(&Config::default());
+    let attributes = BTreeMap::new();
+    // The busier pod is a little more loaded.
+    let pod = |slot: usize, cached_tokens: u64, recent_decisions: u32| Candidate {
+        slot,
+        id: "pod",
+        cache_match: cached_tokens as f64 / 10_000.0,
+        cached_tokens,
+        inflight: 1,
+        recent_decisions,
+        load: f64::from(recent_decisions) / 200.0,
+        queue: 1,
+        health: 1.0,
+        adapter_loaded: false,
+        attributes: &attributes,
+    };
+    // A full window of 128 over 2 pods: fair 64, limit 80.
+    let within = [pod(0, 1500, 80), pod(1, 0, 48)];
+    assert_eq!(policy.decide(&within, false, 0, true).chosen, Some(0));
+    // 81: the hot pod's 1,500 cached tokens are cheap to copy elsewhere.
+    let over = [pod(0, 1500, 81), pod(1, 0, 47)];
+    assert_eq!(policy.decide(&over, false, 0, true).chosen, Some(1));
+    // A long history (5,000 tokens beyond the other pod's) stays put.
+    let costly = [pod(0, 6000, 81), pod(1, 1000, 47)];
+    assert_eq!(policy.decide(&costly, false, 0, true).chosen, Some(0));
+    // A request leaving the wait queue is spared, as by the in-flight guard.
+    assert_eq!(policy.decide(&over, false, 0, false).chosen, Some(0));
 }

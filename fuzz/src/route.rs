@@ -55,6 +55,7 @@ struct Scenario {
     state: ClusterState,
     shared: SharedData,
     inflight: Vec<u32>,
+    recent_decisions: Vec<u32>,
 }
 
 impl Scenario {
@@ -96,6 +97,8 @@ impl Scenario {
             state,
             shared,
             inflight: vec![0, 3, 1],
+            // Past a full share window, so the share guard is reached.
+            recent_decisions: vec![100, 20, 8],
         }
     }
 }
@@ -143,6 +146,7 @@ pub fn run(data: &[u8]) {
         table,
         index: &index,
         inflight: &scenario.inflight,
+        recent_decisions: &scenario.recent_decisions,
         now_ms: table.published_at_ms + tie_breaker * 1000,
     };
     match scenario

@@ -11,9 +11,13 @@
 //!   match it within milliseconds, until it expires or reports take over
 //!   (`ClusterState::record_decision`). What kept such memory from piling
 //!   a burst onto one pod is the balance guard (`scoring::balance`).
+//!
+//! In both modes it also counts the worker's last `balance.shareWindow`
+//! decisions per pod for the share guard ([`RecentShare`]).
 
 use super::{DecisionRecorder, PrefixLookup, PrefixMatch, PrefixTree};
 use crate::config::{Config, IndexMode};
+use crate::scoring::balance::RecentShare;
 
 /// Blocks a worker remembers of its own decisions.
 pub const OVERLAY_BLOCKS: usize = 65_536;
@@ -22,6 +26,7 @@ pub const OVERLAY_BLOCKS: usize = 65_536;
 #[derive(Debug, Clone)]
 pub struct RecentDecisions {
     recorder: Option<DecisionRecorder>,
+    share: RecentShare,
 }
 
 impl RecentDecisions {
@@ -32,15 +37,24 @@ impl RecentDecisions {
                 config.pod_capacity_blocks,
             )
         });
-        RecentDecisions { recorder }
+        RecentDecisions {
+            recorder,
+            share: RecentShare::new(config.balance.share_window),
+        }
     }
 
     /// Records that pod `slot` was sent a request whose prompt is `chain`
-    /// (approximate mode only).
+    /// (its blocks in approximate mode only).
     pub fn record(&mut self, slot: usize, chain: &[u64]) {
+        self.share.record(slot);
         if let Some(recorder) = &mut self.recorder {
             recorder.record(slot, chain);
         }
+    }
+
+    /// The worker's recent decisions per pod slot, for the share guard.
+    pub fn decisions_per_slot(&self) -> &[u32] {
+        self.share.counts()
     }
 }
 

@@ -39,8 +39,12 @@ pub struct Candidate<'a> {
     pub id: &'a str,
     /// Consecutive matched blocks / blocks in the request, in [0, 1].
     pub cache_match: f64,
+    /// Prompt tokens those blocks cover.
+    pub cached_tokens: u64,
     /// Requests routed to the pod and not finished (all workers).
     pub inflight: u32,
+    /// This worker's recent decisions for the pod ([`balance::RecentShare`]).
+    pub recent_decisions: u32,
     /// Utilisation in [0, 1].
     pub load: f64,
     /// Requests waiting (reported plus routed since the report).
@@ -229,14 +233,8 @@ impl ScoringPolicy {
             .iter()
             .filter_map(|&i| pods.get(i).cloned())
             .collect();
-        let inflight: Vec<u32> = eligible_pods.iter().map(|c| c.inflight).collect();
-        for (pod, overloaded) in eligible_pods
-            .iter_mut()
-            .zip(balance::overloaded(&inflight, &self.balance))
-        {
-            if balance_guard && overloaded {
-                pod.cache_match = 0.0;
-            }
+        if balance_guard {
+            self.apply_balance_guards(&mut eligible_pods);
         }
         let context = DecisionContext {
             candidates: &eligible_pods,
@@ -273,6 +271,37 @@ impl ScoringPolicy {
             chosen,
             scored,
             excluded,
+        }
+    }
+
+    /// Takes the cache match away from pods too far ahead ([`balance`]).
+    fn apply_balance_guards(&self, pods: &mut [Candidate<'_>]) {
+        let inflight: Vec<u32> = pods.iter().map(|c| c.inflight).collect();
+        let recent: Vec<u32> = pods.iter().map(|c| c.recent_decisions).collect();
+        // What moving the request off each pod costs: its cached tokens
+        // beyond the best other pod's (the best two suffice).
+        let mut best = (None, 0, 0);
+        for (i, pod) in pods.iter().enumerate() {
+            if best.0.is_none() || pod.cached_tokens > best.1 {
+                best = (Some(i), pod.cached_tokens, best.1);
+            } else if pod.cached_tokens > best.2 {
+                best.2 = pod.cached_tokens;
+            }
+        }
+        let spill_cost: Vec<u64> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| {
+                let best_other = if best.0 == Some(i) { best.2 } else { best.1 };
+                pod.cached_tokens.saturating_sub(best_other)
+            })
+            .collect();
+        let over_inflight = balance::overloaded(&inflight, &self.balance);
+        let over_share = balance::over_share(&recent, &spill_cost, &self.balance);
+        for ((pod, ahead), over) in pods.iter_mut().zip(over_inflight).zip(over_share) {
+            if ahead || over {
+                pod.cache_match = 0.0;
+            }
         }
     }
 

@@ -555,6 +555,7 @@ impl Worker {
             table: &table,
             index: &Merged(&snapshot, &self.recent),
             inflight: &inflight,
+            recent_decisions: self.recent.decisions_per_slot(),
             now_ms,
         };
         let outcome = self

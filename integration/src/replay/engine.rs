@@ -807,6 +807,7 @@ impl<'a> KvrouteView<'a> {
             table: &self.table,
             index: &Merged(&snapshot, &self.recent),
             inflight,
+            recent_decisions: self.recent.decisions_per_slot(),
             // The simulated service publishes every interval and never
             // freezes, so its snapshot is never stale.
             now_ms: self.table.published_at_ms,
@@ -912,6 +913,7 @@ mod tests {
                         table: &view.table,
                         index: &Merged(&snapshot, &view.recent),
                         inflight: &inflight,
+                        recent_decisions: view.recent.decisions_per_slot(),
                         now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
