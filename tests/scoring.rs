@@ -970,13 +970,13 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
 fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
     let policy = ScoringPolicy::from_config(&Config::default());
     let attributes = BTreeMap::new();
-    // The busier pod is a little more loaded.
+    // The pod with more recent decisions is a little busier.
     let pod = |slot: usize, cached_tokens: u64, recent_decisions: u32| Candidate {
         slot,
         id: "pod",
         cache_match: cached_tokens as f64 / 10_000.0,
         cached_tokens,
-        inflight: 1,
+        inflight: recent_decisions / 40,
         recent_decisions,
         load: f64::from(recent_decisions) / 200.0,
         queue: 1,

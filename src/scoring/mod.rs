@@ -297,7 +297,7 @@ impl ScoringPolicy {
             })
             .collect();
         let over_inflight = balance::overloaded(&inflight, &self.balance);
-        let over_share = balance::over_share(&recent, &spill_cost, &self.balance);
+        let over_share = balance::over_share(&recent, &spill_cost, &inflight, &self.balance);
         for ((pod, ahead), over) in pods.iter_mut().zip(over_inflight).zip(over_share) {
             if ahead || over {
                 pod.cache_match = 0.0;
