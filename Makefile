@@ -76,7 +76,7 @@ test-wasm: setup
 ## test-integration: simulator tests and the real-Envoy suite (serial: each
 ## test starts its own Envoy and pods on a 2-core machine)
 test-integration: wasm envoy prometheus
-	$(CARGO) test -p kvroute-integration -- --test-threads=1
+	$(CARGO) test -p kvroute-integration -p kvroute-config -- --test-threads=1
 
 ## observability: alert rules checked and unit-tested by promtool, then every
 ## dashboard panel and alert evaluated by a real Prometheus scraping Envoy

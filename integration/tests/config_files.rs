@@ -42,7 +42,14 @@ fn envoy_validates_the_rendered_demo_file() {
     let config = dir.join("envoy.yaml");
     std::fs::write(&config, deployment.envoy_bootstrap()).unwrap();
     let output = Command::new(envoy_binary().expect("envoy (make envoy)"))
-        .args(["--mode", "validate", "--disable-hot-restart", "-l", "error", "-c"])
+        .args([
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "-l",
+            "error",
+            "-c",
+        ])
         .arg(&config)
         .output()
         .expect("envoy runs");

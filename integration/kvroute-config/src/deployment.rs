@@ -110,8 +110,7 @@ impl Deployment {
         };
         resolve_plugin_addresses(&mut plugin, target).map_err(at)?;
         let text = plugin.to_string();
-        kvroute::config::Config::parse(text.as_bytes())
-            .map_err(|e| at(format!("kvroute: {e}")))?;
+        kvroute::config::Config::parse(text.as_bytes()).map_err(|e| at(format!("kvroute: {e}")))?;
         let mut envoy = file.envoy;
         envoy.wasm = absolute(&base.join(&envoy.wasm));
         for (i, address) in envoy.passthrough.iter_mut().enumerate() {
@@ -120,7 +119,7 @@ impl Deployment {
         }
         if target == Target::Istio && file.istio.is_none() {
             return Err(at(
-                "istio: the section is required for the Istio manifests".into(),
+                "istio: the section is required for the Istio manifests".into()
             ));
         }
         Ok(Deployment {
@@ -173,15 +172,17 @@ fn resolve_plugin_addresses(plugin: &mut Value, target: Target) -> Result<(), St
             let id = pod["id"].as_str().unwrap_or("?").to_string();
             for field in ["address", "reportAddress"] {
                 if let Some(address) = pod.get(field).and_then(Value::as_str) {
-                    let literal = ip_literal(address, target).map_err(|e| {
-                        format!("kvroute.pods[{i}].{field} (pod {id:?}): {e}")
-                    })?;
+                    let literal = ip_literal(address, target)
+                        .map_err(|e| format!("kvroute.pods[{i}].{field} (pod {id:?}): {e}"))?;
                     pod[field] = Value::String(literal);
                 }
             }
         }
     }
-    if let Some(authority) = plugin.pointer("/discovery/authority").and_then(Value::as_str) {
+    if let Some(authority) = plugin
+        .pointer("/discovery/authority")
+        .and_then(Value::as_str)
+    {
         let literal = ip_literal(authority, target)
             .map_err(|e| format!("kvroute.discovery.authority: {e}"))?;
         plugin["discovery"]["authority"] = Value::String(literal);

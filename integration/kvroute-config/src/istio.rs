@@ -96,7 +96,8 @@ impl EnvoyPieces {
             override_host_policy: cluster("kvroute_pods")?["load_balancing_policy"].clone(),
             buffer_limit: listener["per_connection_buffer_limit_bytes"].clone(),
         };
-        if pieces.filter["name"] != "envoy.filters.http.wasm" || pieces.override_host_policy.is_null()
+        if pieces.filter["name"] != "envoy.filters.http.wasm"
+            || pieces.override_host_policy.is_null()
         {
             return Err(Error(
                 "rendered bootstrap lacks the kvroute filter or the override-host policy".into(),
@@ -112,7 +113,11 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
         .istio
         .as_ref()
         .ok_or_else(|| Error("istio: the section is required for the Istio manifests".into()))?;
-    if deployment.plugin["upstreamMode"].as_str().unwrap_or("overrideHost") != "overrideHost" {
+    if deployment.plugin["upstreamMode"]
+        .as_str()
+        .unwrap_or("overrideHost")
+        != "overrideHost"
+    {
         return Err(Error(
             "kvroute.upstreamMode: must be \"overrideHost\" on Istio (an ORIGINAL_DST cluster would bypass the mesh's endpoints and mTLS)".into(),
         ));

@@ -9,7 +9,10 @@ use clap::{Parser, Subcommand};
 use kvroute_config::{istio, Deployment, Target};
 
 #[derive(Parser)]
-#[command(name = "kvroute-config", about = "Renders kvroute's Envoy bootstrap or Istio manifests from one deployment file")]
+#[command(
+    name = "kvroute-config",
+    about = "Renders kvroute's Envoy bootstrap or Istio manifests from one deployment file"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
