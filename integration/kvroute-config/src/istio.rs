@@ -239,7 +239,7 @@ fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
         }),
         json!({
             "apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
-            "metadata": {"name": format!("{gw}-kvroute"), "namespace": ns},
+            "metadata": {"name": gw, "namespace": ns},
             "spec": {
                 "workloadSelector": {"labels": labels},
                 "configPatches": [
