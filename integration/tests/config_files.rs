@@ -1,32 +1,22 @@
-//! The shipped configuration files stay true: envoy/envoy.yaml is the
-//! rendering of envoy/envoy.template.yaml with envoy/kvroute.json, Envoy
-//! 1.40 validates it (loading kvroute.wasm and its configuration), and the
-//! plugin JSON parses. `KVROUTE_BLESS=1` rewrites envoy/envoy.yaml.
+//! The shipped configuration files stay true: envoy/envoy.yaml is
+//! kvroute-config's rendering of envoy/demo.kvroute.yaml, Envoy 1.40
+//! validates that rendering (loading kvroute.wasm and its configuration),
+//! and the plugin JSON parses. `KVROUTE_BLESS=1` rewrites envoy/envoy.yaml.
 
-use std::path::Path;
 use std::process::Command;
 
-use kvroute_integration::harness::{envoy_binary, render_envoy_config, repo_root};
+use kvroute_config::{Deployment, Target};
+use kvroute_integration::harness::{envoy_binary, repo_root, wasm_path};
 
-fn rendered() -> String {
-    let root = repo_root();
-    let plugin: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("envoy/kvroute.json")).unwrap())
-            .unwrap();
-    let pods: Vec<String> = plugin["pods"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["address"].as_str().unwrap().to_string())
-        .collect();
-    let wasm = Path::new("target/wasm32-wasip1/release/kvroute.wasm");
-    render_envoy_config(wasm, 10000, 9901, &plugin, &pods)
+fn demo() -> Deployment {
+    Deployment::load(&repo_root().join("envoy/demo.kvroute.yaml"), Target::Envoy)
+        .expect("envoy/demo.kvroute.yaml loads")
 }
 
 #[test]
-fn envoy_yaml_is_the_rendered_template() {
+fn envoy_yaml_is_the_rendered_demo_file() {
     let path = repo_root().join("envoy/envoy.yaml");
-    let expected = rendered();
+    let expected = demo().envoy_bootstrap();
     if std::env::var_os("KVROUTE_BLESS").is_some() {
         std::fs::write(&path, &expected).unwrap();
     }
@@ -41,21 +31,29 @@ fn plugin_json_is_valid() {
     assert_eq!(config.pods.len(), 4);
 }
 
+/// The demo's rendering with the module where `make wasm` leaves it (the
+/// shipped file names the path docker-compose mounts it at).
 #[test]
-fn envoy_validates_the_shipped_config() {
+fn envoy_validates_the_rendered_demo_file() {
+    let mut deployment = demo();
+    deployment.set_wasm(&wasm_path());
+    let dir = std::env::temp_dir().join(format!("kvroute-config-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("envoy.yaml");
+    std::fs::write(&config, deployment.envoy_bootstrap()).unwrap();
     let output = Command::new(envoy_binary().expect("envoy (make envoy)"))
         .args([
             "--mode",
             "validate",
-            "-c",
-            "envoy/envoy.yaml",
             "--disable-hot-restart",
             "-l",
             "error",
+            "-c",
         ])
-        .current_dir(repo_root())
+        .arg(&config)
         .output()
         .expect("envoy runs");
+    let _ = std::fs::remove_dir_all(&dir);
     let log = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -1,0 +1,96 @@
+//! The Envoy bootstrap: `envoy/envoy.template.yaml` filled in. This is the
+//! only renderer of the template; the CLI, the test harness, `make run` and
+//! the benchmarks all come through [`EnvoyBootstrap::render`].
+
+use std::path::Path;
+
+use serde_json::Value;
+
+/// The template, compiled in so the binary renders without a checkout.
+pub const TEMPLATE: &str = include_str!("../../../envoy/envoy.template.yaml");
+
+/// Everything the template's `{{...}}` placeholders take.
+pub struct EnvoyBootstrap<'a> {
+    /// kvroute.wasm as Envoy will open it (an absolute path: Envoy resolves
+    /// a relative one against its working directory).
+    pub wasm: &'a Path,
+    /// Address the kvroute listener binds (`0.0.0.0` to serve others).
+    pub listen_address: &'a str,
+    pub listen_port: u16,
+    /// The admin interface always binds 127.0.0.1: it can stop Envoy.
+    pub admin_port: u16,
+    /// The kvroute plugin JSON shared by the filter and the service: its
+    /// `upstreamMode` picks the template's section (`overrideHost` when
+    /// absent, as in kvroute) and, for override-host, its `pods` are the
+    /// pod cluster's endpoints. Rendered as given (not validated here, so
+    /// tests can hand Envoy a configuration it must refuse).
+    pub plugin: &'a Value,
+    /// `host:port` IP literals non-inference paths are balanced over.
+    pub passthrough: &'a [String],
+}
+
+impl EnvoyBootstrap<'_> {
+    pub fn render(&self) -> String {
+        let mode = self.plugin["upstreamMode"]
+            .as_str()
+            .unwrap_or("overrideHost");
+        let pods = pod_addresses(self.plugin);
+        keep_section(TEMPLATE, mode)
+            .replace("{{wasm}}", &self.wasm.display().to_string())
+            .replace("{{listen_address}}", self.listen_address)
+            .replace("{{listen_port}}", &self.listen_port.to_string())
+            .replace("{{admin_port}}", &self.admin_port.to_string())
+            // Single-quoted YAML scalar: a quote is written twice.
+            .replace(
+                "{{plugin_config}}",
+                &self.plugin.to_string().replace('\'', "''"),
+            )
+            .replace("{{pod_endpoints}}", &lb_endpoints(&pods))
+            .replace("{{passthrough_endpoints}}", &lb_endpoints(self.passthrough))
+    }
+}
+
+/// The `address` of each of the plugin's `pods`, in order.
+pub fn pod_addresses(plugin: &Value) -> Vec<String> {
+    plugin["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["address"].as_str().map(String::from))
+        .collect()
+}
+
+/// The template without its marker lines and without the sections of the
+/// other upstream modes (`# {{#mode}}` … `# {{/mode}}`).
+fn keep_section(template: &str, mode: &str) -> String {
+    let mut inside: Option<bool> = None;
+    let mut out = String::with_capacity(template.len());
+    for line in template.lines() {
+        let marker = line.trim_start().strip_prefix("# {{");
+        if let Some(opened) = marker.and_then(|m| m.strip_prefix('#')) {
+            inside = Some(opened.trim_end_matches("}}") == mode);
+        } else if marker.is_some_and(|m| m.starts_with('/')) {
+            inside = None;
+        } else if inside != Some(false) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// `lb_endpoints` entries for `host:port` addresses (`[]` for none).
+fn lb_endpoints(addresses: &[String]) -> String {
+    if addresses.is_empty() {
+        return "          []".into();
+    }
+    addresses
+        .iter()
+        .map(|address| {
+            let (host, port) = address.rsplit_once(':').expect("host:port");
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            format!("        - endpoint: {{address: {{socket_address: {{address: \"{host}\", port_value: {port}}}}}}}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

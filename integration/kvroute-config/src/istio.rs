@@ -1,0 +1,289 @@
+//! The Istio manifests (Istio 1.28, Gateway API v1): a gateway Deployment
+//! the mesh injects (Istio's "manual deployment" of a Gateway, because only
+//! that path lets the pod mount a custom bootstrap and kvroute.wasm), its
+//! Service, a Gateway and an HTTPRoute to the vLLM Service, a ConfigMap
+//! with the bootstrap override (the report service, stats settings, the
+//! `kvroute_reports` cluster), an EnvoyFilter inserting the kvroute filter
+//! and switching the mesh's own cluster of the vLLM Service to the
+//! override-host policy (so mTLS and the mesh's endpoints stay), and a
+//! DestinationRule for the retry budget.
+//!
+//! Every Envoy piece is taken from the plain bootstrap this crate renders
+//! from `envoy/envoy.template.yaml`, so the filter, the service, the stats
+//! settings and the override-host policy exist once, in the template.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::deployment::{Deployment, Error};
+
+/// Where kvroute.wasm is mounted in the gateway pod (from the ConfigMap
+/// `<gateway>-wasm`).
+pub const WASM_MOUNT: &str = "/etc/kvroute/wasm";
+/// Where the bootstrap override is mounted; Istio's agent reads the file
+/// named by `ISTIO_BOOTSTRAP_OVERRIDE` and merges it into its bootstrap
+/// (singular fields replace, repeated ones append).
+const BOOTSTRAP_MOUNT: &str = "/etc/istio/custom-bootstrap";
+const BOOTSTRAP_FILE: &str = "custom_bootstrap.json";
+
+/// The `istio` section of the deployment file.
+#[derive(Deserialize, Clone, Debug)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct IstioSettings {
+    /// Namespace of the gateway and of everything rendered.
+    pub namespace: String,
+    /// Name of the Gateway, its Deployment and Service (and the prefix of
+    /// the ConfigMaps and the EnvoyFilter).
+    #[serde(default = "default_gateway")]
+    pub gateway: String,
+    /// Port the Gateway listens on (unprivileged: the injected gateway
+    /// runs as non-root).
+    #[serde(default = "default_port")]
+    pub port: u16,
+    /// The vLLM pods' Service: the HTTPRoute's backend, whose mesh cluster
+    /// gets the override-host policy.
+    pub service: ServiceRef,
+}
+
+#[derive(Deserialize, Clone, Debug)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ServiceRef {
+    pub name: String,
+    /// Defaults to the gateway's namespace.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    pub port: u16,
+}
+
+fn default_gateway() -> String {
+    "kvroute".into()
+}
+
+fn default_port() -> u16 {
+    8080
+}
+
+/// The pieces of the plain bootstrap the manifests reuse.
+struct EnvoyPieces {
+    service: Value,
+    filter: Value,
+    stats_flush_interval: Value,
+    stats_config: Value,
+    reports_cluster: Value,
+    override_host_policy: Value,
+    buffer_limit: Value,
+}
+
+impl EnvoyPieces {
+    fn of(bootstrap: &str) -> Result<EnvoyPieces, Error> {
+        let b: Value = serde_yaml::from_str(bootstrap)
+            .map_err(|e| Error(format!("rendered bootstrap does not parse: {e}")))?;
+        let listener = &b["static_resources"]["listeners"][0];
+        let cluster = |name: &str| {
+            b["static_resources"]["clusters"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+                .cloned()
+                .ok_or_else(|| Error(format!("rendered bootstrap has no cluster {name}")))
+        };
+        let pieces = EnvoyPieces {
+            service: b["bootstrap_extensions"].clone(),
+            filter: listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+                .clone(),
+            stats_flush_interval: b["stats_flush_interval"].clone(),
+            stats_config: b["stats_config"].clone(),
+            reports_cluster: cluster("kvroute_reports")?,
+            override_host_policy: cluster("kvroute_pods")?["load_balancing_policy"].clone(),
+            buffer_limit: listener["per_connection_buffer_limit_bytes"].clone(),
+        };
+        if pieces.filter["name"] != "envoy.filters.http.wasm"
+            || pieces.override_host_policy.is_null()
+        {
+            return Err(Error(
+                "rendered bootstrap lacks the kvroute filter or the override-host policy".into(),
+            ));
+        }
+        Ok(pieces)
+    }
+}
+
+/// The manifests, as one multi-document YAML stream.
+pub fn render(deployment: &Deployment) -> Result<String, Error> {
+    let istio = deployment
+        .istio
+        .as_ref()
+        .ok_or_else(|| Error("istio: the section is required for the Istio manifests".into()))?;
+    if deployment.plugin["upstreamMode"]
+        .as_str()
+        .unwrap_or("overrideHost")
+        != "overrideHost"
+    {
+        return Err(Error(
+            "kvroute.upstreamMode: must be \"overrideHost\" on Istio (an ORIGINAL_DST cluster would bypass the mesh's endpoints and mTLS)".into(),
+        ));
+    }
+    let mut in_pod = Deployment {
+        plugin: deployment.plugin.clone(),
+        envoy: deployment.envoy.clone(),
+        istio: None,
+    };
+    in_pod.envoy.wasm = format!("{WASM_MOUNT}/kvroute.wasm").into();
+    let pieces = EnvoyPieces::of(&in_pod.envoy_bootstrap())?;
+    let documents = manifests(istio, &pieces);
+    let mut out = String::from(
+        "# kvroute on Istio 1.28 (Gateway API v1), rendered by kvroute-config; see\n\
+         # the README, \"Run it on your own cluster\". Before applying, create the\n\
+         # wasm ConfigMap:\n",
+    );
+    out.push_str(&format!(
+        "#   kubectl -n {ns} create configmap {gw}-wasm --from-file=kvroute.wasm=target/wasm32-wasip1/release/kvroute.wasm\n",
+        ns = istio.namespace,
+        gw = istio.gateway
+    ));
+    for document in documents {
+        out.push_str("---\n");
+        out.push_str(
+            &serde_yaml::to_string(&document)
+                .map_err(|e| Error(format!("cannot write a manifest: {e}")))?,
+        );
+    }
+    Ok(out)
+}
+
+fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
+    let ns = &istio.namespace;
+    let gw = &istio.gateway;
+    let service_ns = istio.service.namespace.as_deref().unwrap_or(ns);
+    let service_host = format!("{}.{service_ns}.svc.cluster.local", istio.service.name);
+    let labels = json!({"app.kubernetes.io/name": gw});
+    let bootstrap_override = json!({
+        "bootstrap_extensions": pieces.service,
+        "stats_flush_interval": pieces.stats_flush_interval,
+        "stats_config": pieces.stats_config,
+        "static_resources": {"clusters": [pieces.reports_cluster]},
+    });
+    let gateway_listener = json!({"portNumber": istio.port});
+    vec![
+        json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": format!("{gw}-bootstrap"), "namespace": ns},
+            "data": {BOOTSTRAP_FILE: serde_json::to_string_pretty(&bootstrap_override).expect("JSON")},
+        }),
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": gw, "namespace": ns},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {
+                        // The gateway injection template turns the
+                        // placeholder container into Istio's proxy.
+                        "annotations": {
+                            "inject.istio.io/templates": "gateway",
+                            // Istio's stats matcher drops unlisted stats;
+                            // kvroute's metrics are wasmcustom.*.
+                            "proxy.istio.io/config": "{\"proxyStatsMatcher\":{\"inclusionPrefixes\":[\"wasmcustom.\"]}}",
+                        },
+                        "labels": merge(&labels, &json!({"sidecar.istio.io/inject": "true"})),
+                    },
+                    "spec": {
+                        "containers": [{
+                            "name": "istio-proxy",
+                            "image": "auto",
+                            "ports": [{"containerPort": istio.port, "name": "http"}],
+                            "env": [{"name": "ISTIO_BOOTSTRAP_OVERRIDE", "value": format!("{BOOTSTRAP_MOUNT}/{BOOTSTRAP_FILE}")}],
+                            "volumeMounts": [
+                                {"name": "kvroute-bootstrap", "mountPath": BOOTSTRAP_MOUNT, "readOnly": true},
+                                {"name": "kvroute-wasm", "mountPath": WASM_MOUNT, "readOnly": true},
+                            ],
+                        }],
+                        "volumes": [
+                            {"name": "kvroute-bootstrap", "configMap": {"name": format!("{gw}-bootstrap")}},
+                            {"name": "kvroute-wasm", "configMap": {"name": format!("{gw}-wasm")}},
+                        ],
+                    },
+                },
+            },
+        }),
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": gw, "namespace": ns},
+            "spec": {
+                "selector": labels,
+                "ports": [{"name": "http", "port": istio.port, "targetPort": istio.port}],
+            },
+        }),
+        json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": gw, "namespace": ns},
+            "spec": {
+                "gatewayClassName": "istio",
+                // Manual deployment: Istio programs the pods behind this
+                // Service instead of deploying its own.
+                "addresses": [{"type": "Hostname", "value": format!("{gw}.{ns}.svc.cluster.local")}],
+                "listeners": [{"name": "http", "port": istio.port, "protocol": "HTTP", "allowedRoutes": {"namespaces": {"from": "Same"}}}],
+            },
+        }),
+        json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": gw, "namespace": ns},
+            "spec": {
+                "parentRefs": [{"name": gw}],
+                // Every path to the vLLM Service: kvroute picks the pod on
+                // its routePaths; other paths take the fallback policy.
+                "rules": [{
+                    "backendRefs": [{"name": istio.service.name, "namespace": service_ns, "port": istio.service.port}],
+                }],
+            },
+        }),
+        json!({
+            "apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+            "metadata": {"name": gw, "namespace": ns},
+            "spec": {
+                "workloadSelector": {"labels": labels},
+                "configPatches": [
+                    {
+                        "applyTo": "HTTP_FILTER",
+                        "match": {"context": "GATEWAY", "listener": merge(&gateway_listener, &json!({
+                            "filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager",
+                                                       "subFilter": {"name": "envoy.filters.http.router"}}},
+                        }))},
+                        "patch": {"operation": "INSERT_BEFORE", "value": pieces.filter},
+                    },
+                    {
+                        "applyTo": "LISTENER",
+                        "match": {"context": "GATEWAY", "listener": gateway_listener},
+                        "patch": {"operation": "MERGE", "value": {"per_connection_buffer_limit_bytes": pieces.buffer_limit}},
+                    },
+                    {
+                        "applyTo": "CLUSTER",
+                        "match": {"context": "GATEWAY", "cluster": {"service": service_host, "portNumber": istio.service.port}},
+                        "patch": {"operation": "MERGE", "value": {
+                            "per_connection_buffer_limit_bytes": pieces.buffer_limit,
+                            "load_balancing_policy": pieces.override_host_policy,
+                        }},
+                    },
+                ],
+            },
+        }),
+        json!({
+            "apiVersion": "networking.istio.io/v1", "kind": "DestinationRule",
+            "metadata": {"name": format!("{gw}-retries"), "namespace": ns},
+            "spec": {
+                "host": service_host,
+                // Failover is retries: Envoy's default allows 3 at a time.
+                "trafficPolicy": {"connectionPool": {"http": {"maxRetries": 1024}}},
+            },
+        }),
+    ]
+}
+
+/// `a` with `b`'s keys added (both objects).
+fn merge(a: &Value, b: &Value) -> Value {
+    let mut out = a.clone();
+    if let (Some(out), Some(b)) = (out.as_object_mut(), b.as_object()) {
+        out.extend(b.clone());
+    }
+    out
+}
