@@ -49,7 +49,9 @@ fn route(cluster: &Cluster, prompt: &str) -> (String, f64) {
     assert_eq!(r.status, 200, "{}", r.body);
     let pod = r.header("x-sim-pod").expect("x-sim-pod").to_string();
     assert_eq!(r.header("x-kvroute-pod"), Some(pod.as_str()));
-    let matched = r.header("x-kvroute-cache-match").and_then(|m| m.parse().ok());
+    let matched = r
+        .header("x-kvroute-cache-match")
+        .and_then(|m| m.parse().ok());
     (pod, matched.expect("x-kvroute-cache-match"))
 }
 
@@ -74,7 +76,10 @@ fn a_pod_without_a_report_endpoint_keeps_cache_affinity_from_decisions() {
     wait_for("the fallback gauge", || {
         gauge(&cluster, "epp_pod_report_fallback", &stock) == Some(1.0)
     });
-    assert_eq!(gauge(&cluster, "epp_pod_report_fallback", "pod-0"), Some(0.0));
+    assert_eq!(
+        gauge(&cluster, "epp_pod_report_fallback", "pod-0"),
+        Some(0.0)
+    );
 
     // The first request can only go to the stock pod: the others are full
     // (their metrics say so).
@@ -105,8 +110,15 @@ fn a_pod_without_a_report_endpoint_keeps_cache_affinity_from_decisions() {
         assert!(matched > 0.9, "follow-up {i}: cache match {matched}");
     }
     let log = cluster.envoy.log();
-    assert_eq!(events(&log, "pod_report_fallback", &stock).len(), 1, "{log}");
-    assert!(events(&log, "pod_report_failing", &stock).is_empty(), "{log}");
+    assert_eq!(
+        events(&log, "pod_report_fallback", &stock).len(),
+        1,
+        "{log}"
+    );
+    assert!(
+        events(&log, "pod_report_failing", &stock).is_empty(),
+        "{log}"
+    );
     assert_eq!(
         cluster
             .envoy
