@@ -222,7 +222,8 @@ pub enum Transition {
     ReportFallback {
         pod: String,
     },
-    /// A pod in fallback served a report: precise again.
+    /// A pod in fallback served a report: precise again (which ends a
+    /// failing state of its reports too).
     ReportPrecise {
         pod: String,
     },
