@@ -26,11 +26,21 @@
 //! - failures (unreachable, HTTP status, malformed, wrong pod) are counted
 //!   per pod; [`ClusterState::record_failure`] and the report/metrics paths
 //!   return a [`Transition`] only when the pod's state changes, so logs say
-//!   it once.
+//!   it once;
+//! - report fallback (precise mode): a report endpoint answering 404 is no
+//!   failure but a pod that serves no report (stock vLLM). From the first
+//!   404 its reported blocks, queue, load and health are forgotten and its
+//!   blocks are the router's decisions, as in approximate mode (per-pod
+//!   LRU, no expiry); each 404 keeps it fresh. Its next report (asked
+//!   `since=0`) replaces those blocks and makes it precise again;
+//! - pod list: [`ClusterState::set_pods`] for the configured list,
+//!   [`ClusterState::replace_pods`] for a discovered one
+//!   ([`crate::discovery`]), validated by the rules of `pods`. A pod whose
+//!   id or address changed is a new pod: the old one's blocks are dropped.
 
 use std::collections::VecDeque;
 
-use crate::config::{Config, IndexMode, PodConfig};
+use crate::config::{Config, ConfigError, IndexMode, PodConfig};
 use crate::index::{DecisionRecorder, PrefixTree};
 use crate::report::{parse_report, parse_vllm_metrics, PodReport};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
@@ -96,9 +106,18 @@ impl Failure {
 #[derive(Debug, Clone)]
 struct Accepted {
     pod: String,
-    kind: PullKind,
-    body: Vec<u8>,
+    page: Page,
     inflight: u32,
+}
+
+/// What an accepted answer carries.
+#[derive(Debug, Clone)]
+enum Page {
+    Report(Vec<u8>),
+    Metrics(Vec<u8>),
+    /// The report endpoint answered 404: the pod serves no report (stock
+    /// vLLM), see [`ClusterState::serve_without_reports`].
+    NoReport,
 }
 
 /// A report being folded, step by step (see the module documentation).
@@ -111,6 +130,8 @@ struct ReportFold {
     /// Whether the report applies (full, or a delta continuing our `seq`);
     /// a delta that does not is a resync.
     applies: bool,
+    /// The pod served no report before this one (fallback ends).
+    ends_fallback: bool,
     phase: FoldPhase,
     summary: ReportSummary,
 }
@@ -143,7 +164,8 @@ pub enum FoldStep {
 pub struct Folded {
     pub pod: String,
     pub kind: PullKind,
-    /// The report's summary (`None` for metrics), or why it was refused.
+    /// The report's summary (`None` for metrics, and for a report endpoint
+    /// the pod does not serve), or why it was refused.
     pub result: Result<Option<ReportSummary>, Failure>,
     pub transition: Option<Transition>,
 }
@@ -194,6 +216,17 @@ pub enum Transition {
         pod: String,
         kind: PullKind,
     },
+    /// The report endpoint answers 404: the pod is routed as in
+    /// approximate mode (blocks from decisions, load from metrics). Ends a
+    /// failing state of its reports, if any: the pod answers.
+    ReportFallback {
+        pod: String,
+    },
+    /// A pod in fallback served a report: precise again (which ends a
+    /// failing state of its reports too).
+    ReportPrecise {
+        pod: String,
+    },
 }
 
 /// What one report did to the index.
@@ -235,6 +268,9 @@ struct PodRecord {
     /// failure and a recovery on every round.
     failing: [Option<Failure>; 2],
     failures: u64,
+    /// Precise mode: the report endpoint answered 404, so the index holds
+    /// the pod's decisions instead of its reports.
+    without_reports: bool,
 }
 
 impl PodRecord {
@@ -266,6 +302,23 @@ pub struct ClusterState {
     pending: Option<DecisionRecorder>,
     publisher: SnapshotPublisher,
     generation: u64,
+    /// Whether a report must name the pod's id (`podId`): not with
+    /// `membership`, where a pod is known by its address alone.
+    check_report_pod_id: bool,
+}
+
+/// What [`ClusterState::set_pods`] changed, by pod id: a pod whose address
+/// changed under the same id left and came back (its blocks dropped).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodSetChange {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+impl PodSetChange {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty()
+    }
 }
 
 impl ClusterState {
@@ -287,21 +340,36 @@ impl ClusterState {
             }),
             publisher: SnapshotPublisher::new(config.snapshot_buckets()),
             generation: 0,
+            check_report_pod_id: config.membership.is_none(),
         };
         state.set_pods(&config.pods, now_ms);
         state
     }
 
+    /// Replaces the pod list with a discovered one (`discovery` or
+    /// `membership`, see [`crate::discovery`]) if it obeys the rules of the
+    /// configuration's `pods`; else the list stays as it was.
+    pub fn replace_pods(
+        &mut self,
+        pods: &[PodConfig],
+        now_ms: u64,
+    ) -> Result<PodSetChange, ConfigError> {
+        self.config.validate_pods(pods)?;
+        Ok(self.set_pods(pods, now_ms))
+    }
+
     /// Replaces the pod list (static config or discovery). Pods keep their
     /// slot and state while their id and address stay; a pod that left has
     /// its blocks dropped and its slot reused.
-    pub fn set_pods(&mut self, pods: &[PodConfig], now_ms: u64) {
+    pub fn set_pods(&mut self, pods: &[PodConfig], now_ms: u64) -> PodSetChange {
         let (kept, gone): (Vec<PodRecord>, Vec<PodRecord>) =
             std::mem::take(&mut self.pods).into_iter().partition(|r| {
                 pods.iter()
                     .any(|p| p.id == r.config.id && p.address == r.config.address)
             });
+        let mut change = PodSetChange::default();
         for record in &gone {
+            change.removed.push(record.config.id.clone());
             self.index.drop_pod(record.slot);
             if let Some(pending) = &mut self.pending {
                 pending.drop_pod(record.slot);
@@ -319,6 +387,7 @@ impl ClusterState {
             else {
                 break;
             };
+            change.added.push(pod.id.clone());
             records.push(PodRecord {
                 config: pod.clone(),
                 slot,
@@ -335,12 +404,14 @@ impl ClusterState {
                 inflight_at_report: 0,
                 failing: [None, None],
                 failures: 0,
+                without_reports: false,
             });
         }
         records.sort_by_key(|r| r.slot);
         self.pods = records;
         let share = self.config.pod_index_share(self.pods.len());
         self.index.tree_mut().set_max_pod_blocks(share);
+        change
     }
 
     /// Ids and addresses of the current pods, in slot order.
@@ -387,10 +458,22 @@ impl ClusterState {
                 limit,
             },
             Some("200") => {
+                let body = body(body_size);
+                let page = match kind {
+                    PullKind::Report => Page::Report(body),
+                    PullKind::Metrics => Page::Metrics(body),
+                };
                 self.inbox.push_back(Accepted {
                     pod: pod_id.to_string(),
-                    kind,
-                    body: body(body_size),
+                    page,
+                    inflight,
+                });
+                return (Ok(()), None);
+            }
+            Some("404") if kind == PullKind::Report => {
+                self.inbox.push_back(Accepted {
+                    pod: pod_id.to_string(),
+                    page: Page::NoReport,
                     inflight,
                 });
                 return (Ok(()), None);
@@ -426,29 +509,72 @@ impl ClusterState {
             }));
         }
         let accepted = self.inbox.pop_front()?;
-        let (pod, body, inflight) = (accepted.pod, accepted.body, accepted.inflight);
-        let (result, transition) = match accepted.kind {
-            PullKind::Report => match self.begin_report(&pod, &body, inflight) {
+        let (pod, inflight) = (accepted.pod, accepted.inflight);
+        let (kind, result, transition) = match accepted.page {
+            Page::Report(body) => match self.begin_report(&pod, &body, inflight) {
                 Ok(fold) => {
                     self.folding = Some(fold);
                     return Some(FoldStep::Partial);
                 }
                 Err(failure) => {
                     let transition = self.record_failure(&pod, PullKind::Report, failure.clone());
-                    (Err(failure), transition)
+                    (PullKind::Report, Err(failure), transition)
                 }
             },
-            PullKind::Metrics => {
+            Page::NoReport => {
+                let transition = self.serve_without_reports(&pod, now_ms);
+                (PullKind::Report, Ok(None), transition)
+            }
+            Page::Metrics(body) => {
                 let (result, transition) = self.apply_metrics(&pod, &body, now_ms, inflight);
-                (result.map(|()| None), transition)
+                (PullKind::Metrics, result.map(|()| None), transition)
             }
         };
         Some(FoldStep::Done(Folded {
             pod,
-            kind: accepted.kind,
+            kind,
             result,
             transition,
         }))
+    }
+
+    /// The pod's report endpoint answered 404 (precise mode; stock vLLM
+    /// serves none): the pod answers, so it is fresh, and it is routed as
+    /// in approximate mode until it serves a report — its blocks are the
+    /// router's decisions ([`ClusterState::record_decision`]), its queue
+    /// and load its vLLM metrics. Entering the fallback forgets what its
+    /// reports said, blocks included (nothing would keep them true), at
+    /// once: like a pod leaving the list, once per change of state.
+    fn serve_without_reports(&mut self, pod_id: &str, now_ms: u64) -> Option<Transition> {
+        let record = self.pods.iter_mut().find(|r| r.config.id == pod_id)?;
+        record.last_success_ms = now_ms;
+        let was_failing = record
+            .failing
+            .get_mut(PullKind::Report.index())
+            .and_then(Option::take)
+            .is_some();
+        if record.without_reports {
+            return was_failing.then(|| Transition::Recovered {
+                pod: pod_id.to_string(),
+                kind: PullKind::Report,
+            });
+        }
+        record.without_reports = true;
+        (record.epoch, record.seq) = (None, 0);
+        record.report_queue = 0;
+        record.report_load = None;
+        record.reported_health = 1.0;
+        record.report_adapters.clear();
+        let slot = record.slot;
+        self.index.drop_pod(slot);
+        Some(Transition::ReportFallback {
+            pod: pod_id.to_string(),
+        })
+    }
+
+    /// Whether `pod_id` serves no report and is routed on decisions.
+    pub fn in_report_fallback(&self, pod_id: &str) -> bool {
+        self.record(pod_id).is_some_and(|r| r.without_reports)
     }
 
     /// Whether an accepted answer of `pod_id` waits to be folded, or is
@@ -496,15 +622,21 @@ impl ClusterState {
         inflight: u32,
     ) -> Result<ReportFold, Failure> {
         let report = parse_report(body).map_err(Failure::Malformed)?;
-        if report.pod_id != pod_id {
+        if self.check_report_pod_id && report.pod_id != pod_id {
             return Err(Failure::Malformed(format!(
                 "`podId` is {:?}, expected {pod_id:?}",
                 report.pod_id
             )));
         }
         let record = self
-            .record(pod_id)
+            .pods
+            .iter_mut()
+            .find(|r| r.config.id == pod_id)
             .ok_or_else(|| Failure::Malformed("unknown pod".into()))?;
+        // Back from the fallback: its epoch was forgotten, so this report
+        // replaces its decisions' blocks (the drop below); decisions from
+        // now on are pending ones again.
+        let ends_fallback = std::mem::take(&mut record.without_reports);
         let continues =
             record.epoch.as_deref() == Some(report.epoch.as_str()) && report.since == record.seq;
         let applies = report.full || continues;
@@ -521,12 +653,19 @@ impl ClusterState {
                 offset: 0,
             }
         };
+        let slot = record.slot;
+        if ends_fallback {
+            // The decisions' recency, so that no later eviction of the
+            // recorder touches what the reports now own.
+            self.index.forget_recency(slot);
+        }
         Ok(ReportFold {
             pod: pod_id.to_string(),
-            slot: record.slot,
+            slot,
             inflight,
             report,
             applies,
+            ends_fallback,
             phase,
             summary,
         })
@@ -626,10 +765,13 @@ impl ClusterState {
         record.report_load = report.gpu_utilization;
         record.reported_health = report.health;
         record.report_adapters = report.adapters;
-        (
-            Ok(fold.summary),
-            record.succeeded(PullKind::Report, now_ms, fold.inflight),
-        )
+        let transition = record.succeeded(PullKind::Report, now_ms, fold.inflight);
+        let transition = if fold.ends_fallback {
+            Some(Transition::ReportPrecise { pod: fold.pod })
+        } else {
+            transition
+        };
+        (Ok(fold.summary), transition)
     }
 
     /// Folds a vLLM `/metrics` page from `pod_id`.
@@ -700,17 +842,20 @@ impl ClusterState {
         record.reported_health * self.staleness.health_factor(age)
     }
 
-    /// A filter routed `chain` to pod `slot` at `now_ms`. Approximate mode:
-    /// the pod now holds it. Precise mode: it is pending — counted as held
+    /// A filter routed `chain` to pod `slot` at `now_ms`. Approximate mode
+    /// (and a pod in report fallback): the pod now holds it, within its
+    /// `podCapacityBlocks`. Precise mode: it is pending — counted as held
     /// until it expires (a report confirms it meanwhile, or shows the pod
     /// never kept it), and no report erases it before.
     pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) {
-        if !self.pods.iter().any(|r| r.slot == slot) {
+        let Some(record) = self.pods.iter().find(|r| r.slot == slot) else {
             return;
-        }
+        };
+        let without_reports = record.without_reports;
         match &mut self.pending {
-            Some(pending) => pending.record_at(slot, chain, now_ms),
-            None => self.index.record(slot, chain),
+            Some(pending) if !without_reports => pending.record_at(slot, chain, now_ms),
+            // Approximate mode, or a pod in report fallback.
+            _ => self.index.record(slot, chain),
         }
     }
 

@@ -154,6 +154,10 @@ pub struct PodConfig {
     /// sidecar serving it, such as kvroute-vllm-bridge beside stock vLLM.
     #[serde(default)]
     pub report_address: Option<String>,
+    /// `host:port` to pull the pod's vLLM metrics from instead of
+    /// `address` (a metrics port of its own).
+    #[serde(default)]
+    pub metrics_address: Option<String>,
     /// Numeric attributes for attribute scorers (e.g. `costPerHour`).
     #[serde(default)]
     pub attributes: BTreeMap<String, f64>,
@@ -265,6 +269,29 @@ pub struct DiscoveryConfig {
     pub authority: Option<String>,
 }
 
+/// Pods from Envoy's own membership of `cluster` (whatever EDS, DNS or
+/// Istio put there): the service reads Envoy's admin `/clusters` for that
+/// cluster through `adminCluster`, a cluster whose endpoint is Envoy's
+/// admin address. Each member is a pod whose id and address are the
+/// endpoint's `IP:port`; its report and metrics are pulled from the same
+/// IP at `reportPort` / `metricsPort` when set (a sidecar such as
+/// kvroute-vllm-bridge), else at the endpoint's port.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MembershipConfig {
+    pub cluster: String,
+    #[serde(default = "default_admin_cluster")]
+    pub admin_cluster: String,
+    #[serde(default)]
+    pub report_port: Option<u16>,
+    #[serde(default)]
+    pub metrics_port: Option<u16>,
+}
+
+fn default_admin_cluster() -> String {
+    "kvroute_admin".into()
+}
+
 /// The whole plugin configuration.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
@@ -347,6 +374,7 @@ pub struct Config {
     /// vLLM Prometheus endpoint to scrape each tick; `None` disables it.
     pub metrics_path: Option<String>,
     pub discovery: Option<DiscoveryConfig>,
+    pub membership: Option<MembershipConfig>,
 }
 
 impl Default for Config {
@@ -394,6 +422,7 @@ impl Default for Config {
             report_path: "/kvroute/v1/report".into(),
             metrics_path: None,
             discovery: None,
+            membership: None,
         }
     }
 }
@@ -536,15 +565,74 @@ impl Config {
                 "must be >= maxPrefixBlocks (the index must hold at least one whole prompt)",
             ));
         }
-        if self.pods.len() > MAX_PODS {
+        self.validate_pods(&self.pods)?;
+        if self.pods.is_empty() && self.discovery.is_none() && self.membership.is_none() {
             return Err(invalid(
                 "pods",
-                format!("must list at most {MAX_PODS} pods"),
+                "must list at least one pod (or configure discovery or membership)",
+            ));
+        }
+        if let Some(membership) = &self.membership {
+            validate_membership(membership)?;
+            if !self.pods.is_empty() {
+                return Err(invalid(
+                    "membership",
+                    "cannot be combined with `pods`: the pods are the cluster's members",
+                ));
+            }
+            if self.discovery.is_some() {
+                return Err(invalid(
+                    "membership",
+                    "cannot be combined with `discovery`: choose one source of pods",
+                ));
+            }
+        }
+        for (name, target) in &self.models {
+            if target.base_model.is_empty() {
+                return Err(invalid(
+                    format!("models.{name}.baseModel"),
+                    "must be non-empty",
+                ));
+            }
+        }
+        for (i, path) in self.route_paths.iter().enumerate() {
+            if !path.starts_with('/') {
+                return Err(invalid(format!("routePaths[{i}]"), "must start with '/'"));
+            }
+        }
+        if self.on_no_eligible_pod == NoPodPolicy::Fallback && self.fallback_pod.is_none() {
+            return Err(invalid(
+                "fallbackPod",
+                "is required when onNoEligiblePod is \"fallback\"",
+            ));
+        }
+        if self.report_cluster.is_empty() {
+            return Err(invalid("reportCluster", "must be non-empty"));
+        }
+        if !self.report_path.starts_with('/') {
+            return Err(invalid("reportPath", "must start with '/'"));
+        }
+        if let Some(path) = &self.metrics_path {
+            if !path.starts_with('/') {
+                return Err(invalid("metricsPath", "must start with '/'"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rules a pod list obeys, whether configured as `pods` or
+    /// discovered (`discovery`, `membership`): at most [`MAX_PODS`], ids and
+    /// addresses unique and well-formed, and `fallbackPod` among them.
+    pub fn validate_pods(&self, pods: &[PodConfig]) -> Result<(), ConfigError> {
+        if pods.len() > MAX_PODS {
+            return Err(invalid(
+                "pods",
+                format!("must list at most {MAX_PODS} pods (got {})", pods.len()),
             ));
         }
         let mut ids = HashSet::new();
         let mut addresses = HashSet::new();
-        for (i, pod) in self.pods.iter().enumerate() {
+        for (i, pod) in pods.iter().enumerate() {
             if pod.id.is_empty() || pod.id.len() > 255 {
                 return Err(invalid(format!("pods[{i}].id"), "must be 1 to 255 bytes"));
             }
@@ -560,9 +648,14 @@ impl Config {
                     UpstreamMode::OriginalDst => Ok(()),
                 })
                 .map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
-            if let Some(report) = &pod.report_address {
-                validate_address(report)
-                    .map_err(|rule| invalid(format!("pods[{i}].reportAddress"), rule))?;
+            for (field, address) in [
+                ("reportAddress", &pod.report_address),
+                ("metricsAddress", &pod.metrics_address),
+            ] {
+                if let Some(address) = address {
+                    validate_address(address)
+                        .map_err(|rule| invalid(format!("pods[{i}].{field}"), rule))?;
+                }
             }
             if !addresses.insert(pod.address.as_str()) {
                 return Err(invalid(
@@ -571,49 +664,12 @@ impl Config {
                 ));
             }
         }
-        if self.pods.is_empty() && self.discovery.is_none() {
-            return Err(invalid(
-                "pods",
-                "must list at least one pod (or configure discovery)",
-            ));
-        }
-        for (name, target) in &self.models {
-            if target.base_model.is_empty() {
-                return Err(invalid(
-                    format!("models.{name}.baseModel"),
-                    "must be non-empty",
-                ));
+        match &self.fallback_pod {
+            Some(id) if !pods.is_empty() && !pods.iter().any(|p| &p.id == id) => {
+                Err(invalid("fallbackPod", format!("names unknown pod {id:?}")))
             }
+            _ => Ok(()),
         }
-        for (i, path) in self.route_paths.iter().enumerate() {
-            if !path.starts_with('/') {
-                return Err(invalid(format!("routePaths[{i}]"), "must start with '/'"));
-            }
-        }
-        match (&self.on_no_eligible_pod, &self.fallback_pod) {
-            (NoPodPolicy::Fallback, None) => {
-                return Err(invalid(
-                    "fallbackPod",
-                    "is required when onNoEligiblePod is \"fallback\"",
-                ))
-            }
-            (_, Some(id)) if !self.pods.is_empty() && !self.pods.iter().any(|p| &p.id == id) => {
-                return Err(invalid("fallbackPod", format!("names unknown pod {id:?}")))
-            }
-            _ => {}
-        }
-        if self.report_cluster.is_empty() {
-            return Err(invalid("reportCluster", "must be non-empty"));
-        }
-        if !self.report_path.starts_with('/') {
-            return Err(invalid("reportPath", "must start with '/'"));
-        }
-        if let Some(path) = &self.metrics_path {
-            if !path.starts_with('/') {
-                return Err(invalid("metricsPath", "must start with '/'"));
-            }
-        }
-        Ok(())
     }
 
     /// The base model and adapter a client-facing model name needs, or
@@ -677,6 +733,24 @@ fn positive(field: &str, value: u64) -> Result<(), ConfigError> {
     } else {
         Err(invalid(field, "must be > 0"))
     }
+}
+
+fn validate_membership(membership: &MembershipConfig) -> Result<(), ConfigError> {
+    if membership.cluster.is_empty() {
+        return Err(invalid("membership.cluster", "must be non-empty"));
+    }
+    if membership.admin_cluster.is_empty() {
+        return Err(invalid("membership.adminCluster", "must be non-empty"));
+    }
+    for (field, port) in [
+        ("membership.reportPort", membership.report_port),
+        ("membership.metricsPort", membership.metrics_port),
+    ] {
+        if port == Some(0) {
+            return Err(invalid(field, "must be a port 1-65535"));
+        }
+    }
+    Ok(())
 }
 
 /// A valid `host:port`: non-empty host of DNS or IPv4 characters (or a

@@ -24,6 +24,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod discovery;
 pub mod ejection;
 pub mod hashing;
 pub mod index;

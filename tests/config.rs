@@ -587,3 +587,66 @@ fn chains_separate_adapters_and_share_aliases() {
     assert_eq!(hasher.coverage(&prompt).tokens(1), 16);
     assert_eq!(hasher.coverage(&tokens).tokens(6), 96);
 }
+
+#[test]
+fn membership_names_the_serving_cluster_and_stands_alone() {
+    let config = parse(r#"{"membership": {"cluster": "kvroute_pods", "reportPort": 8081}}"#)
+        .expect("membership instead of pods");
+    let membership = config.membership.unwrap();
+    assert_eq!(
+        (
+            membership.cluster.as_str(),
+            membership.admin_cluster.as_str()
+        ),
+        ("kvroute_pods", "kvroute_admin")
+    );
+    assert_eq!(
+        (membership.report_port, membership.metrics_port),
+        (Some(8081), None)
+    );
+    rejects(r#"{"membership": {}}"#, "membership.cluster");
+    rejects(r#"{"membership": {"cluster": ""}}"#, "membership.cluster");
+    rejects(
+        r#"{"membership": {"cluster": "p", "adminCluster": ""}}"#,
+        "membership.adminCluster",
+    );
+    rejects(
+        r#"{"membership": {"cluster": "p", "reportPort": 0}}"#,
+        "membership.reportPort",
+    );
+    rejects(
+        r#"{"membership": {"cluster": "p", "metricsPort": 70000}}"#,
+        "membership.metricsPort",
+    );
+    let message = rejects(
+        r#"{"membership": {"cluster": "p", "reportpath": "/r"}}"#,
+        "membership.reportpath",
+    );
+    assert!(message.contains("unknown field"), "{message}");
+    let message = rejects(
+        &with_pods(r#""membership": {"cluster": "p"}"#),
+        "membership",
+    );
+    assert!(message.contains("`pods`"), "{message}");
+    let message = rejects(
+        r#"{"membership": {"cluster": "p"}, "discovery": {"cluster": "d", "path": "/pods"}}"#,
+        "membership",
+    );
+    assert!(message.contains("`discovery`"), "{message}");
+}
+
+#[test]
+fn a_metrics_address_is_a_host_and_port() {
+    let config = parse(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "metricsAddress": "10.0.0.1:9090"}]}"#,
+    )
+    .expect("metricsAddress");
+    assert_eq!(
+        config.pods[0].metrics_address.as_deref(),
+        Some("10.0.0.1:9090")
+    );
+    rejects(
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "metricsAddress": "10.0.0.1"}]}"#,
+        "pods[0].metricsAddress",
+    );
+}

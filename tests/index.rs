@@ -5,7 +5,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use kvroute::cluster::{ClusterState, Failure, FoldStep, Folded, PullAnswer, PullKind, Transition};
-use kvroute::config::Config;
+use kvroute::config::{Config, PodConfig};
 use kvroute::index::{
     DecisionRecorder, InsertOutcome, PodMask, PrefixLookup, PrefixMatch, PrefixTree,
 };
@@ -961,9 +961,11 @@ fn pulls_are_classified_before_the_body_is_read() {
         0,
     );
     assert_eq!(result, Err(Failure::Unreachable));
+    // A metrics page that is missing is a failure (a missing report is a
+    // fallback, see the stock vLLM test).
     let (result, _) = cluster.accept_pull(
         "a",
-        PullKind::Report,
+        PullKind::Metrics,
         answer(Some("404"), 2),
         |_| b"no".to_vec(),
         0,
@@ -1122,52 +1124,234 @@ proptest! {
     }
 }
 
+/// Accepts a report-endpoint answer `status` from `pod` and folds it.
+fn report_answer(
+    cluster: &mut ClusterState,
+    pod: &str,
+    status: &str,
+    body: Vec<u8>,
+    now: u64,
+) -> Folded {
+    let size = body.len();
+    let (result, transition) = cluster.accept_pull(
+        pod,
+        PullKind::Report,
+        answer(Some(status), size),
+        |_| body,
+        0,
+    );
+    assert_eq!((result, transition), (Ok(()), None), "{status} is queued");
+    fold_next(cluster, now).expect("folded")
+}
+
 #[test]
-fn a_report_endpoint_that_fails_beside_good_metrics_is_logged_once_not_every_round() {
+fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_reports() {
     // Stock vLLM in precise mode: the report endpoint answers 404 every
-    // round, /metrics answers 200. One failing transition, then silence;
-    // metrics successes do not "recover" the report pulls.
+    // round, /metrics answers 200.
     let mut cluster = ClusterState::new(&cluster_config(), 0);
-    let metrics = b"vllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n";
+    let a = cluster.slot("a").unwrap();
+    let b = cluster.slot("b").unwrap();
+    // What a's reports said first: blocks 1-3, queue 3, health 0.5.
+    let folded = report_answer(
+        &mut cluster,
+        "a",
+        "200",
+        report("a", "e1", 3, 0, true, &[(None, &[1, 2, 3])], &[], 0.5),
+        0,
+    );
+    assert!(folded.result.is_ok());
+    assert_eq!(cluster.index().lookup(&[1, 2, 3]).blocks(a), 3);
+    let metrics = b"vllm:num_requests_waiting 2\nvllm:kv_cache_usage_perc 0.5\n";
     let mut transitions = Vec::new();
-    for round in 0..5u64 {
+    for round in 1..=5u64 {
         let now = round * 2000;
-        let (_, transition) = cluster.accept_pull(
-            "a",
-            PullKind::Report,
-            answer(Some("404"), 9),
-            |_| b"not found".to_vec(),
-            0,
-        );
-        transitions.extend(transition);
-        let (result, _) = cluster.apply_metrics("a", metrics, now, 0);
-        result.unwrap();
-        // An earlier metrics failure, then success: that kind recovers.
-        if round == 2 {
-            let (_, failing) = cluster.apply_metrics("a", b"}{\n", now, 0);
-            let (_, recovered) = cluster.apply_metrics("a", metrics, now, 0);
-            transitions.extend(failing);
-            transitions.extend(recovered);
-        }
+        let folded = report_answer(&mut cluster, "a", "404", b"Not Found".to_vec(), now);
+        assert_eq!((folded.kind, &folded.result), (PullKind::Report, &Ok(None)));
+        transitions.extend(folded.transition);
+        cluster.apply_metrics("a", metrics, now, 0).0.unwrap();
+        // Routed to a: the decision is a's block, with no expiry.
+        cluster.record_decision(a, &[10, 11, 12 + round], now);
+        // b reports: its decisions are pending ones, which expire.
+        cluster.record_decision(b, &[20, 21], now);
     }
     assert_eq!(
         transitions,
-        vec![
-            Transition::Failing {
-                pod: "a".into(),
-                kind: PullKind::Report,
-                failure: Failure::Status(404)
-            },
-            Transition::Failing {
-                pod: "a".into(),
-                kind: PullKind::Metrics,
-                failure: Failure::Malformed("metrics line 1: unclosed label set".into())
-            },
-            Transition::Recovered {
-                pod: "a".into(),
-                kind: PullKind::Metrics
-            },
-        ]
+        vec![Transition::ReportFallback { pod: "a".into() }],
+        "one fallback, then silence"
     );
-    assert_eq!(cluster.failures("a"), 6, "every failure still counts");
+    assert!(cluster.in_report_fallback("a") && !cluster.in_report_fallback("b"));
+    assert_eq!(cluster.failures("a"), 0, "a missing report is no failure");
+    // The reported blocks are gone; the decisions are a's, held long
+    // after pending decisions would have expired.
+    let now = 60_000;
+    let table = cluster.publish(now).table;
+    assert_eq!(cluster.index().lookup(&[1, 2, 3]).blocks(a), 0);
+    assert_eq!(cluster.index().lookup(&[10, 11, 15]).blocks(a), 3);
+    assert_eq!(cluster.index().lookup(&[10, 11, 13]).blocks(a), 3);
+    assert_eq!(cluster.index().lookup(&[20, 21]).blocks(b), 0);
+    assert_eq!(
+        cluster.pending().unwrap().lookup(&[20, 21]).blocks(b),
+        0,
+        "expired"
+    );
+    // Queue and load from vLLM's metrics, health no longer the report's;
+    // every 404 kept the pod fresh.
+    let published = &table.pods[slot_of(&table, "a")];
+    assert_eq!(
+        (published.queue, published.load, published.reported_health),
+        (2, 0.5, 1.0)
+    );
+    assert_eq!(published.last_report_ms, 10_000);
+    // Since its epoch was forgotten, the pod is asked for everything.
+    assert_eq!(cluster.report_query("a", "/r").unwrap(), "/r?since=0");
+
+    // It serves reports again: precise, and the report's blocks replace
+    // the decisions' (10, 11, 12 kept because the pod holds them).
+    let body = report(
+        "a",
+        "e2",
+        7,
+        0,
+        true,
+        &[(None, &[10, 11, 12]), (None, &[30])],
+        &[],
+        1.0,
+    );
+    let folded = report_answer(&mut cluster, "a", "200", body, now);
+    assert_eq!(
+        folded.transition,
+        Some(Transition::ReportPrecise { pod: "a".into() })
+    );
+    assert!(!cluster.in_report_fallback("a"));
+    assert_eq!(cluster.index().lookup(&[10, 11, 12]).blocks(a), 3);
+    assert_eq!(
+        cluster.index().lookup(&[10, 11, 15]).blocks(a),
+        2,
+        "not the pod's"
+    );
+    assert_eq!(cluster.index().lookup(&[30]).blocks(a), 1);
+    // Decisions are pending again, and the decisions' recency is gone: a's
+    // reported blocks are never evicted by the recorder.
+    cluster.record_decision(a, &[40], now);
+    assert_eq!(cluster.pending().unwrap().lookup(&[40]).blocks(a), 1);
+    assert_eq!(cluster.index().lookup(&[40]).blocks(a), 0);
+    // A failing pull, then a 404 again: failing, then one fallback that
+    // also ends the failure.
+    let (_, failing) =
+        cluster.accept_pull("a", PullKind::Report, answer(None, 0), |_| Vec::new(), 0);
+    assert!(matches!(failing, Some(Transition::Failing { .. })));
+    let folded = report_answer(&mut cluster, "a", "404", Vec::new(), now + 2000);
+    assert_eq!(
+        folded.transition,
+        Some(Transition::ReportFallback { pod: "a".into() })
+    );
+    assert_eq!(cluster.index().lookup(&[10, 11, 12]).blocks(a), 0);
+    assert_eq!(cluster.report_query("a", "/r").unwrap(), "/r?since=0");
+}
+
+fn pod(id: &str, address: &str) -> PodConfig {
+    PodConfig {
+        id: id.into(),
+        address: address.into(),
+        report_address: None,
+        metrics_address: None,
+        attributes: Default::default(),
+    }
+}
+
+#[test]
+fn a_discovered_pod_list_adds_removes_and_replaces_pods_dropping_the_old_blocks() {
+    let mut cluster = ClusterState::new(&cluster_config(), 0);
+    for (id, blocks) in [("a", [1, 2]), ("b", [5, 6])] {
+        let body = report(id, "e", 1, 0, true, &[(None, &blocks)], &[], 1.0);
+        report_answer(&mut cluster, id, "200", body, 0);
+    }
+    let (a, b) = (cluster.slot("a").unwrap(), cluster.slot("b").unwrap());
+    // Add c, remove b, keep a.
+    let change = cluster
+        .replace_pods(
+            &[pod("a", "127.0.0.1:9001"), pod("c", "127.0.0.1:9003")],
+            10,
+        )
+        .unwrap();
+    assert_eq!(change.added, ["c"]);
+    assert_eq!(change.removed, ["b"]);
+    assert_eq!(cluster.slot("a"), Some(a), "a kept its slot");
+    assert_eq!(
+        cluster.index().lookup(&[1, 2]).blocks(a),
+        2,
+        "and its blocks"
+    );
+    assert_eq!(
+        cluster.index().lookup(&[5, 6]).blocks(b),
+        0,
+        "b's blocks dropped"
+    );
+    assert_eq!(cluster.slot("c"), Some(b), "c took the free slot");
+    // a replaced: same id at another address is another pod.
+    let change = cluster
+        .replace_pods(
+            &[pod("a", "127.0.0.1:9101"), pod("c", "127.0.0.1:9003")],
+            20,
+        )
+        .unwrap();
+    assert_eq!(
+        (change.added, change.removed),
+        (vec!["a".to_string()], vec!["a".to_string()])
+    );
+    assert_eq!(
+        cluster
+            .index()
+            .lookup(&[1, 2])
+            .blocks(cluster.slot("a").unwrap()),
+        0
+    );
+    assert_eq!(cluster.report_query("a", "/r").unwrap(), "/r?since=0");
+    // The same list again changes nothing.
+    let same = cluster
+        .replace_pods(
+            &[pod("a", "127.0.0.1:9101"), pod("c", "127.0.0.1:9003")],
+            30,
+        )
+        .unwrap();
+    assert!(same.is_empty());
+    // A list that breaks the rules of `pods` is refused, naming the field;
+    // the pods stay.
+    let error = cluster
+        .replace_pods(
+            &[pod("x", "127.0.0.1:9001"), pod("y", "127.0.0.1:9001")],
+            40,
+        )
+        .unwrap_err();
+    assert_eq!(error.field, "pods[1].address");
+    let too_many: Vec<PodConfig> = (0..65)
+        .map(|i| pod(&format!("p{i}"), &format!("127.0.0.1:{}", 10_000 + i)))
+        .collect();
+    assert_eq!(
+        cluster.replace_pods(&too_many, 40).unwrap_err().field,
+        "pods"
+    );
+    let ids: Vec<&str> = cluster.pods().map(|p| p.id.as_str()).collect();
+    assert_eq!(ids, ["a", "c"], "in slot order, a in its freed slot");
+}
+
+#[test]
+fn membership_pods_accept_a_report_under_any_pod_name() {
+    // Known by address: the pod may call itself anything (a bridge run
+    // with `--pod-id $(POD_NAME)`); static pods must name themselves.
+    let membership =
+        Config::parse(br#"{"membership": {"cluster": "kvroute_pods"}, "maxIndexBlocks": 4096}"#)
+            .unwrap();
+    let mut cluster = ClusterState::new(&membership, 0);
+    cluster
+        .replace_pods(&[pod("10.0.0.5:8000", "10.0.0.5:8000")], 0)
+        .unwrap();
+    let body = report("vllm-0", "e", 1, 0, true, &[(None, &[1])], &[], 1.0);
+    assert!(report_answer(&mut cluster, "10.0.0.5:8000", "200", body, 0)
+        .result
+        .is_ok());
+    let mut configured = ClusterState::new(&cluster_config(), 0);
+    let body = report("vllm-0", "e", 1, 0, true, &[(None, &[1])], &[], 1.0);
+    let folded = report_answer(&mut configured, "a", "200", body, 0);
+    assert!(matches!(folded.result, Err(Failure::Malformed(why)) if why.contains("podId")));
 }

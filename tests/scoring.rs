@@ -385,6 +385,7 @@ fn counterintuitive_case_follows_the_arithmetic_not_the_design_claim() {
         id: "a".into(),
         address: "127.0.0.1:9001".into(),
         report_address: None,
+        metrics_address: None,
         attributes: BTreeMap::new(),
     }];
     valid
@@ -789,6 +790,7 @@ fn config_with(weights: Weights, max_queue: u32) -> Config {
             id: "a".into(),
             address: "127.0.0.1:9001".into(),
             report_address: None,
+            metrics_address: None,
             attributes: BTreeMap::new(),
         }],
         ..Config::default()

@@ -1095,6 +1095,7 @@ mod tests {
                 id: "p".into(),
                 address: "127.0.0.1:1".into(),
                 report_address: None,
+                metrics_address: None,
                 attributes: Default::default(),
             }],
             ..Config::default()

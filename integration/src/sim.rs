@@ -115,6 +115,10 @@ pub struct SimOptions {
     /// Ignore the report endpoint's `wait` (a pod without long-poll).
     #[arg(long)]
     pub no_long_poll: bool,
+    /// Serve no report endpoint (404), like stock vLLM; the `report` fault
+    /// `ok` turns it on.
+    #[arg(long)]
+    pub no_report: bool,
     /// Also publish the cache as vLLM's KV events on this ZMQ PUB endpoint
     /// (e.g. `tcp://127.0.0.1:5557`; token-ID prompts only, see
     /// [`crate::kv_events`]).
@@ -177,6 +181,8 @@ enum ReportMode {
     /// Headers and the first half of the real report, then nothing for 5 s
     /// (the rest after that): a pod that dies or hangs mid-body.
     Stall,
+    /// 404, as stock vLLM answers a report request.
+    NotFound,
 }
 
 impl ReportMode {
@@ -187,6 +193,7 @@ impl ReportMode {
             ReportMode::Slow => "slow",
             ReportMode::Garbage => "garbage",
             ReportMode::Stall => "stall",
+            ReportMode::NotFound => "notFound",
         }
     }
 }
@@ -454,7 +461,11 @@ pub fn app(
             running_blocks: 0,
             faults: Faults {
                 error_rate: 0.0,
-                report: ReportMode::Ok,
+                report: if options.no_report {
+                    ReportMode::NotFound
+                } else {
+                    ReportMode::Ok
+                },
                 health: None,
                 gpu_utilization: None,
                 queue_depth: None,
@@ -986,6 +997,7 @@ async fn report(
                 "InternalServerError",
             )
         }
+        ReportMode::NotFound => return StatusCode::NOT_FOUND.into_response(),
         ReportMode::Slow => tokio::time::sleep(Duration::from_secs(5)).await,
         ReportMode::Garbage => {
             return (
@@ -1092,7 +1104,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
             "report" => matches!(
                 v.as_str(),
-                Some("ok" | "error" | "slow" | "garbage" | "stall")
+                Some("ok" | "error" | "slow" | "garbage" | "stall" | "notFound")
             ),
             "health" | "gpuUtilization" => unit_or_null(v, key).is_ok(),
             "queueDepth" => v.is_null() || v.as_u64().is_some_and(|q| q <= u32::MAX as u64),
@@ -1130,6 +1142,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
                 "slow" => ReportMode::Slow,
                 "garbage" => ReportMode::Garbage,
                 "stall" => ReportMode::Stall,
+                "notFound" => ReportMode::NotFound,
                 _ => ReportMode::Ok,
             };
         }

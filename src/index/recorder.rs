@@ -147,6 +147,15 @@ impl DecisionRecorder {
         }
     }
 
+    /// Forgets which of `pod`'s blocks were used when, leaving the tree
+    /// alone: its blocks now come from elsewhere (reports), and an eviction
+    /// here must not remove them.
+    pub fn forget_recency(&mut self, pod: usize) {
+        if let Some(lru) = self.pods.get_mut(pod) {
+            *lru = PodLru::default();
+        }
+    }
+
     pub fn tree(&self) -> &PrefixTree {
         &self.tree
     }

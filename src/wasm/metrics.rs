@@ -169,7 +169,12 @@ pub fn export_pod_from_zero(pod: &str) {
     for counter in ["epp_report_failures_total", "epp_passive_ejections_total"] {
         let _ = id(MetricKind::Counter, &labelled(counter, "pod", pod));
     }
-    for gauge in ["epp_queue_depth", "epp_pod_health_score", "epp_pod_load"] {
+    for gauge in [
+        "epp_queue_depth",
+        "epp_pod_health_score",
+        "epp_pod_load",
+        "epp_pod_report_fallback",
+    ] {
         let _ = id(MetricKind::Gauge, &labelled(gauge, "pod", pod));
     }
 }

@@ -4,7 +4,10 @@
 //! Every `podReportIntervalMs` a round starts: the service publishes the
 //! current snapshot (so health decay shows even when nothing answers), then
 //! asks each pod without a metrics call in flight for its vLLM metrics
-//! (with `metricsPath`) and pulls the pod list (with `discovery`). Report
+//! (with `metricsPath`) and pulls the pod list (with `discovery`, or with
+//! `membership` Envoy's own admin `/clusters` for the serving cluster,
+//! through `membership.adminCluster`; [`crate::discovery`] parses either
+//! and [`ClusterState::replace_pods`] reconciles). Report
 //! calls follow [`crate::polling`] per pod instead: precise mode keeps one
 //! long-poll (`?since=SEQ&epoch=E&wait=W`) pending per pod and sends the
 //! next one as soon as the previous answer is folded, or polls on the
@@ -57,6 +60,7 @@ use crate::cluster::{
     PUBLISH_BUCKETS,
 };
 use crate::config::{Config, IndexMode, PodConfig};
+use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
 use crate::snapshot::{bucket_key, decode_decisions, PodTable, DECISION_QUEUE};
 
@@ -241,29 +245,41 @@ impl ServiceRoot {
                 &metrics::labelled("epp_pod_load", "pod", &pod.id),
                 metrics::percent(pod.load),
             );
+            if let Some(state) = self.state.as_ref() {
+                metrics::gauge(
+                    &metrics::labelled("epp_pod_report_fallback", "pod", &pod.id),
+                    u64::from(state.in_report_fallback(&pod.id)),
+                );
+            }
         }
     }
 
+    /// A discovered pod list (`discovery`'s or Envoy's membership),
+    /// reconciled by the core; new pods' series start at 0.
     fn apply_discovery(&mut self, body: &[u8]) -> Result<(), String> {
-        #[derive(serde::Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct PodList {
-            pods: Vec<PodConfig>,
+        let config = self.config.clone().ok_or("not configured")?;
+        let pods = match &config.membership {
+            Some(membership) => discovery::parse_cluster_members(body, membership)?,
+            None => discovery::parse_pod_list(body)?,
+        };
+        let (Some(state), Some(polling)) = (self.state.as_mut(), self.polling.as_mut()) else {
+            return Err("not configured".into());
+        };
+        let change = state
+            .replace_pods(&pods, host::now_ms())
+            .map_err(|e| e.to_string())?;
+        polling.retain(state.pods().map(|p| p.id.as_str()));
+        if change.is_empty() {
+            return Ok(());
         }
-        let list: PodList =
-            serde_json::from_slice(body).map_err(|e| format!("malformed pod list: {e}"))?;
-        let mut candidate = Config::clone(self.config.as_deref().ok_or("not configured")?);
-        candidate.pods = list.pods;
-        candidate.validate().map_err(|e| e.to_string())?;
-        for pod in &candidate.pods {
-            metrics::export_pod_from_zero(&pod.id);
+        for pod in &change.added {
+            metrics::export_pod_from_zero(pod);
         }
-        if let Some(state) = self.state.as_mut() {
-            state.set_pods(&candidate.pods, host::now_ms());
-        }
-        if let Some(polling) = self.polling.as_mut() {
-            polling.retain(candidate.pods.iter().map(|p| p.id.as_str()));
-        }
+        event(
+            log::Level::Info,
+            "pods_changed",
+            json!({"added": change.added, "removed": change.removed, "pods": pods.len()}),
+        );
         Ok(())
     }
 
@@ -304,29 +320,38 @@ impl ServiceRoot {
                 self.call(
                     &pod.id,
                     &config.report_cluster,
-                    &pod.address,
+                    pod.metrics_address.as_deref().unwrap_or(&pod.address),
                     path,
                     metrics,
                     timeout,
                 );
             }
         }
-        if let Some(discovery) = &config.discovery {
-            if !self
-                .pending
-                .values()
-                .any(|(_, pull)| *pull == Pull::Discovery)
-            {
-                let destination = discovery.authority.as_deref().unwrap_or(&discovery.cluster);
-                self.call(
-                    "discovery",
-                    &discovery.cluster,
-                    destination,
-                    &discovery.path,
-                    Pull::Discovery,
-                    config.report_timeout_ms,
-                );
-            }
+        let discovery_pending = self
+            .pending
+            .values()
+            .any(|(_, pull)| *pull == Pull::Discovery);
+        if let (Some(discovery), false) = (&config.discovery, discovery_pending) {
+            let destination = discovery.authority.as_deref().unwrap_or(&discovery.cluster);
+            self.call(
+                "discovery",
+                &discovery.cluster,
+                destination,
+                &discovery.path,
+                Pull::Discovery,
+                config.report_timeout_ms,
+            );
+        }
+        if let (Some(membership), false) = (&config.membership, discovery_pending) {
+            // Envoy's admin, through a cluster whose endpoint it is.
+            self.call(
+                "membership",
+                &membership.admin_cluster,
+                &membership.admin_cluster,
+                &discovery::membership_path(&membership.cluster),
+                Pull::Discovery,
+                config.report_timeout_ms,
+            );
         }
         self.poll_reports(config);
     }
@@ -601,6 +626,17 @@ fn log_transition(transition: Option<Transition>) {
             log::Level::Info,
             "pod_report_recovered",
             json!({"pod": pod, "pull": kind.name()}),
+        ),
+        Some(Transition::ReportFallback { pod }) => event(
+            log::Level::Warn,
+            "pod_report_fallback",
+            json!({"pod": pod, "detail": "the report endpoint answers 404 (stock vLLM serves none): \
+                   routed as in approximate mode (blocks from kvroute's decisions, load from metricsPath) until it serves reports"}),
+        ),
+        Some(Transition::ReportPrecise { pod }) => event(
+            log::Level::Info,
+            "pod_report_precise",
+            json!({"pod": pod, "detail": "serves reports again: its blocks are the report's"}),
         ),
         None => {}
     }

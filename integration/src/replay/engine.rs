@@ -240,6 +240,7 @@ pub fn sim_pods(count: usize) -> Vec<PodConfig> {
             id: format!("pod-{i}"),
             address: format!("10.0.0.{}:8000", i + 1),
             report_address: None,
+            metrics_address: None,
             attributes: Default::default(),
         })
         .collect()
