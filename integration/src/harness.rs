@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvroute_config::EnvoyBootstrap;
+use kvroute_config::{EnvoyBootstrap, PodEndpoints};
 use serde_json::{json, Value};
 
 use crate::http;
@@ -101,43 +101,10 @@ pub fn render_envoy_config(
         listen_port,
         admin_port,
         plugin: plugin_config,
+        pods: &PodEndpoints::Plugin,
         passthrough,
     }
     .render()
-}
-
-/// A rendered override-host configuration (see [`render_envoy_config`])
-/// made the way `membership` is deployed: `kvroute_pods` gets its
-/// endpoints from filesystem EDS (`eds_path`, see [`write_eds`]) instead of
-/// a static list, and `kvroute_admin` reaches Envoy's own admin at
-/// `admin_port`; a node identity, which EDS requires, is added.
-pub fn with_eds_pods(yaml: &str, eds_path: &Path, admin_port: u16) -> String {
-    let static_pods = "  - name: kvroute_pods\n    type: STATIC\n";
-    let endpoints = "    load_assignment:\n      cluster_name: kvroute_pods\n";
-    let policy = "    load_balancing_policy:\n";
-    let start = yaml.find(endpoints).expect("kvroute_pods endpoints");
-    let end = start
-        + yaml[start..]
-            .find(policy)
-            .expect("its load balancing policy");
-    assert!(yaml.contains(static_pods), "an override-host rendering");
-    let eds = format!(
-        "  - name: kvroute_pods\n    type: EDS\n    eds_cluster_config:\n      eds_config:\n        \
-         path_config_source: {{path: \"{}\"}}\n        resource_api_version: V3\n",
-        eds_path.display()
-    );
-    let admin = format!(
-        "  # Envoy's own admin, for kvroute's membership.adminCluster.\n  - name: kvroute_admin\n    \
-         type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: kvroute_admin\n      \
-         endpoints:\n      - lb_endpoints:\n        - endpoint: {{address: {{socket_address: \
-         {{address: 127.0.0.1, port_value: {admin_port}}}}}}}\n"
-    );
-    format!(
-        "node: {{id: kvroute-test, cluster: kvroute-test}}\n{}{}{}{admin}",
-        yaml[..start].replace(static_pods, &eds),
-        &yaml[end..],
-        if yaml.ends_with('\n') { "" } else { "\n" },
-    )
 }
 
 /// Writes the EDS file of `kvroute_pods` listing `addresses` the way a
