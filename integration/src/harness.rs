@@ -14,10 +14,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use kvroute_config::{EnvoyBootstrap, PodEndpoints};
 use serde_json::{json, Value};
 
 use crate::http;
+use crate::sim::{run, SimOptions};
 
 /// The repository root (integration/..).
 pub fn repo_root() -> PathBuf {
@@ -127,6 +129,34 @@ pub fn write_eds(path: &Path, addresses: &[String]) -> io::Result<()> {
     let temporary = path.with_extension("tmp");
     fs::write(&temporary, resources.to_string())?;
     fs::rename(&temporary, path)
+}
+
+/// Starts a kvroute-sim pod on `port` in this process (its server on its
+/// own runtime; it ends with the test process), for other packages' tests,
+/// which have no `kvroute-sim` binary; returns its address once it answers
+/// `/health`. `config` is the kvroute configuration it hashes by.
+pub fn start_sim_in_process(config: &Path, pod_id: &str, port: u16) -> String {
+    let options = SimOptions::parse_from([
+        "kvroute-sim",
+        "--pod-id",
+        pod_id,
+        "--port",
+        &port.to_string(),
+        "--time-scale",
+        "0.02",
+        "--config",
+        config.to_str().expect("a UTF-8 path"),
+    ]);
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+        runtime.block_on(run(options)).expect("sim serves");
+    });
+    let address = format!("127.0.0.1:{port}");
+    assert!(
+        http::wait_ready(&address, "/health", Duration::from_secs(20)),
+        "sim {pod_id} did not become ready on {address}"
+    );
+    address
 }
 
 /// A child process killed on drop.

@@ -9,12 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use kvroute_integration::harness::{
-    envoy_binary, filler_text, free_port, repo_root, wasm_path, write_eds, Envoy,
+    envoy_binary, filler_text, free_port, repo_root, start_sim_in_process, wasm_path, write_eds,
+    Envoy,
 };
 use kvroute_integration::http;
-use kvroute_integration::sim::{run, SimOptions};
 use serde_json::{json, Value};
 
 /// A scratch directory, removed on drop.
@@ -344,34 +343,6 @@ fn envoy_validates_the_rendering_of_a_users_pods() {
     }
 }
 
-/// Starts a kvroute-sim pod on `port` in this process (its server, on its
-/// own runtime; it ends with the test process) and returns its address
-/// once it answers `/health`.
-fn start_sim(config: &Path, pod_id: &str, port: u16) -> String {
-    let options = SimOptions::parse_from([
-        "kvroute-sim",
-        "--pod-id",
-        pod_id,
-        "--port",
-        &port.to_string(),
-        "--time-scale",
-        "0.02",
-        "--config",
-        config.to_str().unwrap(),
-    ]);
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Runtime::new().unwrap();
-        runtime.block_on(run(options)).expect("sim serves");
-    });
-    let address = format!("127.0.0.1:{port}");
-    assert!(http::wait_ready(
-        &address,
-        "/health",
-        Duration::from_secs(20)
-    ));
-    address
-}
-
 #[test]
 fn envoy_started_from_the_output_routes_to_a_sim_pod() {
     let scratch = Scratch::new("route");
@@ -388,7 +359,7 @@ fn envoy_started_from_the_output_routes_to_a_sim_pod() {
     };
     let sim_config = scratch.0.join("kvroute.json");
     std::fs::write(&sim_config, plugin(format!("127.0.0.1:{port}")).to_string()).unwrap();
-    let sim = start_sim(&sim_config, "pod-0", port);
+    let sim = start_sim_in_process(&sim_config, "pod-0", port);
     let (listen, admin) = (free_port(), free_port());
     let file = scratch.deployment(&json!({
         "kvroute": plugin(format!("localhost:{port}")),
@@ -444,7 +415,7 @@ fn envoy_started_from_a_dns_cluster_routes_to_its_member_and_reuses_its_cache() 
     let member = format!("127.0.0.1:{port}");
     let sim_config = scratch.0.join("kvroute.json");
     std::fs::write(&sim_config, embedded_plugin(&bootstrap).to_string()).unwrap();
-    let sim = start_sim(&sim_config, &member, port);
+    let sim = start_sim_in_process(&sim_config, &member, port);
     let envoy = Envoy::start(&scratch.0, &bootstrap, listen, admin).expect("envoy starts");
     let context = filler_text("dns cluster", 8 * 1024);
     let complete = |question: &str| {
