@@ -126,10 +126,11 @@ impl Deployment {
     pub fn load(path: &Path, target: Target) -> Result<Deployment, Error> {
         let at = |what: String| Error(format!("{}: {what}", path.display()));
         let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
-        let file: DeploymentFile = serde_yaml::from_str(&text).map_err(|e| at(e.to_string()))?;
+        let mut file: DeploymentFile =
+            serde_yaml::from_str(&text).map_err(|e| at(e.to_string()))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        let mut plugin = match file.kvroute {
-            Value::Object(_) => file.kvroute,
+        let mut plugin = match std::mem::take(&mut file.kvroute) {
+            plugin @ Value::Object(_) => plugin,
             Value::String(json_path) => {
                 let json_path = base.join(json_path);
                 let json = std::fs::read_to_string(&json_path)
@@ -143,47 +144,11 @@ impl Deployment {
                 ))
             }
         };
-        let mut envoy = file.envoy;
-        let pods = match target {
-            Target::Envoy => match &file.cluster {
-                Some(cluster) => {
-                    let pods = cluster.endpoints(base).map_err(at)?;
-                    set_membership(&mut plugin, "kvroute_pods", cluster, "with `cluster`")
-                        .map_err(at)?;
-                    pods
-                }
-                None if plugin.get("membership").is_some() => {
-                    return Err(at(
-                        "kvroute.membership: set the deployment's `cluster` instead (kvroute-config writes membership from it, with the clusters it needs)".into(),
-                    ))
-                }
-                None => PodEndpoints::Plugin,
-            },
-            Target::Istio => {
-                let istio = file.istio.as_ref().ok_or_else(|| {
-                    at("istio: the section is required for the Istio manifests".into())
-                })?;
-                let cluster = file.cluster.as_ref().unwrap_or(&ClusterSection::MESH);
-                if cluster.dns.is_some() || cluster.eds.is_some() {
-                    return Err(at(format!(
-                        "cluster.{}: not on Istio: the pods are the mesh's endpoints of istio.service",
-                        if cluster.dns.is_some() { "dns" } else { "eds" }
-                    )));
-                }
-                if !envoy.passthrough.is_empty() {
-                    return Err(at(
-                        "envoy.passthrough: not on Istio: the HTTPRoute sends every path to istio.service".into(),
-                    ));
-                }
-                set_membership(&mut plugin, &istio.mesh_cluster(), cluster, "on Istio")
-                    .map_err(at)?;
-                // The manifests take only the pods cluster's policy.
-                PodEndpoints::Plugin
-            }
-        };
+        let pods = pod_source(&file, &mut plugin, target, base).map_err(at)?;
         resolve_plugin_addresses(&mut plugin).map_err(at)?;
         let text = plugin.to_string();
         kvroute::config::Config::parse(text.as_bytes()).map_err(|e| at(format!("kvroute: {e}")))?;
+        let mut envoy = file.envoy;
         envoy.wasm = absolute(&base.join(&envoy.wasm));
         for (i, address) in envoy.passthrough.iter_mut().enumerate() {
             *address =
@@ -220,6 +185,51 @@ impl Deployment {
             passthrough: &passthrough,
         }
         .render()
+    }
+}
+
+/// Where the pods come from for `target`: kvroute's `pods`, or the members
+/// of the `cluster` section's `kvroute_pods` (plain Envoy) or of the mesh's
+/// cluster (Istio), in which case the plugin's `membership` is written.
+fn pod_source(
+    file: &DeploymentFile,
+    plugin: &mut Value,
+    target: Target,
+    base: &Path,
+) -> Result<PodEndpoints, String> {
+    match target {
+        Target::Envoy => match &file.cluster {
+            Some(cluster) => {
+                let pods = cluster.endpoints(base)?;
+                set_membership(plugin, "kvroute_pods", cluster, "with `cluster`")?;
+                Ok(pods)
+            }
+            None if plugin.get("membership").is_some() => Err(
+                "kvroute.membership: set the deployment's `cluster` instead (kvroute-config writes membership from it, with the clusters it needs)".into(),
+            ),
+            None => Ok(PodEndpoints::Plugin),
+        },
+        Target::Istio => {
+            let istio = file
+                .istio
+                .as_ref()
+                .ok_or("istio: the section is required for the Istio manifests")?;
+            let cluster = file.cluster.as_ref().unwrap_or(&ClusterSection::MESH);
+            if cluster.dns.is_some() || cluster.eds.is_some() {
+                return Err(format!(
+                    "cluster.{}: not on Istio: the pods are the mesh's endpoints of istio.service",
+                    if cluster.dns.is_some() { "dns" } else { "eds" }
+                ));
+            }
+            if !file.envoy.passthrough.is_empty() {
+                return Err(
+                    "envoy.passthrough: not on Istio: the HTTPRoute sends every path to istio.service".into(),
+                );
+            }
+            set_membership(plugin, &istio.mesh_cluster(), cluster, "on Istio")?;
+            // The manifests take only the pods cluster's policy.
+            Ok(PodEndpoints::Plugin)
+        }
     }
 }
 
