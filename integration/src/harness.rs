@@ -14,10 +14,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvroute_config::EnvoyBootstrap;
+use clap::Parser;
+use kvroute_config::{EnvoyBootstrap, PodEndpoints};
 use serde_json::{json, Value};
 
 use crate::http;
+use crate::sim::{run, SimOptions};
 
 /// The repository root (integration/..).
 pub fn repo_root() -> PathBuf {
@@ -101,43 +103,10 @@ pub fn render_envoy_config(
         listen_port,
         admin_port,
         plugin: plugin_config,
+        pods: &PodEndpoints::Plugin,
         passthrough,
     }
     .render()
-}
-
-/// A rendered override-host configuration (see [`render_envoy_config`])
-/// made the way `membership` is deployed: `kvroute_pods` gets its
-/// endpoints from filesystem EDS (`eds_path`, see [`write_eds`]) instead of
-/// a static list, and `kvroute_admin` reaches Envoy's own admin at
-/// `admin_port`; a node identity, which EDS requires, is added.
-pub fn with_eds_pods(yaml: &str, eds_path: &Path, admin_port: u16) -> String {
-    let static_pods = "  - name: kvroute_pods\n    type: STATIC\n";
-    let endpoints = "    load_assignment:\n      cluster_name: kvroute_pods\n";
-    let policy = "    load_balancing_policy:\n";
-    let start = yaml.find(endpoints).expect("kvroute_pods endpoints");
-    let end = start
-        + yaml[start..]
-            .find(policy)
-            .expect("its load balancing policy");
-    assert!(yaml.contains(static_pods), "an override-host rendering");
-    let eds = format!(
-        "  - name: kvroute_pods\n    type: EDS\n    eds_cluster_config:\n      eds_config:\n        \
-         path_config_source: {{path: \"{}\"}}\n        resource_api_version: V3\n",
-        eds_path.display()
-    );
-    let admin = format!(
-        "  # Envoy's own admin, for kvroute's membership.adminCluster.\n  - name: kvroute_admin\n    \
-         type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: kvroute_admin\n      \
-         endpoints:\n      - lb_endpoints:\n        - endpoint: {{address: {{socket_address: \
-         {{address: 127.0.0.1, port_value: {admin_port}}}}}}}\n"
-    );
-    format!(
-        "node: {{id: kvroute-test, cluster: kvroute-test}}\n{}{}{}{admin}",
-        yaml[..start].replace(static_pods, &eds),
-        &yaml[end..],
-        if yaml.ends_with('\n') { "" } else { "\n" },
-    )
 }
 
 /// Writes the EDS file of `kvroute_pods` listing `addresses` the way a
@@ -160,6 +129,34 @@ pub fn write_eds(path: &Path, addresses: &[String]) -> io::Result<()> {
     let temporary = path.with_extension("tmp");
     fs::write(&temporary, resources.to_string())?;
     fs::rename(&temporary, path)
+}
+
+/// Starts a kvroute-sim pod on `port` in this process (its server on its
+/// own runtime; it ends with the test process), for other packages' tests,
+/// which have no `kvroute-sim` binary; returns its address once it answers
+/// `/health`. `config` is the kvroute configuration it hashes by.
+pub fn start_sim_in_process(config: &Path, pod_id: &str, port: u16) -> String {
+    let options = SimOptions::parse_from([
+        "kvroute-sim",
+        "--pod-id",
+        pod_id,
+        "--port",
+        &port.to_string(),
+        "--time-scale",
+        "0.02",
+        "--config",
+        config.to_str().expect("a UTF-8 path"),
+    ]);
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+        runtime.block_on(run(options)).expect("sim serves");
+    });
+    let address = format!("127.0.0.1:{port}");
+    assert!(
+        http::wait_ready(&address, "/health", Duration::from_secs(20)),
+        "sim {pod_id} did not become ready on {address}"
+    );
+    address
 }
 
 /// A child process killed on drop.

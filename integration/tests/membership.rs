@@ -2,16 +2,18 @@
 //! serving cluster, here `kvroute_pods` fed by filesystem EDS (the file is
 //! replaced by a rename, as Envoy watches it) under the override-host
 //! policy, so kvroute's choice must be a member to be reached at all — the
-//! production combination. kvroute-sims are named by their address, as
-//! kvroute names membership pods. Run serially (`--test-threads=1`).
+//! production combination. Envoy runs what kvroute-config renders for a
+//! deployment file with `cluster: {eds: {path}}`. kvroute-sims are named by
+//! their address, as kvroute names membership pods. Run serially
+//! (`--test-threads=1`).
 
 use std::fs;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kvroute_config::{Deployment, Target};
 use kvroute_integration::harness::{
-    filler_text as text, free_port, render_envoy_config, wasm_path, with_eds_pods, write_eds,
-    Envoy, Sim,
+    filler_text as text, free_port, wasm_path, write_eds, Envoy, Sim,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -43,7 +45,8 @@ impl Drop for Membership {
 
 impl Membership {
     /// `pods` sims; the EDS file lists the first `members`; kvroute's
-    /// membership is of `cluster` (the pods' cluster is `kvroute_pods`).
+    /// membership is of `cluster` (the rendering's is `kvroute_pods`, the
+    /// pods' cluster; another name is a misconfiguration).
     fn start(pods: usize, members: usize, cluster: &str) -> Membership {
         let dir = std::env::temp_dir().join(format!(
             "kvroute-membership-{}-{}",
@@ -51,12 +54,23 @@ impl Membership {
             free_port()
         ));
         fs::create_dir_all(&dir).unwrap();
-        let config = json!({
-            "membership": {"cluster": cluster},
-            "podReportIntervalMs": INTERVAL_MS,
-            "decisionHeaders": true,
-            "models": {"sim-model": {"baseModel": "sim-model"}}
+        let eds = dir.join("kvroute_pods.eds.json");
+        let (listen, admin) = (free_port(), free_port());
+        let deployment_file = dir.join("deployment.json");
+        let deployment = json!({
+            "kvroute": {
+                "podReportIntervalMs": INTERVAL_MS,
+                "decisionHeaders": true,
+                "models": {"sim-model": {"baseModel": "sim-model"}}
+            },
+            "cluster": {"eds": {"path": eds}},
+            "envoy": {"wasm": wasm_path(), "listenAddress": "127.0.0.1", "listenPort": listen, "adminPort": admin},
         });
+        fs::write(&deployment_file, deployment.to_string()).unwrap();
+        let mut deployment =
+            Deployment::load(&deployment_file, Target::Envoy).expect("the deployment loads");
+        deployment.plugin["membership"]["cluster"] = json!(cluster);
+        let config = deployment.plugin.clone();
         let config_file = dir.join("kvroute.json");
         fs::write(&config_file, config.to_string()).unwrap();
         let sims: Vec<Sim> = (0..pods)
@@ -67,12 +81,9 @@ impl Membership {
                 Sim::start_on(SIM.as_ref(), &id, port, &config_file, &args).expect("sim")
             })
             .collect();
-        let eds = dir.join("kvroute_pods.eds.json");
         let addresses: Vec<String> = sims[..members].iter().map(|s| s.address.clone()).collect();
         write_eds(&eds, &addresses).unwrap();
-        let (listen, admin) = (free_port(), free_port());
-        let yaml = render_envoy_config(&wasm_path(), listen, admin, &config, &[]);
-        let yaml = with_eds_pods(&yaml, &eds, admin);
+        let yaml = deployment.envoy_bootstrap();
         let envoy = Envoy::start(&dir, &yaml, listen, admin).expect("envoy starts");
         let cluster = Membership {
             sims,

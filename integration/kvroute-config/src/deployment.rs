@@ -4,7 +4,9 @@
 //! Loading checks everything a wrong value would otherwise only reveal at
 //! Envoy's start (or never): the plugin JSON goes through kvroute's own
 //! parser, pod addresses become the IP literals Envoy matches, the wasm
-//! path becomes absolute.
+//! path becomes absolute. With a `cluster` section (and always on Istio)
+//! the pods are the serving cluster's members: loading writes the plugin's
+//! `membership`.
 
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -13,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::envoy::{pod_addresses, EnvoyBootstrap};
+use crate::envoy::{pod_addresses, EnvoyBootstrap, PodEndpoints};
 use crate::istio::IstioSettings;
 
 /// A deployment file that cannot be rendered, with the file and the field.
@@ -36,9 +38,39 @@ struct DeploymentFile {
     /// (relative to the deployment file).
     kvroute: Value,
     #[serde(default)]
+    cluster: Option<ClusterSection>,
+    #[serde(default)]
     envoy: EnvoySettings,
     #[serde(default)]
     istio: Option<IstioSettings>,
+}
+
+/// The `cluster` section: the pods are the members of the serving cluster
+/// (`kvroute_pods`, or on Istio the mesh's cluster of `istio.service`),
+/// which kvroute reads from Envoy's admin every round (its `membership`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ClusterSection {
+    /// `host:port` names for a STRICT_DNS cluster (Envoy re-resolves them).
+    #[serde(default)]
+    dns: Option<Vec<String>>,
+    /// A filesystem EDS cluster.
+    #[serde(default)]
+    eds: Option<EdsSource>,
+    /// Each member's report endpoint is its IP at this port (a sidecar such
+    /// as kvroute-vllm-bridge); default: the member's own port.
+    #[serde(default)]
+    report_port: Option<u16>,
+    /// Each member's vLLM `/metrics` port; default: the member's own port.
+    #[serde(default)]
+    metrics_port: Option<u16>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EdsSource {
+    /// The EDS file; relative to the deployment file, rendered absolute.
+    path: PathBuf,
 }
 
 /// The `envoy` section.
@@ -66,22 +98,25 @@ impl Default for EnvoySettings {
     }
 }
 
-/// What the output is for, which decides what a host name in an address
-/// becomes.
+/// What the output is for, which decides where the pods come from.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Target {
-    /// A plain Envoy: host names are resolved here, now.
+    /// A plain Envoy: kvroute's `pods` (host names resolved here, now) or
+    /// the members of the `cluster` section's `kvroute_pods`.
     Envoy,
-    /// Istio: pod IPs are the cluster's, so a host name is refused (this
-    /// machine's resolver knows nothing of them).
+    /// Istio: the members of the mesh's cluster of `istio.service` (this
+    /// machine's resolver knows nothing of the cluster's names).
     Istio,
 }
 
 /// A loaded, checked deployment.
 #[derive(Debug)]
 pub struct Deployment {
-    /// The plugin JSON, addresses as IP literals; kvroute's parser accepts it.
+    /// The plugin JSON, addresses as IP literals, `membership` written from
+    /// the `cluster` section; kvroute's parser accepts it.
     pub plugin: Value,
+    /// The override-host pod cluster's endpoints.
+    pub pods: PodEndpoints,
     pub envoy: EnvoySettings,
     pub istio: Option<IstioSettings>,
 }
@@ -91,10 +126,11 @@ impl Deployment {
     pub fn load(path: &Path, target: Target) -> Result<Deployment, Error> {
         let at = |what: String| Error(format!("{}: {what}", path.display()));
         let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
-        let file: DeploymentFile = serde_yaml::from_str(&text).map_err(|e| at(e.to_string()))?;
+        let mut file: DeploymentFile =
+            serde_yaml::from_str(&text).map_err(|e| at(e.to_string()))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        let mut plugin = match file.kvroute {
-            Value::Object(_) => file.kvroute,
+        let mut plugin = match std::mem::take(&mut file.kvroute) {
+            plugin @ Value::Object(_) => plugin,
             Value::String(json_path) => {
                 let json_path = base.join(json_path);
                 let json = std::fs::read_to_string(&json_path)
@@ -108,22 +144,19 @@ impl Deployment {
                 ))
             }
         };
-        resolve_plugin_addresses(&mut plugin, target).map_err(at)?;
+        let pods = pod_source(&file, &mut plugin, target, base).map_err(at)?;
+        resolve_plugin_addresses(&mut plugin).map_err(at)?;
         let text = plugin.to_string();
         kvroute::config::Config::parse(text.as_bytes()).map_err(|e| at(format!("kvroute: {e}")))?;
         let mut envoy = file.envoy;
         envoy.wasm = absolute(&base.join(&envoy.wasm));
         for (i, address) in envoy.passthrough.iter_mut().enumerate() {
-            *address = ip_literal(address, target)
-                .map_err(|e| at(format!("envoy.passthrough[{i}]: {e}")))?;
-        }
-        if target == Target::Istio && file.istio.is_none() {
-            return Err(at(
-                "istio: the section is required for the Istio manifests".into()
-            ));
+            *address =
+                ip_literal(address).map_err(|e| at(format!("envoy.passthrough[{i}]: {e}")))?;
         }
         Ok(Deployment {
             plugin,
+            pods,
             envoy,
             istio: file.istio,
         })
@@ -148,10 +181,125 @@ impl Deployment {
             listen_port: self.envoy.listen_port,
             admin_port: self.envoy.admin_port,
             plugin: &self.plugin,
+            pods: &self.pods,
             passthrough: &passthrough,
         }
         .render()
     }
+}
+
+/// Where the pods come from for `target`: kvroute's `pods`, or the members
+/// of the `cluster` section's `kvroute_pods` (plain Envoy) or of the mesh's
+/// cluster (Istio), in which case the plugin's `membership` is written.
+fn pod_source(
+    file: &DeploymentFile,
+    plugin: &mut Value,
+    target: Target,
+    base: &Path,
+) -> Result<PodEndpoints, String> {
+    match target {
+        Target::Envoy => match &file.cluster {
+            Some(cluster) => {
+                let pods = cluster.endpoints(base)?;
+                set_membership(plugin, "kvroute_pods", cluster, "with `cluster`")?;
+                Ok(pods)
+            }
+            None if plugin.get("membership").is_some() => Err(
+                "kvroute.membership: set the deployment's `cluster` instead (kvroute-config writes membership from it, with the clusters it needs)".into(),
+            ),
+            None => Ok(PodEndpoints::Plugin),
+        },
+        Target::Istio => {
+            let istio = file
+                .istio
+                .as_ref()
+                .ok_or("istio: the section is required for the Istio manifests")?;
+            let cluster = file.cluster.as_ref().unwrap_or(&ClusterSection::MESH);
+            if cluster.dns.is_some() || cluster.eds.is_some() {
+                return Err(format!(
+                    "cluster.{}: not on Istio: the pods are the mesh's endpoints of istio.service",
+                    if cluster.dns.is_some() { "dns" } else { "eds" }
+                ));
+            }
+            if !file.envoy.passthrough.is_empty() {
+                return Err(
+                    "envoy.passthrough: not on Istio: the HTTPRoute sends every path to istio.service".into(),
+                );
+            }
+            set_membership(plugin, &istio.mesh_cluster(), cluster, "on Istio")?;
+            // The manifests take only the pods cluster's policy.
+            Ok(PodEndpoints::Plugin)
+        }
+    }
+}
+
+impl ClusterSection {
+    /// Istio without a `cluster` section: the mesh's members, reports and
+    /// metrics at their own port.
+    const MESH: ClusterSection = ClusterSection {
+        dns: None,
+        eds: None,
+        report_port: None,
+        metrics_port: None,
+    };
+
+    /// The plain Envoy's pod cluster: exactly one of `dns` and `eds`.
+    fn endpoints(&self, base: &Path) -> Result<PodEndpoints, String> {
+        match (&self.dns, &self.eds) {
+            (Some(names), None) => {
+                if names.is_empty() {
+                    return Err("cluster.dns: must name at least one host:port".into());
+                }
+                for (i, name) in names.iter().enumerate() {
+                    kvroute::config::validate_address(name)
+                        .map_err(|e| format!("cluster.dns[{i}]: {e}"))?;
+                }
+                Ok(PodEndpoints::Dns(names.clone()))
+            }
+            (None, Some(eds)) => Ok(PodEndpoints::Eds(absolute(&base.join(&eds.path)))),
+            (Some(_), Some(_)) => Err("cluster: `dns` or `eds`, not both".into()),
+            (None, None) => {
+                Err("cluster: needs `dns` (a list of host:port) or `eds` ({path: FILE})".into())
+            }
+        }
+    }
+}
+
+/// Writes the plugin's `membership` of `cluster` (through the template's
+/// `kvroute_admin`), refusing the plugin's own sources of pods; `context`
+/// (`with `cluster``, `on Istio`) says why in the errors.
+fn set_membership(
+    plugin: &mut Value,
+    cluster: &str,
+    section: &ClusterSection,
+    context: &str,
+) -> Result<(), String> {
+    let members = format!("the pods are the members of {cluster}");
+    for (field, why) in [
+        ("pods", members.as_str()),
+        ("discovery", members.as_str()),
+        ("membership", "kvroute-config writes it"),
+    ] {
+        if plugin.get(field).is_some() {
+            return Err(format!("kvroute.{field}: not {context} ({why})"));
+        }
+    }
+    if plugin["upstreamMode"].as_str().unwrap_or("overrideHost") != "overrideHost" {
+        return Err(format!("kvroute.upstreamMode: must be \"overrideHost\" {context} (an ORIGINAL_DST cluster has no members to read)"));
+    }
+    let mut membership = serde_json::json!({"cluster": cluster, "adminCluster": "kvroute_admin"});
+    for (field, port) in [
+        ("reportPort", section.report_port),
+        ("metricsPort", section.metrics_port),
+    ] {
+        match port {
+            Some(0) => return Err(format!("cluster.{field}: must be a port 1-65535")),
+            Some(port) => membership[field] = port.into(),
+            None => {}
+        }
+    }
+    plugin["membership"] = membership;
+    Ok(())
 }
 
 /// `path` made absolute without requiring it to exist (the wasm may be
@@ -166,13 +314,13 @@ fn absolute(path: &Path) -> PathBuf {
 /// matches endpoint IPs; ORIGINAL_DST parses the header as an IP), their
 /// report sidecars' and discovery's (both through the ORIGINAL_DST
 /// `kvroute_reports`). Errors name the pod.
-fn resolve_plugin_addresses(plugin: &mut Value, target: Target) -> Result<(), String> {
+fn resolve_plugin_addresses(plugin: &mut Value) -> Result<(), String> {
     if let Some(pods) = plugin.get_mut("pods").and_then(Value::as_array_mut) {
         for (i, pod) in pods.iter_mut().enumerate() {
             let id = pod["id"].as_str().unwrap_or("?").to_string();
             for field in ["address", "reportAddress"] {
                 if let Some(address) = pod.get(field).and_then(Value::as_str) {
-                    let literal = ip_literal(address, target)
+                    let literal = ip_literal(address)
                         .map_err(|e| format!("kvroute.pods[{i}].{field} (pod {id:?}): {e}"))?;
                     pod[field] = Value::String(literal);
                 }
@@ -183,8 +331,8 @@ fn resolve_plugin_addresses(plugin: &mut Value, target: Target) -> Result<(), St
         .pointer("/discovery/authority")
         .and_then(Value::as_str)
     {
-        let literal = ip_literal(authority, target)
-            .map_err(|e| format!("kvroute.discovery.authority: {e}"))?;
+        let literal =
+            ip_literal(authority).map_err(|e| format!("kvroute.discovery.authority: {e}"))?;
         plugin["discovery"]["authority"] = Value::String(literal);
     }
     Ok(())
@@ -192,17 +340,13 @@ fn resolve_plugin_addresses(plugin: &mut Value, target: Target) -> Result<(), St
 
 /// `host:port` as Envoy prints the endpoint (`10.0.0.5:8000`,
 /// `[fd00::5]:8000`): an IP literal kept (in canonical form), a host name
-/// resolved for [`Target::Envoy`] (IPv4 first, as a dual-stack pod
-/// usually registers it) or refused for [`Target::Istio`].
-fn ip_literal(address: &str, target: Target) -> Result<String, String> {
+/// resolved here, now (IPv4 first, as a dual-stack pod usually registers
+/// it). On Istio nothing reaches here: pods and discovery are refused
+/// there, the mesh's members being the pods.
+fn ip_literal(address: &str) -> Result<String, String> {
     kvroute::config::validate_address(address)?;
     if let Ok(ip) = address.parse::<SocketAddr>() {
         return Ok(ip.to_string());
-    }
-    if target == Target::Istio {
-        return Err(format!(
-            "{address:?} is a host name; the Istio manifests need the pod's IP (the mesh cluster's endpoints are pod IPs, and this machine cannot resolve the cluster's names)"
-        ));
     }
     let resolved: Vec<SocketAddr> = address
         .to_socket_addrs()

@@ -2,12 +2,23 @@
 //! only renderer of the template; the CLI, the test harness, `make run` and
 //! the benchmarks all come through [`EnvoyBootstrap::render`].
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 /// The template, compiled in so the binary renders without a checkout.
 pub const TEMPLATE: &str = include_str!("../../../envoy/envoy.template.yaml");
+
+/// Where the override-host `kvroute_pods` cluster gets its endpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodEndpoints {
+    /// STATIC: the plugin's `pods` (IP literals), fixed at rendering.
+    Plugin,
+    /// STRICT_DNS: `host:port` names Envoy resolves and keeps re-resolving.
+    Dns(Vec<String>),
+    /// Filesystem EDS: the file Envoy watches (an absolute path).
+    Eds(PathBuf),
+}
 
 /// Everything the template's `{{...}}` placeholders take.
 pub struct EnvoyBootstrap<'a> {
@@ -21,11 +32,16 @@ pub struct EnvoyBootstrap<'a> {
     pub admin_port: u16,
     /// The kvroute plugin JSON shared by the filter and the service: its
     /// `upstreamMode` picks the template's section (`overrideHost` when
-    /// absent, as in kvroute) and, for override-host, its `pods` are the
-    /// pod cluster's endpoints. Rendered as given (not validated here, so
-    /// tests can hand Envoy a configuration it must refuse).
+    /// absent, as in kvroute) and, with `membership`, the cluster that
+    /// reaches this Envoy's admin is added. Rendered as given (not
+    /// validated here, so tests can hand Envoy a configuration it must
+    /// refuse).
     pub plugin: &'a Value,
-    /// `host:port` IP literals non-inference paths are balanced over.
+    /// The override-host pod cluster's endpoints.
+    pub pods: &'a PodEndpoints,
+    /// `host:port` IP literals non-inference paths are balanced over; none:
+    /// the pods' cluster balances them (override-host without kvroute's
+    /// header is its fallback policy).
     pub passthrough: &'a [String],
 }
 
@@ -34,8 +50,23 @@ impl EnvoyBootstrap<'_> {
         let mode = self.plugin["upstreamMode"]
             .as_str()
             .unwrap_or("overrideHost");
-        let pods = pod_addresses(self.plugin);
-        keep_section(TEMPLATE, mode)
+        let passthrough_to_pods = self.passthrough.is_empty() && mode == "overrideHost";
+        let (pods_section, listed, eds_path) = match self.pods {
+            PodEndpoints::Plugin => ("staticPods", pod_addresses(self.plugin), None),
+            PodEndpoints::Dns(names) => ("dnsPods", names.clone(), None),
+            PodEndpoints::Eds(path) => ("edsPods", Vec::new(), Some(path)),
+        };
+        let mut sections = vec![mode, pods_section];
+        if eds_path.is_none() {
+            sections.push("listedPods");
+        }
+        if self.plugin.get("membership").is_some() {
+            sections.push("membership");
+        }
+        if !passthrough_to_pods {
+            sections.push("passthrough");
+        }
+        keep_sections(TEMPLATE, &sections)
             .replace("{{wasm}}", &self.wasm.display().to_string())
             .replace("{{listen_address}}", self.listen_address)
             .replace("{{listen_port}}", &self.listen_port.to_string())
@@ -45,7 +76,21 @@ impl EnvoyBootstrap<'_> {
                 "{{plugin_config}}",
                 &self.plugin.to_string().replace('\'', "''"),
             )
-            .replace("{{pod_endpoints}}", &lb_endpoints(&pods))
+            .replace("{{pod_endpoints}}", &lb_endpoints(&listed))
+            .replace(
+                "{{eds_path}}",
+                &eds_path
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+            )
+            .replace(
+                "{{passthrough_cluster}}",
+                if passthrough_to_pods {
+                    "kvroute_pods"
+                } else {
+                    "kvroute_passthrough"
+                },
+            )
             .replace("{{passthrough_endpoints}}", &lb_endpoints(self.passthrough))
     }
 }
@@ -60,18 +105,19 @@ pub fn pod_addresses(plugin: &Value) -> Vec<String> {
         .collect()
 }
 
-/// The template without its marker lines and without the sections of the
-/// other upstream modes (`# {{#mode}}` … `# {{/mode}}`).
-fn keep_section(template: &str, mode: &str) -> String {
-    let mut inside: Option<bool> = None;
+/// The template without its marker lines and without the sections
+/// (`# {{#name}}` … `# {{/name}}`, nested or not) whose name is not in
+/// `enabled`: a line is kept when every section around it is enabled.
+fn keep_sections(template: &str, enabled: &[&str]) -> String {
+    let mut open: Vec<bool> = Vec::new();
     let mut out = String::with_capacity(template.len());
     for line in template.lines() {
         let marker = line.trim_start().strip_prefix("# {{");
         if let Some(opened) = marker.and_then(|m| m.strip_prefix('#')) {
-            inside = Some(opened.trim_end_matches("}}") == mode);
+            open.push(enabled.contains(&opened.trim_end_matches("}}")));
         } else if marker.is_some_and(|m| m.starts_with('/')) {
-            inside = None;
-        } else if inside != Some(false) {
+            open.pop();
+        } else if open.iter().all(|&kept| kept) {
             out.push_str(line);
             out.push('\n');
         }

@@ -3,10 +3,12 @@
 //! that path lets the pod mount a custom bootstrap and kvroute.wasm), its
 //! Service, a Gateway and an HTTPRoute to the vLLM Service, a ConfigMap
 //! with the bootstrap override (the report service, stats settings, the
-//! `kvroute_reports` cluster), an EnvoyFilter inserting the kvroute filter
-//! and switching the mesh's own cluster of the vLLM Service to the
-//! override-host policy (so mTLS and the mesh's endpoints stay), and a
-//! DestinationRule for the retry budget.
+//! `kvroute_reports` cluster and `kvroute_admin`, which reaches the
+//! gateway's own admin), an EnvoyFilter inserting the kvroute filter and
+//! switching the mesh's own cluster of the vLLM Service to the override-host
+//! policy (so mTLS and the mesh's endpoints stay), and a DestinationRule
+//! for the retry budget. kvroute's pods are that cluster's members (its
+//! `membership`, written by [`Deployment::load`]).
 //!
 //! Every Envoy piece is taken from the plain bootstrap this crate renders
 //! from `envoy/envoy.template.yaml`, so the filter, the service, the stats
@@ -25,6 +27,12 @@ pub const WASM_MOUNT: &str = "/etc/kvroute/wasm";
 /// (singular fields replace, repeated ones append).
 const BOOTSTRAP_MOUNT: &str = "/etc/istio/custom-bootstrap";
 const BOOTSTRAP_FILE: &str = "custom_bootstrap.json";
+/// The gateway's Envoy admin port: Istio's bootstrap template binds the
+/// admin to `{{ .localhost }}:{{ .config.ProxyAdminPort }}` (127.0.0.1,
+/// ::1 on IPv6-only pods), ProxyAdminPort being 15000 unless the mesh
+/// config changes it; Istio's own `prometheus_stats` cluster reaches it the
+/// same way.
+pub const ISTIO_ADMIN_PORT: u16 = 15000;
 
 /// The `istio` section of the deployment file.
 #[derive(Deserialize, Clone, Debug)]
@@ -55,6 +63,19 @@ pub struct ServiceRef {
     pub port: u16,
 }
 
+impl IstioSettings {
+    /// The mesh's outbound cluster of the vLLM Service as Istio names it:
+    /// the serving cluster, whose members are kvroute's pods.
+    pub fn mesh_cluster(&self) -> String {
+        format!("outbound|{}||{}", self.service.port, self.service_host())
+    }
+
+    fn service_host(&self) -> String {
+        let namespace = self.service.namespace.as_deref().unwrap_or(&self.namespace);
+        format!("{}.{namespace}.svc.cluster.local", self.service.name)
+    }
+}
+
 fn default_gateway() -> String {
     "kvroute".into()
 }
@@ -70,6 +91,7 @@ struct EnvoyPieces {
     stats_flush_interval: Value,
     stats_config: Value,
     reports_cluster: Value,
+    admin_cluster: Value,
     override_host_policy: Value,
     buffer_limit: Value,
 }
@@ -93,6 +115,7 @@ impl EnvoyPieces {
             stats_flush_interval: b["stats_flush_interval"].clone(),
             stats_config: b["stats_config"].clone(),
             reports_cluster: cluster("kvroute_reports")?,
+            admin_cluster: cluster("kvroute_admin")?,
             override_host_policy: cluster("kvroute_pods")?["load_balancing_policy"].clone(),
             buffer_limit: listener["per_connection_buffer_limit_bytes"].clone(),
         };
@@ -124,10 +147,12 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
     }
     let mut in_pod = Deployment {
         plugin: deployment.plugin.clone(),
+        pods: deployment.pods.clone(),
         envoy: deployment.envoy.clone(),
         istio: None,
     };
     in_pod.envoy.wasm = format!("{WASM_MOUNT}/kvroute.wasm").into();
+    in_pod.envoy.admin_port = ISTIO_ADMIN_PORT;
     let pieces = EnvoyPieces::of(&in_pod.envoy_bootstrap())?;
     let documents = manifests(istio, &pieces);
     let mut out = String::from(
@@ -154,13 +179,13 @@ fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
     let ns = &istio.namespace;
     let gw = &istio.gateway;
     let service_ns = istio.service.namespace.as_deref().unwrap_or(ns);
-    let service_host = format!("{}.{service_ns}.svc.cluster.local", istio.service.name);
+    let service_host = istio.service_host();
     let labels = json!({"app.kubernetes.io/name": gw});
     let bootstrap_override = json!({
         "bootstrap_extensions": pieces.service,
         "stats_flush_interval": pieces.stats_flush_interval,
         "stats_config": pieces.stats_config,
-        "static_resources": {"clusters": [pieces.reports_cluster]},
+        "static_resources": {"clusters": [pieces.reports_cluster, pieces.admin_cluster]},
     });
     let gateway_listener = json!({"portNumber": istio.port});
     vec![

@@ -8,4 +8,4 @@ pub mod envoy;
 pub mod istio;
 
 pub use deployment::{Deployment, EnvoySettings, Error, Target};
-pub use envoy::EnvoyBootstrap;
+pub use envoy::{EnvoyBootstrap, PodEndpoints};

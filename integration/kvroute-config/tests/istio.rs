@@ -3,13 +3,18 @@
 //! and the report service carry the same plugin JSON, the mode that would
 //! bypass the mesh is refused, and the Envoy pieces, put together the way
 //! Istio's merge and patches would, are a configuration Envoy 1.40 accepts
-//! (an override-host policy on a cluster that also has Istio's `lb_policy`).
+//! (an override-host policy on a cluster that also has Istio's `lb_policy`)
+//! and runs: kvroute's membership of the mesh cluster, read through
+//! `kvroute_admin`, routes to the cluster's member.
 
 use std::path::Path;
 use std::process::Command;
 
 use kvroute_config::{istio, Deployment, Target};
-use kvroute_integration::harness::{envoy_binary, free_port, repo_root, wasm_path};
+use kvroute_integration::harness::{
+    envoy_binary, free_port, repo_root, start_sim_in_process, wasm_path, Envoy,
+};
+use kvroute_integration::http;
 use serde_json::{json, Value};
 
 fn example() -> Deployment {
@@ -88,28 +93,63 @@ fn original_dst_is_refused_on_istio() {
     );
 }
 
-/// A stand-in for the gateway's Envoy: the bootstrap override's pieces as
-/// Istio's agent merges them, a listener with the patched-in filter and
-/// buffer limit, and the mesh cluster as Istio generates it (`lb_policy`
-/// set; STATIC here, EDS there) with the CLUSTER patch merged in.
+/// The mesh's cluster of the example's Service, as Istio names it.
+const MESH_CLUSTER: &str = "outbound|8000||vllm.inference.svc.cluster.local";
+
 #[test]
-fn envoy_accepts_the_pieces_as_istio_merges_them() {
+fn membership_is_of_the_mesh_cluster_through_the_gateways_admin() {
     let documents = documents(&istio::render(&example()).unwrap());
+    let (bootstrap, _) = pieces(&documents);
+    let json = bootstrap["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]
+        ["value"]
+        .as_str()
+        .unwrap();
+    let plugin: Value = serde_json::from_str(json).unwrap();
+    assert_eq!(
+        plugin["membership"],
+        json!({"cluster": MESH_CLUSTER, "adminCluster": "kvroute_admin", "reportPort": 8100, "metricsPort": 8000})
+    );
+    assert!(plugin.get("pods").is_none());
+    let admin = &bootstrap["static_resources"]["clusters"][1];
+    assert_eq!(admin["name"], "kvroute_admin");
+    assert_eq!(
+        admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"],
+        json!({"address": "127.0.0.1", "port_value": 15000}),
+        "Istio's admin address"
+    );
+}
+
+/// A stand-in for the gateway's Envoy: the bootstrap override's pieces as
+/// Istio's agent merges them, a listener on `listen_port` with the
+/// patched-in filter and buffer limit, and the mesh cluster as Istio
+/// generates it (`lb_policy` set; STATIC with `members` here, EDS there)
+/// with the CLUSTER patch merged in. The admin is on `admin_port` (Istio's
+/// is 15000: `kvroute_admin` is pointed there) and the module where `make
+/// wasm` leaves it.
+fn merged_gateway(
+    deployment: &Deployment,
+    members: &[u16],
+    listen_port: u16,
+    admin_port: u16,
+) -> String {
+    let documents = documents(&istio::render(deployment).unwrap());
     let (mut bootstrap, patches) = pieces(&documents);
     let (filter, listener_patch, cluster_patch) = (
         &patches[0]["patch"]["value"],
         &patches[1]["patch"]["value"],
         &patches[2]["patch"]["value"],
     );
+    let endpoints: Vec<Value> = members
+        .iter()
+        .map(|port| json!({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}))
+        .collect();
     let mut mesh_cluster = json!({
-        "name": "outbound|8000||vllm.inference.svc.cluster.local",
+        "name": MESH_CLUSTER,
         "type": "STATIC",
         "lb_policy": "LEAST_REQUEST",
         "connect_timeout": "10s",
-        "load_assignment": {"cluster_name": "outbound|8000||vllm.inference.svc.cluster.local", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "10.0.0.10", "port_value": 8000}}}},
-            {"endpoint": {"address": {"socket_address": {"address": "10.0.0.11", "port_value": 8000}}}},
-        ]}]},
+        "load_assignment": {"cluster_name": MESH_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
     });
     mesh_cluster
         .as_object_mut()
@@ -117,14 +157,14 @@ fn envoy_accepts_the_pieces_as_istio_merges_them() {
         .extend(cluster_patch.as_object().unwrap().clone());
     let mut listener = json!({
         "name": "0.0.0.0_8080",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}},
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                 "stat_prefix": "outbound_0.0.0.0_8080",
                 "route_config": {"virtual_hosts": [{"name": "vllm", "domains": ["*"], "routes": [
-                    {"match": {"prefix": "/"}, "route": {"cluster": "outbound|8000||vllm.inference.svc.cluster.local"}},
+                    {"match": {"prefix": "/"}, "route": {"cluster": MESH_CLUSTER}},
                 ]}]},
                 "http_filters": [filter, {"name": "envoy.filters.http.router", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
@@ -135,22 +175,75 @@ fn envoy_accepts_the_pieces_as_istio_merges_them() {
         .as_object_mut()
         .unwrap()
         .extend(listener_patch.as_object().unwrap().clone());
-    bootstrap["static_resources"]["clusters"]
+    let clusters = bootstrap["static_resources"]["clusters"]
         .as_array_mut()
-        .unwrap()
-        .push(mesh_cluster);
+        .unwrap();
+    let admin_cluster = clusters
+        .iter_mut()
+        .find(|c| c["name"] == "kvroute_admin")
+        .expect("kvroute_admin");
+    admin_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        ["socket_address"]["port_value"] = json!(admin_port);
+    clusters.push(mesh_cluster);
     bootstrap["static_resources"]["listeners"] = json!([listener]);
     bootstrap["admin"] =
-        json!({"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}});
-    let text = bootstrap.to_string().replace(
+        json!({"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}});
+    bootstrap.to_string().replace(
         &format!("{}/kvroute.wasm", istio::WASM_MOUNT),
         &wasm_path().display().to_string(),
-    );
+    )
+}
+
+#[test]
+fn envoy_accepts_the_pieces_as_istio_merges_them() {
+    let text = merged_gateway(&example(), &[8000, 8001], free_port(), free_port());
     let config = std::env::temp_dir().join(format!("kvroute-istio-pieces-{}.json", free_port()));
     std::fs::write(&config, text).unwrap();
     let output = validate(&config);
     let _ = std::fs::remove_file(&config);
     assert!(output.0, "{}", output.1);
+}
+
+/// The merged gateway running: kvroute's pods are the mesh cluster's
+/// members (a name with `|`s, read from the admin through kvroute_admin),
+/// and a request is routed to one.
+#[test]
+fn the_merged_gateway_routes_to_the_mesh_clusters_member() {
+    let dir = std::env::temp_dir().join(format!("kvroute-istio-run-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut deployment = example();
+    // The sim serves its report and metrics on its own port.
+    let membership = deployment.plugin["membership"].as_object_mut().unwrap();
+    membership.remove("reportPort");
+    membership.remove("metricsPort");
+    deployment.plugin["podReportIntervalMs"] = json!(200);
+    deployment.plugin["decisionHeaders"] = json!(true);
+    let port = free_port();
+    let member = format!("127.0.0.1:{port}");
+    let sim_config = dir.join("kvroute.json");
+    std::fs::write(&sim_config, deployment.plugin.to_string()).unwrap();
+    let sim = start_sim_in_process(&sim_config, &member, port);
+    let (listen, admin) = (free_port(), free_port());
+    let config = merged_gateway(&deployment, &[port], listen, admin);
+    let envoy = Envoy::start(&dir, &config, listen, admin).expect("envoy starts");
+    let body = json!({"model": "llama-3.1-8b", "prompt": "hello through the mesh cluster", "max_tokens": 4});
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    // Until the service has read the members and published: 503.
+    let response = loop {
+        let response = http::post_json(&envoy.listen, "/v1/completions", &body.to_string())
+            .expect("request through envoy");
+        if response.status != 503 || std::time::Instant::now() > deadline {
+            break response;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let log = envoy.log();
+    drop(envoy);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(response.status, 200, "{}\n{log}", response.body);
+    assert_eq!(response.header("x-kvroute-pod"), Some(member.as_str()));
+    let stats: Value = http::get(&sim, "/admin/stats").unwrap().json().unwrap();
+    assert_eq!(stats["requests"], 1, "{stats}");
 }
 
 fn validate(config: &Path) -> (bool, String) {
