@@ -68,6 +68,48 @@ pub fn filler_text(seed: &str, bytes: usize) -> String {
     out
 }
 
+/// Whether `envoy --mode validate` accepts the bootstrap at `config`, with
+/// Envoy's output.
+pub fn validate_envoy_config(config: &Path) -> (bool, String) {
+    let output = envoy_binary().and_then(|envoy| {
+        Command::new(envoy)
+            .args([
+                "--mode",
+                "validate",
+                "--disable-hot-restart",
+                "-l",
+                "error",
+                "-c",
+            ])
+            .arg(config)
+            .output()
+    });
+    match output {
+        Ok(output) => {
+            let log = String::from_utf8_lossy(&output.stdout).to_string()
+                + &String::from_utf8_lossy(&output.stderr);
+            (output.status.success() && log.contains("OK"), log)
+        }
+        Err(e) => (false, format!("cannot run envoy (make envoy): {e}")),
+    }
+}
+
+/// Asserts the committed file at `path` (in the repository) is `expected`;
+/// with `KVROUTE_BLESS` set it is rewritten first. `test` names the cargo
+/// test that blesses it.
+pub fn assert_committed_rendering(path: &str, expected: &str, test: &str) {
+    let path = repo_root().join(path);
+    if std::env::var_os("KVROUTE_BLESS").is_some() {
+        fs::write(&path, expected).expect("rewrite the committed rendering");
+    }
+    let actual = fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        actual == expected,
+        "{} is stale: run `KVROUTE_BLESS=1 cargo test {test}`",
+        path.display()
+    );
+}
+
 /// A free loopback port (bound then released).
 /// A port nothing listens on, never one this process handed out before:
 /// the kernel may give a just-released ephemeral port again, and a cluster

@@ -142,6 +142,12 @@ fn workers() -> u32 {
         .map_or(0, u32::from_le_bytes)
 }
 
+/// The worker count, at least enough to include `worker` (whose claim the
+/// published count may not show yet).
+fn workers_including(worker: u32) -> u32 {
+    workers().max(worker.saturating_add(1))
+}
+
 /// A new worker index (see the module documentation for the race on
 /// creating the key).
 fn claim_index() -> Option<u32> {
@@ -180,7 +186,7 @@ pub fn claim_inflight() -> bool {
             worker,
             nonce,
             counts: Vec::new(),
-            workers: workers().max(worker.saturating_add(1)),
+            workers: workers_including(worker),
         };
         inflight.publish();
         *cell = Some(inflight);
@@ -207,7 +213,7 @@ fn refresh_inflight() {
                 inflight.publish();
             }
         }
-        inflight.workers = workers().max(inflight.worker.saturating_add(1));
+        inflight.workers = workers_including(inflight.worker);
     });
 }
 

@@ -10,8 +10,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    envoy_binary, filler_text, free_port, repo_root, start_sim_in_process, wasm_path, write_eds,
-    Envoy,
+    filler_text, free_port, repo_root, start_sim_in_process, validate_envoy_config, wasm_path,
+    write_eds, Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -322,24 +322,8 @@ fn envoy_validates_the_rendering_of_a_users_pods() {
         let bootstrap = stdout(&kvroute_config(&[], &scratch.deployment(&deployment)));
         let config = scratch.0.join("envoy.yaml");
         std::fs::write(&config, &bootstrap).unwrap();
-        let output = Command::new(envoy_binary().expect("envoy (make envoy)"))
-            .args([
-                "--mode",
-                "validate",
-                "--disable-hot-restart",
-                "-l",
-                "error",
-                "-c",
-            ])
-            .arg(&config)
-            .output()
-            .unwrap();
-        let log = String::from_utf8_lossy(&output.stdout).to_string()
-            + &String::from_utf8_lossy(&output.stderr);
-        assert!(
-            output.status.success() && log.contains("OK"),
-            "{case}: {log}"
-        );
+        let (valid, log) = validate_envoy_config(&config);
+        assert!(valid, "{case}: {log}");
     }
 }
 

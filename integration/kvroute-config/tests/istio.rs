@@ -7,12 +7,10 @@
 //! and runs: kvroute's membership of the mesh cluster, read through
 //! `kvroute_admin`, routes to the cluster's member.
 
-use std::path::Path;
-use std::process::Command;
-
 use kvroute_config::{istio, Deployment, Target};
 use kvroute_integration::harness::{
-    envoy_binary, free_port, repo_root, start_sim_in_process, wasm_path, Envoy,
+    assert_committed_rendering, free_port, repo_root, start_sim_in_process, validate_envoy_config,
+    wasm_path, Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -53,13 +51,11 @@ fn pieces(documents: &[Value]) -> (Value, Vec<Value>) {
 
 #[test]
 fn example_manifests_are_the_rendering() {
-    let path = repo_root().join("envoy/istio/kvroute.yaml");
-    let expected = istio::render(&example()).unwrap();
-    if std::env::var_os("KVROUTE_BLESS").is_some() {
-        std::fs::write(&path, &expected).unwrap();
-    }
-    let actual = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(actual == expected, "envoy/istio/kvroute.yaml is stale: run `KVROUTE_BLESS=1 cargo test -p kvroute-config --test istio`");
+    assert_committed_rendering(
+        "envoy/istio/kvroute.yaml",
+        &istio::render(&example()).unwrap(),
+        "-p kvroute-config --test istio",
+    );
 }
 
 #[test]
@@ -199,7 +195,7 @@ fn envoy_accepts_the_pieces_as_istio_merges_them() {
     let text = merged_gateway(&example(), &[8000, 8001], free_port(), free_port());
     let config = std::env::temp_dir().join(format!("kvroute-istio-pieces-{}.json", free_port()));
     std::fs::write(&config, text).unwrap();
-    let output = validate(&config);
+    let output = validate_envoy_config(&config);
     let _ = std::fs::remove_file(&config);
     assert!(output.0, "{}", output.1);
 }
@@ -244,22 +240,4 @@ fn the_merged_gateway_routes_to_the_mesh_clusters_member() {
     assert_eq!(response.header("x-kvroute-pod"), Some(member.as_str()));
     let stats: Value = http::get(&sim, "/admin/stats").unwrap().json().unwrap();
     assert_eq!(stats["requests"], 1, "{stats}");
-}
-
-fn validate(config: &Path) -> (bool, String) {
-    let output = Command::new(envoy_binary().expect("envoy (make envoy)"))
-        .args([
-            "--mode",
-            "validate",
-            "--disable-hot-restart",
-            "-l",
-            "error",
-            "-c",
-        ])
-        .arg(config)
-        .output()
-        .unwrap();
-    let log = String::from_utf8_lossy(&output.stdout).to_string()
-        + &String::from_utf8_lossy(&output.stderr);
-    (output.status.success() && log.contains("OK"), log)
 }
