@@ -572,6 +572,11 @@ impl Config {
                 "must list at least one pod (or configure discovery or membership)",
             ));
         }
+        if let Some(authority) = self.discovery.as_ref().and_then(|d| d.authority.as_deref()) {
+            validate_address(authority)
+                .and_then(|()| validate_original_dst_address(authority))
+                .map_err(|rule| invalid("discovery.authority", rule))?;
+        }
         if let Some(membership) = &self.membership {
             validate_membership(membership)?;
             if !self.pods.is_empty() {
@@ -645,7 +650,7 @@ impl Config {
             validate_address(&pod.address)
                 .and_then(|()| match self.upstream_mode {
                     UpstreamMode::OverrideHost => validate_endpoint_address(&pod.address),
-                    UpstreamMode::OriginalDst => Ok(()),
+                    UpstreamMode::OriginalDst => validate_original_dst_address(&pod.address),
                 })
                 .map_err(|rule| invalid(format!("pods[{i}].address"), rule))?;
             for (field, address) in [
@@ -654,6 +659,7 @@ impl Config {
             ] {
                 if let Some(address) = address {
                     validate_address(address)
+                        .and_then(|()| validate_original_dst_address(address))
                         .map_err(|rule| invalid(format!("pods[{i}].{field}"), rule))?;
                 }
             }
@@ -776,6 +782,19 @@ pub fn validate_address(address: &str) -> Result<(), String> {
     } else {
         Err(format!("must have a valid host (got {address:?})"))
     }
+}
+
+/// An address an ORIGINAL_DST cluster can connect to by header (the pods
+/// with `upstreamMode` `"originalDst"`; every report, metrics and discovery
+/// pull, through `reportCluster`): Envoy parses `x-envoy-original-dst-host`
+/// as an IP and port and never resolves a name (it counts
+/// `original_dst_host_invalid` and answers 503).
+fn validate_original_dst_address(address: &str) -> Result<(), String> {
+    address.parse::<std::net::SocketAddr>().map(drop).map_err(|_| {
+        format!(
+            "must be an IP literal and port: Envoy's ORIGINAL_DST cluster connects only to a resolved address, never a host name (got {address:?}; `kvroute-config render` resolves host names)"
+        )
+    })
 }
 
 /// An address Envoy's override-host policy can match: the endpoint's

@@ -334,7 +334,9 @@ fn pod_rules() {
         .unwrap_or_else(|e| panic!("{good} is a valid address: {e}"));
     }
     // Host names (and IP literals Envoy prints differently) never match an
-    // override-host endpoint; an ORIGINAL_DST setup may still use them.
+    // override-host endpoint; an ORIGINAL_DST cluster never resolves a host
+    // name either (Envoy counts original_dst_host_invalid and answers 503),
+    // though it takes any IP literal.
     for name in [
         "localhost:8000",
         "vllm-0.vllm.svc.cluster.local:8000",
@@ -343,18 +345,40 @@ fn pod_rules() {
         let pods = format!(r#""pods": [{{"id": "a", "address": "{name}"}}]"#);
         let message = rejects(&format!("{{{pods}}}"), "pods[0].address");
         assert!(message.contains(name), "{message}");
-        parse(&format!(r#"{{{pods}, "upstreamMode": "originalDst"}}"#))
-            .unwrap_or_else(|e| panic!("{name} is a valid ORIGINAL_DST address: {e}"));
     }
-    // A sidecar's report address (e.g. kvroute-vllm-bridge): any host:port,
-    // the report cluster is ORIGINAL_DST.
+    for name in ["localhost:8000", "vllm-0.vllm.svc.cluster.local:8000"] {
+        let pods = format!(r#""pods": [{{"id": "a", "address": "{name}"}}]"#);
+        let message = rejects(
+            &format!(r#"{{{pods}, "upstreamMode": "originalDst"}}"#),
+            "pods[0].address",
+        );
+        assert!(message.contains("ORIGINAL_DST"), "{message}");
+    }
+    parse(r#"{"pods": [{"id": "a", "address": "[::0001]:80"}], "upstreamMode": "originalDst"}"#)
+        .expect("ORIGINAL_DST takes any IP literal");
+    // A sidecar's report address (e.g. kvroute-vllm-bridge) and a metrics
+    // port are pulled through the ORIGINAL_DST report cluster: IP literals.
     let config = parse(
-        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "vllm-0-bridge:8081"}]}"#,
+        r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "10.0.0.1:8081"}]}"#,
     )
     .expect("reportAddress");
     assert_eq!(
         config.pods[0].report_address.as_deref(),
-        Some("vllm-0-bridge:8081")
+        Some("10.0.0.1:8081")
+    );
+    for field in ["reportAddress", "metricsAddress"] {
+        rejects(
+            &format!(
+                r#"{{"pods": [{{"id": "a", "address": "10.0.0.1:8000", "{field}": "vllm-0-bridge:8081"}}]}}"#
+            ),
+            &format!("pods[0].{field}"),
+        );
+    }
+    rejects(
+        &with_pods(
+            r#""discovery": {"cluster": "kvroute_reports", "path": "/pods", "authority": "registry:80"}"#,
+        ),
+        "discovery.authority",
     );
     let message = rejects(
         r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "reportAddress": "bridge"}]}"#,

@@ -312,13 +312,13 @@ fn absolute(path: &Path) -> PathBuf {
 
 /// Every address Envoy connects to by header: the pods' (override-host
 /// matches endpoint IPs; ORIGINAL_DST parses the header as an IP), their
-/// report sidecars' and discovery's (both through the ORIGINAL_DST
-/// `kvroute_reports`). Errors name the pod.
+/// report sidecars', metrics ports' and discovery's (all through the
+/// ORIGINAL_DST `kvroute_reports`). Errors name the pod.
 fn resolve_plugin_addresses(plugin: &mut Value) -> Result<(), String> {
     if let Some(pods) = plugin.get_mut("pods").and_then(Value::as_array_mut) {
         for (i, pod) in pods.iter_mut().enumerate() {
             let id = pod["id"].as_str().unwrap_or("?").to_string();
-            for field in ["address", "reportAddress"] {
+            for field in ["address", "reportAddress", "metricsAddress"] {
                 if let Some(address) = pod.get(field).and_then(Value::as_str) {
                     let literal = ip_literal(address)
                         .map_err(|e| format!("kvroute.pods[{i}].{field} (pod {id:?}): {e}"))?;
