@@ -660,7 +660,7 @@ fn membership_names_the_serving_cluster_and_stands_alone() {
 }
 
 #[test]
-fn a_metrics_address_is_a_host_and_port() {
+fn a_metrics_address_is_an_ip_and_port() {
     let config = parse(
         r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "metricsAddress": "10.0.0.1:9090"}]}"#,
     )

@@ -68,6 +68,24 @@ pub fn filler_text(seed: &str, bytes: usize) -> String {
     out
 }
 
+/// Calls `probe` every `every` until it answers, at most `timeout`; fails
+/// the test naming `what` otherwise.
+pub fn poll<T>(
+    what: &str,
+    timeout: Duration,
+    every: Duration,
+    mut probe: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(found) = probe() {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {timeout:?}");
+        std::thread::sleep(every);
+    }
+}
+
 /// Whether `envoy --mode validate` accepts the bootstrap at `config`, with
 /// Envoy's output.
 pub fn validate_envoy_config(config: &Path) -> (bool, String) {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_config::{Deployment, Target};
 use kvroute_integration::harness::{
-    filler_text as text, free_port, wasm_path, write_eds, Envoy, Sim,
+    filler_text as text, free_port, poll, wasm_path, write_eds, Envoy, Sim,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -116,15 +116,13 @@ impl Membership {
     }
 
     /// Polls `probe` every 10 ms until it answers, at most 10 s.
-    fn wait_for<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(found) = probe() {
-                return found;
-            }
-            assert!(Instant::now() < deadline, "{what}: not within 10 s");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+    fn wait_for<T>(&self, what: &str, probe: impl FnMut() -> Option<T>) -> T {
+        poll(
+            what,
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            probe,
+        )
     }
 
     /// Waits for the `pods_changed` line that adds and removes these pods

@@ -5,9 +5,9 @@
 //! precise again when it serves reports (its report's blocks replacing the
 //! decisions'). Run serially (`--test-threads=1`).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvroute_integration::harness::{filler_text as text, Cluster, ClusterSpec};
+use kvroute_integration::harness::{filler_text as text, poll, Cluster, ClusterSpec};
 use kvroute_integration::http;
 use serde_json::{json, Value};
 
@@ -36,11 +36,12 @@ fn events(log: &str, name: &str, pod: &str) -> Vec<Value> {
 }
 
 fn wait_for(what: &str, mut probe: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !probe() {
-        assert!(Instant::now() < deadline, "{what}: not within 10 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll(
+        what,
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || probe().then_some(()),
+    );
 }
 
 /// (pod that served it, kvroute's cache match) of a request through Envoy.

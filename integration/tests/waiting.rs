@@ -18,7 +18,7 @@ use std::net::TcpStream;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvroute_integration::harness::{filler_text as text, Cluster, ClusterSpec};
+use kvroute_integration::harness::{filler_text as text, poll, Cluster, ClusterSpec};
 use kvroute_integration::http;
 use serde_json::{json, Value};
 
@@ -62,11 +62,9 @@ fn waiting(cluster: &Cluster) -> f64 {
 }
 
 fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll(what, timeout, Duration::from_millis(20), || {
+        done().then_some(())
+    });
 }
 
 /// Sends request `i` (x-request-id `{tag}-{i}`) on its own connection;

@@ -43,9 +43,9 @@
 //! independent decisions strays from fair by about √fair) loses its cache
 //! match. Sequential traffic, which no pod queues, is left to affinity
 //! (measured through `make run`: spreading its 40 requests took the hit
-//! rate from 83 % to 64 %). The match is lost, but only for a request that moving
-//! costs little: its tokens cached there beyond the best other pod's are
-//! at most `balance.spillTokens`. So the hot prefix is copied to a second
+//! rate from 83 % to 64 %). The match is lost, but only for a request
+//! that moving costs little: its tokens cached there beyond the best other
+//! pod's are at most `balance.spillTokens`. So the hot prefix is copied to a second
 //! pod once (both then match, and load splits the traffic), a young
 //! session moves, and an established long history stays where it is.
 //! Defaults 128, 1.25, 4,096 tokens; each worker balances its own

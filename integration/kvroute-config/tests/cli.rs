@@ -10,8 +10,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    filler_text, free_port, repo_root, start_sim_in_process, validate_envoy_config, wasm_path,
-    write_eds, Envoy,
+    filler_text, free_port, poll, repo_root, start_sim_in_process, validate_envoy_config,
+    wasm_path, write_eds, Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -370,15 +370,13 @@ fn envoy_started_from_the_output_routes_to_a_sim_pod() {
 }
 
 /// Polls `probe` every 50 ms until it answers, at most 20 s.
-fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(found) = probe() {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within 20 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn wait_for<T>(what: &str, probe: impl FnMut() -> Option<T>) -> T {
+    poll(
+        what,
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        probe,
+    )
 }
 
 #[test]
