@@ -90,7 +90,9 @@ impl Default for Weights {
 /// of the least busy one in in-flight requests, or holding more than
 /// `maxShare` × its fair share of a worker's last `shareWindow` decisions,
 /// loses its cache affinity (the share guard only for a request that moving
-/// costs at most `spillTokens` of cache).
+/// costs at most `spillTokens` of cache), as does a pod whose queued
+/// prefill would keep the request waiting `prefillSlackTokens` longer than
+/// another pod would.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
 pub struct BalanceConfig {
@@ -100,6 +102,10 @@ pub struct BalanceConfig {
     pub share_window: u32,
     pub max_share: f64,
     pub spill_tokens: u64,
+    /// The prefill guard's slack in tokens; `None` (JSON `null`) turns it off.
+    pub prefill_slack_tokens: Option<u64>,
+    /// The prefill guard's ratio to the soonest pod's wait (≥ 1).
+    pub prefill_ratio: f64,
 }
 
 impl Default for BalanceConfig {
@@ -107,12 +113,17 @@ impl Default for BalanceConfig {
         BalanceConfig {
             abs_threshold: 6,
             rel_threshold: 1.3,
-            share_window: 128,
+            share_window: 64,
             max_share: 1.25,
-            spill_tokens: 4096,
+            spill_tokens: 8192,
+            prefill_slack_tokens: Some(DEFAULT_PREFILL_SLACK_TOKENS),
+            prefill_ratio: 2.0,
         }
     }
 }
+
+/// Default `balance.prefillSlackTokens` ([`crate::scoring::balance`]).
+pub const DEFAULT_PREFILL_SLACK_TOKENS: u64 = 4096;
 
 /// Longest `balance.shareWindow`: the window is kept per worker.
 pub const MAX_SHARE_WINDOW: u32 = 65_536;
@@ -484,19 +495,17 @@ impl Config {
         if self.max_queue < 1 {
             return Err(invalid("maxQueue", "must be >= 1"));
         }
-        let rel = self.balance.rel_threshold;
-        if !(rel.is_finite() && rel >= 1.0) {
-            return Err(invalid(
-                "balance.relThreshold",
-                format!("must be a number >= 1 (got {rel})"),
-            ));
-        }
-        let max_share = self.balance.max_share;
-        if !(max_share.is_finite() && max_share >= 1.0) {
-            return Err(invalid(
-                "balance.maxShare",
-                format!("must be a number >= 1 (got {max_share})"),
-            ));
+        for (field, value) in [
+            ("balance.relThreshold", self.balance.rel_threshold),
+            ("balance.maxShare", self.balance.max_share),
+            ("balance.prefillRatio", self.balance.prefill_ratio),
+        ] {
+            if !(value.is_finite() && value >= 1.0) {
+                return Err(invalid(
+                    field,
+                    format!("must be a number >= 1 (got {value})"),
+                ));
+            }
         }
         if self.balance.share_window > MAX_SHARE_WINDOW {
             return Err(invalid(

@@ -270,6 +270,11 @@ impl Coverage {
         self.units(blocks) / self.units_per_token.max(1)
     }
 
+    /// Tokens of the whole prompt.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_units / self.units_per_token.max(1)
+    }
+
     fn units(&self, blocks: u32) -> u64 {
         self.layout.covered(blocks as usize).min(self.prompt_units)
     }

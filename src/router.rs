@@ -35,15 +35,15 @@ use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
 use crate::request::parse_request;
 use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
-use crate::snapshot::PodTable;
+use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
 
 /// The router's view of the cluster for one request.
 pub struct ClusterView<'a> {
     pub table: &'a PodTable,
     pub index: &'a dyn PrefixLookup,
-    /// In-flight requests per pod slot.
-    pub inflight: &'a [u32],
+    /// In-flight requests and their queued prefill per pod slot.
+    pub inflight: &'a [SlotLoad],
     /// This worker's recent decisions per pod slot
     /// ([`crate::scoring::balance::RecentShare`]).
     pub recent_decisions: &'a [u32],
@@ -78,6 +78,10 @@ pub struct Routed {
     pub composite: f64,
     /// Prompt tokens expected to be served from the pod's cache.
     pub predicted_cached_tokens: u64,
+    /// Prompt tokens the pod is expected to prefill (not cached there):
+    /// counted in the pod's [`SlotLoad::prefill_tokens`] until the first
+    /// response byte.
+    pub prefill_tokens: u32,
     /// Why cache-aware routing was skipped, for a bad or unknown request.
     pub degraded: Option<String>,
     /// Sent to `fallbackPod` because every pod was excluded.
@@ -331,13 +335,17 @@ impl Router {
             .iter()
             .map(|pod| {
                 let matched = matches.blocks(pod.slot);
-                let inflight = view.inflight.get(pod.slot).copied().unwrap_or(0);
+                let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
+                let inflight = load.requests;
+                let cached_tokens = coverage.tokens(matched);
                 Candidate {
                     slot: pod.slot,
                     id: &pod.id,
                     cache_match: coverage.fraction(matched),
-                    cached_tokens: coverage.tokens(matched),
+                    cached_tokens,
+                    uncached_tokens: coverage.prompt_tokens().saturating_sub(cached_tokens),
                     inflight,
+                    queued_prefill: u64::from(load.prefill_tokens),
                     recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
@@ -425,6 +433,12 @@ impl Router {
             matched_blocks,
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
+            prefill_tokens: u32::try_from(
+                coverage
+                    .prompt_tokens()
+                    .saturating_sub(coverage.tokens(matched_blocks)),
+            )
+            .unwrap_or(u32::MAX),
             degraded,
             fallback,
             stale_snapshot,
@@ -653,7 +667,7 @@ mod tests {
         let published = cluster.publish(1000).table;
         let mut tree = PrefixTree::new(1000);
         tree.insert_chain(0, None, &chain);
-        let inflight = [0, 0];
+        let inflight = [SlotLoad::default(); 2];
         let view = |now_ms| ClusterView {
             table: &published,
             index: &tree,
@@ -745,6 +759,10 @@ mod tests {
         }
 
         fn route(&self, inflight: [u32; 2], attempt: Attempt) -> Outcome {
+            let inflight = inflight.map(|requests| SlotLoad {
+                requests,
+                prefill_tokens: 0,
+            });
             let view = ClusterView {
                 table: &self.table,
                 index: &self.tree,

@@ -10,7 +10,7 @@
 //! | `kvroute/generation`    | the table's generation, 8 bytes LE             | once |
 //! | `kvroute/idx/{b:x}`     | bucket `b`: sorted `(hash u64 LE, pod mask u64 LE)` pairs, 16 B each | O(k log n) buckets |
 //! | `kvroute/workers`       | how many workers claimed an in-flight key, u32 LE | only when the generation changes |
-//! | `kvroute/inflight/{w}`  | worker `w`'s requests routed and not finished: its nonce (u64 LE), then u32 LE per pod slot; written only by that worker | every other worker's, once |
+//! | `kvroute/inflight/{w}`  | worker `w`'s in-flight load ([`SlotLoad`]): its nonce (u64 LE), then per pod slot the requests routed and not finished (u32 LE) and their prompt tokens still to prefill (u32 LE); written only by that worker | every other worker's, once |
 //!
 //! A block hash lives in bucket `hash & (buckets − 1)`, `buckets` a power of
 //! two ≈ `maxIndexBlocks / 16`, so a bucket holds ~16 entries (~256 B) at a
@@ -234,9 +234,27 @@ impl PodTable {
 /// One worker's in-flight counts as published: the nonce of the worker
 /// that wrote them (so a worker can tell its key was claimed twice), then
 /// one u32 per pod slot.
-pub fn encode_inflight(nonce: u64, counts: &[u32]) -> Vec<u8> {
-    let mut bytes = nonce.to_le_bytes().to_vec();
-    bytes.extend(counts.iter().flat_map(|c| c.to_le_bytes()));
+/// One pod slot's in-flight load, as a worker publishes it and a reader
+/// sums it over the workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotLoad {
+    /// Requests routed to the pod and not finished.
+    pub requests: u32,
+    /// Their prompt tokens the pod had not cached at the decision, counted
+    /// until each request's first response byte: the prefill queued there.
+    pub prefill_tokens: u32,
+}
+
+const SLOT_LOAD_BYTES: usize = 8;
+
+/// A worker's value: `nonce`, then each slot's load.
+pub fn encode_inflight(nonce: u64, loads: &[SlotLoad]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(8 + loads.len() * SLOT_LOAD_BYTES);
+    bytes.extend_from_slice(&nonce.to_le_bytes());
+    for load in loads {
+        bytes.extend_from_slice(&load.requests.to_le_bytes());
+        bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
+    }
     bytes
 }
 
@@ -245,18 +263,20 @@ pub fn inflight_nonce(bytes: &[u8]) -> Option<u64> {
     le_u64(bytes, 0)
 }
 
-/// Adds an encoded worker value's counts to `total` (grown as needed).
-pub fn add_inflight(total: &mut Vec<u32>, bytes: &[u8]) {
-    let counts = bytes.get(8..).unwrap_or_default().chunks_exact(4);
-    if total.len() < counts.len() {
-        total.resize(counts.len(), 0);
+/// Adds an encoded worker value's loads to `total` (grown as needed).
+pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
+    let loads = bytes
+        .get(8..)
+        .unwrap_or_default()
+        .chunks_exact(SLOT_LOAD_BYTES);
+    if total.len() < loads.len() {
+        total.resize(loads.len(), SlotLoad::default());
     }
-    for (sum, count) in total.iter_mut().zip(counts) {
-        let count = count
-            .iter()
-            .rev()
-            .fold(0, |word, &byte| word << 8 | u32::from(byte));
-        *sum = sum.saturating_add(count);
+    let word = |bytes: &[u8]| bytes.iter().rev().fold(0, |w, &b| w << 8 | u32::from(b));
+    for (sum, load) in total.iter_mut().zip(loads) {
+        let (requests, prefill) = load.split_at(4);
+        sum.requests = sum.requests.saturating_add(word(requests));
+        sum.prefill_tokens = sum.prefill_tokens.saturating_add(word(prefill));
     }
 }
 
@@ -336,26 +356,39 @@ mod tests {
 
     #[test]
     fn inflight_and_decisions_round_trip() {
-        let (a, b) = (encode_inflight(11, &[1, 0, 7]), encode_inflight(12, &[2]));
+        let load = |requests, prefill_tokens| SlotLoad {
+            requests,
+            prefill_tokens,
+        };
+        let a = encode_inflight(11, &[load(1, 500), load(0, 0), load(7, u32::MAX)]);
+        let b = encode_inflight(12, &[load(2, 100)]);
         assert_eq!(
             (inflight_nonce(&a), inflight_nonce(&b)),
             (Some(11), Some(12))
         );
         assert_eq!(inflight_nonce(&[1, 2]), None);
-        let mut total = vec![0; 5];
+        let mut total = vec![SlotLoad::default(); 5];
         add_inflight(&mut total, &a);
         add_inflight(&mut total, &b);
         assert_eq!(
             total,
-            vec![3, 0, 7, 0, 0],
+            vec![
+                load(3, 600),
+                load(0, 0),
+                load(7, u32::MAX),
+                load(0, 0),
+                load(0, 0)
+            ],
             "summed per slot, missing slots 0"
         );
+        add_inflight(&mut total, &b);
+        assert_eq!(total[0], load(5, 700));
         let mut grown = Vec::new();
         add_inflight(&mut grown, &a);
         add_inflight(&mut grown, &[1, 2, 3]);
         assert_eq!(
             grown,
-            vec![1, 0, 7],
+            vec![load(1, 500), load(0, 0), load(7, u32::MAX)],
             "grown to the longest; a short value adds nothing"
         );
         let mut batch = Vec::new();

@@ -52,7 +52,9 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             id: IDS[slot],
             cache_match: p.cache,
             cached_tokens: 0,
+            uncached_tokens: 0,
             inflight: 0,
+            queued_prefill: 0,
             recent_decisions: 0,
             load: p.load,
             queue: p.queue,
@@ -587,7 +589,9 @@ fn cost_candidates<'a>(
             id: &pod.id,
             cache_match: cache[slot],
             cached_tokens: 0,
+            uncached_tokens: 0,
             inflight: 0,
+            queued_prefill: 0,
             recent_decisions: 0,
             load: 0.3,
             queue: 1,
@@ -943,7 +947,9 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
         id,
         cache_match,
         cached_tokens: 0,
+        uncached_tokens: 0,
         inflight,
+        queued_prefill: 0,
         recent_decisions: 0,
         load: 0.3,
         // As the router counts it: reported 0 plus those routed since.
@@ -978,7 +984,9 @@ fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
         id: "pod",
         cache_match: cached_tokens as f64 / 10_000.0,
         cached_tokens,
+        uncached_tokens: 10_000 - cached_tokens,
         inflight: recent_decisions / 40,
+        queued_prefill: 0,
         recent_decisions,
         load: f64::from(recent_decisions) / 200.0,
         queue: 1,
@@ -986,15 +994,61 @@ fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
         adapter_loaded: false,
         attributes: &attributes,
     };
-    // A full window of 128 over 2 pods: fair 64, limit 80.
+    // A full window (128 decisions ≥ 64) over 2 pods: fair 64, limit 80.
     let within = [pod(0, 1500, 80), pod(1, 0, 48)];
     assert_eq!(policy.decide(&within, false, 0, true).chosen, Some(0));
     // 81: the hot pod's 1,500 cached tokens are cheap to copy elsewhere.
     let over = [pod(0, 1500, 81), pod(1, 0, 47)];
     assert_eq!(policy.decide(&over, false, 0, true).chosen, Some(1));
-    // A long history (5,000 tokens beyond the other pod's) stays put.
-    let costly = [pod(0, 6000, 81), pod(1, 1000, 47)];
+    // A long history (9,000 tokens beyond the other pod's, past
+    // spillTokens' 8,192) stays put.
+    let costly = [pod(0, 9500, 81), pod(1, 500, 47)];
     assert_eq!(policy.decide(&costly, false, 0, true).chosen, Some(0));
     // A request leaving the wait queue is spared, as by the in-flight guard.
     assert_eq!(policy.decide(&over, false, 0, false).chosen, Some(0));
+}
+
+#[test]
+fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
+    let policy = ScoringPolicy::from_config(&Config::default());
+    let attributes = BTreeMap::new();
+    // An 8,500-token first turn whose 8,000-token head one pod caches; the
+    // holder runs two requests (in-flight guard: within its threshold).
+    let pod = |slot: usize, cached_tokens: u64, queued_prefill: u64| Candidate {
+        slot,
+        id: "pod",
+        cache_match: cached_tokens as f64 / 8_500.0,
+        cached_tokens,
+        uncached_tokens: 8_500 - cached_tokens,
+        inflight: if queued_prefill > 0 { 2 } else { 0 },
+        queued_prefill,
+        recent_decisions: 0,
+        load: 0.3,
+        queue: if queued_prefill > 0 { 2 } else { 0 },
+        health: 1.0,
+        adapter_loaded: false,
+        attributes: &attributes,
+    };
+    // 12,000 tokens queued behind 500: 12,500 against 8,500 elsewhere,
+    // within the 4,096-token slack: the head's holder keeps it.
+    let close = [pod(0, 8_000, 12_000), pod(1, 0, 0)];
+    assert_eq!(policy.decide(&close, false, 0, true).chosen, Some(0));
+    // Two long tool outputs queued (18,000 tokens): prefilling the head
+    // again elsewhere is sooner.
+    let behind = [pod(0, 8_000, 18_000), pod(1, 0, 0)];
+    let decision = policy.decide(&behind, false, 0, true);
+    assert_eq!(decision.chosen, Some(1));
+    assert_eq!(
+        decision.scored[0].factors[0], 0.0,
+        "the holder's cache term is dropped"
+    );
+    // Off with `prefillSlackTokens: null`.
+    let off = ScoringPolicy::from_config(&Config {
+        balance: kvroute::config::BalanceConfig {
+            prefill_slack_tokens: None,
+            ..Default::default()
+        },
+        ..Config::default()
+    });
+    assert_eq!(off.decide(&behind, false, 0, true).chosen, Some(0));
 }

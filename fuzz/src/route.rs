@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 use kvroute::cluster::ClusterState;
 use kvroute::index::PrefixLookup;
 use kvroute::router::{ClusterView, Outcome, Router};
+use kvroute::snapshot::SlotLoad;
 
 use crate::{fixture_config, pod_id, Report, SharedData};
 
@@ -54,7 +55,7 @@ struct Scenario {
     router: Router,
     state: ClusterState,
     shared: SharedData,
-    inflight: Vec<u32>,
+    inflight: Vec<SlotLoad>,
     recent_decisions: Vec<u32>,
 }
 
@@ -96,7 +97,14 @@ impl Scenario {
             router,
             state,
             shared,
-            inflight: vec![0, 3, 1],
+            // Pod 1 queues more prefill than a whole prompt: the prefill
+            // guard is reached.
+            inflight: [(0, 0), (3, 40_000), (1, 500)]
+                .map(|(requests, prefill_tokens)| SlotLoad {
+                    requests,
+                    prefill_tokens,
+                })
+                .to_vec(),
             // Past a full share window, so the share guard is reached.
             recent_decisions: vec![100, 20, 8],
         }

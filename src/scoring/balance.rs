@@ -50,6 +50,26 @@
 //! session moves, and an established long history stays where it is.
 //! Defaults 128, 1.25, 4,096 tokens; each worker balances its own
 //! decisions, which balances their sum. O(pods) per decision.
+//!
+//! Counts miss the size of the work: a pod prefilling two 9,000-token
+//! tool outputs is busier than one decoding six short answers. The
+//! *prefill guard* weighs what the request would wait for, in the style of
+//! Dynamo's KV router: the prompt tokens still to prefill on each pod (the
+//! in-flight requests' uncached tokens, counted from the decision until
+//! the first response byte, all workers together) plus the request's own
+//! uncached tokens there. A pod with the prompt cached is worth its wait
+//! only while
+//!
+//! ```text
+//! queued(pod) + uncached(pod)  ≤  min over pods (queued + uncached) + balance.prefillSlackTokens
+//! ```
+//!
+//! Past that, it loses its cache match: the request goes where it is
+//! prefilled soonest, which then caches the prefix too. That is how a new
+//! long session leaves a pod busy with the other sessions' long turns: its
+//! 8,000-token head costs less to prefill again than the queue it would
+//! wait behind. The slack (default 4,096 tokens) keeps a copy from being
+//! made for a few hundred tokens of wait. O(pods).
 
 use std::collections::VecDeque;
 
@@ -81,14 +101,41 @@ pub fn over_share(
     let total: u64 = recent.iter().map(|&n| u64::from(n)).sum();
     let window_full = balance.share_window > 0 && total >= u64::from(balance.share_window);
     let fair = total as f64 / recent.len().max(1) as f64;
-    let limit = (fair * balance.max_share).max(fair + 2.0 * fair.sqrt());
+    let limit = (fair * balance.max_share).max(fair + fair.sqrt());
     let least_busy = inflight.iter().copied().min().unwrap_or(0);
+    let mean_busy =
+        inflight.iter().map(|&n| f64::from(n)).sum::<f64>() / inflight.len().max(1) as f64;
     recent
         .iter()
         .zip(spill_cost)
         .zip(inflight)
         .map(|((&n, &cost), &busy)| {
-            window_full && f64::from(n) > limit && cost <= balance.spill_tokens && busy > least_busy
+            window_full
+                && f64::from(n) > limit
+                && cost <= balance.spill_tokens
+                && busy > least_busy
+                && f64::from(busy) > balance.max_share * mean_busy
+        })
+        .collect()
+}
+
+/// Which of the candidates, with `queued` prompt tokens still to prefill
+/// and `uncached` tokens of this request to prefill there, would keep it
+/// waiting more than `balance.prefillSlackTokens` past the soonest one
+/// (see the module documentation).
+pub fn prefill_behind(queued: &[u64], uncached: &[u64], balance: &BalanceConfig) -> Vec<bool> {
+    let wait: Vec<u64> = queued
+        .iter()
+        .zip(uncached)
+        .map(|(&q, &u)| q.saturating_add(u))
+        .collect();
+    let soonest = wait.iter().copied().min().unwrap_or(0);
+    wait.iter()
+        .map(|&w| {
+            balance.prefill_slack_tokens.is_some_and(|slack| {
+                w > soonest.saturating_add(slack)
+                    && w as f64 > balance.prefill_ratio * soonest as f64
+            })
         })
         .collect()
 }
@@ -165,30 +212,42 @@ mod tests {
             spill_tokens: 1000,
             ..BalanceConfig::default()
         };
-        let busy = [2, 1];
+        // In flight: 5 on the hot pod, 2 on the other, mean 3.5 (× 1.25 =
+        // 4.375, which 5 passes).
+        let busy = [5, 2];
         // 199 decisions: the window is not full yet.
         assert_eq!(
             over_share(&[150, 49], &[0; 2], &busy, &balance),
             vec![false; 2]
         );
         // 200 over 2 pods: fair 100, limit 125; 126 is over unless moving
-        // costs more than 1000 cached tokens, or the pod is not busier.
+        // costs more than 1000 cached tokens, or the pod is not busy enough.
         let over = over_share(&[126, 74], &[1000, 0], &busy, &balance);
         assert_eq!(over, vec![true, false]);
         let costly = over_share(&[126, 74], &[1001, 0], &busy, &balance);
         assert_eq!(costly, vec![false, false]);
         let idle = over_share(&[126, 74], &[0, 0], &[1, 1], &balance);
         assert_eq!(idle, vec![false, false]);
+        // 4 against 2: busier than the least busy pod, but not 1.25 × the
+        // mean of 3 (3.75 < 4 passes; 3 against 2 does not: 3.125).
+        assert_eq!(
+            over_share(&[126, 74], &[0, 0], &[4, 2], &balance),
+            vec![true, false]
+        );
+        assert_eq!(
+            over_share(&[126, 74], &[0, 0], &[3, 2], &balance),
+            vec![false, false]
+        );
         let within = over_share(&[125, 75], &[0, 0], &busy, &balance);
         assert_eq!(within, vec![false, false]);
-        // 200 over 8 pods: fair 25, and chance alone reaches 25 + 2·5 = 35.
-        let eight = [35, 25, 20, 20, 25, 25, 25, 25];
-        let inflight = [1, 0, 0, 0, 0, 0, 0, 0];
+        // 200 over 8 pods: fair 25, and chance alone reaches 25 + √25 = 30.
+        let eight = [30, 25, 25, 20, 25, 25, 25, 25];
+        let inflight = [4, 1, 1, 1, 1, 1, 1, 1];
         let chance = over_share(&eight, &[0; 8], &inflight, &balance);
         assert_eq!(chance, vec![false; 8]);
         let mut hot = eight;
-        hot[0] = 36;
-        hot[1] = 24;
+        hot[0] = 32;
+        hot[1] = 23;
         assert!(over_share(&hot, &[0; 8], &inflight, &balance)[0]);
         let off = BalanceConfig {
             share_window: 0,
@@ -198,6 +257,40 @@ mod tests {
             over_share(&[9, 0], &[0, 0], &busy, &off),
             vec![false, false]
         );
+    }
+
+    #[test]
+    fn a_pod_whose_queued_prefill_outweighs_the_cache_loses_it() {
+        let balance = BalanceConfig {
+            prefill_slack_tokens: Some(1000),
+            prefill_ratio: 2.0,
+            ..BalanceConfig::default()
+        };
+        // Pod 0 caches 8,000 of 8,500 tokens but has 18,000 queued: 18,500
+        // against 8,500 on idle pod 1, past both the slack and twice 8,500.
+        assert_eq!(
+            prefill_behind(&[18_000, 0], &[500, 8_500], &balance),
+            vec![true, false]
+        );
+        // 16,500: past the slack, but less than twice as long.
+        assert_eq!(
+            prefill_behind(&[16_000, 0], &[500, 8_500], &balance),
+            vec![false, false]
+        );
+        // Short prompts: 900 against 400 is past twice, within the slack.
+        assert_eq!(
+            prefill_behind(&[800, 0], &[100, 400], &balance),
+            vec![false, false]
+        );
+        let off = BalanceConfig {
+            prefill_slack_tokens: None,
+            ..balance
+        };
+        assert_eq!(
+            prefill_behind(&[u64::MAX, 0], &[500, 8_500], &off),
+            vec![false, false]
+        );
+        assert!(prefill_behind(&[], &[], &balance).is_empty());
     }
 
     #[test]

@@ -41,8 +41,12 @@ pub struct Candidate<'a> {
     pub cache_match: f64,
     /// Prompt tokens those blocks cover.
     pub cached_tokens: u64,
+    /// The rest of the prompt's tokens: what the pod would prefill.
+    pub uncached_tokens: u64,
     /// Requests routed to the pod and not finished (all workers).
     pub inflight: u32,
+    /// Their prompt tokens still to prefill ([`crate::snapshot::SlotLoad`]).
+    pub queued_prefill: u64,
     /// This worker's recent decisions for the pod ([`balance::RecentShare`]).
     pub recent_decisions: u32,
     /// Utilisation in [0, 1].
@@ -296,10 +300,18 @@ impl ScoringPolicy {
                 pod.cached_tokens.saturating_sub(best_other)
             })
             .collect();
+        let queued: Vec<u64> = pods.iter().map(|c| c.queued_prefill).collect();
+        let uncached: Vec<u64> = pods.iter().map(|c| c.uncached_tokens).collect();
         let over_inflight = balance::overloaded(&inflight, &self.balance);
         let over_share = balance::over_share(&recent, &spill_cost, &inflight, &self.balance);
-        for ((pod, ahead), over) in pods.iter_mut().zip(over_inflight).zip(over_share) {
-            if ahead || over {
+        let over_prefill = balance::prefill_behind(&queued, &uncached, &self.balance);
+        for (((pod, ahead), over), behind) in pods
+            .iter_mut()
+            .zip(over_inflight)
+            .zip(over_share)
+            .zip(over_prefill)
+        {
+            if ahead || over || behind {
                 pod.cache_match = 0.0;
             }
         }

@@ -167,6 +167,16 @@ struct RoutedRequest {
     composite: f64,
     cache_match: f64,
     predicted_cached_tokens: u64,
+    /// Prompt tokens counted as queued prefill on `slot` until the first
+    /// response byte (0 after it).
+    queued_prefill: u32,
+}
+
+impl RoutedRequest {
+    /// The in-flight change when this request leaves its pod.
+    fn release(&self) -> (usize, i64, i64) {
+        (self.slot, -1, -i64::from(self.queued_prefill))
+    }
 }
 
 struct RequestContext {
@@ -257,6 +267,11 @@ impl HttpContext for RequestContext {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        // The first byte of the answer: the pod has prefilled the prompt.
+        if let Some(routed) = self.routed.as_mut().filter(|r| r.queued_prefill > 0) {
+            shared::adjust_inflight(&[(routed.slot, 0, -i64::from(routed.queued_prefill))]);
+            routed.queued_prefill = 0;
+        }
         // Returning Continue keeps the response streaming: `body_size` is
         // this chunk only and nothing is buffered.
         let watching = self.response_ok
@@ -288,7 +303,7 @@ impl HttpContext for RequestContext {
             self.routed = worker.waiting.take_dispatched(self.context_id);
         }
         if let Some(routed) = &self.routed {
-            shared::adjust_inflight(&[(routed.slot, -1)]);
+            shared::adjust_inflight(&[routed.release()]);
             // Last: it makes the waiting requests' contexts effective.
             waiting::dispatch(&mut worker);
         }
@@ -450,7 +465,8 @@ impl RequestContext {
             "failover",
             json!({"requestId": self.request_id, "chosen": routed.pod_id, "servedBy": server.id, "attempts": outcome.attempts}),
         );
-        shared::adjust_inflight(&[(routed.slot, -1), (server.slot, 1)]);
+        let queued = i64::from(routed.queued_prefill);
+        shared::adjust_inflight(&[routed.release(), (server.slot, 1, queued)]);
         routed.slot = server.slot;
         routed.pod_id = server.id.clone();
         // The cache prediction was for the chosen pod.
@@ -642,7 +658,7 @@ fn deliver(
     if host::set_header(HeaderMap::Request, header, &addresses.join(",")).is_err() {
         return Err(internal_error("cannot set the routing header"));
     }
-    shared::adjust_inflight(&[(routed.slot, 1)]);
+    shared::adjust_inflight(&[(routed.slot, 1, i64::from(routed.prefill_tokens))]);
     metrics::increment(&metrics::labelled(
         "epp_routing_decisions_total",
         "model",
@@ -692,5 +708,6 @@ fn deliver(
         composite: routed.composite,
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
+        queued_prefill: routed.prefill_tokens,
     })
 }

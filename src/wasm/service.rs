@@ -175,7 +175,9 @@ impl ServiceRoot {
 
     fn inflight_of(&self, pod: &str) -> u32 {
         match self.state.as_ref().and_then(|s| s.slot(pod)) {
-            Some(slot) => shared::inflight(slot + 1).get(slot).copied().unwrap_or(0),
+            Some(slot) => shared::inflight(slot + 1)
+                .get(slot)
+                .map_or(0, |l| l.requests),
             None => 0,
         }
     }

@@ -1,12 +1,13 @@
 //! Envoy shared data access for the snapshot (layout: [`crate::snapshot`]),
-//! the in-flight counts and the passive-health ejections
+//! the in-flight loads and the passive-health ejections
 //! ([`crate::ejection`]). Every read copies the value into the VM, so
 //! callers read only what a request needs and cache the pod table per
 //! generation and the ejections per CAS token.
 //!
-//! In-flight counts are kept per worker VM, with no compare-and-swap on the
+//! In-flight loads (requests and their queued prefill per pod, see
+//! [`SlotLoad`]) are kept per worker VM, with no compare-and-swap on the
 //! request path: each VM claims an index `w` once (a CAS increment of
-//! `kvroute/workers`), keeps its own counts locally and writes them whole
+//! `kvroute/workers`), keeps its own loads locally and writes them whole
 //! to `kvroute/inflight/{w}` on every change — one plain write, as no one
 //! else writes that key. A reader adds every other worker's key to its own
 //! counts. So a decision sees every request another worker routed (and
@@ -33,7 +34,7 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::{without_pods, Ejection, Ejections, EJECTIONS_KEY};
 use crate::snapshot::{
     add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, PodTable,
-    PublishedPod, GENERATION_KEY, POD_TABLE_KEY, WORKERS_KEY,
+    PublishedPod, SlotLoad, GENERATION_KEY, POD_TABLE_KEY, WORKERS_KEY,
 };
 
 /// Retries of a compare-and-swap update under contention.
@@ -121,17 +122,17 @@ pub fn publish_table(table: &PodTable) {
     set(GENERATION_KEY, &table.generation.to_le_bytes());
 }
 
-/// This VM's in-flight counts and the key it publishes them under.
+/// This VM's in-flight loads and the key it publishes them under.
 struct Inflight {
     worker: u32,
     nonce: u64,
-    counts: Vec<u32>,
+    loads: Vec<SlotLoad>,
     /// How many workers claimed a key, as last read.
     workers: u32,
 }
 
 thread_local! {
-    // One VM per thread: the VM's counts, shared by its plugin roots.
+    // One VM per thread: the VM's loads, shared by its plugin roots.
     static INFLIGHT: RefCell<Option<Inflight>> = const { RefCell::new(None) };
 }
 
@@ -162,7 +163,7 @@ impl Inflight {
     fn publish(&self) {
         set(
             &inflight_key(self.worker),
-            &encode_inflight(self.nonce, &self.counts),
+            &encode_inflight(self.nonce, &self.loads),
         );
     }
 }
@@ -185,7 +186,7 @@ pub fn claim_inflight() -> bool {
         let inflight = Inflight {
             worker,
             nonce,
-            counts: Vec::new(),
+            loads: Vec::new(),
             workers: workers_including(worker),
         };
         inflight.publish();
@@ -217,24 +218,24 @@ fn refresh_inflight() {
     });
 }
 
-/// Requests in flight per pod slot (at least `slots` of them), over every
-/// worker: this VM's own counts and every other worker's key (all of them
+/// In-flight load per pod slot (at least `slots` of them), over every
+/// worker: this VM's own loads and every other worker's key (all of them
 /// for the service, which has none).
-pub fn inflight(slots: usize) -> Vec<u32> {
+pub fn inflight(slots: usize) -> Vec<SlotLoad> {
     INFLIGHT.with(|cell| {
         let cell = cell.borrow();
         let (own, workers) = match cell.as_ref() {
             Some(inflight) => (Some(inflight), inflight.workers),
             None => (None, workers()),
         };
-        let mut total = own.map(|i| i.counts.clone()).unwrap_or_default();
+        let mut total = own.map(|i| i.loads.clone()).unwrap_or_default();
         for worker in (0..workers).filter(|w| own.is_none_or(|i| i.worker != *w)) {
             if let Some(bytes) = get(&inflight_key(worker)).0 {
                 add_inflight(&mut total, &bytes);
             }
         }
         if total.len() < slots {
-            total.resize(slots, 0);
+            total.resize(slots, SlotLoad::default());
         }
         total
     })
@@ -245,24 +246,28 @@ pub fn idle() -> bool {
     INFLIGHT.with(|cell| {
         cell.borrow()
             .as_ref()
-            .is_none_or(|i| i.counts.iter().all(|&c| c == 0))
+            .is_none_or(|i| i.loads.iter().all(|c| c.requests == 0))
     })
 }
 
-/// Adds each `(slot, delta)` to this VM's in-flight counts and publishes
-/// them (one write).
-pub fn adjust_inflight(changes: &[(usize, i64)]) {
+/// Adds each `(slot, requests, prefill tokens)` change to this VM's
+/// in-flight loads and publishes them (one write).
+pub fn adjust_inflight(changes: &[(usize, i64, i64)]) {
     INFLIGHT.with(|cell| {
         let mut cell = cell.borrow_mut();
         let Some(inflight) = cell.as_mut() else {
             return;
         };
-        for &(slot, delta) in changes {
-            if inflight.counts.len() <= slot {
-                inflight.counts.resize(slot + 1, 0);
+        let add = |value: u32, delta: i64| {
+            (i64::from(value) + delta).clamp(0, i64::from(u32::MAX)) as u32
+        };
+        for &(slot, requests, prefill) in changes {
+            if inflight.loads.len() <= slot {
+                inflight.loads.resize(slot + 1, SlotLoad::default());
             }
-            if let Some(count) = inflight.counts.get_mut(slot) {
-                *count = (i64::from(*count) + delta).clamp(0, i64::from(u32::MAX)) as u32;
+            if let Some(load) = inflight.loads.get_mut(slot) {
+                load.requests = add(load.requests, requests);
+                load.prefill_tokens = add(load.prefill_tokens, prefill);
             }
         }
         inflight.publish();

@@ -54,7 +54,7 @@ use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
 use kvroute::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
-use kvroute::snapshot::{PodTable, SnapshotIndex};
+use kvroute::snapshot::{PodTable, SlotLoad, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
 use super::workload::{Request, Workload};
@@ -282,6 +282,9 @@ struct Pod {
     prefill_queued: usize,
     /// Routed and not finished (the filter's in-flight counter).
     inflight: u32,
+    /// Their prompt tokens the router expected to be prefilled here, until
+    /// each one's first token (the filter's queued prefill).
+    queued_prefill: u32,
     /// The report call this pod has not answered yet.
     report_call: Option<HeldCall>,
 }
@@ -303,6 +306,7 @@ impl Pod {
             waiting: VecDeque::new(),
             prefill_queued: 0,
             inflight: 0,
+            queued_prefill: 0,
             report_call: None,
         }
     }
@@ -357,6 +361,9 @@ struct Simulation<'a> {
     report_calls: usize,
     /// Requests waiting in the gateway (kvroute under `"wait"`).
     gateway: Option<WaitQueue<usize>>,
+    /// Per request, the prefill tokens counted on its pod until its first
+    /// token.
+    queued_prefill: Vec<u32>,
 }
 
 enum Chooser<'a> {
@@ -415,6 +422,7 @@ impl<'a> Simulation<'a> {
             report_calls: 0,
             gateway: (policy == Policy::Kvroute && config.on_no_eligible_pod == NoPodPolicy::Wait)
                 .then(|| WaitQueue::new(WaitPolicy::from_config(config))),
+            queued_prefill: vec![0; workload.requests.len()],
         };
         for (i, r) in workload.requests.iter().enumerate() {
             sim.push(r.arrival_us, Kind::Arrival, i, 0);
@@ -447,6 +455,7 @@ impl<'a> Simulation<'a> {
                     let pod = &mut self.pods[event.pod];
                     pod.engine.finish(chain);
                     pod.cache.insert_chain(chain);
+                    pod.queued_prefill -= std::mem::take(&mut self.queued_prefill[event.request]);
                     // A held long-poll answers now that there is an event.
                     if let Some(call) = pod.report_call.as_mut().filter(|c| c.waiting) {
                         call.waiting = false;
@@ -615,11 +624,25 @@ impl<'a> Simulation<'a> {
         let request = &requests[index];
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
+        let mut prefill_tokens = 0;
         let pod = match &mut self.chooser {
-            Chooser::Kvroute(view) => match view.choose(request, &inflight, now / 1000, attempt) {
-                Ok(pod) => pod,
-                Err(placement) => return placement,
-            },
+            Chooser::Kvroute(view) => {
+                let loads: Vec<SlotLoad> = self
+                    .pods
+                    .iter()
+                    .map(|p| SlotLoad {
+                        requests: p.inflight,
+                        prefill_tokens: p.queued_prefill,
+                    })
+                    .collect();
+                match view.choose(request, &loads, now / 1000, attempt) {
+                    Ok((pod, prefill)) => {
+                        prefill_tokens = prefill;
+                        pod
+                    }
+                    Err(placement) => return placement,
+                }
+            }
             Chooser::RoundRobin(next) => {
                 let pod = *next % n;
                 *next += 1;
@@ -629,17 +652,20 @@ impl<'a> Simulation<'a> {
             Chooser::Random(state) => (splitmix(state) % n as u64) as usize,
             Chooser::RingHash(ring) => ring_pick(ring, request.session_key),
         };
-        self.send(index, pod, now);
+        self.send(index, pod, prefill_tokens, now);
         Placement::Placed
     }
 
-    /// Request `index` is sent to `pod` at `now`.
-    fn send(&mut self, index: usize, pod: usize, now: u64) {
+    /// Request `index` is sent to `pod` at `now`, counted as
+    /// `prefill_tokens` of queued prefill there until its first token.
+    fn send(&mut self, index: usize, pod: usize, prefill_tokens: u32, now: u64) {
         let outcome = &mut self.outcomes[index];
         outcome.pod = pod;
         outcome.wait_us = now - outcome.arrival_us;
+        self.queued_prefill[index] = prefill_tokens;
         let state = &mut self.pods[pod];
         state.inflight += 1;
+        state.queued_prefill += prefill_tokens;
         if state.slots_used < self.spec.max_batch && state.waiting.is_empty() {
             self.start(pod, index, now);
         } else {
@@ -779,10 +805,10 @@ impl<'a> KvrouteView<'a> {
     fn choose(
         &mut self,
         request: &Request,
-        inflight: &[u32],
+        inflight: &[SlotLoad],
         now_ms: u64,
         attempt: Attempt,
-    ) -> Result<usize, Placement> {
+    ) -> Result<(usize, u32), Placement> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return Err(Placement::Wait); // nothing published yet
@@ -829,7 +855,7 @@ impl<'a> KvrouteView<'a> {
         self.cluster
             .record_decision(routed.slot, &routed.chain, now_ms);
         self.publish_buckets(now_ms);
-        Ok(routed.slot)
+        Ok((routed.slot, routed.prefill_tokens))
     }
 
     /// The service writes the buckets its pending decisions changed
@@ -903,7 +929,13 @@ mod tests {
                     }
                     view.publish(now);
                 }
-                let inflight: Vec<u32> = pods.iter().map(|p| p.inflight).collect();
+                let inflight: Vec<SlotLoad> = pods
+                    .iter()
+                    .map(|p| SlotLoad {
+                        requests: p.inflight,
+                        prefill_tokens: p.queued_prefill,
+                    })
+                    .collect();
                 let body = completions_body(t, DEFAULT_MODEL, false).to_string();
                 let expected = {
                     let snapshot = SnapshotIndex {
@@ -927,7 +959,8 @@ mod tests {
                 };
                 let chosen = view
                     .choose(r, &inflight, i as u64 * 1000, Attempt::Arrival)
-                    .ok();
+                    .ok()
+                    .map(|(pod, _)| pod);
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);
