@@ -315,6 +315,66 @@ fn long_conversations_follow_their_own_history_past_a_shared_head() {
     }
 }
 
+/// The pod a new session sharing a 32 KiB head goes to while the head's
+/// holder prefills two 48 KiB tool outputs of other sessions, and the
+/// holder, under `config`.
+fn new_session_while_the_holder_prefills(config: Value) -> (String, String) {
+    // Time scale 0.5: each 12k-token output takes ~1.4 s to prefill, and
+    // the pod prefills them one after the other.
+    let cluster = start(4, config, &["--time-scale", "0.5"], vec![]);
+    let head = text("coding agent head", 32 * 1024);
+    let holder =
+        served_by(&cluster.post("/v1/completions", &completion(&format!("{head} warm"), 1)));
+    cluster.wait_reports(2);
+    let listen = cluster.envoy.listen.clone();
+    let long_turns: Vec<_> = (0..2)
+        .map(|i| {
+            let body = completion(
+                &format!("{head} {}", text(&format!("tool output {i}"), 48 * 1024)),
+                1,
+            );
+            let listen = listen.clone();
+            let turn = std::thread::spawn(move || {
+                http::post_json(&listen, "/v1/completions", &body.to_string()).expect("response")
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            turn
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let new_session = served_by(&cluster.post(
+        "/v1/completions",
+        &completion(&format!("{head} {}", text("new session task", 2 * 1024)), 1),
+    ));
+    for turn in long_turns {
+        assert_eq!(
+            served_by(&turn.join().unwrap()),
+            holder,
+            "the long turns follow the head"
+        );
+    }
+    (new_session, holder)
+}
+
+#[test]
+fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
+    // Waiting behind ~24.6k queued tokens plus its own 512 on the holder
+    // against prefilling 8.7k on an idle pod: the prefill guard moves it.
+    let (new_session, holder) = new_session_while_the_holder_prefills(base_config());
+    assert_ne!(
+        new_session, holder,
+        "the new session waits behind the holder's prefills"
+    );
+    // With the guard off it follows its head.
+    let mut off = base_config();
+    off["balance"] = json!({"prefillSlackTokens": null});
+    let (new_session, holder) = new_session_while_the_holder_prefills(off);
+    assert_eq!(
+        new_session, holder,
+        "without the prefill guard the head's holder keeps it"
+    );
+}
+
 #[test]
 fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     // Slow pods (time scale 0.5, 4 concurrent) so 50 requests are all in
