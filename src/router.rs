@@ -433,12 +433,7 @@ impl Router {
             matched_blocks,
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
-            prefill_tokens: u32::try_from(
-                coverage
-                    .prompt_tokens()
-                    .saturating_sub(coverage.tokens(matched_blocks)),
-            )
-            .unwrap_or(u32::MAX),
+            prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
             degraded,
             fallback,
             stale_snapshot,

@@ -231,9 +231,6 @@ impl PodTable {
     }
 }
 
-/// One worker's in-flight counts as published: the nonce of the worker
-/// that wrote them (so a worker can tell its key was claimed twice), then
-/// one u32 per pod slot.
 /// One pod slot's in-flight load, as a worker publishes it and a reader
 /// sums it over the workers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -247,7 +244,9 @@ pub struct SlotLoad {
 
 const SLOT_LOAD_BYTES: usize = 8;
 
-/// A worker's value: `nonce`, then each slot's load.
+/// One worker's in-flight loads as published: the nonce of the worker
+/// that wrote them (so a worker can tell its key was claimed twice), then
+/// each slot's [`SlotLoad`], 8 bytes.
 pub fn encode_inflight(nonce: u64, loads: &[SlotLoad]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(8 + loads.len() * SLOT_LOAD_BYTES);
     bytes.extend_from_slice(&nonce.to_le_bytes());

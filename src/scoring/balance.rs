@@ -135,8 +135,8 @@ pub fn over_share(
 
 /// Which of the candidates, with `queued` prompt tokens still to prefill
 /// and `uncached` tokens of this request to prefill there, would keep it
-/// waiting more than `balance.prefillSlackTokens` past the soonest one
-/// (see the module documentation).
+/// waiting both `balance.prefillSlackTokens` past and `balance.prefillRatio`
+/// times the soonest one (see the module documentation).
 pub fn prefill_behind(queued: &[u64], uncached: &[u64], balance: &BalanceConfig) -> Vec<bool> {
     let wait: Vec<u64> = queued
         .iter()

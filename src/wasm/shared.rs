@@ -10,7 +10,7 @@
 //! `kvroute/workers`), keeps its own loads locally and writes them whole
 //! to `kvroute/inflight/{w}` on every change — one plain write, as no one
 //! else writes that key. A reader adds every other worker's key to its own
-//! counts. So a decision sees every request another worker routed (and
+//! loads. So a decision sees every request another worker routed (and
 //! every one it released) before that decision started, as the single
 //! CAS-updated counter did: a herd spreads across workers just as fast.
 //! The staleness accepted is in the worker count only: it is re-read when

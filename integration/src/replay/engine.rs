@@ -311,6 +311,14 @@ impl Pod {
         }
     }
 
+    /// What the filter's in-flight value says of this pod.
+    fn slot_load(&self) -> SlotLoad {
+        SlotLoad {
+            requests: self.inflight,
+            prefill_tokens: self.queued_prefill,
+        }
+    }
+
     /// In prefill or decode (as `kvroute-sim` reports `running`).
     fn running(&self) -> usize {
         self.slots_used - self.prefill_queued
@@ -627,14 +635,7 @@ impl<'a> Simulation<'a> {
         let mut prefill_tokens = 0;
         let pod = match &mut self.chooser {
             Chooser::Kvroute(view) => {
-                let loads: Vec<SlotLoad> = self
-                    .pods
-                    .iter()
-                    .map(|p| SlotLoad {
-                        requests: p.inflight,
-                        prefill_tokens: p.queued_prefill,
-                    })
-                    .collect();
+                let loads: Vec<SlotLoad> = self.pods.iter().map(Pod::slot_load).collect();
                 match view.choose(request, &loads, now / 1000, attempt) {
                     Ok((pod, prefill)) => {
                         prefill_tokens = prefill;
@@ -929,13 +930,7 @@ mod tests {
                     }
                     view.publish(now);
                 }
-                let inflight: Vec<SlotLoad> = pods
-                    .iter()
-                    .map(|p| SlotLoad {
-                        requests: p.inflight,
-                        prefill_tokens: p.queued_prefill,
-                    })
-                    .collect();
+                let inflight: Vec<SlotLoad> = pods.iter().map(Pod::slot_load).collect();
                 let body = completions_body(t, DEFAULT_MODEL, false).to_string();
                 let expected = {
                     let snapshot = SnapshotIndex {
