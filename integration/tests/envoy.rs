@@ -250,14 +250,16 @@ fn multi_turn_conversations_stick_to_their_pod() {
         distinct.len() >= 3,
         "conversations collapsed onto {distinct:?}"
     );
-    let busiest = distinct
-        .iter()
-        .map(|pod| first_pod.iter().filter(|p| p == pod).count())
-        .max()
-        .unwrap_or(0);
+    // All 16 are in flight together, so the in-flight guard (default
+    // absThreshold 6) gives no pod an opening once it runs 7 more than the
+    // least busy one: 9 / 3 / 2 / 2 is within it, 10 / 2 / 2 / 2 is not.
+    let openings = |pod: &str| first_pod.iter().filter(|p| *p == pod).count();
+    let per_pod: Vec<usize> = (0..4).map(|i| openings(&format!("pod-{i}"))).collect();
+    let busiest = per_pod.iter().copied().max().unwrap_or(0);
+    let least = per_pod.iter().copied().min().unwrap_or(0);
     assert!(
-        busiest <= 8,
-        "{busiest} of 16 conversations on one pod: {first_pod:?}"
+        busiest <= least + 7,
+        "openings per pod {per_pod:?}: {first_pod:?}"
     );
 }
 
