@@ -29,7 +29,7 @@
 //! partial block is not hashed (an engine cannot reuse it either).
 //! Hashing is O(min(len, covered(maxPrefixBlocks))) bytes.
 
-use xxhash_rust::xxh64::xxh64;
+use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 use crate::config::{Config, ModelTarget};
 use crate::request::Prompt;
@@ -87,6 +87,25 @@ pub struct BlockLayout {
 }
 
 impl BlockLayout {
+    /// The configured layout of text prompts (sizes in bytes).
+    pub fn text(config: &Config) -> BlockLayout {
+        BlockLayout::configured(config, config.block_size_bytes)
+    }
+
+    /// The configured layout of token-ID prompts (sizes in tokens).
+    pub fn tokens(config: &Config) -> BlockLayout {
+        BlockLayout::configured(config, config.block_size_tokens)
+    }
+
+    fn configured(config: &Config, block_size: usize) -> BlockLayout {
+        BlockLayout {
+            block_size,
+            coarse_after: config.coarse_after_blocks,
+            coarse_factor: config.coarse_block_factor,
+            max_blocks: config.max_prefix_blocks,
+        }
+    }
+
     fn coarse_size(&self) -> usize {
         self.block_size.saturating_mul(self.coarse_factor)
     }
@@ -110,7 +129,7 @@ impl BlockLayout {
     }
 
     /// The prompt's whole blocks, in order, at most `max_blocks`.
-    fn blocks<'a, T>(&self, units: &'a [T]) -> impl Iterator<Item = &'a [T]> + 'a {
+    pub fn blocks<'a, T>(&self, units: &'a [T]) -> impl Iterator<Item = &'a [T]> + 'a {
         let split = units
             .len()
             .min(self.coarse_after.saturating_mul(self.block_size));
@@ -138,12 +157,85 @@ pub fn hash_tokens(seed: &ChainSeed, tokens: &[u32], layout: &BlockLayout) -> Ve
     chain_token_blocks(seed.0, layout.blocks(tokens))
 }
 
-/// Continues a token chain after the block whose hash is `previous` (the
-/// seed's value for a prompt's first block): the hashes of the whole
-/// `block_size`-token blocks of `tokens`. The vLLM bridge derives kvroute's
-/// keys this way from the token IDs of stored blocks and their parent's key.
-pub fn continue_token_chain(previous: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
-    chain_token_blocks(previous, tokens.chunks_exact(block_size.max(1)))
+/// A token chain fed one engine block (`layout.block_size` tokens) at a
+/// time, as the vLLM bridge learns a pod's blocks from its events: each
+/// engine block of the fine part completes one of the layout's blocks;
+/// past it, every `coarse_factor`-th completes a coarse block, whose
+/// hash is streamed over the engine blocks in between. So the keys are
+/// exactly [`hash_tokens`]'s for the same tokens. Cloned to branch: a
+/// cursor is what a block's children continue from.
+#[derive(Clone)]
+pub struct TokenChainCursor {
+    /// The last completed block's hash (the seed's value before the first).
+    previous: u64,
+    /// Whether any block was completed yet (`previous` is not the seed).
+    started: bool,
+    /// Engine blocks fed so far.
+    engine_blocks: usize,
+    /// The coarse block being streamed, seeded with `previous`.
+    partial: Option<Xxh64>,
+}
+
+/// What one engine block did to a [`TokenChainCursor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainStep {
+    /// It completed the layout's block with this hash, whose parent (in the
+    /// chain, `None` for the first) is `parent`.
+    Completed { key: u64, parent: Option<u64> },
+    /// It lies inside a coarse block still incomplete.
+    Inside,
+    /// It lies past `max_blocks`, where the router does not look.
+    PastCap,
+}
+
+impl TokenChainCursor {
+    pub fn new(seed: &ChainSeed) -> TokenChainCursor {
+        TokenChainCursor {
+            previous: seed.0,
+            started: false,
+            engine_blocks: 0,
+            partial: None,
+        }
+    }
+
+    /// Engine blocks fed so far (the depth of the last one).
+    pub fn engine_blocks(&self) -> usize {
+        self.engine_blocks
+    }
+
+    /// Feeds the next engine block's tokens (`layout.block_size` of them).
+    pub fn push(&mut self, tokens: &[u32], layout: &BlockLayout) -> ChainStep {
+        let depth = self.engine_blocks;
+        self.engine_blocks += 1;
+        let coarse_factor = layout.coarse_factor.max(1);
+        let (block, last_part) = if depth < layout.coarse_after {
+            (depth, true)
+        } else {
+            let past = depth - layout.coarse_after;
+            (
+                layout.coarse_after + past / coarse_factor,
+                past % coarse_factor == coarse_factor - 1,
+            )
+        };
+        if block >= layout.max_blocks {
+            return ChainStep::PastCap;
+        }
+        let partial = self
+            .partial
+            .get_or_insert_with(|| Xxh64::new(self.previous));
+        for token in tokens {
+            partial.update(&token.to_le_bytes());
+        }
+        if !last_part {
+            return ChainStep::Inside;
+        }
+        let key = partial.digest();
+        self.partial = None;
+        let parent = self.started.then_some(self.previous);
+        self.previous = key;
+        self.started = true;
+        ChainStep::Completed { key, parent }
+    }
 }
 
 /// Chains `blocks` of token IDs, each as 4 little-endian bytes a token.
@@ -172,16 +264,10 @@ pub struct BlockHasher {
 
 impl BlockHasher {
     pub fn from_config(config: &Config) -> BlockHasher {
-        let layout = |block_size| BlockLayout {
-            block_size,
-            coarse_after: config.coarse_after_blocks,
-            coarse_factor: config.coarse_block_factor,
-            max_blocks: config.max_prefix_blocks,
-        };
         BlockHasher {
             secret: config.hash_seed.clone(),
-            text: layout(config.block_size_bytes),
-            tokens: layout(config.block_size_tokens),
+            text: BlockLayout::text(config),
+            tokens: BlockLayout::tokens(config),
         }
     }
 
@@ -386,6 +472,54 @@ mod tests {
         let whole = hash_bytes(&seed, &longer, &layout.uncapped());
         assert_eq!(whole.len(), 7);
         assert_eq!(whole[..4], hash_bytes(&seed, &longer, &layout)[..]);
+    }
+
+    #[test]
+    fn a_cursor_fed_engine_blocks_yields_the_token_chain() {
+        let seed = ChainSeed::new("", "m", None, BlockMode::Tokens);
+        let layout = BlockLayout {
+            block_size: 2,
+            coarse_after: 2,
+            coarse_factor: 3,
+            max_blocks: 4,
+        };
+        // 2 fine blocks, 2 coarse ones of 3 engine blocks, then past the cap.
+        let tokens: Vec<u32> = (0..22).collect();
+        let mut cursor = TokenChainCursor::new(&seed);
+        let steps: Vec<ChainStep> = tokens
+            .chunks_exact(2)
+            .map(|engine_block| cursor.push(engine_block, &layout))
+            .collect();
+        let chain = hash_tokens(&seed, &tokens, &layout);
+        assert_eq!(chain.len(), 4);
+        let completed = |i: usize| ChainStep::Completed {
+            key: chain[i],
+            parent: i.checked_sub(1).map(|p| chain[p]),
+        };
+        use ChainStep::{Inside, PastCap};
+        assert_eq!(
+            steps,
+            [
+                completed(0),
+                completed(1),
+                Inside,
+                Inside,
+                completed(2),
+                Inside,
+                Inside,
+                completed(3),
+                PastCap,
+                PastCap,
+                PastCap
+            ]
+        );
+        assert_eq!(cursor.engine_blocks(), 11);
+        // A clone branches: both continue from the same block.
+        let mut branch = TokenChainCursor::new(&seed);
+        branch.push(&[0, 1], &layout);
+        let mut other = branch.clone();
+        assert_eq!(branch.push(&[2, 3], &layout), completed(1));
+        assert_ne!(other.push(&[9, 9], &layout), completed(1));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //!
 //! Each cache change becomes one batch: the cache's logged events since
 //! the last batch, stored blocks grouped into chains as vLLM groups a
-//! request's new blocks. Only token-ID prompts are published (vLLM caches
+//! request's new blocks. The sim's coarse blocks (past `coarseAfterBlocks`)
+//! are published as the vLLM blocks they span, removed tail first. Only token-ID prompts are published (vLLM caches
 //! tokens; the sim has no tokenizer for text prompts). vLLM's block hashes
 //! are opaque to consumers, so the sim publishes its own opaque ones (not
 //! kvroute's keys), and the bridge has to derive kvroute's keys from the
@@ -20,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use kvroute::hashing::BlockLayout;
 use kvroute_vllm_bridge::wire::{encode_batch, KvEvent, Shape};
 use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -37,12 +39,14 @@ pub struct PublisherOptions {
     /// Batches kept for replay (vLLM's `buffer_steps`).
     pub buffer_steps: usize,
     pub shape: Shape,
-    /// Tokens per block (vLLM's `block_size`, the sim's `blockSizeTokens`).
-    pub block_size: usize,
+    /// The sim's token layout (uncapped): its blocks of `block_size`
+    /// tokens (vLLM's) and, past `coarse_after`, its coarse ones, each
+    /// published as the `coarse_factor` vLLM blocks it spans.
+    pub layout: BlockLayout,
 }
 
-/// A block's tokens and adapter, kept from its admission until its
-/// removal is published.
+/// A block's tokens (one vLLM block's, or a coarse block's several) and
+/// adapter, kept from its admission until its removal is published.
 struct BlockTokens {
     tokens: Vec<u32>,
     lora_name: Option<String>,
@@ -65,9 +69,12 @@ pub struct Publisher {
     outgoing: mpsc::UnboundedSender<ZmqMessage>,
 }
 
-/// The opaque hash published for kvroute key `key`.
-fn vllm_hash(key: u64) -> u64 {
-    xxhash_rust::xxh64::xxh64(&key.to_le_bytes(), 0x766c_6c6d)
+/// The opaque hash published for the vLLM block `from_end` blocks before
+/// the end of kvroute block `key` (0: its last, the one its children
+/// name as parent).
+fn vllm_hash(key: u64, from_end: usize) -> u64 {
+    let material = [key.to_le_bytes(), (from_end as u64).to_le_bytes()].concat();
+    xxhash_rust::xxh64::xxh64(&material, 0x766c_6c6d)
 }
 
 fn now() -> f64 {
@@ -159,10 +166,7 @@ impl Publisher {
     /// `chain`) so their stored events can carry token IDs.
     pub fn admit(&self, chain: &[u64], tokens: &[u32], lora_name: Option<&str>) {
         let mut state = self.lock();
-        for (key, block) in chain
-            .iter()
-            .zip(tokens.chunks_exact(self.options.block_size))
-        {
+        for (key, block) in chain.iter().zip(self.options.layout.blocks(tokens)) {
             state.blocks.entry(*key).or_insert_with(|| BlockTokens {
                 tokens: block.to_vec(),
                 lora_name: lora_name.map(str::to_string),
@@ -185,18 +189,19 @@ impl Publisher {
         let mut removed_any = false;
         for event in events {
             if !event.stored {
-                let Some(_) = state.blocks.remove(&event.hash) else {
+                let Some(block) = state.blocks.remove(&event.hash) else {
                     continue;
                 };
                 removed_any = true;
                 if cleared {
                     continue;
                 }
-                let hash = vllm_hash(event.hash);
+                // Tail first, as vLLM frees a request's blocks.
+                let hashes = (0..self.vllm_blocks(&block)).map(|i| vllm_hash(event.hash, i));
                 match batch.last_mut() {
-                    Some(KvEvent::Removed { block_hashes, .. }) => block_hashes.push(hash),
+                    Some(KvEvent::Removed { block_hashes, .. }) => block_hashes.extend(hashes),
                     _ => batch.push(KvEvent::Removed {
-                        block_hashes: vec![hash],
+                        block_hashes: hashes.collect(),
                         medium: Some("GPU".into()),
                     }),
                 }
@@ -205,7 +210,11 @@ impl Publisher {
             let Some(block) = state.blocks.get(&event.hash) else {
                 continue;
             };
-            let parent = event.parent.map(vllm_hash);
+            let parent = event.parent.map(|parent| vllm_hash(parent, 0));
+            let hashes: Vec<u64> = (0..self.vllm_blocks(block))
+                .rev()
+                .map(|i| vllm_hash(event.hash, i))
+                .collect();
             // A block continuing the previous stored chain joins it.
             if let Some(KvEvent::Stored {
                 block_hashes,
@@ -215,16 +224,16 @@ impl Publisher {
             }) = batch.last_mut()
             {
                 if block_hashes.last().copied() == parent && *lora_name == block.lora_name {
-                    block_hashes.push(vllm_hash(event.hash));
+                    block_hashes.extend(hashes);
                     token_ids.extend_from_slice(&block.tokens);
                     continue;
                 }
             }
             batch.push(KvEvent::Stored {
-                block_hashes: vec![vllm_hash(event.hash)],
+                block_hashes: hashes,
                 parent_block_hash: parent,
                 token_ids: block.tokens.clone(),
-                block_size: self.options.block_size,
+                block_size: self.options.layout.block_size,
                 lora_id: block.lora_name.as_ref().map(|_| 1),
                 medium: Some("GPU".into()),
                 lora_name: block.lora_name.clone(),
@@ -239,6 +248,11 @@ impl Publisher {
         }
         let payload = encode_batch(now(), &batch, 0, self.options.shape);
         self.send(&mut state, Bytes::from(payload));
+    }
+
+    /// The vLLM blocks `block` spans.
+    fn vllm_blocks(&self, block: &BlockTokens) -> usize {
+        block.tokens.len() / self.options.layout.block_size.max(1)
     }
 
     /// Numbers, buffers and (unless dropped) sends one payload.

@@ -47,6 +47,7 @@ use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use kvroute::config::Config;
+use kvroute::hashing::BlockLayout;
 use kvroute::report_log::{new_epoch, random_u64};
 use kvroute::request::{parse_request, Prompt};
 use kvroute_vllm_bridge::wire::Shape;
@@ -348,7 +349,7 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
                 topic: options.kv_topic.clone(),
                 buffer_steps: options.kv_replay_buffer,
                 shape: options.kv_events_format,
-                block_size: config.block_size_tokens,
+                layout: BlockLayout::tokens(&config).uncapped(),
             })
             .await?,
         ),

@@ -19,13 +19,15 @@ use serde_json::json;
 
 const SIM: &str = env!("CARGO_BIN_EXE_kvroute-sim");
 
-/// 16-token blocks; `m` and its adapter `m-lora` (vLLM's `lora_name`
-/// `lora-a`).
+/// 16-token blocks, coarse ones of 2 past the 4th (so short prompts cross
+/// into them); `m` and its adapter `m-lora` (vLLM's `lora_name` `lora-a`).
 fn config_file(dir: &Path) -> PathBuf {
     std::fs::create_dir_all(dir).expect("temp dir");
     let file = dir.join("kvroute.json");
     let config = json!({
         "blockSizeTokens": 16,
+        "coarseAfterBlocks": 4,
+        "coarseBlockFactor": 2,
         "pods": [{"id": "pod-0", "address": "127.0.0.1:1"}],
         "models": {
             "m": {"baseModel": "m"},
@@ -185,8 +187,9 @@ fn the_bridge_reports_exactly_the_pods_cache() {
         pod.complete("m", &longer);
         pod.complete("m-lora", &shared);
         let held = converged(&pod, &running);
-        // 6 + 3 (sharing 6) + 6 for the adapter.
-        assert_eq!(held.len(), 15, "{format}");
+        // kvroute blocks: 4 fine + 1 coarse; + 1 coarse (9 vLLM blocks,
+        // the 9th inside an incomplete coarse one); + 5 for the adapter.
+        assert_eq!(held.len(), 11, "{format}");
         // Past the 40-block capacity: evictions.
         for seed in 3..8 {
             pod.complete("m", &prompt(seed, 8));
@@ -308,8 +311,9 @@ fn routed(cluster: &Cluster, model: &str, tokens: &[u32]) -> (String, String) {
 }
 
 /// Three sims publishing vLLM KV events, one bridge each, kvroute pulling
-/// reports only from the bridges (`reportAddress`). A 4096-token prefix
-/// is cached on a pod directly (kvroute made no decision, so only the
+/// reports only from the bridges (`reportAddress`). A 4,608-token prefix
+/// (256 fine blocks and 2 coarse ones of the default layout) is cached on
+/// a pod directly (kvroute made no decision, so only the
 /// bridge can tell it): 10/10 requests sharing it go to that pod, for the
 /// base model, and — the same tokens cached under the LoRA adapter on
 /// another pod — 10/10 adapter requests go to that one.
@@ -369,7 +373,7 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
                 .expect("bridge starts")
         })
         .collect();
-    let prefix: Vec<u32> = (0..4096).map(|i| 1000 + i * 7 % 50_000).collect();
+    let prefix: Vec<u32> = (0..4608).map(|i| 1000 + i * 7 % 50_000).collect();
     for (model, holder) in [("m", 1), ("m-lora", 2)] {
         let mut warm = prefix.clone();
         warm.extend([1, 2, 3]);
@@ -385,7 +389,7 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
     // Bridges have the blocks, then kvroute has the bridges' reports.
     for holder in [1, 2] {
         let deadline = Instant::now() + Duration::from_secs(5);
-        while report_blocks(&listens[holder]).1.len() < 256 {
+        while report_blocks(&listens[holder]).1.len() < 258 {
             assert!(Instant::now() < deadline, "bridge {holder} lags");
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -397,7 +401,8 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
             tokens.extend([60_000 + i, 7, 7]);
             let (pod, matched) = routed(&cluster, model, &tokens);
             assert_eq!(pod, holder, "{model} request {i} left the prefix's holder");
-            // Known from the bridge's report, from the first request on
+            // The whole prefix, coarse blocks included, known from the
+            // bridge's report from the first request on
             // (no earlier decision through kvroute to remember).
             let matched: f64 = matched.parse().expect("x-kvroute-cache-match");
             assert!(matched > 0.95, "{model} request {i}: cache match {matched}");

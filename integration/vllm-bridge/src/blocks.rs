@@ -2,16 +2,22 @@
 //!
 //! vLLM's block hashes are opaque, so each stored block gets the kvroute
 //! chain key of token mode instead, computed from the event's `token_ids`
-//! and the parent's kvroute key (the prompt's first block: the chain seed
-//! of the base model and the adapter, `lora_name`), exactly as the filter
-//! hashes a token-ID prompt. That needs `blockSizeTokens` = vLLM's
-//! `block_size`; a block of another size, or whose parent is unknown (it
-//! was stored before the bridge's history starts), is left out and
-//! counted: under-reporting costs a cache hit, never a stale route.
-//! Past the first `coarseAfterBlocks` blocks the filter hashes coarse
-//! blocks (`coarseBlockFactor` vLLM blocks each); the bridge does not key
-//! those yet, so with the default layout it reports a prompt's first
-//! 4,096 tokens (counted as `past_fine_blocks`).
+//! and the parent's chain (the prompt's first block: the chain seed of the
+//! base model and the adapter, `lora_name`), exactly as the filter hashes a
+//! token-ID prompt. That needs `blockSizeTokens` = vLLM's `block_size`; a
+//! block of another size, or whose parent is unknown (it was stored before
+//! the bridge's history starts), is left out and counted: under-reporting
+//! costs a cache hit, never a stale route.
+//!
+//! The filter's layout is followed to its end ([`TokenChainCursor`]): each
+//! of the first `coarseAfterBlocks` vLLM blocks is one kvroute block; past
+//! them a kvroute block spans `coarseBlockFactor` vLLM blocks and is keyed
+//! when vLLM stores the last of them; past `maxPrefixBlocks` kvroute blocks
+//! (462,848 tokens by default), where the router does not look, blocks are
+//! counted and left out. vLLM blocks inside a coarse block carry no key of
+//! their own, only the chain state their children continue from. A coarse
+//! key goes with the vLLM block that completed it: vLLM frees a request's
+//! blocks tail first, so the blocks inside it are evicted after it.
 //!
 //! The vLLM → kvroute mapping is kept so `BlockRemoved` can be applied.
 //! Several vLLM blocks may carry one kvroute key (vLLM also hashes
@@ -21,7 +27,7 @@
 
 use std::collections::HashMap;
 
-use kvroute::hashing::{continue_token_chain, BlockMode, ChainSeed};
+use kvroute::hashing::{BlockLayout, BlockMode, ChainSeed, ChainStep, TokenChainCursor};
 use kvroute::report::StoredChain;
 use kvroute::report_log::{chain_segments, ReportLog};
 use serde_json::{Map, Value};
@@ -33,20 +39,21 @@ use crate::wire::KvEvent;
 pub struct Hashing {
     pub secret: String,
     pub base_model: String,
-    pub block_size_tokens: usize,
-    /// Blocks of a chain the bridge keys: the filter's blocks of
-    /// `blockSizeTokens` (`coarseAfterBlocks`, or all with uniform blocks).
-    pub fine_blocks: usize,
+    /// The filter's token layout: `blockSizeTokens` (vLLM's `block_size`),
+    /// `coarseAfterBlocks`, `coarseBlockFactor`, `maxPrefixBlocks`.
+    pub layout: BlockLayout,
     /// Adapter names by vLLM's `lora_id`, for older vLLM whose events
     /// carry no `lora_name`.
     pub lora_ids: HashMap<i64, String>,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 struct Mapped {
-    key: u64,
-    /// Blocks in its chain, itself included.
-    depth: usize,
+    /// The kvroute key this vLLM block completed (`None`: inside a coarse
+    /// block, or past the cap).
+    key: Option<u64>,
+    /// The chain up to and including this block, for its children.
+    chain: TokenChainCursor,
     /// How many times vLLM stored this hash without removing it.
     refs: u32,
 }
@@ -68,15 +75,15 @@ pub struct Skipped {
     /// An adapter given only as a `lora_id` not in `--lora-id` (no name to
     /// seed with).
     pub unnamed_adapter: u64,
-    /// Past the fine blocks, where the filter's blocks are coarse.
-    pub past_fine_blocks: u64,
+    /// Past `maxPrefixBlocks`, where the router does not look.
+    pub past_cap: u64,
 }
 
 /// The pod's blocks, keyed by kvroute chain keys (see the module docs).
 pub struct PodBlocks {
     hashing: Hashing,
     /// Chain seeds per adapter (`None`: the base model).
-    seeds: HashMap<Option<String>, u64>,
+    seeds: HashMap<Option<String>, ChainSeed>,
     vllm: HashMap<u64, Mapped>,
     keys: HashMap<u64, Key>,
     log: ReportLog,
@@ -113,9 +120,9 @@ impl PodBlocks {
         self.log.seq()
     }
 
-    fn seed(&mut self, adapter: Option<&str>) -> u64 {
+    fn chain_start(&mut self, adapter: Option<&str>) -> TokenChainCursor {
         let hashing = &self.hashing;
-        *self
+        let seed = self
             .seeds
             .entry(adapter.map(str::to_string))
             .or_insert_with(|| {
@@ -125,8 +132,8 @@ impl PodBlocks {
                     adapter,
                     BlockMode::Tokens,
                 )
-                .value()
-            })
+            });
+        TokenChainCursor::new(seed)
     }
 
     /// Applies one event.
@@ -142,7 +149,7 @@ impl PodBlocks {
                 ..
             } => {
                 let blocks = block_hashes.len() as u64;
-                if *block_size != self.hashing.block_size_tokens
+                if *block_size != self.hashing.layout.block_size
                     || token_ids.len() != block_hashes.len() * block_size
                 {
                     self.skipped.wrong_size += blocks;
@@ -159,45 +166,41 @@ impl PodBlocks {
                     },
                     (None, _) => None,
                 };
-                let parent = match parent_block_hash {
-                    None => None,
+                let mut chain = match parent_block_hash {
+                    None => self.chain_start(adapter.as_deref()),
                     Some(hash) => match self.vllm.get(hash) {
-                        Some(mapped) => Some((mapped.key, mapped.depth)),
+                        Some(parent) => parent.chain.clone(),
                         None => {
                             self.skipped.unknown_parent += blocks;
                             return;
                         }
                     },
                 };
-                let (previous, parent_depth) = match parent {
-                    Some(found) => found,
-                    None => (self.seed(adapter.as_deref()), 0),
-                };
-                let keyed = self
-                    .hashing
-                    .fine_blocks
-                    .saturating_sub(parent_depth)
-                    .min(block_hashes.len());
-                self.skipped.past_fine_blocks += (block_hashes.len() - keyed) as u64;
-                let keys =
-                    continue_token_chain(previous, &token_ids[..keyed * block_size], *block_size);
-                let mut parent = parent.map(|(key, _)| key);
-                for (depth, (&hash, key)) in (parent_depth + 1..).zip(block_hashes.iter().zip(keys))
+                for (&hash, tokens) in block_hashes.iter().zip(token_ids.chunks_exact(*block_size))
                 {
+                    let key = match chain.push(tokens, &self.hashing.layout) {
+                        ChainStep::Completed { key, parent } => {
+                            let entry = self.keys.entry(key).or_insert(Key { parent, refs: 0 });
+                            entry.refs += 1;
+                            if entry.refs == 1 {
+                                self.log.push(key, parent, true);
+                            }
+                            Some(key)
+                        }
+                        ChainStep::Inside => None,
+                        ChainStep::PastCap => {
+                            self.skipped.past_cap += 1;
+                            None
+                        }
+                    };
                     self.vllm
                         .entry(hash)
                         .and_modify(|m| m.refs += 1)
-                        .or_insert(Mapped {
+                        .or_insert_with(|| Mapped {
                             key,
-                            depth,
+                            chain: chain.clone(),
                             refs: 1,
                         });
-                    let entry = self.keys.entry(key).or_insert(Key { parent, refs: 0 });
-                    entry.refs += 1;
-                    if entry.refs == 1 {
-                        self.log.push(key, parent, true);
-                    }
-                    parent = Some(key);
                 }
             }
             KvEvent::Removed { block_hashes, .. } => {
@@ -210,6 +213,7 @@ impl PodBlocks {
                     if mapped.refs == 0 {
                         self.vllm.remove(hash);
                     }
+                    let Some(key) = key else { continue };
                     if let Some(held) = self.keys.get_mut(&key) {
                         held.refs -= 1;
                         if held.refs == 0 {
@@ -258,6 +262,14 @@ mod tests {
     use super::*;
     use kvroute::hashing::{hash_tokens, BlockLayout};
 
+    /// 3 fine blocks of 2 tokens, then 2 coarse ones of 2 vLLM blocks.
+    const LAYOUT: BlockLayout = BlockLayout {
+        block_size: 2,
+        coarse_after: 3,
+        coarse_factor: 2,
+        max_blocks: 5,
+    };
+
     fn uniform(size: usize) -> BlockLayout {
         BlockLayout {
             block_size: size,
@@ -272,8 +284,7 @@ mod tests {
             Hashing {
                 secret: "s".into(),
                 base_model: "m".into(),
-                block_size_tokens: 2,
-                fine_blocks: 3,
+                layout: LAYOUT,
                 lora_ids: HashMap::from([(7, "a".to_string())]),
             },
             100,
@@ -329,6 +340,40 @@ mod tests {
     }
 
     #[test]
+    fn coarse_blocks_are_keyed_when_vllm_stores_their_last_block() {
+        let mut pod = blocks();
+        let tokens: Vec<u32> = (1..=14).collect();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let filter = hash_tokens(&seed, &tokens, &LAYOUT);
+        assert_eq!(filter.len(), 5);
+        // One request stores 4 blocks (3 fine, half a coarse one), the next
+        // one continues it, a third branches off inside the coarse block.
+        pod.apply(&stored(&[10, 11, 12, 13], None, &tokens[..8], None));
+        assert_eq!(pod.len(), 3);
+        pod.apply(&stored(&[14, 15, 16], Some(13), &tokens[8..14], None));
+        assert_eq!(pod.len(), 5);
+        for key in &filter {
+            assert!(pod.contains(*key));
+        }
+        pod.apply(&stored(&[24], Some(13), &[99, 99], None));
+        let branch = [&tokens[..8], &[99, 99]].concat();
+        assert!(pod.contains(hash_tokens(&seed, &branch, &LAYOUT)[3]));
+        assert_eq!(pod.len(), 6);
+        // The coarse key goes with the block that completed it.
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![16],
+            medium: None,
+        });
+        assert!(!pod.contains(filter[4]) && pod.contains(filter[3]));
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![15, 14],
+            medium: None,
+        });
+        assert!(!pod.contains(filter[3]) && pod.contains(filter[2]));
+        assert_eq!(pod.skipped, Skipped::default());
+    }
+
+    #[test]
     fn a_key_stays_while_any_vllm_block_holds_it() {
         let mut pod = blocks();
         // Same tokens, two vLLM hashes (e.g. two cache_salts).
@@ -370,16 +415,18 @@ mod tests {
             lora_name: None,
         });
         assert!(pod.is_empty());
-        // Three fine blocks are keyed; the fourth is where coarse ones begin.
+        // Past the 5th kvroute block (3 fine + 2 × 2 vLLM blocks) the
+        // router does not look.
+        let tokens: Vec<u32> = (1..=18).collect();
         pod.apply(&stored(
-            &[14, 15, 16, 17],
+            &[14, 15, 16, 17, 18, 19, 20, 21, 22],
             None,
-            &[1, 2, 3, 4, 5, 6, 7, 8],
+            &tokens,
             None,
         ));
-        assert_eq!(pod.len(), 3);
+        assert_eq!(pod.len(), 5);
         pod.apply(&KvEvent::Removed {
-            block_hashes: vec![14, 15, 16, 17],
+            block_hashes: vec![14, 15, 16, 17, 18, 19, 20, 21, 22],
             medium: None,
         });
         assert!(pod.is_empty());
@@ -389,13 +436,13 @@ mod tests {
                 unknown_parent: 1,
                 wrong_size: 1,
                 unnamed_adapter: 1,
-                past_fine_blocks: 1,
+                past_cap: 2,
             }
         );
         pod.apply(&stored(&[10], None, &[1, 2], None));
         pod.apply(&KvEvent::AllCleared);
         assert!(pod.is_empty());
-        // 3 stored and 3 removed fine blocks, then one stored and cleared.
-        assert_eq!(pod.seq(), 8);
+        // 5 stored and 5 removed, then one stored and cleared.
+        assert_eq!(pod.seq(), 12);
     }
 }

@@ -18,6 +18,8 @@ use std::sync::Arc;
 use clap::Parser;
 use tokio::net::TcpListener;
 
+use kvroute::hashing::BlockLayout;
+
 use crate::blocks::Hashing;
 use crate::bridge::{Bridge, Endpoints};
 
@@ -115,12 +117,7 @@ pub async fn start(options: Options) -> Result<Running, String> {
     let hashing = Hashing {
         secret: config.hash_seed.clone(),
         base_model: options.base_model.clone(),
-        block_size_tokens: config.block_size_tokens,
-        fine_blocks: if config.coarse_block_factor > 1 {
-            config.coarse_after_blocks
-        } else {
-            usize::MAX
-        },
+        layout: BlockLayout::tokens(&config),
         lora_ids: options
             .lora_id
             .iter()

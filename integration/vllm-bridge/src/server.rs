@@ -155,10 +155,10 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         skipped.unnamed_adapter,
     );
     metric(
-        "kvbridge_blocks_skipped_past_fine_blocks_total",
+        "kvbridge_blocks_skipped_past_cap_total",
         "counter",
-        "Stored blocks left out: past coarseAfterBlocks, where the filter's blocks are coarse.",
-        skipped.past_fine_blocks,
+        "Stored blocks left out: past maxPrefixBlocks, where the router does not look.",
+        skipped.past_cap,
     );
     metric(
         "kvbridge_blocks",
