@@ -121,7 +121,7 @@ fn build() -> Fixture {
         .collect();
     let system_chains: Vec<Vec<u64>> = system_texts
         .iter()
-        .map(|t| hasher.chain(&target, &Prompt::Text(t.clone())))
+        .map(|t| hasher.chain(&target, &Prompt::Text(t.clone()), None))
         .collect();
 
     let mut tree = PrefixTree::with_change_log(INDEX_BLOCKS);
@@ -153,7 +153,7 @@ fn build() -> Fixture {
     ));
     assert_eq!(prompt_text.len(), 16 * 1024);
     let prompt = Prompt::Text(prompt_text);
-    let chain = hasher.chain(&target, &prompt);
+    let chain = hasher.chain(&target, &prompt, None);
     assert_eq!(chain.len(), PROMPT_BLOCKS);
     tree.insert_chain(7, None, &chain);
     tree.insert_chain(23, None, &chain);
@@ -214,7 +214,7 @@ fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> V
 }
 
 fn end_to_end(f: &Fixture, index: &impl PrefixLookup, tie_breaker: u64) -> Decision {
-    let chain = f.hasher.chain(&f.target, black_box(&f.prompt));
+    let chain = f.hasher.chain(&f.target, black_box(&f.prompt), None);
     let matched = index.lookup(&chain);
     let cands = candidates(&f.pods, &matched, chain.len());
     f.policy.decide(&cands, false, tie_breaker, true)
@@ -260,13 +260,13 @@ fn routing(c: &mut Criterion) {
         })
     });
     group.bench_function("hash_16KiB", |b| {
-        b.iter(|| f.hasher.chain(&f.target, black_box(&f.prompt)))
+        b.iter(|| f.hasher.chain(&f.target, black_box(&f.prompt), None))
     });
     // A token-ID prompt of the same 16 KiB (4096 IDs, 256 blocks of 16):
     // the chain the vLLM bridge derives from vLLM's events.
     let tokens = Prompt::Tokens((0..4096u32).map(|i| i * 31 % 50_000).collect());
     group.bench_function("hash_4096_tokens", |b| {
-        b.iter(|| f.hasher.chain(&f.target, black_box(&tokens)))
+        b.iter(|| f.hasher.chain(&f.target, black_box(&tokens), None))
     });
     group.bench_function("end_to_end_tree", |b| {
         b.iter(|| {

@@ -71,6 +71,15 @@ impl ChainSeed {
         ChainSeed(xxh64(&material, 0))
     }
 
+    /// The seed of requests carrying vLLM's `cache_salt` `salt` (`None`:
+    /// this seed): vLLM never shares a salted block with another salt's.
+    pub fn salted(self, salt: Option<&str>) -> ChainSeed {
+        match salt {
+            Some(salt) => ChainSeed(xxh64(&[b"cache_salt\0", salt.as_bytes()].concat(), self.0)),
+            None => self,
+        }
+    }
+
     pub fn value(&self) -> u64 {
         self.0
     }
@@ -289,20 +298,15 @@ impl BlockHasher {
         }
     }
 
-    /// The block chain of `prompt` for a request that needs `target`.
-    pub fn chain(&self, target: &ModelTarget, prompt: &Prompt) -> Vec<u64> {
+    /// The block chain of `prompt` for a request that needs `target`, with
+    /// vLLM's `cache_salt` `salt`.
+    pub fn chain(&self, target: &ModelTarget, prompt: &Prompt, salt: Option<&str>) -> Vec<u64> {
         let adapter = target.adapter.as_deref();
+        let seed =
+            |mode| ChainSeed::new(&self.secret, &target.base_model, adapter, mode).salted(salt);
         match prompt {
-            Prompt::Text(bytes) => {
-                let seed =
-                    ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Text);
-                hash_bytes(&seed, bytes, &self.text)
-            }
-            Prompt::Tokens(tokens) => {
-                let seed =
-                    ChainSeed::new(&self.secret, &target.base_model, adapter, BlockMode::Tokens);
-                hash_tokens(&seed, tokens, &self.tokens)
-            }
+            Prompt::Text(bytes) => hash_bytes(&seed(BlockMode::Text), bytes, &self.text),
+            Prompt::Tokens(tokens) => hash_tokens(&seed(BlockMode::Tokens), tokens, &self.tokens),
         }
     }
 
@@ -530,7 +534,7 @@ mod tests {
             adapter: None,
         };
         let prompt = Prompt::Text(vec![b'x'; 512 * 1024]);
-        let chain = hasher.chain(&target, &prompt);
+        let chain = hasher.chain(&target, &prompt, None);
         assert_eq!(chain.len(), 256 + 496, "16 KiB fine, then 1 KiB blocks");
         let coverage = hasher.coverage(&prompt);
         assert_eq!(coverage.fraction(chain.len() as u32), 1.0);
@@ -540,7 +544,7 @@ mod tests {
         let short = Prompt::Text(vec![b'x'; 100]);
         assert_eq!(hasher.coverage(&short).fraction(1), 0.64);
         let tokens = Prompt::Tokens(vec![7; 300_000]);
-        assert_eq!(hasher.chain(&target, &tokens).len(), 256 + 1155);
+        assert_eq!(hasher.chain(&target, &tokens, None).len(), 256 + 1155);
         assert_eq!(Coverage::NONE.fraction(3), 0.0);
     }
 
@@ -552,11 +556,15 @@ mod tests {
             ChainSeed::new("", "m", Some("lora"), BlockMode::Text),
             ChainSeed::new("s", "m", None, BlockMode::Text),
             ChainSeed::new("", "m", None, BlockMode::Tokens),
+            ChainSeed::new("", "m", None, BlockMode::Text).salted(Some("tenant-a")),
+            ChainSeed::new("", "m", None, BlockMode::Text).salted(Some("tenant-b")),
+            ChainSeed::new("", "m", Some("lora"), BlockMode::Text).salted(Some("lora")),
         ];
         for (i, a) in seeds.iter().enumerate() {
             for b in &seeds[i + 1..] {
                 assert_ne!(a, b);
             }
         }
+        assert_eq!(seeds[0].clone().salted(None), seeds[0]);
     }
 }

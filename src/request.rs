@@ -10,6 +10,12 @@
 //!   0x1F, the text of its content (a string, or the `text` of each
 //!   `{"type": "text"}` part in order, parts separated by 0x1F), then 0x1E.
 //!   Non-text parts (images, audio) do not contribute.
+//!
+//! vLLM's `cache_salt` (a string, either endpoint) is kept apart: vLLM
+//! hashes it into a prompt's first block, so requests with different
+//! salts never share cache, and kvroute seeds their chains apart too
+//! ([`crate::hashing::ChainSeed::salted`]). An empty salt is no salt, as in
+//! vLLM.
 
 use serde_json::Value;
 
@@ -40,6 +46,8 @@ pub struct ParsedRequest {
     pub model: String,
     pub prompt: Prompt,
     pub stream: bool,
+    /// vLLM's `cache_salt` (`None`: absent or empty).
+    pub cache_salt: Option<String>,
 }
 
 /// Why a body could not be used for cache-aware routing. The message is
@@ -76,6 +84,11 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(RequestError("`stream` must be a boolean".into())),
     };
+    let cache_salt = match object.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(salt.clone()).filter(|s| !s.is_empty()),
+        Some(_) => return Err(RequestError("`cache_salt` must be a string".into())),
+    };
     let prompt = if chat {
         canonical_messages(object.get("messages"))?
     } else {
@@ -85,6 +98,7 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         model,
         prompt,
         stream,
+        cache_salt,
     })
 }
 
@@ -192,8 +206,24 @@ mod tests {
     }
 
     #[test]
+    fn cache_salt_is_kept_apart() {
+        let salt = |body: &[u8], chat| parse_request(body, chat).unwrap().cache_salt;
+        assert_eq!(
+            salt(br#"{"model":"m","prompt":"x","cache_salt":"t"}"#, false).as_deref(),
+            Some("t")
+        );
+        let chat = br#"{"model":"m","messages":[{"role":"user","content":"x"}],"cache_salt":"t"}"#;
+        assert_eq!(salt(chat, true).as_deref(), Some("t"));
+        assert_eq!(
+            salt(br#"{"model":"m","prompt":"x","cache_salt":""}"#, false),
+            None
+        );
+        assert_eq!(salt(br#"{"model":"m","prompt":"x"}"#, false), None);
+    }
+
+    #[test]
     fn errors_name_the_field() {
-        let cases: [(&[u8], bool, &str); 9] = [
+        let cases: [(&[u8], bool, &str); 10] = [
             (b"", false, "empty"),
             (b"\xff\x00binary", false, "not valid JSON"),
             (b"[1]", false, "JSON object"),
@@ -210,6 +240,11 @@ mod tests {
                 br#"{"model":"m","prompt":"x","stream":"yes"}"#,
                 false,
                 "`stream`",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","cache_salt":1}"#,
+                false,
+                "`cache_salt`",
             ),
         ];
         for (body, chat, needle) in cases {

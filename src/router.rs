@@ -560,7 +560,9 @@ impl Router {
         };
         match self.config.resolve_model(&request.model) {
             Some(target) => Ok(RoutingRequest {
-                chain: self.hasher.chain(&target, &request.prompt),
+                chain: self
+                    .hasher
+                    .chain(&target, &request.prompt, request.cache_salt.as_deref()),
                 coverage: self.hasher.coverage(&request.prompt),
                 adapter: target.adapter,
                 model: request.model,

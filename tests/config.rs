@@ -580,7 +580,7 @@ fn chains_separate_adapters_and_share_aliases() {
         .map(|i| b"You are a helpful support agent. "[i as usize % 33])
         .collect();
     let prompt = Prompt::Text(text);
-    let chain = |model: &str| hasher.chain(&config.resolve_model(model).unwrap(), &prompt);
+    let chain = |model: &str| hasher.chain(&config.resolve_model(model).unwrap(), &prompt, None);
     let base = chain("customer-support-v3");
     let enterprise = chain("customer-support-v3-enterprise");
     let billing = chain("customer-support-v3-billing");
@@ -602,11 +602,16 @@ fn chains_separate_adapters_and_share_aliases() {
     // The secret seed separates deployments.
     let mut seeded = config.clone();
     seeded.hash_seed = "s3cret".into();
-    let other = BlockHasher::from_config(&seeded).chain(&target("llama-3-8b", None), &prompt);
+    let other = BlockHasher::from_config(&seeded).chain(&target("llama-3-8b", None), &prompt, None);
     assert!(other.iter().all(|h| !base.contains(h)));
     // Token prompts: 16-token blocks.
     let tokens = Prompt::Tokens((0..100).collect());
-    assert_eq!(hasher.chain(&target("llama-3-8b", None), &tokens).len(), 6);
+    assert_eq!(
+        hasher
+            .chain(&target("llama-3-8b", None), &tokens, None)
+            .len(),
+        6
+    );
     // A 64-byte text block counts as 16 tokens; a token block is 16 tokens.
     assert_eq!(hasher.coverage(&prompt).tokens(1), 16);
     assert_eq!(hasher.coverage(&tokens).tokens(6), 96);

@@ -23,6 +23,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use kvroute::hashing::BlockLayout;
 use kvroute_vllm_bridge::wire::{encode_batch, KvEvent, Shape};
+use rmpv::Value as Msgpack;
 use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -45,11 +46,34 @@ pub struct PublisherOptions {
     pub layout: BlockLayout,
 }
 
-/// A block's tokens (one vLLM block's, or a coarse block's several) and
-/// adapter, kept from its admission until its removal is published.
+/// A block's tokens (one vLLM block's, or a coarse block's several),
+/// adapter and (a prompt's first block only) `cache_salt`, kept from its
+/// admission until its removal is published.
 struct BlockTokens {
     tokens: Vec<u32>,
     lora_name: Option<String>,
+    salt: Option<String>,
+}
+
+impl BlockTokens {
+    /// vLLM's `extra_keys` of each of the `vllm_blocks` this block spans:
+    /// the adapter's name in every one, the salt in the first; `None` for
+    /// a block with neither.
+    fn extra_keys(&self, vllm_blocks: usize) -> Vec<Option<Vec<Msgpack>>> {
+        (0..vllm_blocks)
+            .map(|i| {
+                let salt = self.salt.as_deref().filter(|_| i == 0);
+                let keys: Vec<Msgpack> = self
+                    .lora_name
+                    .as_deref()
+                    .into_iter()
+                    .chain(salt)
+                    .map(Msgpack::from)
+                    .collect();
+                (!keys.is_empty()).then_some(keys)
+            })
+            .collect()
+    }
 }
 
 struct State {
@@ -163,13 +187,25 @@ impl Publisher {
     }
 
     /// Keeps `tokens`' blocks (the admitted prompt whose kvroute chain is
-    /// `chain`) so their stored events can carry token IDs.
-    pub fn admit(&self, chain: &[u64], tokens: &[u32], lora_name: Option<&str>) {
+    /// `chain`, with vLLM's `cache_salt` `salt`) so their stored events can
+    /// carry token IDs and extra keys.
+    pub fn admit(
+        &self,
+        chain: &[u64],
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        salt: Option<&str>,
+    ) {
         let mut state = self.lock();
-        for (key, block) in chain.iter().zip(self.options.layout.blocks(tokens)) {
+        for (i, (key, block)) in chain
+            .iter()
+            .zip(self.options.layout.blocks(tokens))
+            .enumerate()
+        {
             state.blocks.entry(*key).or_insert_with(|| BlockTokens {
                 tokens: block.to_vec(),
                 lora_name: lora_name.map(str::to_string),
+                salt: salt.filter(|_| i == 0).map(str::to_string),
             });
         }
     }
@@ -211,21 +247,31 @@ impl Publisher {
                 continue;
             };
             let parent = event.parent.map(|parent| vllm_hash(parent, 0));
-            let hashes: Vec<u64> = (0..self.vllm_blocks(block))
+            let vllm_blocks = self.vllm_blocks(block);
+            let hashes: Vec<u64> = (0..vllm_blocks)
                 .rev()
                 .map(|i| vllm_hash(event.hash, i))
                 .collect();
-            // A block continuing the previous stored chain joins it.
+            let extra = block.extra_keys(vllm_blocks);
+            let extra = if extra.iter().all(Option::is_none) {
+                Vec::new()
+            } else {
+                extra
+            };
+            // A block continuing the previous stored chain joins it (a
+            // salted one opens a chain: it never continues one).
             if let Some(KvEvent::Stored {
                 block_hashes,
                 token_ids,
                 lora_name,
+                extra_keys,
                 ..
             }) = batch.last_mut()
             {
                 if block_hashes.last().copied() == parent && *lora_name == block.lora_name {
                     block_hashes.extend(hashes);
                     token_ids.extend_from_slice(&block.tokens);
+                    extra_keys.extend(extra);
                     continue;
                 }
             }
@@ -237,6 +283,7 @@ impl Publisher {
                 lora_id: block.lora_name.as_ref().map(|_| 1),
                 medium: Some("GPU".into()),
                 lora_name: block.lora_name.clone(),
+                extra_keys: extra,
             });
         }
         state.published = cache.seq();

@@ -604,8 +604,14 @@ impl PodModel {
     /// Admits a request to prefill: loads its adapter if needed and counts
     /// its cached prefix (the cache plus the prefills scheduled on the
     /// engine, see [`PrefillEngine::cached_prefix`]). The cache is not
-    /// changed until [`PodModel::finish_prefill`].
-    pub fn admit(&mut self, target: &ModelTarget, prompt: &Prompt) -> Admission {
+    /// changed until [`PodModel::finish_prefill`]. `salt`: vLLM's
+    /// `cache_salt`, which keeps the request's blocks apart.
+    pub fn admit(
+        &mut self,
+        target: &ModelTarget,
+        prompt: &Prompt,
+        salt: Option<&str>,
+    ) -> Admission {
         let adapter_load = match &target.adapter {
             Some(name) => {
                 let used = self.adapters.ensure(name);
@@ -617,7 +623,7 @@ impl PodModel {
             }
             None => Duration::ZERO,
         };
-        let chain = self.hasher.chain(target, prompt);
+        let chain = self.hasher.chain(target, prompt, salt);
         let cached_blocks = self.engine.cached_prefix(&self.cache, &chain);
         let tokens = prompt_tokens(prompt);
         let cached_tokens = self.hasher.coverage(prompt).tokens(cached_blocks as u32);
@@ -769,14 +775,14 @@ mod tests {
             adapter: None,
         };
         let prompt = Prompt::Text(vec![b'x'; 64 * 10 + 10]);
-        let first = pod.admit(&target, &prompt);
+        let first = pod.admit(&target, &prompt, None);
         assert_eq!(
             (first.prompt_tokens, first.cached_tokens, first.chain.len()),
             (162, 0, 10)
         );
         assert_eq!(first.prefill, cost.prefill(162));
         pod.finish_prefill(&first);
-        let second = pod.admit(&target, &prompt);
+        let second = pod.admit(&target, &prompt, None);
         assert_eq!((second.cached_blocks, second.cached_tokens), (10, 160));
         assert_eq!(second.prefill, cost.prefill(2));
         // TTFT formula.
@@ -790,10 +796,10 @@ mod tests {
         assert_eq!(cost.generation_after_first(1), Duration::ZERO);
         // Token prompts count tokens.
         let tokens = Prompt::Tokens((0..40).collect());
-        let t = pod.admit(&target, &tokens);
+        let t = pod.admit(&target, &tokens, None);
         assert_eq!((t.prompt_tokens, t.chain.len()), (40, 2));
         pod.finish_prefill(&t);
-        assert_eq!(pod.admit(&target, &tokens).cached_tokens, 32);
+        assert_eq!(pod.admit(&target, &tokens, None).cached_tokens, 32);
     }
 
     #[test]
@@ -855,9 +861,9 @@ mod tests {
             adapter: None,
         };
         let prompt = Prompt::Text(vec![b'x'; 64 * 256]); // 4096 tokens
-        let first = pod.admit(&target, &prompt);
+        let first = pod.admit(&target, &prompt, None);
         let s1 = pod.schedule_prefill(&first, ms(0));
-        let second = pod.admit(&target, &prompt);
+        let second = pod.admit(&target, &prompt, None);
         assert_eq!(second.cached_tokens, 4096);
         let s2 = pod.schedule_prefill(&second, ms(10));
         assert_eq!(
@@ -899,10 +905,13 @@ mod tests {
         };
         let prompt = Prompt::Text(b"hello".to_vec());
         assert_eq!(
-            pod.admit(&target, &prompt).adapter_load,
+            pod.admit(&target, &prompt, None).adapter_load,
             cost.adapter_load(64)
         );
-        assert_eq!(pod.admit(&target, &prompt).adapter_load, Duration::ZERO);
+        assert_eq!(
+            pod.admit(&target, &prompt, None).adapter_load,
+            Duration::ZERO
+        );
     }
 
     #[test]
@@ -1116,7 +1125,7 @@ mod tests {
         let mut epoch: Option<String> = None;
         for i in 0..12u8 {
             let prompt = Prompt::Text(vec![b'a' + (i % 5); 64 * (2 + i as usize % 4)]);
-            let admission = pod.admit(&target, &prompt);
+            let admission = pod.admit(&target, &prompt, None);
             pod.finish_prefill(&admission);
             chains.push(admission.chain.clone());
             let body = pod
@@ -1135,7 +1144,7 @@ mod tests {
                 );
             }
         }
-        let last = pod.admit(&target, &Prompt::Text(vec![b'a'; 64 * 2]));
+        let last = pod.admit(&target, &Prompt::Text(vec![b'a'; 64 * 2]), None);
         assert_eq!(last.cached_blocks, 2);
         assert_eq!(cluster.index().lookup(&last.chain).blocks(0), 2);
     }

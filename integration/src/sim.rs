@@ -431,7 +431,9 @@ pub fn app(
     if let Some(target) = config.resolve_model(&preload_model) {
         for i in 0..options.preload_prompts {
             let text = preload_prompt(&pod_id, i, options.preload_prompt_bytes);
-            let chain = pod.hasher.chain(&target, &Prompt::Text(text.into_bytes()));
+            let chain = pod
+                .hasher
+                .chain(&target, &Prompt::Text(text.into_bytes()), None);
             pod.cache.insert_chain(&chain);
         }
     }
@@ -762,7 +764,9 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     // A slot: load the adapter if needed, then queue on the prefill engine.
     let (admission, slot) = {
         let mut inner = sim.lock();
-        let admission = inner.pod.admit(&target, &parsed.prompt);
+        let admission = inner
+            .pod
+            .admit(&target, &parsed.prompt, parsed.cache_salt.as_deref());
         let slot = inner.pod.schedule_prefill(&admission, sim.now());
         (admission, slot)
     };
@@ -781,7 +785,12 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     let running = Running::new(&sim, permit, blocks);
     tokio::time::sleep_until(sim.at(slot.end)).await;
     if let (Some(publisher), Prompt::Tokens(tokens)) = (&sim.kv_events, &parsed.prompt) {
-        publisher.admit(&admission_chain, tokens, target.adapter.as_deref());
+        publisher.admit(
+            &admission_chain,
+            tokens,
+            target.adapter.as_deref(),
+            parsed.cache_salt.as_deref(),
+        );
     }
     let admission = scheduled.finish();
     tokio::time::sleep_until(sim.at(slot.first_token)).await;

@@ -120,6 +120,7 @@ fn sim_serves_caches_streams_and_reports() {
     let chain = BlockHasher::from_config(&config).chain(
         &config.resolve_model("m").unwrap(),
         &parse_request(body.as_bytes(), false).unwrap().prompt,
+        None,
     );
     assert_eq!(chain.len(), 1350 / 64);
     let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
@@ -156,6 +157,7 @@ fn sim_serves_caches_streams_and_reports() {
     let chain2 = BlockHasher::from_config(&config).chain(
         &config.resolve_model("m").unwrap(),
         &parse_request(body2.as_bytes(), false).unwrap().prompt,
+        None,
     );
     let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
     let delta = get(addr, &query).unwrap();

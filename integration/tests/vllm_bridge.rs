@@ -298,10 +298,11 @@ fn bridge_and_pod_restarts_leave_nothing_stale() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A token-ID completion request through Envoy: the pod that served it
-/// and kvroute's cache match for it.
-fn routed(cluster: &Cluster, model: &str, tokens: &[u32]) -> (String, String) {
-    let body = json!({"model": model, "prompt": tokens, "max_tokens": 2});
+/// A token-ID completion request through Envoy, with vLLM's `cache_salt`
+/// when `salt` is given: the pod that served it and kvroute's cache match
+/// for it.
+fn routed(cluster: &Cluster, model: &str, salt: Option<&str>, tokens: &[u32]) -> (String, String) {
+    let body = json!({"model": model, "prompt": tokens, "max_tokens": 2, "cache_salt": salt});
     let r = cluster.post("/v1/completions", &body);
     assert_eq!(r.status, 200, "{}", r.body);
     let pod = r.header("x-sim-pod").expect("x-sim-pod").to_string();
@@ -316,7 +317,10 @@ fn routed(cluster: &Cluster, model: &str, tokens: &[u32]) -> (String, String) {
 /// a pod directly (kvroute made no decision, so only the
 /// bridge can tell it): 10/10 requests sharing it go to that pod, for the
 /// base model, and — the same tokens cached under the LoRA adapter on
-/// another pod — 10/10 adapter requests go to that one.
+/// another pod — 10/10 adapter requests go to that one. The same tokens
+/// with a `cache_salt`, cached on the third pod, take 10/10 salted
+/// requests there: vLLM hashes the salt into the first block, publishes
+/// it in its extra keys, and the bridge and the filter seed with it.
 #[test]
 fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
     let pods = 3;
@@ -374,10 +378,11 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
         })
         .collect();
     let prefix: Vec<u32> = (0..4608).map(|i| 1000 + i * 7 % 50_000).collect();
-    for (model, holder) in [("m", 1), ("m-lora", 2)] {
+    let salt = Some("tenant-a");
+    for (model, salt, holder) in [("m", None, 1), ("m-lora", None, 2), ("m", salt, 0)] {
         let mut warm = prefix.clone();
         warm.extend([1, 2, 3]);
-        let body = json!({"model": model, "prompt": warm, "max_tokens": 1});
+        let body = json!({"model": model, "prompt": warm, "max_tokens": 1, "cache_salt": salt});
         let r = http::post_json(
             &cluster.sims[holder].address,
             "/v1/completions",
@@ -387,7 +392,7 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
         assert_eq!(r.status, 200, "{}", r.body);
     }
     // Bridges have the blocks, then kvroute has the bridges' reports.
-    for holder in [1, 2] {
+    for holder in [0, 1, 2] {
         let deadline = Instant::now() + Duration::from_secs(5);
         while report_blocks(&listens[holder]).1.len() < 258 {
             assert!(Instant::now() < deadline, "bridge {holder} lags");
@@ -395,11 +400,15 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
         }
     }
     cluster.wait_reports(3);
-    for (model, holder) in [("m", "pod-1"), ("m-lora", "pod-2")] {
+    for (model, salt, holder) in [
+        ("m", None, "pod-1"),
+        ("m-lora", None, "pod-2"),
+        ("m", salt, "pod-0"),
+    ] {
         for i in 0..10u32 {
             let mut tokens = prefix.clone();
             tokens.extend([60_000 + i, 7, 7]);
-            let (pod, matched) = routed(&cluster, model, &tokens);
+            let (pod, matched) = routed(&cluster, model, salt, &tokens);
             assert_eq!(pod, holder, "{model} request {i} left the prefix's holder");
             // The whole prefix, coarse blocks included, known from the
             // bridge's report from the first request on

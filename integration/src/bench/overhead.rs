@@ -600,7 +600,7 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
         let mut cache = KvCache::new(prompts * 256 + 2048, 100_000);
         for p in 0..prompts {
             let text = preload_prompt(&id, p, bytes);
-            cache.insert_chain(&hasher.chain(&target, &Prompt::Text(text.into_bytes())));
+            cache.insert_chain(&hasher.chain(&target, &Prompt::Text(text.into_bytes()), None));
         }
         bodies.push(cache.report(&id, "E", None, None, &load).to_string());
         caches.push(cache);
@@ -659,7 +659,7 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
         let id = format!("pod-{i}");
         let since = cache.seq();
         let text = preload_prompt("native-new", i, bytes);
-        cache.insert_chain(&hasher.chain(&target, &Prompt::Text(text.into_bytes())));
+        cache.insert_chain(&hasher.chain(&target, &Prompt::Text(text.into_bytes()), None));
         delta_bodies.push((
             id.clone(),
             cache

@@ -237,7 +237,7 @@ fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest
             let target = config
                 .resolve_model(&parsed.model)
                 .expect("generated model is configured");
-            let chain = hasher.chain(&target, &parsed.prompt);
+            let chain = hasher.chain(&target, &parsed.prompt, parsed.cache_salt.as_deref());
             BenchRequest {
                 at_s,
                 path: d.path,

@@ -983,7 +983,7 @@ mod tests {
         };
         for (r, t) in workload.requests.iter().zip(&requests) {
             let prompt = Prompt::Text(crate::trace::prompt_text(t).into_bytes());
-            let admission = model.admit(&target, &prompt);
+            let admission = model.admit(&target, &prompt, None);
             assert_eq!(admission.chain, r.chain);
             assert_eq!(admission.prompt_tokens, r.prompt_tokens);
             let cached = r

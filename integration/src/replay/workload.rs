@@ -93,7 +93,7 @@ impl Workload {
             .iter()
             .map(|r| {
                 let prompt = Prompt::Text(trace::prompt_text(r).into_bytes());
-                let chain = hasher.chain(&target, &prompt);
+                let chain = hasher.chain(&target, &prompt, None);
                 // The completions body: the prompt plus ~100 bytes of JSON.
                 let body_bytes = (r.input_length as usize).saturating_mul(4) + 128;
                 Request {
@@ -180,7 +180,7 @@ impl Workload {
                 .find_map(|k| body.get(*k).and_then(Value::as_u64))
                 .unwrap_or(16)
                 .max(1);
-            let chain = hasher.chain(&target, &parsed.prompt);
+            let chain = hasher.chain(&target, &parsed.prompt, parsed.cache_salt.as_deref());
             out.push(Request {
                 line,
                 arrival_us: arrival_us(timestamp_ms, speedup),

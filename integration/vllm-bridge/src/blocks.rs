@@ -19,6 +19,15 @@
 //! key goes with the vLLM block that completed it: vLLM frees a request's
 //! blocks tail first, so the blocks inside it are evicted after it.
 //!
+//! vLLM's `cache_salt` goes into the hash of a prompt's first block; newer
+//! vLLM publishes it in that block's `extra_keys` (after the LoRA name and
+//! any multimodal keys), and the bridge seeds the chain with it as the
+//! filter seeds a salted request's ([`ChainSeed::salted`]). A block whose
+//! extra keys hold anything else (multimodal inputs, prompt embeddings:
+//! the filter hashes text and token IDs only) is left out and counted.
+//! Older vLLM publishes no `extra_keys`: its salted blocks are keyed as
+//! unsalted ones.
+//!
 //! The vLLM → kvroute mapping is kept so `BlockRemoved` can be applied.
 //! Several vLLM blocks may carry one kvroute key (vLLM also hashes
 //! `cache_salt` and multimodal keys; a hash may also sit in two media), so
@@ -30,6 +39,7 @@ use std::collections::HashMap;
 use kvroute::hashing::{BlockLayout, BlockMode, ChainSeed, ChainStep, TokenChainCursor};
 use kvroute::report::StoredChain;
 use kvroute::report_log::{chain_segments, ReportLog};
+use rmpv::Value as Msgpack;
 use serde_json::{Map, Value};
 
 use crate::wire::KvEvent;
@@ -77,6 +87,34 @@ pub struct Skipped {
     pub unnamed_adapter: u64,
     /// Past `maxPrefixBlocks`, where the router does not look.
     pub past_cap: u64,
+    /// Extra keys the filter cannot hash (multimodal inputs, prompt
+    /// embeddings), and the blocks after them in their event.
+    pub extra_keys: u64,
+}
+
+/// The `cache_salt` in one block's vLLM `extra_keys` (`first`: the block
+/// opens its chain; the salt is only hashed into such a block), after the
+/// adapter (`lora_name`, or `lora_id` on older vLLM) that vLLM lists
+/// first. `Err`: keys the filter cannot hash.
+fn salt_in(
+    extra: Option<&[Msgpack]>,
+    lora_name: Option<&str>,
+    lora_id: Option<i64>,
+    first: bool,
+) -> Result<Option<String>, ()> {
+    let mut keys = extra.unwrap_or_default();
+    if let Some(adapter) = keys.first() {
+        let named = lora_name.is_some() && adapter.as_str() == lora_name;
+        let numbered = lora_id.is_some() && adapter.as_i64() == lora_id;
+        if named || numbered {
+            keys = &keys[1..];
+        }
+    }
+    match keys {
+        [] => Ok(None),
+        [salt] if first => salt.as_str().map(|s| Some(s.to_string())).ok_or(()),
+        _ => Err(()),
+    }
 }
 
 /// The pod's blocks, keyed by kvroute chain keys (see the module docs).
@@ -120,7 +158,7 @@ impl PodBlocks {
         self.log.seq()
     }
 
-    fn chain_start(&mut self, adapter: Option<&str>) -> TokenChainCursor {
+    fn chain_start(&mut self, adapter: Option<&str>, salt: Option<&str>) -> TokenChainCursor {
         let hashing = &self.hashing;
         let seed = self
             .seeds
@@ -133,7 +171,7 @@ impl PodBlocks {
                     BlockMode::Tokens,
                 )
             });
-        TokenChainCursor::new(seed)
+        TokenChainCursor::new(&seed.clone().salted(salt))
     }
 
     /// Applies one event.
@@ -146,6 +184,7 @@ impl PodBlocks {
                 block_size,
                 lora_id,
                 lora_name,
+                extra_keys,
                 ..
             } => {
                 let blocks = block_hashes.len() as u64;
@@ -166,9 +205,20 @@ impl PodBlocks {
                     },
                     (None, _) => None,
                 };
-                let mut chain = match parent_block_hash {
-                    None => self.chain_start(adapter.as_deref()),
-                    Some(hash) => match self.vllm.get(hash) {
+                let extra = |i: usize| extra_keys.get(i).and_then(Option::as_deref);
+                let first_salt = salt_in(
+                    extra(0),
+                    lora_name.as_deref(),
+                    *lora_id,
+                    parent_block_hash.is_none(),
+                );
+                let mut chain = match (parent_block_hash, first_salt) {
+                    (_, Err(())) => {
+                        self.skipped.extra_keys += blocks;
+                        return;
+                    }
+                    (None, Ok(salt)) => self.chain_start(adapter.as_deref(), salt.as_deref()),
+                    (Some(hash), Ok(_)) => match self.vllm.get(hash) {
                         Some(parent) => parent.chain.clone(),
                         None => {
                             self.skipped.unknown_parent += blocks;
@@ -176,8 +226,12 @@ impl PodBlocks {
                         }
                     },
                 };
-                for (&hash, tokens) in block_hashes.iter().zip(token_ids.chunks_exact(*block_size))
-                {
+                let vllm_blocks = block_hashes.iter().zip(token_ids.chunks_exact(*block_size));
+                for (i, (&hash, tokens)) in vllm_blocks.enumerate() {
+                    if i > 0 && salt_in(extra(i), lora_name.as_deref(), *lora_id, false).is_err() {
+                        self.skipped.extra_keys += (block_hashes.len() - i) as u64;
+                        break;
+                    }
                     let key = match chain.push(tokens, &self.hashing.layout) {
                         ChainStep::Completed { key, parent } => {
                             let entry = self.keys.entry(key).or_insert(Key { parent, refs: 0 });
@@ -292,6 +346,16 @@ mod tests {
     }
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], lora: Option<&str>) -> KvEvent {
+        stored_with(hashes, parent, tokens, lora, Vec::new())
+    }
+
+    fn stored_with(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        lora: Option<&str>,
+        extra_keys: Vec<Option<Vec<Msgpack>>>,
+    ) -> KvEvent {
         KvEvent::Stored {
             block_hashes: hashes.to_vec(),
             parent_block_hash: parent,
@@ -300,6 +364,7 @@ mod tests {
             lora_id: lora.map(|_| 1),
             medium: None,
             lora_name: lora.map(str::to_string),
+            extra_keys,
         }
     }
 
@@ -325,6 +390,7 @@ mod tests {
             lora_id: Some(7),
             medium: None,
             lora_name: None,
+            extra_keys: Vec::new(),
         });
         pod.apply(&KvEvent::Stored {
             block_hashes: vec![22],
@@ -334,6 +400,7 @@ mod tests {
             lora_id: Some(7),
             medium: None,
             lora_name: None,
+            extra_keys: Vec::new(),
         });
         assert!(pod.contains(hash_tokens(&adapter, &[1, 2, 3, 4], &uniform(2))[1]));
         assert!(pod.contains(hash_tokens(&adapter, &[3, 4], &uniform(2))[0]));
@@ -374,6 +441,41 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_salt_in_the_first_blocks_extra_keys_seeds_the_chain() {
+        let mut pod = blocks();
+        let keys = |strings: &[&str]| Some(strings.iter().map(|&k| Msgpack::from(k)).collect());
+        let salted =
+            |hashes: &[u64], lora, extra| stored_with(hashes, None, &[1, 2, 3, 4], lora, extra);
+        pod.apply(&salted(&[10, 11], None, vec![keys(&["tenant-a"]), None]));
+        pod.apply(&salted(
+            &[20, 21],
+            Some("a"),
+            vec![keys(&["a", "tenant-a"]), keys(&["a"])],
+        ));
+        pod.apply(&stored(&[30, 31], None, &[1, 2, 3, 4], None));
+        let filter = |adapter, salt| {
+            let seed = ChainSeed::new("s", "m", adapter, BlockMode::Tokens).salted(salt);
+            hash_tokens(&seed, &[1, 2, 3, 4], &LAYOUT)
+        };
+        for chain in [
+            filter(None, Some("tenant-a")),
+            filter(Some("a"), Some("tenant-a")),
+            filter(None, None),
+        ] {
+            assert!(chain.iter().all(|key| pod.contains(*key)));
+        }
+        assert_eq!(pod.len(), 6);
+        // A multimodal key (a tuple), anywhere: the filter cannot match it.
+        let image = Some(vec![Msgpack::Array(vec!["img".into(), 0.into()])]);
+        pod.apply(&salted(&[40, 41], None, vec![image.clone(), None]));
+        pod.apply(&salted(&[50, 51], None, vec![None, image]));
+        // Block 50 is block 30's key again; 51 and the whole of 40–41 are
+        // left out.
+        assert_eq!(pod.len(), 6);
+        assert_eq!(pod.skipped.extra_keys, 3);
+    }
+
+    #[test]
     fn a_key_stays_while_any_vllm_block_holds_it() {
         let mut pod = blocks();
         // Same tokens, two vLLM hashes (e.g. two cache_salts).
@@ -404,6 +506,7 @@ mod tests {
             lora_id: None,
             medium: None,
             lora_name: None,
+            extra_keys: Vec::new(),
         });
         pod.apply(&KvEvent::Stored {
             block_hashes: vec![13],
@@ -413,6 +516,7 @@ mod tests {
             lora_id: Some(3),
             medium: None,
             lora_name: None,
+            extra_keys: Vec::new(),
         });
         assert!(pod.is_empty());
         // Past the 5th kvroute block (3 fine + 2 × 2 vLLM blocks) the
@@ -437,6 +541,7 @@ mod tests {
                 wrong_size: 1,
                 unnamed_adapter: 1,
                 past_cap: 2,
+                extra_keys: 0,
             }
         );
         pod.apply(&stored(&[10], None, &[1, 2], None));

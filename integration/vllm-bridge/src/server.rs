@@ -161,6 +161,12 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         skipped.past_cap,
     );
     metric(
+        "kvbridge_blocks_skipped_extra_keys_total",
+        "counter",
+        "Stored blocks left out: extra keys kvroute cannot hash (multimodal, prompt embeddings).",
+        skipped.extra_keys,
+    );
+    metric(
         "kvbridge_blocks",
         "gauge",
         "Blocks held (kvroute keys).",

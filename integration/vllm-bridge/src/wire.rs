@@ -26,6 +26,11 @@ pub enum KvEvent {
         lora_id: Option<i64>,
         medium: Option<String>,
         lora_name: Option<String>,
+        /// Newer vLLM's `extra_keys`, one entry per block: the tuple of
+        /// what else went into its hash (LoRA name, multimodal keys, the
+        /// first block's `cache_salt`, prompt-embedding keys), or nil.
+        /// Empty when the event has none.
+        extra_keys: Vec<Option<Vec<Value>>>,
     },
     Removed {
         block_hashes: Vec<u64>,
@@ -85,6 +90,7 @@ const STORED_FIELDS: &[&str] = &[
     "lora_id",
     "medium",
     "lora_name",
+    "extra_keys",
 ];
 const REMOVED_FIELDS: &[&str] = &["type", "block_hashes", "medium"];
 
@@ -140,6 +146,21 @@ fn optional_string(value: &Value, field: &str) -> Result<Option<String>, String>
     }
 }
 
+fn extra_keys(value: &Value) -> Result<Vec<Option<Vec<Value>>>, String> {
+    match value {
+        Value::Nil => Ok(Vec::new()),
+        Value::Array(blocks) => blocks
+            .iter()
+            .map(|keys| match keys {
+                Value::Nil => Ok(None),
+                Value::Array(keys) => Ok(Some(keys.clone())),
+                other => Err(format!("`extra_keys`: {other} is not a tuple")),
+            })
+            .collect(),
+        other => Err(format!("`extra_keys`: {other} is not a list")),
+    }
+}
+
 fn decode_event(value: &Value) -> Result<Option<KvEvent>, String> {
     let tag = match value {
         Value::Array(values) => values.first().and_then(Value::as_str),
@@ -181,6 +202,7 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>, String> {
                 lora_id: f.get("lora_id").as_i64(),
                 medium: optional_string(f.get("medium"), "medium")?,
                 lora_name: optional_string(f.get("lora_name"), "lora_name")?,
+                extra_keys: extra_keys(f.get("extra_keys"))?,
             }))
         }
         "BlockRemoved" => {
@@ -244,9 +266,10 @@ fn encode_event(event: &KvEvent, shape: Shape) -> Value {
             lora_id,
             medium,
             lora_name,
+            extra_keys,
         } => (
             "BlockStored",
-            vec![
+            [
                 ("block_hashes", hash_list(block_hashes)),
                 (
                     "parent_block_hash",
@@ -260,7 +283,16 @@ fn encode_event(event: &KvEvent, shape: Shape) -> Value {
                 ("lora_id", lora_id.map_or(Value::Nil, Value::from)),
                 ("medium", optional(medium)),
                 ("lora_name", optional(lora_name)),
-            ],
+            ]
+            .into_iter()
+            // msgspec omits a default (None) field.
+            .chain((!extra_keys.is_empty()).then(|| {
+                let blocks = extra_keys
+                    .iter()
+                    .map(|keys| keys.clone().map_or(Value::Nil, Value::Array));
+                ("extra_keys", Value::Array(blocks.collect()))
+            }))
+            .collect(),
         ),
         KvEvent::Removed {
             block_hashes,
@@ -287,8 +319,8 @@ fn encode_event(event: &KvEvent, shape: Shape) -> Value {
 }
 
 /// Encodes an `EventBatch` payload the way vLLM's msgspec encoder does
-/// in `shape` (the fields vLLM always writes; none of the optional ones
-/// after `lora_name`).
+/// in `shape` (the fields vLLM always writes, and `extra_keys` when there
+/// are any; none of the other optional ones).
 pub fn encode_batch(ts: f64, events: &[KvEvent], rank: i64, shape: Shape) -> Vec<u8> {
     let events = Value::Array(events.iter().map(|e| encode_event(e, shape)).collect());
     let batch = match shape {

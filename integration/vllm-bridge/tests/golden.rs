@@ -6,6 +6,7 @@
 //! write the very same bytes.
 
 use kvroute_vllm_bridge::wire::{decode_batch, decode_seq, encode_batch, KvEvent, Shape};
+use rmpv::Value;
 
 /// msgpack fixstr (< 32 bytes), as msgspec writes short strings.
 fn s(text: &str) -> Vec<u8> {
@@ -30,6 +31,7 @@ fn stored() -> KvEvent {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
+        extra_keys: Vec::new(),
     }
 }
 
@@ -163,8 +165,60 @@ fn added_fields_and_kinds_are_tolerated() {
             lora_id: Some(1),
             medium: Some("GPU".into()),
             lora_name: Some("lora-a".into()),
+            extra_keys: vec![Some(vec![Value::from("lora-a")])],
         }]
     );
+}
+
+/// A salted request's first two blocks in newer vLLM's map form: the
+/// first block's `extra_keys` hold its `cache_salt`, the second's none
+/// (nil); decoded, and written the same by the sim's encoder.
+#[test]
+fn extra_keys_carry_the_first_blocks_cache_salt() {
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x91, 0x89],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x92, 0x0b, 0x0c],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0x94, 0x01, 0x02, 0x03, 0x04],
+        &s("block_size"),
+        &[0x02],
+        &s("lora_id"),
+        &[0xc0],
+        &s("medium"),
+        &s("GPU"),
+        &s("lora_name"),
+        &[0xc0],
+        &s("extra_keys"),
+        &[0x92, 0x91],
+        &s("tenant-a"),
+        &[0xc0],
+        &s("data_parallel_rank"),
+        &[0x00],
+    ]);
+    let event = KvEvent::Stored {
+        block_hashes: vec![11, 12],
+        parent_block_hash: None,
+        token_ids: vec![1, 2, 3, 4],
+        block_size: 2,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: vec![Some(vec![Value::from("tenant-a")]), None],
+    };
+    assert_eq!(
+        decode_batch(&payload).expect("decodes").events,
+        vec![event.clone()]
+    );
+    assert_eq!(encode_batch(1.5, &[event], 0, Shape::Map), payload);
 }
 
 /// Older vLLM (`array_like=True`): `[ts, events, rank]`, events
@@ -213,6 +267,7 @@ fn positional_form_decodes() {
                 lora_id: None,
                 medium: None,
                 lora_name: None,
+                extra_keys: Vec::new(),
             },
             KvEvent::Stored {
                 block_hashes: vec![5],
@@ -222,6 +277,7 @@ fn positional_form_decodes() {
                 lora_id: Some(3),
                 medium: Some("GPU".into()),
                 lora_name: Some("lora-a".into()),
+                extra_keys: Vec::new(),
             },
             KvEvent::Removed {
                 block_hashes: vec![5],
