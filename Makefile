@@ -22,7 +22,7 @@ KUBERNETES_SCHEMA_VERSION := 1.33.0
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 CARGO ?= cargo
 
-.PHONY: all setup envoy validate-istio peers prometheus wasm lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
+.PHONY: all setup envoy validate-istio peers prometheus wasm wasm-floor lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
 all: wasm
 
@@ -77,10 +77,15 @@ wasm: setup
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute --lib
 	@ls -l $(WASM)
 
+## wasm-floor: the overhead benchmark's reference filter (integration/floor-filter)
+wasm-floor: setup
+	$(CARGO) build --release --target wasm32-wasip1 -p kvroute-floor-filter
+
 lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --lib -- -D warnings
+	$(CARGO) clippy -p kvroute-floor-filter --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --no-default-features --lib --tests -- -D warnings
 	$(CARGO) fmt --manifest-path fuzz/Cargo.toml --check
 	$(CARGO) clippy --manifest-path fuzz/Cargo.toml --locked --all-targets --target-dir $(FUZZ_DIR) -- -D warnings
@@ -162,7 +167,7 @@ fuzz-smoke: fuzz-build
 ## overhead, 1M-block scale (~65 min on 2 cores, ~30 of them the sweep;
 ## BENCH_ARGS=--quick for a shorter run) -> integration/results/ (the sweep
 ## in integration/results/load-sweep/); then the core's micro-benchmarks
-bench: wasm envoy bench-micro
+bench: wasm wasm-floor envoy bench-micro
 	-$(MAKE) peers
 	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench
 	target/release/kvroute-bench all $(BENCH_ARGS)

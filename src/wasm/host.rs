@@ -91,6 +91,7 @@ extern "C" {
         data: *mut *mut u8,
         size: *mut usize,
     ) -> u32;
+    fn proxy_get_header_map_pairs(map: u32, data: *mut *mut u8, size: *mut usize) -> u32;
     fn proxy_get_header_map_value(
         map: u32,
         key: *const u8,
@@ -221,6 +222,64 @@ pub fn header(map: HeaderMap, name: &str) -> HostResult<Option<Vec<u8>>> {
     bytes_from(|data, size| unsafe {
         proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), data, size)
     })
+}
+
+/// Every header of `map` in one host call (instead of one per header),
+/// names as Envoy keeps them (lower case).
+pub fn headers(map: HeaderMap) -> HostResult<Headers> {
+    let bytes =
+        bytes_from(|data, size| unsafe { proxy_get_header_map_pairs(map as u32, data, size) })?;
+    Ok(Headers::decode(&bytes.unwrap_or_default()))
+}
+
+/// A header map as the ABI serialises it: a u32 count, then each pair's
+/// name and value lengths (u32 each), then each name and value, each
+/// followed by a NUL; all little-endian. A truncated map keeps the pairs
+/// before the cut.
+#[derive(Debug, Default)]
+pub struct Headers(Vec<(String, Vec<u8>)>);
+
+impl Headers {
+    fn decode(bytes: &[u8]) -> Headers {
+        let u32_at = |at: usize| {
+            bytes
+                .get(at..at + 4)
+                .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                .map(|b| u32::from_le_bytes(b) as usize)
+        };
+        let count = u32_at(0).unwrap_or(0);
+        let mut pairs = Vec::new();
+        let mut data = 4usize.saturating_add(count.saturating_mul(8));
+        for i in 0..count {
+            let (Some(name_len), Some(value_len)) = (u32_at(4 + 8 * i), u32_at(8 + 8 * i)) else {
+                break;
+            };
+            let name_end = data.saturating_add(name_len);
+            let value_start = name_end.saturating_add(1);
+            let value_end = value_start.saturating_add(value_len);
+            let (Some(name), Some(value)) =
+                (bytes.get(data..name_end), bytes.get(value_start..value_end))
+            else {
+                break;
+            };
+            pairs.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
+            data = value_end.saturating_add(1);
+        }
+        Headers(pairs)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.iter().any(|(n, _)| n == name)
+    }
+
+    /// A header as text (lossy); absent or not UTF-8 reads as "".
+    pub fn text(&self, name: &str) -> String {
+        self.0
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| String::from_utf8(v.clone()).ok())
+            .unwrap_or_default()
+    }
 }
 
 /// A header as text (lossy); absent, failed or not UTF-8 reads as "".
