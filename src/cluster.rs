@@ -846,13 +846,18 @@ impl ClusterState {
     /// (and a pod in report fallback): the pod now holds it, within its
     /// `podCapacityBlocks`. Precise mode: it is pending — counted as held
     /// until it expires (a report confirms it meanwhile, or shows the pod
-    /// never kept it), and no report erases it before.
+    /// never kept it), and no report erases it before. A chain the pod's
+    /// reports already hold whole is not recorded: its last block says so
+    /// (a pod's reported blocks are prefix-closed), one lookup instead of
+    /// one per block, which is most of what the service does for a cache
+    /// hit.
     pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) {
         let Some(record) = self.pods.iter().find(|r| r.slot == slot) else {
             return;
         };
         let without_reports = record.without_reports;
         match &mut self.pending {
+            Some(_) if !without_reports && self.index.tree().holds(slot, chain) => {}
             Some(pending) if !without_reports => pending.record_at(slot, chain, now_ms),
             // Approximate mode, or a pod in report fallback.
             _ => self.index.record(slot, chain),

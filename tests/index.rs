@@ -1235,6 +1235,22 @@ fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_report
     cluster.record_decision(a, &[40], now);
     assert_eq!(cluster.pending().unwrap().lookup(&[40]).blocks(a), 1);
     assert_eq!(cluster.index().lookup(&[40]).blocks(a), 0);
+    // A chain a's report holds whole needs no pending entry; one it holds
+    // in part is pending whole (pending blocks stay prefix-closed).
+    cluster.record_decision(a, &[10, 11, 12], now);
+    assert_eq!(
+        cluster.pending().unwrap().lookup(&[10, 11, 12]).blocks(a),
+        0
+    );
+    cluster.record_decision(a, &[10, 11, 12, 13], now);
+    assert_eq!(
+        cluster
+            .pending()
+            .unwrap()
+            .lookup(&[10, 11, 12, 13])
+            .blocks(a),
+        4
+    );
     // A failing pull, then a 404 again: failing, then one fallback that
     // also ends the failure.
     let (_, failing) =

@@ -141,6 +141,15 @@ impl PrefixTree {
         self.find(hash).map(|slot| self.nodes[slot as usize].mask)
     }
 
+    /// Whether `pod` holds the whole of `chain`: its last block says so, as
+    /// a pod's blocks are prefix-closed (a block leaves with its subtree).
+    pub fn holds(&self, pod: usize, chain: &[u64]) -> bool {
+        chain
+            .last()
+            .and_then(|&hash| self.mask(hash))
+            .is_some_and(|mask| mask & pod_bit(pod) != 0)
+    }
+
     /// The parent block of `hash`, if indexed and not a root.
     pub fn parent(&self, hash: u64) -> Option<u64> {
         let slot = self.find(hash)?;
