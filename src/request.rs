@@ -48,6 +48,10 @@ pub struct ParsedRequest {
     pub stream: bool,
     /// vLLM's `cache_salt` (`None`: absent or empty).
     pub cache_salt: Option<String>,
+    /// Whether the answer will carry `usage` (with vLLM's
+    /// `cached_tokens`): always unless streamed, and a streamed one only
+    /// with `stream_options.include_usage` (or `continuous_usage_stats`).
+    pub answer_reports_usage: bool,
 }
 
 /// Why a body could not be used for cache-aware routing. The message is
@@ -89,6 +93,15 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         Some(Value::String(salt)) => Some(salt.clone()).filter(|s| !s.is_empty()),
         Some(_) => return Err(RequestError("`cache_salt` must be a string".into())),
     };
+    let stream_option = |name: &str| {
+        object
+            .get("stream_options")
+            .and_then(|o| o.get(name))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    let answer_reports_usage =
+        !stream || stream_option("include_usage") || stream_option("continuous_usage_stats");
     let prompt = if chat {
         canonical_messages(object.get("messages"))?
     } else {
@@ -99,6 +112,7 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         prompt,
         stream,
         cache_salt,
+        answer_reports_usage,
     })
 }
 
@@ -203,6 +217,19 @@ mod tests {
             r.prompt,
             Prompt::Text(b"system\x1fbe brief\x1euser\x1fhi\x1fthere\x1e".to_vec())
         );
+    }
+
+    #[test]
+    fn a_streamed_answer_reports_usage_only_when_asked() {
+        let usage = |body: &[u8]| parse_request(body, false).unwrap().answer_reports_usage;
+        assert!(usage(br#"{"model":"m","prompt":"x"}"#));
+        assert!(!usage(br#"{"model":"m","prompt":"x","stream":true}"#));
+        assert!(usage(
+            br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#
+        ));
+        assert!(!usage(
+            br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":false}}"#
+        ));
     }
 
     #[test]

@@ -212,6 +212,9 @@ pub struct RoutingRequest {
     pub coverage: Coverage,
     /// Why cache-aware routing is skipped, for a bad or unknown request.
     pub degraded: Option<String>,
+    /// The answer carries `usage`, so the prediction can be checked
+    /// against its `cached_tokens` (see [`crate::request::ParsedRequest`]).
+    pub answer_reports_usage: bool,
 }
 
 impl RoutingRequest {
@@ -223,6 +226,8 @@ impl RoutingRequest {
             chain: Vec::new(),
             coverage: Coverage::NONE,
             degraded: Some(degraded),
+            // Routed by load, nothing is predicted.
+            answer_reports_usage: false,
         }
     }
 }
@@ -299,6 +304,7 @@ impl Router {
             chain,
             coverage,
             degraded: request_degraded,
+            answer_reports_usage,
         } = request;
         // A request that waits is routed again later, as it came.
         let waiting = |chain: Vec<u64>, rejected: Rejected, holding_out: Option<HoldOut>| {
@@ -309,6 +315,7 @@ impl Router {
                     chain,
                     coverage,
                     degraded: request_degraded.clone(),
+                    answer_reports_usage,
                 },
                 rejected,
                 holding_out,
@@ -567,6 +574,7 @@ impl Router {
                 adapter: target.adapter,
                 model: request.model,
                 degraded: None,
+                answer_reports_usage: request.answer_reports_usage,
             }),
             None if self.config.on_unknown_model == BadRequestPolicy::Reject => Err(Rejected {
                 status: 404,

@@ -152,6 +152,7 @@ impl RootContext for FilterRoot {
             chat: None,
             request_id: String::new(),
             priority: String::new(),
+            answer_reports_usage: false,
             routed: None,
             scanner: CachedTokensScanner::default(),
             response_ok: false,
@@ -190,6 +191,9 @@ struct RequestContext {
     request_id: String,
     /// The priority header (`PRIORITY_HEADER`), read with the others.
     priority: String,
+    /// The answer carries `usage`: its `cached_tokens` checks the
+    /// prediction.
+    answer_reports_usage: bool,
     routed: Option<RoutedRequest>,
     scanner: CachedTokensScanner,
     response_ok: bool,
@@ -284,8 +288,11 @@ impl HttpContext for RequestContext {
             routed.queued_prefill = 0;
         }
         // Returning Continue keeps the response streaming: `body_size` is
-        // this chunk only and nothing is buffered.
+        // this chunk only and nothing is buffered. Each chunk read is a
+        // host call and a copy: none for an answer without `usage` (a
+        // stream the client did not ask usage for).
         let watching = self.response_ok
+            && self.answer_reports_usage
             && self.scanner.found().is_none()
             && self
                 .routed
@@ -375,7 +382,11 @@ impl RequestContext {
             }
         }
         let priority = self.priority.clone();
-        let outcome = match worker.router.prepare(body, chat) {
+        let prepared = worker.router.prepare(body, chat);
+        if let Ok(request) = &prepared {
+            self.answer_reports_usage = request.answer_reports_usage;
+        }
+        let outcome = match prepared {
             // Behind earlier requests a round did not reach: it waits its turn.
             Ok(request) if worker.waiting.must_queue(Priority::from_header(&priority)) => {
                 let ahead = worker.waiting.len();

@@ -823,6 +823,7 @@ impl<'a> KvrouteView<'a> {
                     .to_vec(),
                 coverage: request.coverage,
                 degraded: None,
+                answer_reports_usage: true,
             }
         } else {
             RoutingRequest::by_load(String::new(), "request body exceeds maxBodyBytes".into())
