@@ -46,8 +46,9 @@ pub struct Options {
     /// The pod's id in kvroute's config (`podId` of reports).
     #[arg(long)]
     pub pod_id: String,
-    /// kvroute's configuration file: `hashSeed`, `blockSizeTokens` and
-    /// `reportPath` come from it (defaults without).
+    /// kvroute's configuration file: `hashSeed`, the block layout
+    /// (`blockSizeTokens`, `coarseAfterBlocks`, `coarseBlockFactor`,
+    /// `maxPrefixBlocks`) and `reportPath` come from it (defaults without).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// The model vLLM serves, as `baseModel` in kvroute's `models`.
