@@ -207,11 +207,6 @@ impl TokenChainCursor {
         }
     }
 
-    /// Engine blocks fed so far (the depth of the last one).
-    pub fn engine_blocks(&self) -> usize {
-        self.engine_blocks
-    }
-
     /// Feeds the next engine block's tokens (`layout.block_size` of them).
     pub fn push(&mut self, tokens: &[u32], layout: &BlockLayout) -> ChainStep {
         let depth = self.engine_blocks;
@@ -517,7 +512,6 @@ mod tests {
                 PastCap
             ]
         );
-        assert_eq!(cursor.engine_blocks(), 11);
         // A clone branches: both continue from the same block.
         let mut branch = TokenChainCursor::new(&seed);
         branch.push(&[0, 1], &layout);

@@ -7,8 +7,9 @@
 //! Each cache change becomes one batch: the cache's logged events since
 //! the last batch, stored blocks grouped into chains as vLLM groups a
 //! request's new blocks. The sim's coarse blocks (past `coarseAfterBlocks`)
-//! are published as the vLLM blocks they span, removed tail first. Only token-ID prompts are published (vLLM caches
-//! tokens; the sim has no tokenizer for text prompts). vLLM's block hashes
+//! are published as the vLLM blocks they span, removed tail first. Only
+//! token-ID prompts are published (vLLM caches tokens; the sim has no
+//! tokenizer for text prompts). vLLM's block hashes
 //! are opaque to consumers, so the sim publishes its own opaque ones (not
 //! kvroute's keys), and the bridge has to derive kvroute's keys from the
 //! token IDs as it must with vLLM.
@@ -253,11 +254,6 @@ impl Publisher {
                 .map(|i| vllm_hash(event.hash, i))
                 .collect();
             let extra = block.extra_keys(vllm_blocks);
-            let extra = if extra.iter().all(Option::is_none) {
-                Vec::new()
-            } else {
-                extra
-            };
             // A block continuing the previous stored chain joins it (a
             // salted one opens a chain: it never continues one).
             if let Some(KvEvent::Stored {
@@ -289,6 +285,15 @@ impl Publisher {
         state.published = cache.seq();
         if cleared && removed_any {
             batch.push(KvEvent::AllCleared);
+        }
+        // One entry per block, or none at all when no block has extra keys
+        // (msgspec omits the default).
+        for event in &mut batch {
+            if let KvEvent::Stored { extra_keys, .. } = event {
+                if extra_keys.iter().all(Option::is_none) {
+                    extra_keys.clear();
+                }
+            }
         }
         if batch.is_empty() {
             return;
