@@ -204,6 +204,7 @@ fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> V
             inflight: 0,
             queued_prefill: 0,
             recent_decisions: 0,
+            busy_average: 0.0,
             load: pods.load[slot],
             queue: pods.queue[slot],
             health: pods.health[slot],

@@ -102,6 +102,10 @@ pub struct BalanceConfig {
     pub share_window: u32,
     pub max_share: f64,
     pub spill_tokens: u64,
+    /// Decisions the share guard averages in-flight counts over, to act on
+    /// an imbalance that persists before its window shows it; 0 turns this
+    /// off.
+    pub busy_average_decisions: u32,
     /// The prefill guard's slack in tokens; `None` (JSON `null`) turns it off.
     pub prefill_slack_tokens: Option<u64>,
     /// The prefill guard's ratio to the soonest pod's wait (≥ 1).
@@ -116,6 +120,7 @@ impl Default for BalanceConfig {
             share_window: 64,
             max_share: 1.25,
             spill_tokens: 8192,
+            busy_average_decisions: 16,
             prefill_slack_tokens: Some(DEFAULT_PREFILL_SLACK_TOKENS),
             prefill_ratio: 2.0,
         }

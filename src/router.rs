@@ -47,6 +47,9 @@ pub struct ClusterView<'a> {
     /// This worker's recent decisions per pod slot
     /// ([`crate::scoring::balance::RecentShare`]).
     pub recent_decisions: &'a [u32],
+    /// Per pod slot, its requests in flight averaged over this worker's
+    /// latest decisions ([`crate::scoring::balance::RecentShare::busy_average`]).
+    pub busy_average: &'a [f64],
     /// Now, on the clock of `table.published_at_ms`.
     pub now_ms: u64,
 }
@@ -354,6 +357,7 @@ impl Router {
                     inflight,
                     queued_prefill: u64::from(load.prefill_tokens),
                     recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
+                    busy_average: view.busy_average.get(pod.slot).copied().unwrap_or(0.0),
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
                         pod.reported_health * self.staleness.health_factor(age)
@@ -678,6 +682,7 @@ mod tests {
             index: &tree,
             inflight: &inflight,
             recent_decisions: &[],
+            busy_average: &[],
             now_ms,
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
@@ -773,6 +778,7 @@ mod tests {
                 index: &self.tree,
                 inflight: &inflight,
                 recent_decisions: &[],
+                busy_average: &[],
                 now_ms: 1000,
             };
             self.router

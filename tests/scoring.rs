@@ -56,6 +56,7 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             inflight: 0,
             queued_prefill: 0,
             recent_decisions: 0,
+            busy_average: 0.0,
             load: p.load,
             queue: p.queue,
             health: p.health,
@@ -593,6 +594,7 @@ fn cost_candidates<'a>(
             inflight: 0,
             queued_prefill: 0,
             recent_decisions: 0,
+            busy_average: 0.0,
             load: 0.3,
             queue: 1,
             health: 1.0,
@@ -951,6 +953,7 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
         inflight,
         queued_prefill: 0,
         recent_decisions: 0,
+        busy_average: 0.0,
         load: 0.3,
         // As the router counts it: reported 0 plus those routed since.
         queue: inflight,
@@ -978,7 +981,8 @@ fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
 fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
     let policy = ScoringPolicy::from_config(&Config::default());
     let attributes = BTreeMap::new();
-    // The pod with more recent decisions is a little busier.
+    // The pod with more recent decisions is a little busier now; on average
+    // the pods are even, so only the window can show the imbalance.
     let pod = |slot: usize, cached_tokens: u64, recent_decisions: u32| Candidate {
         slot,
         id: "pod",
@@ -988,6 +992,7 @@ fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
         inflight: recent_decisions / 40,
         queued_prefill: 0,
         recent_decisions,
+        busy_average: 1.0,
         load: f64::from(recent_decisions) / 200.0,
         queue: 1,
         health: 1.0,
@@ -1009,6 +1014,39 @@ fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
 }
 
 #[test]
+fn sessions_settled_unevenly_move_before_the_share_window_fills() {
+    let policy = ScoringPolicy::from_config(&Config::default());
+    let attributes = BTreeMap::new();
+    // A closed loop's agents: 8 / 4 in flight now and on average, a few
+    // decisions into the window. An opening whose 2,000-token system
+    // prompt only pod 0 caches.
+    let pod = |slot: usize, prompt: u64, cached_tokens: u64, busy: u32, average: f64| Candidate {
+        slot,
+        id: "pod",
+        cache_match: cached_tokens as f64 / prompt as f64,
+        cached_tokens,
+        uncached_tokens: prompt - cached_tokens,
+        inflight: busy,
+        queued_prefill: 0,
+        recent_decisions: 3,
+        busy_average: average,
+        load: f64::from(busy) / 64.0,
+        queue: busy,
+        health: 1.0,
+        adapter_loaded: false,
+        attributes: &attributes,
+    };
+    let settled = [pod(0, 2_200, 2_000, 8, 8.0), pod(1, 2_200, 0, 4, 4.0)];
+    assert_eq!(policy.decide(&settled, false, 0, true).chosen, Some(1));
+    // The same counts as a burst the average does not show keep affinity.
+    let burst = [pod(0, 2_200, 2_000, 8, 6.0), pod(1, 2_200, 0, 4, 6.0)];
+    assert_eq!(policy.decide(&burst, false, 0, true).chosen, Some(0));
+    // A history costing more than spillTokens / 2 (4,096) stays put.
+    let grown = [pod(0, 6_000, 5_000, 8, 8.0), pod(1, 6_000, 0, 4, 4.0)];
+    assert_eq!(policy.decide(&grown, false, 0, true).chosen, Some(0));
+}
+
+#[test]
 fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
     let policy = ScoringPolicy::from_config(&Config::default());
     let attributes = BTreeMap::new();
@@ -1023,6 +1061,7 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
         inflight: if queued_prefill > 0 { 2 } else { 0 },
         queued_prefill,
         recent_decisions: 0,
+        busy_average: 0.0,
         load: 0.3,
         queue: if queued_prefill > 0 { 2 } else { 0 },
         health: 1.0,

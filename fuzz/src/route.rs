@@ -57,6 +57,7 @@ struct Scenario {
     shared: SharedData,
     inflight: Vec<SlotLoad>,
     recent_decisions: Vec<u32>,
+    busy_average: Vec<f64>,
 }
 
 impl Scenario {
@@ -107,6 +108,9 @@ impl Scenario {
                 .to_vec(),
             // Past a full share window, so the share guard is reached.
             recent_decisions: vec![100, 20, 8],
+            // Pod 1 ahead on average too, so the share guard's averaged
+            // test is reached.
+            busy_average: vec![0.0, 3.0, 1.0],
         }
     }
 }
@@ -155,6 +159,7 @@ pub fn run(data: &[u8]) {
         index: &index,
         inflight: &scenario.inflight,
         recent_decisions: &scenario.recent_decisions,
+        busy_average: &scenario.busy_average,
         now_ms: table.published_at_ms + tie_breaker * 1000,
     };
     match scenario

@@ -13,7 +13,8 @@
 //!   a burst onto one pod is the balance guard (`scoring::balance`).
 //!
 //! In both modes it also counts the worker's last `balance.shareWindow`
-//! decisions per pod for the share guard ([`RecentShare`]).
+//! decisions per pod, and its pods' requests in flight averaged over them,
+//! for the share guard ([`RecentShare`]).
 
 use super::{DecisionRecorder, PrefixLookup, PrefixMatch, PrefixTree};
 use crate::config::{Config, IndexMode};
@@ -39,7 +40,7 @@ impl RecentDecisions {
         });
         RecentDecisions {
             recorder,
-            share: RecentShare::new(config.balance.share_window),
+            share: RecentShare::new(&config.balance),
         }
     }
 
@@ -55,6 +56,18 @@ impl RecentDecisions {
     /// The worker's recent decisions per pod slot, for the share guard.
     pub fn decisions_per_slot(&self) -> &[u32] {
         self.share.counts()
+    }
+
+    /// Folds the requests in flight per pod slot, seen at a decision, into
+    /// the share guard's averages.
+    pub fn observe_inflight(&mut self, inflight: impl ExactSizeIterator<Item = u32>) {
+        self.share.observe(inflight);
+    }
+
+    /// Requests in flight per pod slot, averaged over the worker's latest
+    /// decisions, for the share guard.
+    pub fn busy_average(&self) -> &[f64] {
+        self.share.busy_average()
     }
 }
 

@@ -49,6 +49,9 @@ pub struct Candidate<'a> {
     pub queued_prefill: u64,
     /// This worker's recent decisions for the pod ([`balance::RecentShare`]).
     pub recent_decisions: u32,
+    /// Requests in flight on the pod, averaged over this worker's latest
+    /// decisions ([`balance::RecentShare::busy_average`]).
+    pub busy_average: f64,
     /// Utilisation in [0, 1].
     pub load: f64,
     /// Requests waiting (reported plus routed since the report).
@@ -282,6 +285,7 @@ impl ScoringPolicy {
     fn apply_balance_guards(&self, pods: &mut [Candidate<'_>]) {
         let inflight: Vec<u32> = pods.iter().map(|c| c.inflight).collect();
         let recent: Vec<u32> = pods.iter().map(|c| c.recent_decisions).collect();
+        let busy_average: Vec<f64> = pods.iter().map(|c| c.busy_average).collect();
         // What moving the request off each pod costs: its cached tokens
         // beyond the best other pod's (the best two suffice).
         let mut best = (None, 0, 0);
@@ -303,7 +307,13 @@ impl ScoringPolicy {
         let queued: Vec<u64> = pods.iter().map(|c| c.queued_prefill).collect();
         let uncached: Vec<u64> = pods.iter().map(|c| c.uncached_tokens).collect();
         let over_inflight = balance::overloaded(&inflight, &self.balance);
-        let over_share = balance::over_share(&recent, &spill_cost, &inflight, &self.balance);
+        let over_share = balance::over_share(
+            &recent,
+            &busy_average,
+            &spill_cost,
+            &inflight,
+            &self.balance,
+        );
         let over_prefill = balance::prefill_behind(&queued, &uncached, &self.balance);
         for (((pod, ahead), over), behind) in pods
             .iter_mut()

@@ -589,11 +589,14 @@ impl Worker {
             buckets: table.buckets,
             fetch: shared::bucket,
         };
+        self.recent
+            .observe_inflight(inflight.iter().map(|load| load.requests));
         let view = ClusterView {
             table: &table,
             index: &Merged(&snapshot, &self.recent),
             inflight: &inflight,
             recent_decisions: self.recent.decisions_per_slot(),
+            busy_average: self.recent.busy_average(),
             now_ms,
         };
         let outcome = self

@@ -832,11 +832,14 @@ impl<'a> KvrouteView<'a> {
             buckets: self.table.buckets,
             fetch: |b| self.buckets.get(&b).cloned(),
         };
+        self.recent
+            .observe_inflight(inflight.iter().map(|load| load.requests));
         let view = ClusterView {
             table: &self.table,
             index: &Merged(&snapshot, &self.recent),
             inflight,
             recent_decisions: self.recent.decisions_per_slot(),
+            busy_average: self.recent.busy_average(),
             // The simulated service publishes every interval and never
             // freezes, so its snapshot is never stale.
             now_ms: self.table.published_at_ms,
@@ -938,11 +941,15 @@ mod tests {
                         buckets: view.table.buckets,
                         fetch: |b| view.buckets.get(&b).cloned(),
                     };
+                    // What the view folds in before it decides.
+                    let mut recent = view.recent.clone();
+                    recent.observe_inflight(inflight.iter().map(|load| load.requests));
                     let cluster = ClusterView {
                         table: &view.table,
-                        index: &Merged(&snapshot, &view.recent),
+                        index: &Merged(&snapshot, &recent),
                         inflight: &inflight,
-                        recent_decisions: view.recent.decisions_per_slot(),
+                        recent_decisions: recent.decisions_per_slot(),
+                        busy_average: recent.busy_average(),
                         now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
