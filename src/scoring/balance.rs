@@ -70,10 +70,11 @@
 //! a request moving costs at most half of `spillTokens`: an opening whose
 //! prompt is cached elsewhere too, or a young session. Default 16, chosen
 //! side by side in `kvroute-bench` (real Envoy, four runs each): agentic
-//! TTFT p90 63–70 ms against 65–72 ms without it, max pod share 1.18–1.29×
+//! TTFT p90 63–67 ms against 65–72 ms without it, max pod share 1.18–1.29×
 //! against 1.24–1.33×; with the full `spillTokens` the long-context
 //! workload's openings copied their 8,000-token heads and its p90 rose
-//! from 420–460 to 420–550 ms. The other workloads moved within noise.
+//! from 420–460 to 420–550 ms, with a quarter the agentic openings
+//! sometimes stayed (1.32×). The other workloads moved within noise.
 //!
 //! Counts miss the size of the work: a pod prefilling two 9,000-token
 //! tool outputs is busier than one decoding six short answers. The

@@ -508,7 +508,11 @@ pub fn targets(results: &Value) -> Value {
             .flatten()
             // kvroute's own approximate mode is not a rival: the best
             // other router, as in the load sweep.
-            .filter(|r| r["policy"].as_str().is_some_and(|p| !p.starts_with("kvroute")))
+            .filter(|r| {
+                r["policy"]
+                    .as_str()
+                    .is_some_and(|p| !p.starts_with("kvroute"))
+            })
             .filter_map(|r| Some((r["policy"].as_str()?, r["ttftMs"]["p90"].as_f64()?)))
             .min_by(|a, b| a.1.total_cmp(&b.1));
         if let Some((other, other_p90)) = best {
