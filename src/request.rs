@@ -73,10 +73,10 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     if body.is_empty() {
         return Err(RequestError("request body is empty".into()));
     }
-    let value: Value = serde_json::from_slice(body)
+    let mut value: Value = serde_json::from_slice(body)
         .map_err(|e| RequestError(format!("request body is not valid JSON: {e}")))?;
     let object = value
-        .as_object()
+        .as_object_mut()
         .ok_or_else(|| RequestError("request body must be a JSON object".into()))?;
     let model = match object.get("model") {
         Some(Value::String(m)) if !m.is_empty() => m.clone(),
@@ -105,7 +105,8 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     let prompt = if chat {
         canonical_messages(object.get("messages"))?
     } else {
-        canonical_prompt(object.get("prompt"))?
+        // Taken out of the parsed body: a 512 KiB prompt is not copied.
+        canonical_prompt(object.remove("prompt"))?
     };
     Ok(ParsedRequest {
         model,
@@ -116,14 +117,14 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     })
 }
 
-fn canonical_prompt(prompt: Option<&Value>) -> Result<Prompt, RequestError> {
+fn canonical_prompt(prompt: Option<Value>) -> Result<Prompt, RequestError> {
     match prompt {
         None => Err(RequestError("`prompt` is missing".into())),
-        Some(Value::String(text)) => Ok(Prompt::Text(text.as_bytes().to_vec())),
-        Some(Value::Array(items)) => match items.first() {
+        Some(Value::String(text)) => Ok(Prompt::Text(text.into_bytes())),
+        Some(Value::Array(mut items)) => match items.first_mut() {
             None => Err(RequestError("`prompt` is an empty list".into())),
-            Some(Value::String(text)) => Ok(Prompt::Text(text.as_bytes().to_vec())),
-            Some(Value::Number(_)) => token_ids(items).map(Prompt::Tokens),
+            Some(Value::String(text)) => Ok(Prompt::Text(std::mem::take(text).into_bytes())),
+            Some(Value::Number(_)) => token_ids(&items).map(Prompt::Tokens),
             Some(Value::Array(first)) => token_ids(first).map(Prompt::Tokens),
             Some(_) => Err(RequestError(
                 "`prompt` must be a string, a list of strings or a list of token IDs".into(),
