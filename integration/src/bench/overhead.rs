@@ -290,8 +290,9 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             }
         }
         let [ra, rb, rf] = sums.map(|(n, t, _)| n as f64 / t);
-        let [ca, cb, cf] =
-            sums.map(|(n, _, cpu)| (cpu * 1000.0 / n.max(1) as f64 * 1e4).round() / 1e4);
+        // CPU seconds per 1,000 requests, to 4 decimals.
+        let per_1000 = |cpu: f64, n: usize| (cpu * 1000.0 / n.max(1) as f64 * 1e4).round() / 1e4;
+        let [ca, cb, cf] = sums.map(|(n, _, cpu)| per_1000(cpu, n));
         let entry = json!({
             "bodyBytes": size,
             "concurrency": sat_concurrency,
@@ -301,7 +302,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "floorRps": rf.round(),
             "floorRatio": (rf / rb * 1000.0).round() / 1000.0,
             "envoyCpuSPer1000": {"kvroute": ca, "plain": cb, "floor": cf,
-                "kvrouteMainThread": (main_thread_s * 1000.0 / sums[0].0.max(1) as f64 * 1e4).round() / 1e4},
+                "kvrouteMainThread": per_1000(main_thread_s, sums[0].0)},
         });
         eprintln!("overhead saturation: {entry}");
         saturation.push(entry);
