@@ -588,6 +588,76 @@ fn tail(text: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// A `kvroute-vllm-bridge` process following one sim's vLLM KV events
+/// (a sim started with `--kv-events`), serving its report on `address`.
+pub struct Bridge {
+    pub address: String,
+    _process: Process,
+}
+
+/// Where one sim publishes its vLLM KV events, and where its bridge serves.
+#[derive(Debug, Clone)]
+pub struct BridgePorts {
+    pub events: String,
+    pub replay: String,
+    pub listen: String,
+}
+
+impl BridgePorts {
+    /// Free loopback ports for all three.
+    pub fn free() -> BridgePorts {
+        BridgePorts {
+            events: format!("tcp://127.0.0.1:{}", free_port()),
+            replay: format!("tcp://127.0.0.1:{}", free_port()),
+            listen: format!("127.0.0.1:{}", free_port()),
+        }
+    }
+
+    /// The sim's flags publishing on these ports.
+    pub fn sim_args(&self) -> Vec<String> {
+        ["--kv-events", &self.events, "--kv-replay", &self.replay]
+            .map(String::from)
+            .to_vec()
+    }
+}
+
+impl Bridge {
+    /// Starts `binary` for pod `pod_id` on `ports`, with kvroute's config
+    /// file and `extra` flags; returns once it answers `/health`.
+    pub fn start(
+        binary: &Path,
+        pod_id: &str,
+        ports: &BridgePorts,
+        config_file: &Path,
+        base_model: &str,
+        extra: &[String],
+    ) -> io::Result<Bridge> {
+        let child = Command::new(binary)
+            .args(["--events", &ports.events, "--replay", &ports.replay])
+            .args(["--listen", &ports.listen, "--pod-id", pod_id])
+            .args(["--base-model", base_model, "--config"])
+            .arg(config_file)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let process = Process {
+            child,
+            name: format!("bridge {pod_id}"),
+        };
+        if !http::wait_ready(&ports.listen, "/health", Duration::from_secs(20)) {
+            return Err(io::Error::other(format!(
+                "bridge of {pod_id} did not become ready on {}",
+                ports.listen
+            )));
+        }
+        Ok(Bridge {
+            address: ports.listen.clone(),
+            _process: process,
+        })
+    }
+}
+
 impl Sim {
     /// Like [`Sim::start`] on a chosen port.
     pub fn start_on(

@@ -7,9 +7,11 @@
 //! Each cache change becomes one batch: the cache's logged events since
 //! the last batch, stored blocks grouped into chains as vLLM groups a
 //! request's new blocks. The sim's coarse blocks (past `coarseAfterBlocks`)
-//! are published as the vLLM blocks they span, removed tail first. Only
-//! token-ID prompts are published (vLLM caches tokens; the sim has no
-//! tokenizer for text prompts). vLLM's block hashes
+//! are published as the vLLM blocks they span, removed tail first. Token-ID
+//! prompts are published, and with `--tokenizer` text and chat prompts too,
+//! as the tokens of the text vLLM would tokenize ([`crate::tokenizer`]);
+//! without it the sim caches text prompts as kvroute's text blocks, which
+//! vLLM never publishes. vLLM's block hashes
 //! are opaque to consumers, so the sim publishes its own opaque ones (not
 //! kvroute's keys), and the bridge has to derive kvroute's keys from the
 //! token IDs as it must with vLLM.

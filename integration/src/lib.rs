@@ -10,4 +10,5 @@ pub mod kv_events;
 pub mod model;
 pub mod replay;
 pub mod sim;
+pub mod tokenizer;
 pub mod trace;

@@ -59,6 +59,7 @@ use crate::kv_events::{Publisher, PublisherOptions};
 use crate::model::{
     AdapterSlots, Admission, CostModel, KvCache, PodLoad, PodModel, DEFAULT_LOG_EVENTS,
 };
+use crate::tokenizer::SimTokenizer;
 
 /// Longest `wait` the report endpoint honours.
 pub const MAX_REPORT_WAIT_MS: u64 = 60_000;
@@ -138,6 +139,15 @@ pub struct SimOptions {
     /// or `array` (older vLLM's positional arrays).
     #[arg(long, default_value = "map", value_parser = parse_shape)]
     pub kv_events_format: Shape,
+    /// Tokenize text and chat prompts as vLLM does, with this tokenizer
+    /// (`cl100k_base`), and cache token blocks of `blockSizeTokens`
+    /// ([`crate::tokenizer`]); with `--kv-events` they are published.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
+    /// Write `--tokenizer`'s vocabulary as a Hugging Face `tokenizer.json`
+    /// to this file (for kvroute-vllm-bridge's `--tokenizer`) and exit.
+    #[arg(long, requires = "tokenizer")]
+    pub write_tokenizer_json: Option<PathBuf>,
 }
 
 fn parse_shape(text: &str) -> Result<Shape, String> {
@@ -270,6 +280,8 @@ struct Sim {
     long_poll: bool,
     /// `--kv-events`: the vLLM-style event publisher.
     kv_events: Option<Arc<Publisher>>,
+    /// `--tokenizer`: text prompts are cached as vLLM's token blocks.
+    tokenizer: Option<SimTokenizer>,
     next_id: AtomicU64,
     inner: Mutex<Inner>,
 }
@@ -337,6 +349,15 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, String> {
 /// until the process ends (SIGINT/SIGTERM exit).
 pub async fn run(options: SimOptions) -> Result<(), String> {
     let config = load_config(options.config.as_deref())?;
+    let tokenizer = options
+        .tokenizer
+        .as_deref()
+        .map(SimTokenizer::named)
+        .transpose()?;
+    if let (Some(tokenizer), Some(path)) = (&tokenizer, &options.write_tokenizer_json) {
+        let json = tokenizer.tokenizer_json().to_string();
+        return std::fs::write(path, json).map_err(|e| format!("{}: {e}", path.display()));
+    }
     let listener = TcpListener::bind((options.host.as_str(), options.port))
         .await
         .map_err(|e| format!("cannot listen on {}:{}: {e}", options.host, options.port))?;
@@ -355,7 +376,7 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
         ),
         None => None,
     };
-    let app = app(&options, config, addr, kv_events);
+    let app = app(&options, config, addr, kv_events, tokenizer);
     let pod_id = options
         .pod_id
         .clone()
@@ -402,6 +423,7 @@ pub fn app(
     config: Config,
     addr: SocketAddr,
     kv_events: Option<Arc<Publisher>>,
+    tokenizer: Option<SimTokenizer>,
 ) -> Router {
     let pod_id = options
         .pod_id
@@ -453,6 +475,7 @@ pub fn app(
         report_waiters: Semaphore::new(REPORT_WAITERS),
         long_poll: !options.no_long_poll,
         kv_events,
+        tokenizer,
         next_id: AtomicU64::new(1),
         inner: Mutex::new(Inner {
             pod,
@@ -720,10 +743,13 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
         sim.lock().stats.errors += 1;
         error_response(status, message, kind)
     };
-    let parsed = match parse_request(&body, chat) {
+    let mut parsed = match parse_request(&body, chat) {
         Ok(parsed) => parsed,
         Err(e) => return fail(StatusCode::BAD_REQUEST, &e.0, "BadRequestError"),
     };
+    if let Some(tokenizer) = &sim.tokenizer {
+        parsed.prompt = tokenizer.tokenize(parsed.prompt);
+    }
     let Some(target) = sim.config.resolve_model(&parsed.model) else {
         let message = format!("The model `{}` does not exist.", parsed.model);
         return fail(StatusCode::NOT_FOUND, &message, "NotFoundError");

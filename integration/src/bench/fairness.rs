@@ -33,6 +33,7 @@ fn idle_workload() -> Workload {
         offered_rps: 0.0,
         agents: None,
         bounds: Bounds::default(),
+        stock_vllm: false,
     }
 }
 

@@ -108,6 +108,13 @@ pub struct BenchArgs {
     /// The kvroute-sim binary (default: next to this one).
     #[arg(long)]
     pub sim: Option<PathBuf>,
+    /// Stock-vLLM mode: the pods tokenize prompts (a real byte-level BPE)
+    /// and publish vLLM's KV events instead of serving kvroute's report,
+    /// kvroute precise reads them through one kvroute-vllm-bridge per pod
+    /// (next to this binary), and chat prompts are rendered with a chat
+    /// template. Results go to DIR/stock-vllm/ (see --out).
+    #[arg(long)]
+    pub stock_vllm: bool,
 }
 
 fn default_trace() -> PathBuf {
@@ -158,6 +165,11 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         .out
         .clone()
         .unwrap_or_else(|| repo_root().join("integration/results"));
+    let out = if args.stock_vllm {
+        out.join("stock-vllm")
+    } else {
+        out
+    };
     std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
     let sim = sim_binary(args);
     if !sim.exists() {
@@ -215,6 +227,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
             }
             None => json!({}),
         },
+        stock_vllm: args.stock_vllm,
     };
     let command = std::iter::once("kvroute-bench".to_string())
         .chain(std::env::args().skip(1))
@@ -373,6 +386,20 @@ fn run_policy(
     // maxQueue), with how long each waited, whatever the outcome (routed,
     // 503 at the deadline or a full queue, client gone).
     if policy.starts_with("kvroute") {
+        // Decisions whose pod served under half the cached tokens kvroute
+        // predicted (it had evicted blocks the index still listed), of all
+        // decisions (every one logs a `route` line by default).
+        let stale = stack
+            .envoy()
+            .and_then(|envoy| overhead::metric(envoy, "epp_stale_cache_routing_total"));
+        let decisions = overhead::event_field(&log, "route", "blocks").len();
+        if let (Some(stale), true) = (stale, decisions > 0) {
+            row["staleRouting"] = json!({
+                "decisions": decisions,
+                "stale": stale,
+                "share": (stale / decisions as f64 * 1e4).round() / 1e4,
+            });
+        }
         let waited =
             report::sorted(overhead::event_field(&log, "wait_end", "waitedMs").into_iter());
         row["gatewayWaitMs"] = json!({

@@ -407,7 +407,7 @@ fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
         .unwrap_or_default()
 }
 
-fn metric(envoy: &Envoy, name: &str) -> Option<f64> {
+pub(super) fn metric(envoy: &Envoy, name: &str) -> Option<f64> {
     prometheus_value(&prometheus_filtered(envoy, name), name, &[])
 }
 

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 use super::peers::{self, Peer};
-use super::workload::Workload;
-use crate::harness::{free_port, Cluster, ClusterSpec, Envoy, Sim};
+use super::workload::{Workload, STOCK_VLLM_TOKENIZER};
+use crate::harness::{free_port, Bridge, BridgePorts, Cluster, ClusterSpec, Envoy, Sim};
 
 /// Policies in report order: kvroute, the peers, Envoy's balancers.
 pub const POLICIES: [&str; 10] = [
@@ -35,7 +35,12 @@ pub const REPORT_INTERVAL_MS: u64 = 200;
 
 /// A running stack; everything stops on drop.
 pub enum Stack {
-    Kvroute(Box<Cluster>),
+    /// kvroute in Envoy; in stock-vLLM mode, precise with the pods'
+    /// bridges.
+    Kvroute {
+        cluster: Box<Cluster>,
+        bridges: Vec<Bridge>,
+    },
     Baseline {
         sims: Vec<Sim>,
         envoy: Envoy,
@@ -61,7 +66,7 @@ impl Stack {
     /// The Envoy in front of the pods (`None` for a peer router).
     pub fn envoy(&self) -> Option<&Envoy> {
         match self {
-            Stack::Kvroute(c) => Some(&c.envoy),
+            Stack::Kvroute { cluster, .. } => Some(&cluster.envoy),
             Stack::Baseline { envoy, .. } => Some(envoy),
             Stack::Peer { .. } => None,
         }
@@ -69,7 +74,7 @@ impl Stack {
 
     pub fn sims(&self) -> &[Sim] {
         match self {
-            Stack::Kvroute(c) => &c.sims,
+            Stack::Kvroute { cluster, .. } => &cluster.sims,
             Stack::Baseline { sims, .. } | Stack::Peer { sims, .. } => sims,
         }
     }
@@ -112,18 +117,24 @@ impl Drop for Stack {
     }
 }
 
-/// Flags of every sim of `workload`.
+/// Flags of every sim of `workload`: in stock-vLLM mode, tokenizing as
+/// vLLM does and, like stock vLLM, serving no kvroute report.
 pub fn sim_args(workload: &Workload) -> Vec<String> {
-    vec![
-        "--time-scale".into(),
-        workload.time_scale.to_string(),
-        "--kv-blocks".into(),
-        workload.kv_blocks.to_string(),
-        "--max-batch".into(),
-        workload.max_batch.to_string(),
-        "--max-loras".into(),
-        workload.max_loras.to_string(),
-    ]
+    let stock_vllm = ["--tokenizer", STOCK_VLLM_TOKENIZER, "--no-report"];
+    let stock_vllm = stock_vllm.iter().filter(|_| workload.stock_vllm);
+    stock_vllm
+        .map(|s| s.to_string())
+        .chain([
+            "--time-scale".into(),
+            workload.time_scale.to_string(),
+            "--kv-blocks".into(),
+            workload.kv_blocks.to_string(),
+            "--max-batch".into(),
+            workload.max_batch.to_string(),
+            "--max-loras".into(),
+            workload.max_loras.to_string(),
+        ])
+        .collect()
 }
 
 /// The kvroute plugin configuration of `policy` for `workload`.
@@ -157,12 +168,23 @@ impl From<io::Error> for StartError {
 pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Stack, StartError> {
     let pod_args = sim_args(workload);
     if policy.starts_with("kvroute") {
-        let mut spec = ClusterSpec::new(
-            workload.pods,
-            kvroute_config(workload, policy == "kvroute-approx"),
-        );
+        let approximate = policy == "kvroute-approx";
+        let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, approximate));
         spec.sim_args = pod_args;
-        return Ok(Stack::Kvroute(Box::new(Cluster::start(sim_binary, spec)?)));
+        if !workload.stock_vllm || approximate {
+            let cluster = Box::new(Cluster::start(sim_binary, spec)?);
+            return Ok(Stack::Kvroute {
+                cluster,
+                bridges: Vec::new(),
+            });
+        }
+        // Stock vLLM: reports come from one bridge per pod.
+        let ports: Vec<BridgePorts> = (0..workload.pods).map(|_| BridgePorts::free()).collect();
+        spec.per_pod_args = ports.iter().map(BridgePorts::sim_args).collect();
+        spec.report_addresses = ports.iter().map(|p| Some(p.listen.clone())).collect();
+        let cluster = Box::new(Cluster::start(sim_binary, spec)?);
+        let bridges = start_bridges(workload, &cluster, &ports, sim_binary)?;
+        return Ok(Stack::Kvroute { cluster, bridges });
     }
     let peer = peers::peer(policy);
     let lb = lb_policy(policy);
@@ -206,6 +228,54 @@ pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Sta
     let yaml = render_baseline(lb.expect("a baseline"), listen, admin, &addresses);
     let envoy = Envoy::start(&dir, &yaml, listen, admin)?;
     Ok(Stack::Baseline { sims, envoy, dir })
+}
+
+/// One kvroute-vllm-bridge per pod of `cluster` (the binary next to
+/// `sim_binary`), decoding tokens with the sims' vocabulary (written by
+/// `kvroute-sim --write-tokenizer-json`).
+fn start_bridges(
+    workload: &Workload,
+    cluster: &Cluster,
+    ports: &[BridgePorts],
+    sim_binary: &Path,
+) -> io::Result<Vec<Bridge>> {
+    let bridge_binary = sim_binary.with_file_name("kvroute-vllm-bridge");
+    let vocabulary = cluster.dir.join("tokenizer.json");
+    let written = std::process::Command::new(sim_binary)
+        .args([
+            "--tokenizer",
+            STOCK_VLLM_TOKENIZER,
+            "--write-tokenizer-json",
+        ])
+        .arg(&vocabulary)
+        .status()?;
+    if !written.success() {
+        return Err(io::Error::other(
+            "kvroute-sim could not write tokenizer.json",
+        ));
+    }
+    let base_model = workload.plugin["models"]
+        .as_object()
+        .and_then(|models| models.values().next())
+        .and_then(|model| model["baseModel"].as_str())
+        .unwrap_or("sim-model")
+        .to_string();
+    let config_file = cluster.dir.join("kvroute.json");
+    let tokenizer = ["--tokenizer".to_string(), vocabulary.display().to_string()];
+    ports
+        .iter()
+        .zip(&cluster.sims)
+        .map(|(ports, sim)| {
+            Bridge::start(
+                &bridge_binary,
+                &sim.id,
+                ports,
+                &config_file,
+                &base_model,
+                &tokenizer,
+            )
+        })
+        .collect()
 }
 
 /// `workload.pods` fresh sims, hashing with the workload's configuration.

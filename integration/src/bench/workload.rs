@@ -96,6 +96,8 @@ pub struct Workload {
     /// Closed loop: the number of agents (each with one turn in flight).
     pub agents: Option<usize>,
     pub bounds: Bounds,
+    /// Stock-vLLM mode (see [`GenOptions::stock_vllm`]).
+    pub stock_vllm: bool,
 }
 
 /// Knobs shared by the generators.
@@ -115,7 +117,18 @@ pub struct GenOptions {
     pub trace_offset: Option<usize>,
     /// Merged into every workload's plugin configuration.
     pub plugin_extra: Value,
+    /// Stock-vLLM mode ([`STOCK_VLLM_TOKENIZER`]): pods tokenize prompts
+    /// as vLLM does and publish KV events, kvroute's precise mode reads
+    /// them through kvroute-vllm-bridge, and chat prompts are the chat
+    /// template's rendering ([`STOCK_VLLM_CHAT_TEMPLATE`]).
+    pub stock_vllm: bool,
 }
+
+/// The tokenizer of the pods in stock-vLLM mode (`kvroute-sim --tokenizer`).
+pub const STOCK_VLLM_TOKENIZER: &str = "cl100k_base";
+
+/// The chat template of every base model in stock-vLLM mode.
+pub const STOCK_VLLM_CHAT_TEMPLATE: &str = include_str!("chat_template.jinja");
 
 /// splitmix64: a small seeded generator.
 #[derive(Debug, Clone)]
@@ -210,10 +223,26 @@ fn stream_fields(body: &mut Value) {
     body["stream_options"] = json!({"include_usage": true});
 }
 
-/// `plugin` with `--kvroute-config` merged in: what the router and the
-/// pods run with, so also what the requests are hashed with.
+/// `plugin` with `--kvroute-config` merged in, and in stock-vLLM mode the
+/// chat template of each base model: what the router and the pods run
+/// with, so also what the requests are hashed with.
 fn with_extra(plugin: &Value, opts: &GenOptions) -> Value {
     let mut plugin = plugin.clone();
+    if opts.stock_vllm {
+        let templates: serde_json::Map<String, Value> = plugin["models"]
+            .as_object()
+            .into_iter()
+            .flat_map(|models| models.values())
+            .filter_map(|model| model["baseModel"].as_str())
+            .map(|base| {
+                (
+                    base.to_string(),
+                    json!({"template": STOCK_VLLM_CHAT_TEMPLATE}),
+                )
+            })
+            .collect();
+        plugin["chatTemplates"] = Value::Object(templates);
+    }
     if let (Some(target), Some(extra)) = (plugin.as_object_mut(), opts.plugin_extra.as_object()) {
         for (k, v) in extra {
             target.insert(k.clone(), v.clone());
@@ -372,6 +401,7 @@ fn assemble(
         offered_rps,
         agents,
         bounds,
+        stock_vllm: opts.stock_vllm,
     }
 }
 
@@ -926,6 +956,7 @@ mod tests {
             trace_requests: None,
             trace_offset: None,
             plugin_extra: json!({}),
+            stock_vllm: false,
         }
     }
 

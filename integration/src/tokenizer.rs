@@ -1,0 +1,146 @@
+//! kvroute-sim's `--tokenizer`: a real byte-level BPE tokenizer, so the
+//! sim caches what stock vLLM caches: token blocks of the prompt text as
+//! vLLM tokenizes it (the rendered chat template for chat, the completions
+//! prompt after the tokenizer's added prefix), not kvroute's text blocks.
+//!
+//! The vocabulary is OpenAI's `cl100k_base` as the `tiktoken-rs` crate
+//! ships it (the base Llama 3's tokenizer extends): 100,256 byte-level
+//! tokens plus 5 special ones, which text spells literally (as Hugging
+//! Face tokenizers parse added tokens in any text they encode). Decoding a
+//! token list gives back the exact bytes encoded, which is what the vLLM
+//! bridge relies on to map token blocks back to kvroute's text blocks.
+//!
+//! [`SimTokenizer::tokenizer_json`] writes the vocabulary as a Hugging Face
+//! `tokenizer.json` (BPE model, ByteLevel decoder, added tokens), the file
+//! the bridge takes with `--tokenizer` for a real model. It carries no
+//! merges: it is for decoding, which needs only the vocabulary.
+
+use kvroute::request::Prompt;
+use serde_json::{json, Map, Value};
+use tiktoken_rs::CoreBPE;
+
+/// A tokenizer the sim can run (see the module documentation).
+pub struct SimTokenizer {
+    name: &'static str,
+    bpe: CoreBPE,
+}
+
+/// The tokenizers `--tokenizer` accepts.
+pub const TOKENIZERS: [&str; 1] = ["cl100k_base"];
+
+impl SimTokenizer {
+    /// The tokenizer called `name` (one of [`TOKENIZERS`]).
+    pub fn named(name: &str) -> Result<SimTokenizer, String> {
+        match name {
+            "cl100k_base" => Ok(SimTokenizer {
+                name: "cl100k_base",
+                bpe: tiktoken_rs::cl100k_base().map_err(|e| format!("cl100k_base: {e}"))?,
+            }),
+            other => Err(format!(
+                "unknown tokenizer {other:?} (known: {})",
+                TOKENIZERS.join(", ")
+            )),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        self.name
+    }
+
+    /// The prompt vLLM caches: a text prompt's tokens (the text being what
+    /// vLLM tokenizes: the rendered chat template, or the completions
+    /// prompt after its added prefix); token IDs as given.
+    pub fn tokenize(&self, prompt: Prompt) -> Prompt {
+        match prompt {
+            Prompt::Text(text) => Prompt::Tokens(self.encode(&String::from_utf8_lossy(&text))),
+            tokens => tokens,
+        }
+    }
+
+    /// `text`'s token IDs, special tokens spelled in it included.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.bpe.encode_with_special_tokens(text)
+    }
+
+    /// The bytes of `tokens` (`None`: an ID outside the vocabulary).
+    pub fn decode(&self, tokens: &[u32]) -> Option<Vec<u8>> {
+        self.bpe.decode_bytes(tokens).ok()
+    }
+
+    /// The vocabulary as a Hugging Face `tokenizer.json` (see the module
+    /// documentation).
+    pub fn tokenizer_json(&self) -> Value {
+        let specials = self.bpe.special_tokens();
+        let mut special_ids: Vec<(u32, &str)> = specials
+            .iter()
+            .map(|&text| (self.encode(text)[0], text))
+            .collect();
+        special_ids.sort();
+        let mut vocab = Map::new();
+        let mut id = 0u32;
+        while let Some(bytes) = self.decode(&[id]) {
+            if special_ids.iter().all(|(special, _)| *special != id) {
+                vocab.insert(byte_level(&bytes), json!(id));
+            }
+            id += 1;
+        }
+        let added: Vec<Value> = special_ids
+            .iter()
+            .map(|(id, content)| {
+                json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                       "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false,
+                              "trim_offsets": true, "use_regex": true},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true,
+                        "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false,
+                      "vocab": vocab, "merges": []},
+        })
+    }
+}
+
+/// `bytes` in GPT-2's byte-to-unicode alphabet (Hugging Face's ByteLevel).
+fn byte_level(bytes: &[u8]) -> String {
+    // TODO(merge): the bridge's table.
+    bytes
+        .iter()
+        .map(|&b| {
+            let printable = matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+            if printable {
+                char::from(b)
+            } else {
+                let shifted = (0..=b)
+                    .filter(|&c| !matches!(c, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff))
+                    .count() as u32
+                    - 1;
+                char::from_u32(256 + shifted).expect("in range")
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoding_gives_back_the_exact_bytes_special_tokens_included() {
+        let tokenizer = SimTokenizer::named("cl100k_base").unwrap();
+        let text = "<|im_start|>user\nHé, ça va? 数字 123\t<|endoftext|> 🚀<|im_end|>\n";
+        let tokens = tokenizer.encode(text);
+        assert!(tokens.contains(&100257), "<|endoftext|> is one token");
+        assert_eq!(tokenizer.decode(&tokens).unwrap(), text.as_bytes());
+        assert!(SimTokenizer::named("gpt-9").is_err());
+    }
+}
