@@ -5,11 +5,13 @@
 //! - [`wire`]: vLLM's event format;
 //! - [`blocks`]: the pod's blocks as kvroute chain keys;
 //! - [`bridge`]: the ZMQ subscription, gaps, replays and epochs;
-//! - [`server`]: the report, `/metrics` and `/health`.
+//! - [`server`]: the report, `/metrics` and `/health`;
+//! - [`vocab`]: token ids back to text bytes, for the text-mode keys.
 
 pub mod blocks;
 pub mod bridge;
 pub mod server;
+pub mod vocab;
 pub mod wire;
 
 use std::path::PathBuf;
