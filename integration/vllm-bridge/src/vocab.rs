@@ -210,7 +210,10 @@ fn byte_level_bpe(tokenizer: &TokenizerJson) -> Result<(), String> {
     let model = &tokenizer.model;
     match model.kind.as_deref() {
         Some("BPE") => {}
-        Some(kind) => return Err(format!("model is {kind}, not BPE: {WHY}")),
+        Some(kind) => {
+            let lossy = lossy(kind);
+            return Err(format!("model is {kind}{lossy}, not BPE: {WHY}"));
+        }
         None => return Err(format!("`model.type` is missing: {WHY}")),
     }
     if model.byte_fallback {
@@ -226,7 +229,8 @@ fn byte_level_bpe(tokenizer: &TokenizerJson) -> Result<(), String> {
     };
     match &tokenizer.decoder {
         Some(decoder) if decoder.kind != "ByteLevel" => {
-            return Err(format!("decoder is {decoder}, not ByteLevel: {WHY}"));
+            let lossy = lossy(&decoder.kind);
+            return Err(format!("decoder is {decoder}{lossy}, not ByteLevel: {WHY}"));
         }
         None if !byte_level(&tokenizer.pre_tokenizer) => {
             let found = match &tokenizer.pre_tokenizer {
@@ -252,6 +256,16 @@ fn byte_level_bpe(tokenizer: &TokenizerJson) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// What a kind of model or decoder loses of the text, for its refusal.
+fn lossy(kind: &str) -> &'static str {
+    match kind {
+        "Metaspace" => " (SentencePiece style: spaces as `▁`, a prefix space added and stripped)",
+        "WordPiece" => " (BERT style: `##` continuations, spaces between words not kept)",
+        "Unigram" => " (SentencePiece's: spaces as `▁`)",
+        _ => "",
+    }
 }
 
 #[cfg(test)]
@@ -354,7 +368,10 @@ mod tests {
     fn other_tokenizers_are_refused_naming_what_was_found() {
         let metaspace = refusal(Vocabulary::from_json(METASPACE));
         assert!(
-            metaspace.starts_with("decoder is Metaspace, not ByteLevel: only byte-level BPE"),
+            metaspace.starts_with(
+                "decoder is Metaspace (SentencePiece style: spaces as `▁`, a prefix space added \
+                 and stripped), not ByteLevel: only byte-level BPE"
+            ),
             "{metaspace}"
         );
         // Llama 2, Mistral: SentencePiece pieces with byte fallback.
@@ -381,14 +398,14 @@ mod tests {
                 "continuing_subword_prefix": "##", "vocab": {"[UNK]": 0, "##s": 1}});
         }));
         assert!(
-            word_piece.starts_with("model is WordPiece, not BPE"),
+            word_piece.starts_with("model is WordPiece (BERT style"),
             "{word_piece}"
         );
         let unigram = refusal(edited(|t| {
             t["model"] = json!({"type": "Unigram", "unk_id": 0, "vocab": [["<unk>", 0.0]]});
         }));
         assert!(
-            unigram.starts_with("model is Unigram, not BPE"),
+            unigram.starts_with("model is Unigram (SentencePiece's: spaces as `▁`), not BPE"),
             "{unigram}"
         );
         let no_decoder = refusal(edited(|t| {
