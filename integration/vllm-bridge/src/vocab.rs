@@ -101,19 +101,27 @@ impl fmt::Display for Component {
     }
 }
 
-/// GPT-2's byte-level alphabet reversed: entry `c` is the byte that the
-/// symbol `char c` stands for (every symbol is below U+0144).
+/// GPT-2's byte-level alphabet (Hugging Face's ByteLevel): the symbol
+/// each byte is written as (see the module documentation).
+pub fn byte_level_symbols() -> [char; 256] {
+    let printable = |byte: &u8| matches!(byte, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
+    let mut symbols = ['\0'; 256];
+    for byte in (0..=255u8).filter(printable) {
+        symbols[usize::from(byte)] = char::from(byte);
+    }
+    let others = (0..=255u8).filter(|byte| !printable(byte));
+    for (byte, symbol) in others.zip('\u{100}'..) {
+        symbols[usize::from(byte)] = symbol;
+    }
+    symbols
+}
+
+/// The alphabet reversed: entry `c` is the byte that symbol `c` stands for
+/// (every symbol is below U+0144).
 fn byte_level_alphabet() -> [Option<u8>; 0x144] {
     let mut bytes = [None; 0x144];
-    let mut shifted = 0x100;
-    for byte in 0..=255u8 {
-        let symbol = if matches!(byte, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff) {
-            usize::from(byte)
-        } else {
-            shifted += 1;
-            shifted - 1
-        };
-        bytes[symbol] = Some(byte);
+    for (byte, symbol) in (0..=255u8).zip(byte_level_symbols()) {
+        bytes[symbol as usize] = Some(byte);
     }
     bytes
 }
@@ -290,10 +298,7 @@ mod tests {
 
     #[test]
     fn the_alphabet_is_gpt2s_bytes_to_unicode() {
-        let alphabet = byte_level_alphabet();
-        let mut bytes: Vec<u8> = alphabet.iter().flatten().copied().collect();
-        bytes.sort_unstable();
-        assert_eq!(bytes, (0..=255).collect::<Vec<u8>>(), "each byte once");
+        let symbols = byte_level_symbols();
         for (symbol, byte) in [
             ('Ā', 0x00),
             ('ĉ', b'\t'),
@@ -304,11 +309,17 @@ mod tests {
             ('ġ', 0x7f),
             ('Ł', 0x9f),
             ('ł', 0xa0),
-            ('Ń', 0xad),
             ('¡', 0xa1),
+            ('Ń', 0xad),
             ('ÿ', 0xff),
         ] {
-            assert_eq!(alphabet[symbol as usize], Some(byte), "{symbol}");
+            assert_eq!(symbols[usize::from(byte)], symbol, "{byte:#x}");
+        }
+        // Reversed, each byte once.
+        let alphabet = byte_level_alphabet();
+        assert_eq!(alphabet.iter().flatten().count(), 256);
+        for (byte, symbol) in symbols.iter().enumerate() {
+            assert_eq!(alphabet[*symbol as usize], Some(byte as u8));
         }
     }
 
