@@ -28,6 +28,10 @@
 //! cover 1.77 MiB of text (~460k tokens) or 462,848 tokens. A trailing
 //! partial block is not hashed (an engine cannot reuse it either).
 //! Hashing is O(min(len, covered(maxPrefixBlocks))) bytes.
+//!
+//! The vLLM bridge rebuilds the same chains from a pod's engine blocks, one
+//! at a time: [`TokenChainCursor`] from their tokens, [`TextChainCursor`]
+//! from their tokens decoded to bytes.
 
 use xxhash_rust::xxh64::{xxh64, Xxh64};
 
@@ -166,6 +170,42 @@ pub fn hash_tokens(seed: &ChainSeed, tokens: &[u32], layout: &BlockLayout) -> Ve
     chain_token_blocks(seed.0, layout.blocks(tokens))
 }
 
+/// The streamed end of a chain, shared by the cursors below: the last
+/// completed block's hash and the block being hashed after it.
+#[derive(Clone)]
+struct ChainLink {
+    /// The last completed block's hash (the seed's value before the first).
+    previous: u64,
+    /// Whether any block was completed yet (`previous` is not the seed).
+    started: bool,
+    /// The block being streamed, seeded with `previous`.
+    partial: Xxh64,
+}
+
+impl ChainLink {
+    fn new(seed: &ChainSeed) -> ChainLink {
+        ChainLink {
+            previous: seed.0,
+            started: false,
+            partial: Xxh64::new(seed.0),
+        }
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        self.partial.update(bytes);
+    }
+
+    /// Ends the block streamed so far: its hash and its parent's.
+    fn complete(&mut self) -> (u64, Option<u64>) {
+        let key = self.partial.digest();
+        let parent = self.started.then_some(self.previous);
+        self.previous = key;
+        self.started = true;
+        self.partial = Xxh64::new(key);
+        (key, parent)
+    }
+}
+
 /// A token chain fed one engine block (`layout.block_size` tokens) at a
 /// time, as the vLLM bridge learns a pod's blocks from its events: each
 /// engine block of the fine part completes one of the layout's blocks;
@@ -175,14 +215,9 @@ pub fn hash_tokens(seed: &ChainSeed, tokens: &[u32], layout: &BlockLayout) -> Ve
 /// cursor is what a block's children continue from.
 #[derive(Clone)]
 pub struct TokenChainCursor {
-    /// The last completed block's hash (the seed's value before the first).
-    previous: u64,
-    /// Whether any block was completed yet (`previous` is not the seed).
-    started: bool,
+    link: ChainLink,
     /// Engine blocks fed so far.
     engine_blocks: usize,
-    /// The coarse block being streamed, seeded with `previous`.
-    partial: Option<Xxh64>,
 }
 
 /// What one engine block did to a [`TokenChainCursor`].
@@ -200,10 +235,8 @@ pub enum ChainStep {
 impl TokenChainCursor {
     pub fn new(seed: &ChainSeed) -> TokenChainCursor {
         TokenChainCursor {
-            previous: seed.0,
-            started: false,
+            link: ChainLink::new(seed),
             engine_blocks: 0,
-            partial: None,
         }
     }
 
@@ -224,21 +257,78 @@ impl TokenChainCursor {
         if block >= layout.max_blocks {
             return ChainStep::PastCap;
         }
-        let partial = self
-            .partial
-            .get_or_insert_with(|| Xxh64::new(self.previous));
         for token in tokens {
-            partial.update(&token.to_le_bytes());
+            self.link.update(&token.to_le_bytes());
         }
         if !last_part {
             return ChainStep::Inside;
         }
-        let key = partial.digest();
-        self.partial = None;
-        let parent = self.started.then_some(self.previous);
-        self.previous = key;
-        self.started = true;
+        let (key, parent) = self.link.complete();
         ChainStep::Completed { key, parent }
+    }
+}
+
+/// A text chain fed the bytes of one engine block at a time, as the vLLM
+/// bridge decodes a pod's token blocks: engine blocks do not fall on the
+/// layout's byte boundaries, so one may complete none, one or several of
+/// the layout's blocks (fine ones of `block_size` bytes, coarse ones past
+/// `coarse_after`), each streamed over whatever engine blocks it spans.
+/// The keys are exactly [`hash_bytes`]'s for the concatenated bytes. A
+/// cursor keeps no text, only the streaming hash and two counters; it is
+/// cloned to branch as [`TokenChainCursor`] is.
+#[derive(Clone)]
+pub struct TextChainCursor {
+    link: ChainLink,
+    /// The layout's blocks completed so far.
+    blocks: usize,
+    /// Bytes of the block being streamed fed so far.
+    filled: usize,
+}
+
+/// What one engine block's bytes did to a [`TextChainCursor`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TextStep {
+    /// The blocks they completed, in order, as `(key, parent)` (`parent`:
+    /// `None` for the chain's first block).
+    pub completed: Vec<(u64, Option<u64>)>,
+    /// How many of the bytes (the last ones) lie past `max_blocks`, where
+    /// the router does not look.
+    pub past_cap: usize,
+}
+
+impl TextChainCursor {
+    pub fn new(seed: &ChainSeed) -> TextChainCursor {
+        TextChainCursor {
+            link: ChainLink::new(seed),
+            blocks: 0,
+            filled: 0,
+        }
+    }
+
+    /// Feeds the next engine block's bytes (any number of them).
+    pub fn push(&mut self, mut bytes: &[u8], layout: &BlockLayout) -> TextStep {
+        let mut completed = Vec::new();
+        while !bytes.is_empty() && self.blocks < layout.max_blocks {
+            let size = if self.blocks < layout.coarse_after {
+                layout.block_size
+            } else {
+                layout.coarse_size()
+            }
+            .max(1);
+            let (part, rest) = bytes.split_at((size - self.filled).min(bytes.len()));
+            self.link.update(part);
+            self.filled += part.len();
+            bytes = rest;
+            if self.filled == size {
+                completed.push(self.link.complete());
+                self.blocks += 1;
+                self.filled = 0;
+            }
+        }
+        TextStep {
+            completed,
+            past_cap: bytes.len(),
+        }
     }
 }
 
@@ -372,6 +462,7 @@ pub const BYTES_PER_TOKEN: usize = 4;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// Blocks of `size` all the way, at most `max`.
     fn uniform(size: usize, max: usize) -> BlockLayout {
@@ -521,6 +612,43 @@ mod tests {
     }
 
     #[test]
+    fn a_text_cursor_completes_the_blocks_its_bytes_reach() {
+        let seed = ChainSeed::new("", "m", None, BlockMode::Text);
+        let layout = BlockLayout {
+            block_size: 4,
+            coarse_after: 2,
+            coarse_factor: 3,
+            max_blocks: 4,
+        };
+        // Blocks end at bytes 4, 8, 20 and 32; the cap leaves 5 bytes out.
+        let bytes: Vec<u8> = (0..37).collect();
+        let chain = hash_bytes(&seed, &bytes, &layout);
+        let completed = |range: std::ops::Range<usize>| -> Vec<(u64, Option<u64>)> {
+            range
+                .map(|i| (chain[i], i.checked_sub(1).map(|p| chain[p])))
+                .collect()
+        };
+        let mut cursor = TextChainCursor::new(&seed);
+        let mut push = |from: usize, to: usize| cursor.push(&bytes[from..to], &layout);
+        let step = |range, past_cap| TextStep {
+            completed: completed(range),
+            past_cap,
+        };
+        assert_eq!(push(0, 3), step(0..0, 0), "inside the first block");
+        assert_eq!(push(3, 9), step(0..2, 0), "two blocks end in one");
+        assert_eq!(push(9, 9), step(2..2, 0), "no bytes");
+        assert_eq!(push(9, 20), step(2..3, 0), "a coarse block ends");
+        assert_eq!(push(20, 34), step(3..4, 2), "the last block, then the cap");
+        assert_eq!(push(34, 37), step(4..4, 3), "wholly past the cap");
+        // A clone branches: both continue from the same point.
+        let mut branch = TextChainCursor::new(&seed);
+        branch.push(&bytes[..6], &layout);
+        let mut other = branch.clone();
+        assert_eq!(branch.push(&bytes[6..8], &layout), step(1..2, 0));
+        assert_ne!(other.push(b"xy", &layout), step(1..2, 0));
+    }
+
+    #[test]
     fn the_defaults_match_a_128k_token_prompt_end_to_end() {
         let hasher = BlockHasher::from_config(&Config::default());
         let target = ModelTarget {
@@ -560,5 +688,47 @@ mod tests {
             }
         }
         assert_eq!(seeds[0].clone().salted(None), seeds[0]);
+    }
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 256,
+            // No regression files: the tests also run as wasm.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// Bytes cut into engine blocks anywhere give `hash_bytes`' chain,
+        /// each block with its parent, and what lies past the cap.
+        #[test]
+        fn a_text_cursor_yields_hash_bytes_chain_wherever_engine_blocks_end(
+            bytes in prop::collection::vec(any::<u8>(), 0..400),
+            cuts in prop::collection::vec(0usize..400, 0..40),
+            block_size in 1usize..9,
+            coarse_after in 0usize..6,
+            coarse_factor in 1usize..4,
+            max_blocks in 0usize..40,
+        ) {
+            let seed = ChainSeed::new("s", "m", Some("a"), BlockMode::Text).salted(Some("t"));
+            let layout = BlockLayout { block_size, coarse_after, coarse_factor, max_blocks };
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();
+            cuts.extend([0, bytes.len()]);
+            cuts.sort_unstable();
+            let mut cursor = TextChainCursor::new(&seed);
+            let (mut keys, mut parents, mut past_cap) = (Vec::new(), Vec::new(), 0);
+            for engine_block in cuts.windows(2) {
+                let step = cursor.push(&bytes[engine_block[0]..engine_block[1]], &layout);
+                keys.extend(step.completed.iter().map(|&(key, _)| key));
+                parents.extend(step.completed.iter().map(|&(_, parent)| parent));
+                past_cap += step.past_cap;
+            }
+            let chain = hash_bytes(&seed, &bytes, &layout);
+            prop_assert_eq!(&keys, &chain);
+            let expected_parents: Vec<Option<u64>> = (0..chain.len())
+                .map(|i| i.checked_sub(1).map(|p| chain[p]))
+                .collect();
+            prop_assert_eq!(parents, expected_parents);
+            let capped = layout.covered(max_blocks);
+            prop_assert_eq!(past_cap as u64, (bytes.len() as u64).saturating_sub(capped));
+        }
     }
 }

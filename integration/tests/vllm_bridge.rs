@@ -122,6 +122,7 @@ fn bridge(pod: &Pod, listen: &str, config: &Path) -> Running {
             config: Some(config.to_path_buf()),
             base_model: "m".into(),
             lora_id: Vec::new(),
+            tokenizer: None,
             probe_ms: 100,
             log_events: 100_000,
         }))
@@ -371,6 +372,7 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
                     config: Some(config_file.clone()),
                     base_model: "m".into(),
                     lora_id: Vec::new(),
+                    tokenizer: None,
                     probe_ms: 1000,
                     log_events: 100_000,
                 }))

@@ -28,6 +28,18 @@
 //! Older vLLM publishes no `extra_keys`: its salted blocks are keyed as
 //! unsalted ones.
 //!
+//! **Text keys** (with a tokenizer, `--tokenizer`). The filter hashes text
+//! and chat prompts as bytes, in blocks of `blockSizeBytes` (text mode).
+//! Each stored block's tokens are decoded to the bytes they were tokenized
+//! from ([`Vocabulary`]) and fed to a [`TextChainCursor`] that continues
+//! its parent's text chain (a first block's: the text-mode seed of the same
+//! base model, adapter and salt). vLLM's token blocks do not fall on byte
+//! boundaries, so a block completes the text blocks whose last byte it
+//! holds: none, one or several, each keyed exactly as the filter keys that
+//! text. They go with that vLLM block, as a coarse key does, alongside its
+//! token key. A token id the vocabulary lacks leaves its block and every
+//! block after it without text keys (counted); their token keys stay.
+//!
 //! The vLLM → kvroute mapping is kept so `BlockRemoved` can be applied.
 //! Several vLLM blocks may carry one kvroute key (vLLM also hashes
 //! `cache_salt` and multimodal keys; a hash may also sit in two media), so
@@ -35,16 +47,20 @@
 //! Changes go to a [`ReportLog`] that protocol v1 reports are built from.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use kvroute::hashing::{BlockLayout, BlockMode, ChainSeed, ChainStep, TokenChainCursor};
+use kvroute::hashing::{
+    BlockLayout, BlockMode, ChainSeed, ChainStep, TextChainCursor, TokenChainCursor,
+};
 use kvroute::report::StoredChain;
 use kvroute::report_log::{chain_segments, ReportLog};
 use rmpv::Value as Msgpack;
 use serde_json::{Map, Value};
 
+use crate::vocab::Vocabulary;
 use crate::wire::KvEvent;
 
-/// What must match the filter's token-mode hashing.
+/// What must match the filter's hashing.
 #[derive(Debug, Clone)]
 pub struct Hashing {
     pub secret: String,
@@ -55,6 +71,33 @@ pub struct Hashing {
     /// Adapter names by vLLM's `lora_id`, for older vLLM whose events
     /// carry no `lora_name`.
     pub lora_ids: HashMap<i64, String>,
+    /// Text-mode keys too (`None`: token keys only).
+    pub text: Option<TextHashing>,
+}
+
+/// What text-mode keys need: the filter's text layout and the model's
+/// vocabulary.
+#[derive(Debug, Clone)]
+pub struct TextHashing {
+    /// `blockSizeBytes`, `coarseAfterBlocks`, `coarseBlockFactor`,
+    /// `maxPrefixBlocks`.
+    pub layout: BlockLayout,
+    pub vocabulary: Arc<Vocabulary>,
+}
+
+/// A chain in both modes, up to and including a vLLM block: what its
+/// children continue.
+#[derive(Clone)]
+struct Chains {
+    tokens: TokenChainCursor,
+    /// `None`: no tokenizer, or a token id it lacks in this block or before.
+    text: Option<TextChainCursor>,
+}
+
+/// A base model's or adapter's chain seeds.
+struct Seeds {
+    tokens: ChainSeed,
+    text: ChainSeed,
 }
 
 #[derive(Clone)]
@@ -62,8 +105,9 @@ struct Mapped {
     /// The kvroute key this vLLM block completed (`None`: inside a coarse
     /// block, or past the cap).
     key: Option<u64>,
-    /// The chain up to and including this block, for its children.
-    chain: TokenChainCursor,
+    /// The text-mode keys it completed, in chain order.
+    text_keys: Vec<u64>,
+    chain: Chains,
     /// How many times vLLM stored this hash without removing it.
     refs: u32,
 }
@@ -72,9 +116,49 @@ struct Mapped {
 struct Key {
     parent: Option<u64>,
     refs: u32,
+    /// A text-mode key.
+    text: bool,
 }
 
-/// Why blocks of an event were left out.
+/// The kvroute keys held, reference-counted, and the log of their changes.
+struct Held {
+    keys: HashMap<u64, Key>,
+    /// How many of `keys` are text-mode keys.
+    text: usize,
+    log: ReportLog,
+}
+
+impl Held {
+    /// One more vLLM block carries `key`: stored with the first.
+    fn hold(&mut self, key: u64, parent: Option<u64>, text: bool) {
+        let held = self.keys.entry(key).or_insert(Key {
+            parent,
+            refs: 0,
+            text,
+        });
+        held.refs += 1;
+        if held.refs == 1 {
+            self.text += usize::from(text);
+            self.log.push(key, parent, true);
+        }
+    }
+
+    /// One vLLM block fewer carries `key`: removed with the last.
+    fn release(&mut self, key: u64) {
+        let Some(held) = self.keys.get_mut(&key) else {
+            return;
+        };
+        held.refs -= 1;
+        if held.refs == 0 {
+            let Key { parent, text, .. } = *held;
+            self.keys.remove(&key);
+            self.text -= usize::from(text);
+            self.log.push(key, parent, false);
+        }
+    }
+}
+
+/// Why blocks of an event were left out (of all keys, or of the text keys).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Skipped {
     /// The parent block is not known.
@@ -90,6 +174,11 @@ pub struct Skipped {
     /// Extra keys the filter cannot hash (multimodal inputs, prompt
     /// embeddings), and the blocks after them in their event.
     pub extra_keys: u64,
+    /// No text keys: a token id not in the vocabulary, in the block or
+    /// before it in its chain.
+    pub unknown_token: u64,
+    /// No text keys: wholly past the text layout's `maxPrefixBlocks`.
+    pub text_past_cap: u64,
 }
 
 /// The `cache_salt` in one block's vLLM `extra_keys` (`first`: the block
@@ -121,10 +210,11 @@ fn salt_in(
 pub struct PodBlocks {
     hashing: Hashing,
     /// Chain seeds per adapter (`None`: the base model).
-    seeds: HashMap<Option<String>, ChainSeed>,
+    seeds: HashMap<Option<String>, Seeds>,
     vllm: HashMap<u64, Mapped>,
-    keys: HashMap<u64, Key>,
-    log: ReportLog,
+    held: Held,
+    /// One block's tokens decoded (kept to reuse its allocation).
+    decoded: Vec<u8>,
     pub skipped: Skipped,
 }
 
@@ -134,44 +224,88 @@ impl PodBlocks {
             hashing,
             seeds: HashMap::new(),
             vllm: HashMap::new(),
-            keys: HashMap::new(),
-            log: ReportLog::new(max_log),
+            held: Held {
+                keys: HashMap::new(),
+                text: 0,
+                log: ReportLog::new(max_log),
+            },
+            decoded: Vec::new(),
             skipped: Skipped::default(),
         }
     }
 
-    /// Blocks held (kvroute keys).
+    /// Blocks held (kvroute keys, both modes).
     pub fn len(&self) -> usize {
-        self.keys.len()
+        self.held.keys.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+        self.held.keys.is_empty()
+    }
+
+    /// Text-mode keys held (of [`len`](Self::len)).
+    pub fn text_len(&self) -> usize {
+        self.held.text
     }
 
     /// Whether kvroute key `key` is held.
     pub fn contains(&self, key: u64) -> bool {
-        self.keys.contains_key(&key)
+        self.held.keys.contains_key(&key)
     }
 
     pub fn seq(&self) -> u64 {
-        self.log.seq()
+        self.held.log.seq()
     }
 
-    fn chain_start(&mut self, adapter: Option<&str>, salt: Option<&str>) -> TokenChainCursor {
+    fn chain_start(&mut self, adapter: Option<&str>, salt: Option<&str>) -> Chains {
         let hashing = &self.hashing;
-        let seed = self
+        let seeds = self
             .seeds
             .entry(adapter.map(str::to_string))
             .or_insert_with(|| {
-                ChainSeed::new(
-                    &hashing.secret,
-                    &hashing.base_model,
-                    adapter,
-                    BlockMode::Tokens,
-                )
+                let seed =
+                    |mode| ChainSeed::new(&hashing.secret, &hashing.base_model, adapter, mode);
+                Seeds {
+                    tokens: seed(BlockMode::Tokens),
+                    text: seed(BlockMode::Text),
+                }
             });
-        TokenChainCursor::new(&seed.clone().salted(salt))
+        Chains {
+            tokens: TokenChainCursor::new(&seeds.tokens.clone().salted(salt)),
+            text: hashing
+                .text
+                .is_some()
+                .then(|| TextChainCursor::new(&seeds.text.clone().salted(salt))),
+        }
+    }
+
+    /// Continues `chain` with one vLLM block's `tokens` decoded; the text
+    /// keys they complete, now held.
+    fn push_text(&mut self, chain: &mut Option<TextChainCursor>, tokens: &[u32]) -> Vec<u64> {
+        let Some(text) = &self.hashing.text else {
+            return Vec::new();
+        };
+        let Some(cursor) = chain else {
+            self.skipped.unknown_token += 1;
+            return Vec::new();
+        };
+        self.decoded.clear();
+        if text.vocabulary.decode(tokens, &mut self.decoded).is_err() {
+            *chain = None;
+            self.skipped.unknown_token += 1;
+            return Vec::new();
+        }
+        let step = cursor.push(&self.decoded, &text.layout);
+        if step.past_cap > 0 && step.past_cap == self.decoded.len() {
+            self.skipped.text_past_cap += 1;
+        }
+        step.completed
+            .into_iter()
+            .map(|(key, parent)| {
+                self.held.hold(key, parent, true);
+                key
+            })
+            .collect()
     }
 
     /// Applies one event.
@@ -232,13 +366,9 @@ impl PodBlocks {
                         self.skipped.extra_keys += (block_hashes.len() - i) as u64;
                         break;
                     }
-                    let key = match chain.push(tokens, &self.hashing.layout) {
+                    let key = match chain.tokens.push(tokens, &self.hashing.layout) {
                         ChainStep::Completed { key, parent } => {
-                            let entry = self.keys.entry(key).or_insert(Key { parent, refs: 0 });
-                            entry.refs += 1;
-                            if entry.refs == 1 {
-                                self.log.push(key, parent, true);
-                            }
+                            self.held.hold(key, parent, false);
                             Some(key)
                         }
                         ChainStep::Inside => None,
@@ -247,11 +377,13 @@ impl PodBlocks {
                             None
                         }
                     };
+                    let text_keys = self.push_text(&mut chain.text, tokens);
                     self.vllm
                         .entry(hash)
                         .and_modify(|m| m.refs += 1)
                         .or_insert_with(|| Mapped {
                             key,
+                            text_keys,
                             chain: chain.clone(),
                             refs: 1,
                         });
@@ -263,18 +395,12 @@ impl PodBlocks {
                         continue;
                     };
                     mapped.refs -= 1;
-                    let key = mapped.key;
+                    // Tail first, as vLLM frees a request's blocks.
+                    for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
+                        self.held.release(key);
+                    }
                     if mapped.refs == 0 {
                         self.vllm.remove(hash);
-                    }
-                    let Some(key) = key else { continue };
-                    if let Some(held) = self.keys.get_mut(&key) {
-                        held.refs -= 1;
-                        if held.refs == 0 {
-                            let parent = held.parent;
-                            self.keys.remove(&key);
-                            self.log.push(key, parent, false);
-                        }
                     }
                 }
             }
@@ -285,16 +411,17 @@ impl PodBlocks {
     /// Drops every block (each logged as removed, so a router following
     /// this epoch's deltas drops them too).
     pub fn clear(&mut self) {
-        for (key, held) in self.keys.drain() {
-            self.log.push(key, held.parent, false);
+        for (key, held) in self.held.keys.drain() {
+            self.held.log.push(key, held.parent, false);
         }
+        self.held.text = 0;
         self.vllm.clear();
     }
 
     /// Every block held, as parent-first chains.
     pub fn held(&self) -> Vec<StoredChain> {
         let nodes: Vec<(u64, Option<u64>)> =
-            self.keys.iter().map(|(&k, h)| (k, h.parent)).collect();
+            self.held.keys.iter().map(|(&k, h)| (k, h.parent)).collect();
         chain_segments(&nodes)
     }
 
@@ -306,7 +433,8 @@ impl PodBlocks {
         since: Option<u64>,
         asked_epoch: Option<&str>,
     ) -> Map<String, Value> {
-        self.log
+        self.held
+            .log
             .report_body(pod_id, epoch, since, asked_epoch, || self.held())
     }
 }
@@ -314,7 +442,7 @@ impl PodBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute::hashing::{hash_tokens, BlockLayout};
+    use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout};
 
     /// 3 fine blocks of 2 tokens, then 2 coarse ones of 2 vLLM blocks.
     const LAYOUT: BlockLayout = BlockLayout {
@@ -340,9 +468,44 @@ mod tests {
                 base_model: "m".into(),
                 layout: LAYOUT,
                 lora_ids: HashMap::from([(7, "a".to_string())]),
+                text: None,
             },
             100,
         )
+    }
+
+    /// Text blocks of 8 bytes, coarse ones of 24 after 4, 7 at most: they
+    /// end at bytes 8, 16, 24, 32, 56, 80 and 104.
+    const TEXT_LAYOUT: BlockLayout = BlockLayout {
+        block_size: 8,
+        coarse_after: 4,
+        coarse_factor: 3,
+        max_blocks: 7,
+    };
+
+    /// With the byte-level fixture tokenizer (see `vocab`'s tests).
+    fn text_blocks() -> PodBlocks {
+        let json = include_bytes!("../tests/data/byte-level-bpe.tokenizer.json");
+        let mut pod = blocks();
+        pod.hashing.text = Some(TextHashing {
+            layout: TEXT_LAYOUT,
+            vocabulary: Arc::new(Vocabulary::from_json(json).expect("fixture loads")),
+        });
+        pod
+    }
+
+    /// A ChatML conversation's opening in the fixture's tokens, two a vLLM
+    /// block (13 blocks), and the text they were tokenized from (125
+    /// bytes): the blocks end at bytes 18, 22, 28, 46, 57, 70, 75, 79, 86,
+    /// 91, 102, 115 and 125.
+    const CHAT: [u32; 26] = [
+        31, 2, 0, 5, 6, 7, 8, 9, 10, 32, 0, 31, 3, 0, 11, 12, 13, 14, 15, 17, 18, 32, 0, 31, 4, 0,
+    ];
+    const CHAT_TEXT: &str = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
+                             <|im_start|>user\nCafé costs 5€?<|im_end|>\n<|im_start|>assistant\n";
+
+    fn text_seed(adapter: Option<&str>, salt: Option<&str>) -> ChainSeed {
+        ChainSeed::new("s", "m", adapter, BlockMode::Text).salted(salt)
     }
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], lora: Option<&str>) -> KvEvent {
@@ -541,7 +704,7 @@ mod tests {
                 wrong_size: 1,
                 unnamed_adapter: 1,
                 past_cap: 2,
-                extra_keys: 0,
+                ..Skipped::default()
             }
         );
         pod.apply(&stored(&[10], None, &[1, 2], None));
@@ -549,5 +712,153 @@ mod tests {
         assert!(pod.is_empty());
         // 5 stored and 5 removed, then one stored and cleared.
         assert_eq!(pod.seq(), 12);
+    }
+
+    #[test]
+    fn text_keys_are_the_filters_text_chain_of_the_decoded_tokens() {
+        let mut pod = text_blocks();
+        let filter = hash_bytes(&text_seed(None, None), CHAT_TEXT.as_bytes(), &TEXT_LAYOUT);
+        assert_eq!(filter.len(), 7);
+        // One block at a time: a block completes the text blocks whose last
+        // byte it holds (two, none, one; coarse ones past byte 32), until
+        // the cap at byte 104.
+        let mut text_held = Vec::new();
+        for (i, tokens) in CHAT.chunks_exact(2).enumerate() {
+            let parent = i.checked_sub(1).map(|p| 100 + p as u64);
+            pod.apply(&stored(&[100 + i as u64], parent, tokens, None));
+            text_held.push(pod.text_len());
+        }
+        assert_eq!(text_held, [2, 2, 3, 4, 5, 5, 5, 5, 6, 6, 6, 7, 7]);
+        assert!(filter.iter().all(|key| pod.contains(*key)));
+        let text_chain = StoredChain {
+            parent: None,
+            hashes: filter.clone(),
+        };
+        assert!(pod.held().contains(&text_chain), "each with its parent");
+        // In addition to the token keys, which are as without a tokenizer.
+        let tokens = hash_tokens(
+            &ChainSeed::new("s", "m", None, BlockMode::Tokens),
+            &CHAT,
+            &LAYOUT,
+        );
+        assert!(tokens.iter().all(|key| pod.contains(*key)));
+        assert_eq!(pod.len(), tokens.len() + filter.len());
+        assert_eq!(
+            pod.skipped.text_past_cap, 1,
+            "the last block, from byte 115"
+        );
+        assert_eq!(pod.skipped.past_cap, 6, "token keys: 3 + 2 × 2 vLLM blocks");
+        // Removed tail first, a block takes the text keys it completed.
+        let mut text_held = Vec::new();
+        for i in (0..13).rev() {
+            pod.apply(&KvEvent::Removed {
+                block_hashes: vec![100 + i],
+                medium: None,
+            });
+            text_held.push(pod.text_len());
+            if i == 4 {
+                assert!(!pod.contains(filter[4]) && pod.contains(filter[3]));
+            }
+        }
+        assert_eq!(text_held, [7, 6, 6, 6, 5, 5, 5, 5, 4, 3, 2, 2, 0]);
+        assert!(pod.is_empty());
+    }
+
+    #[test]
+    fn branches_continue_their_parents_text_chain() {
+        let mut pod = text_blocks();
+        // One request stores the system turn (5 blocks), a second one
+        // continues it with its user turn, a third with another.
+        pod.apply(&stored(&[10, 11, 12, 13, 14], None, &CHAT[..10], None));
+        pod.apply(&stored(&[15, 16, 17], Some(14), &CHAT[10..16], None));
+        // "\n<|im_start|>user\n\t\n\n  " (tokens 0 31 3 0 19 22 25 1)
+        pod.apply(&stored(
+            &[25, 26, 27, 28],
+            Some(14),
+            &[0, 31, 3, 0, 19, 22, 25, 1],
+            None,
+        ));
+        let seed = text_seed(None, None);
+        let first = hash_bytes(&seed, &CHAT_TEXT.as_bytes()[..79], &TEXT_LAYOUT);
+        let other = [
+            &CHAT_TEXT.as_bytes()[..57],
+            "\n<|im_start|>user\n\t\n\n   ".as_bytes(),
+        ]
+        .concat();
+        let other = hash_bytes(&seed, &other, &TEXT_LAYOUT);
+        assert_eq!((first.len(), other.len()), (5, 6));
+        assert_eq!(first[..5], other[..5]);
+        assert!(first.iter().chain(&other).all(|key| pod.contains(*key)));
+        assert_eq!(pod.text_len(), 6);
+    }
+
+    #[test]
+    fn adapters_and_salts_seed_the_text_chain_as_the_filter_does() {
+        let mut pod = text_blocks();
+        let keys = |strings: &[&str]| Some(strings.iter().map(|&k| Msgpack::from(k)).collect());
+        let salted = vec![keys(&["a", "tenant-a"]), keys(&["a"])];
+        pod.apply(&stored_with(&[10, 11], None, &CHAT[..4], Some("a"), salted));
+        pod.apply(&stored(&[20, 21], None, &CHAT[..4], None));
+        pod.apply(&stored(&[30], None, &CHAT[..2], Some("a")));
+        // "<|im_start|>system\nYou" (22 bytes): two text blocks each.
+        let text = &CHAT_TEXT.as_bytes()[..22];
+        for seed in [
+            text_seed(Some("a"), Some("tenant-a")),
+            text_seed(None, None),
+            text_seed(Some("a"), None),
+        ] {
+            let chain = hash_bytes(&seed, text, &TEXT_LAYOUT);
+            assert!(chain.iter().all(|key| pod.contains(*key)));
+        }
+        assert_eq!(pod.text_len(), 6);
+    }
+
+    #[test]
+    fn a_text_key_stays_while_any_vllm_block_holds_it() {
+        let mut pod = text_blocks();
+        // "€" and spaces tokenized two ways ("âĤ" "¬" "Ġ" …, "âĤ¬" "ĠĠ"
+        // "ĠĠ" "Ġ"): the first text block, "€" and 5 spaces, ends in the
+        // last vLLM block of each.
+        pod.apply(&stored(
+            &[10, 11, 12, 13],
+            None,
+            &[20, 21, 1, 1, 1, 1, 1, 1],
+            None,
+        ));
+        pod.apply(&stored(&[20, 21], None, &[17, 25, 25, 1], None));
+        let key = hash_bytes(&text_seed(None, None), "€     ".as_bytes(), &TEXT_LAYOUT)[0];
+        assert!(pod.contains(key));
+        assert_eq!(pod.text_len(), 1);
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![13, 12, 11, 10],
+            medium: None,
+        });
+        assert!(pod.contains(key));
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![21, 20],
+            medium: None,
+        });
+        assert!(pod.is_empty() && pod.text_len() == 0);
+    }
+
+    #[test]
+    fn an_unknown_token_leaves_its_block_and_later_ones_without_text_keys() {
+        let mut pod = text_blocks();
+        // "<|im_start|>system" completes two text blocks; id 27 is a gap
+        // in the vocabulary.
+        pod.apply(&stored(&[10, 11], None, &[31, 2, 27, 5], None));
+        pod.apply(&stored(&[12], Some(11), &[6, 7], None));
+        let seed = text_seed(None, None);
+        let text = hash_bytes(&seed, &CHAT_TEXT.as_bytes()[..18], &TEXT_LAYOUT);
+        assert!(text.iter().all(|key| pod.contains(*key)));
+        assert_eq!(pod.text_len(), 2);
+        assert_eq!(pod.skipped.unknown_token, 2);
+        // The token keys are all there.
+        let tokens = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let tokens = hash_tokens(&tokens, &[31, 2, 27, 5, 6, 7], &LAYOUT);
+        assert!(tokens.iter().all(|key| pod.contains(*key)));
+        assert_eq!(pod.len(), 5);
+        pod.apply(&KvEvent::AllCleared);
+        assert_eq!((pod.len(), pod.text_len()), (0, 0));
     }
 }

@@ -5,11 +5,13 @@
 //! - [`wire`]: vLLM's event format;
 //! - [`blocks`]: the pod's blocks as kvroute chain keys;
 //! - [`bridge`]: the ZMQ subscription, gaps, replays and epochs;
-//! - [`server`]: the report, `/metrics` and `/health`.
+//! - [`server`]: the report, `/metrics` and `/health`;
+//! - [`vocab`]: token ids back to text bytes, for the text-mode keys.
 
 pub mod blocks;
 pub mod bridge;
 pub mod server;
+pub mod vocab;
 pub mod wire;
 
 use std::path::PathBuf;
@@ -20,8 +22,9 @@ use tokio::net::TcpListener;
 
 use kvroute::hashing::BlockLayout;
 
-use crate::blocks::Hashing;
+use crate::blocks::{Hashing, TextHashing};
 use crate::bridge::{Bridge, Endpoints};
+use crate::vocab::Vocabulary;
 
 /// Command-line options of `kvroute-vllm-bridge`.
 #[derive(Debug, Clone, Parser)]
@@ -46,9 +49,10 @@ pub struct Options {
     /// The pod's id in kvroute's config (`podId` of reports).
     #[arg(long)]
     pub pod_id: String,
-    /// kvroute's configuration file: `hashSeed`, the block layout
-    /// (`blockSizeTokens`, `coarseAfterBlocks`, `coarseBlockFactor`,
-    /// `maxPrefixBlocks`) and `reportPath` come from it (defaults without).
+    /// kvroute's configuration file: `hashSeed`, the block layouts
+    /// (`blockSizeTokens`, `blockSizeBytes`, `coarseAfterBlocks`,
+    /// `coarseBlockFactor`, `maxPrefixBlocks`) and `reportPath` come from
+    /// it (defaults without).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// The model vLLM serves, as `baseModel` in kvroute's `models`.
@@ -59,6 +63,12 @@ pub struct Options {
     /// (repeatable or comma-separated).
     #[arg(long, value_delimiter = ',', value_parser = parse_lora_id)]
     pub lora_id: Vec<(String, i64)>,
+    /// The served model's Hugging Face `tokenizer.json` (byte-level BPE:
+    /// Llama 3, Qwen 2/3, GPT-2 style): stored blocks also get text-mode
+    /// keys, their tokens decoded to text, so text and chat requests match
+    /// them. Without it, only token-ID prompts do.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// How often the replay socket is asked whether the publisher is
     /// still the same (restart detection, missed batches).
     #[arg(long, default_value_t = 1000)]
@@ -115,6 +125,13 @@ pub async fn start(options: Options) -> Result<Running, String> {
             kvroute::config::Config::parse(&bytes).map_err(|e| e.to_string())?
         }
     };
+    let text = match &options.tokenizer {
+        None => None,
+        Some(path) => Some(TextHashing {
+            layout: BlockLayout::text(&config),
+            vocabulary: Arc::new(Vocabulary::load(path)?),
+        }),
+    };
     let hashing = Hashing {
         secret: config.hash_seed.clone(),
         base_model: options.base_model.clone(),
@@ -124,6 +141,7 @@ pub async fn start(options: Options) -> Result<Running, String> {
             .iter()
             .map(|(name, id)| (*id, name.clone()))
             .collect(),
+        text,
     };
     let listener = TcpListener::bind(&options.listen)
         .await

@@ -68,6 +68,7 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
     let state = bridge.lock();
     let skipped = state.blocks.skipped;
     let held = state.blocks.len();
+    let text_held = state.blocks.text_len();
     drop(state);
     let mut text = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
@@ -167,10 +168,28 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         skipped.extra_keys,
     );
     metric(
+        "kvbridge_blocks_skipped_unknown_token_total",
+        "counter",
+        "Stored blocks without text keys: a token id, theirs or an earlier one's in the chain, not in the tokenizer's vocabulary.",
+        skipped.unknown_token,
+    );
+    metric(
+        "kvbridge_blocks_skipped_text_past_cap_total",
+        "counter",
+        "Stored blocks without text keys: past maxPrefixBlocks of the text layout.",
+        skipped.text_past_cap,
+    );
+    metric(
         "kvbridge_blocks",
         "gauge",
-        "Blocks held (kvroute keys).",
+        "Blocks held (kvroute keys, token and text mode).",
         held as u64,
+    );
+    metric(
+        "kvbridge_text_blocks",
+        "gauge",
+        "Text-mode keys held (with --tokenizer), of kvbridge_blocks.",
+        text_held as u64,
     );
     (
         [(

@@ -1,6 +1,7 @@
 //! The `kvroute-vllm-bridge` binary as deployed: started with its flags
 //! while its pod is not up yet, it serves `/health`, `/metrics` and an
-//! empty full report that kvroute's parser accepts.
+//! empty full report that kvroute's parser accepts; with `--tokenizer`,
+//! it takes a byte-level BPE one and refuses to start with another.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -63,6 +64,49 @@ fn the_binary_serves_before_its_pod_is_up() {
     assert!(metrics.contains("\nkvbridge_blocks 0\n"), "{metrics}");
     assert!(
         metrics.contains("\nkvbridge_connects_total 0\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn the_binary_takes_a_byte_level_tokenizer_and_refuses_others() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let events = format!("tcp://127.0.0.1:{}", free_port());
+    let bridge = |tokenizer: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvroute-vllm-bridge"));
+        command
+            .args(["--events", &events, "--listen", &listen])
+            .args(["--pod-id", "vllm-0", "--base-model", "m"])
+            .args(["--tokenizer", &format!("{data}{tokenizer}")]);
+        command
+    };
+    let refused = bridge("metaspace.tokenizer.json")
+        .output()
+        .expect("bridge runs");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("metaspace.tokenizer.json: decoder is Metaspace (SentencePiece style"),
+        "{stderr}"
+    );
+    let _bridge = Killed(
+        bridge("byte-level-bpe.tokenizer.json")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("bridge starts"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        if let Some(metrics) = get(&listen, "/metrics") {
+            break metrics;
+        }
+        assert!(Instant::now() < deadline, "no /metrics");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(metrics.contains("\nkvbridge_text_blocks 0\n"), "{metrics}");
+    assert!(
+        metrics.contains("\nkvbridge_blocks_skipped_unknown_token_total 0\n"),
         "{metrics}"
     );
 }

@@ -2,9 +2,19 @@
 //! msgspec encoder produces them (`EventBatch`, `BlockStored`,
 //! `BlockRemoved`, `AllBlocksCleared`; map form of newer vLLM, positional
 //! form of older vLLM with its shorter field lists, fields added by later
-//! versions), decoded by the bridge; and the sim's encoder, which must
-//! write the very same bytes.
+//! versions), decoded by the bridge; the sim's encoder, which must write
+//! the very same bytes; and a stored chat's blocks, keyed with a tokenizer
+//! as the filter keys the chat's text.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvroute::config::{Config, ModelTarget};
+use kvroute::hashing::{BlockHasher, BlockLayout};
+use kvroute::report::StoredChain;
+use kvroute::request::Prompt;
+use kvroute_vllm_bridge::blocks::{Hashing, PodBlocks, TextHashing};
+use kvroute_vllm_bridge::vocab::Vocabulary;
 use kvroute_vllm_bridge::wire::{decode_batch, decode_seq, encode_batch, KvEvent, Shape};
 use rmpv::Value;
 
@@ -302,4 +312,94 @@ fn malformed_payloads_are_errors_not_panics() {
     assert_eq!(decode_seq(&[0, 0, 0, 0, 0, 0, 1, 2]), Some(258));
     assert_eq!(decode_seq(&[0xff; 8]), Some(-1));
     assert_eq!(decode_seq(&[1, 2]), None);
+}
+
+/// Two 16-token blocks of a ChatML conversation in the tokens of
+/// `tests/data/byte-level-bpe.tokenizer.json` (map form), stored by a
+/// bridge given that tokenizer and kvroute's default layouts: besides the
+/// token keys, its text keys are the filter's chain of the chat's text
+/// (153 bytes: two 64-byte blocks, the first ending inside vLLM's first
+/// block, which itself ends inside "é").
+#[test]
+fn a_stored_chats_text_keys_are_the_filters_chain_of_its_text() {
+    let tokens: [u8; 32] = [
+        31, 2, 0, 5, 6, 7, 8, 9, 10, 32, 0, 31, 3, 0, 11, 12, 13, 14, 15, 17, 18, 32, 0, 31, 4, 0,
+        5, 6, 7, 8, 9, 10,
+    ];
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x91, 0x88],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x92, 0x0b, 0x0c],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0xdc, 0x00, 0x20],
+        &tokens,
+        &s("block_size"),
+        &[0x10],
+        &s("lora_id"),
+        &[0xc0],
+        &s("medium"),
+        &s("GPU"),
+        &s("lora_name"),
+        &[0xc0],
+        &s("data_parallel_rank"),
+        &[0x00],
+    ]);
+    let config = Config::default();
+    let tokenizer = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/byte-level-bpe.tokenizer.json"
+    );
+    let mut pod = PodBlocks::new(
+        Hashing {
+            secret: config.hash_seed.clone(),
+            base_model: "m".into(),
+            layout: BlockLayout::tokens(&config),
+            lora_ids: HashMap::new(),
+            text: Some(TextHashing {
+                layout: BlockLayout::text(&config),
+                vocabulary: Arc::new(Vocabulary::load(tokenizer.as_ref()).expect("loads")),
+            }),
+        },
+        100,
+    );
+    let events = decode_batch(&payload).expect("decodes").events;
+    assert_eq!(encode_batch(1.5, &events, 0, Shape::Map), payload);
+    for event in &events {
+        pod.apply(event);
+    }
+    let text = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
+                <|im_start|>user\nCafé costs 5€?<|im_end|>\n\
+                <|im_start|>assistant\nYou are a helpful assistant.";
+    let filter = BlockHasher::from_config(&config);
+    let target = ModelTarget {
+        base_model: "m".into(),
+        adapter: None,
+    };
+    let text_keys = filter.chain(&target, &Prompt::Text(text.into()), None);
+    let token_keys = filter.chain(&target, &Prompt::Tokens(tokens.map(u32::from).into()), None);
+    assert_eq!((text_keys.len(), token_keys.len()), (2, 2));
+    let mut held = pod.held();
+    held.sort_by_key(|chain| chain.hashes[0] != text_keys[0]);
+    assert_eq!(
+        held,
+        [
+            StoredChain {
+                parent: None,
+                hashes: text_keys
+            },
+            StoredChain {
+                parent: None,
+                hashes: token_keys
+            }
+        ]
+    );
+    assert_eq!(pod.text_len(), 2);
 }
