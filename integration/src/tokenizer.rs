@@ -70,6 +70,9 @@ impl SimTokenizer {
     /// The vocabulary as a Hugging Face `tokenizer.json` (see the module
     /// documentation).
     pub fn tokenizer_json(&self) -> Value {
+        let symbols = kvroute_vllm_bridge::vocab::byte_level_symbols();
+        let byte_level =
+            |bytes: &[u8]| -> String { bytes.iter().map(|&b| symbols[usize::from(b)]).collect() };
         let specials = self.bpe.special_tokens();
         let mut special_ids: Vec<(u32, &str)> = specials
             .iter()
@@ -110,26 +113,6 @@ impl SimTokenizer {
     }
 }
 
-/// `bytes` in GPT-2's byte-to-unicode alphabet (Hugging Face's ByteLevel).
-fn byte_level(bytes: &[u8]) -> String {
-    // TODO(merge): the bridge's table.
-    bytes
-        .iter()
-        .map(|&b| {
-            let printable = matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
-            if printable {
-                char::from(b)
-            } else {
-                let shifted = (0..=b)
-                    .filter(|&c| !matches!(c, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff))
-                    .count() as u32
-                    - 1;
-                char::from_u32(256 + shifted).expect("in range")
-            }
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,5 +125,21 @@ mod tests {
         assert!(tokens.contains(&100257), "<|endoftext|> is one token");
         assert_eq!(tokenizer.decode(&tokens).unwrap(), text.as_bytes());
         assert!(SimTokenizer::named("gpt-9").is_err());
+    }
+
+    /// What `--write-tokenizer-json` writes is what the bridge decodes with.
+    #[test]
+    fn the_bridge_decodes_the_exported_vocabulary_exactly() {
+        let tokenizer = SimTokenizer::named("cl100k_base").unwrap();
+        let json = tokenizer.tokenizer_json().to_string();
+        let vocabulary = kvroute_vllm_bridge::vocab::Vocabulary::from_json(json.as_bytes())
+            .expect("a byte-level BPE tokenizer.json");
+        let text = "<|endoftext|><|im_start|>system\nTools: {\"name\": \"grep\"}\n\tÜber 数字 🚀 <|endofprompt|>";
+        let tokens = tokenizer.encode(text);
+        let mut decoded = Vec::new();
+        vocabulary
+            .decode(&tokens, &mut decoded)
+            .expect("every id known");
+        assert_eq!(decoded, text.as_bytes());
     }
 }

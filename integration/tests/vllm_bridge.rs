@@ -11,9 +11,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use kvroute::config::Config;
+use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout, BlockMode, ChainSeed};
 use kvroute::report::parse_report;
 use kvroute_integration::harness::{free_port, prometheus_value, Cluster, ClusterSpec, Sim};
 use kvroute_integration::http;
+use kvroute_integration::tokenizer::SimTokenizer;
 use kvroute_vllm_bridge::{start, Options, Running};
 use serde_json::json;
 
@@ -112,6 +115,11 @@ fn report_blocks(address: &str) -> (String, BTreeSet<u64>) {
 }
 
 fn bridge(pod: &Pod, listen: &str, config: &Path) -> Running {
+    bridge_decoding(pod, listen, config, None)
+}
+
+/// [`bridge`] with `--tokenizer`: text keys too.
+fn bridge_decoding(pod: &Pod, listen: &str, config: &Path, tokenizer: Option<&Path>) -> Running {
     http::runtime()
         .block_on(start(Options {
             events: pod.events.clone(),
@@ -122,7 +130,7 @@ fn bridge(pod: &Pod, listen: &str, config: &Path) -> Running {
             config: Some(config.to_path_buf()),
             base_model: "m".into(),
             lora_id: Vec::new(),
-            tokenizer: None,
+            tokenizer: tokenizer.map(Path::to_path_buf),
             probe_ms: 100,
             log_events: 100_000,
         }))
@@ -139,9 +147,14 @@ fn counter(running: &Running, name: &str) -> f64 {
 /// Waits until the bridge reports exactly the sim's blocks (events take a
 /// moment to arrive: until then it may lag); returns them.
 fn converged(pod: &Pod, running: &Running) -> BTreeSet<u64> {
+    converged_to(running, || pod.blocks())
+}
+
+/// Waits until the bridge reports exactly `truth()`; returns it.
+fn converged_to(running: &Running, truth: impl Fn() -> BTreeSet<u64>) -> BTreeSet<u64> {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let truth = pod.blocks();
+        let truth = truth();
         let (_, bridged) = report_blocks(&running.addr.to_string());
         if bridged == truth {
             return truth;
@@ -429,6 +442,109 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
 
 /// Long-poll: a report asked with `wait` for the current epoch and seq is
 /// held until the pod stores a block, then answers the delta at once.
+/// The text keys a bridge decoding with the pod's vocabulary must hold
+/// for text `prompts` sent to model `m`, given the token keys the pod
+/// holds (its own report): every text block of a prompt's decoded tokens
+/// whose last byte lies in a token block the pod holds. Worked out from
+/// byte offsets, independently of the bridge's cursor.
+fn expected_text_keys(
+    prompts: &[String],
+    held: &BTreeSet<u64>,
+    config: &Config,
+    tokenizer: &SimTokenizer,
+) -> BTreeSet<u64> {
+    let token_layout = BlockLayout::tokens(config).uncapped();
+    let text_layout = BlockLayout::text(config);
+    let seed = |mode| ChainSeed::new(&config.hash_seed, "m", None, mode);
+    let mut keys = BTreeSet::new();
+    for prompt in prompts {
+        let tokens = tokenizer.encode(prompt);
+        let bytes = tokenizer.decode(&tokens).expect("known ids");
+        let text_keys = hash_bytes(&seed(BlockMode::Text), &bytes, &text_layout);
+        let token_keys = hash_tokens(&seed(BlockMode::Tokens), &tokens, &token_layout);
+        // Byte offset where token block `i` ends.
+        let block_end = |i: usize| {
+            let end = token_layout.covered(i + 1) as usize;
+            tokenizer.decode(&tokens[..end]).expect("known ids").len() as u64
+        };
+        let block_ends: Vec<u64> = (0..token_keys.len()).map(block_end).collect();
+        for (j, key) in text_keys.iter().enumerate() {
+            let text_end = text_layout.covered(j + 1);
+            let holder = block_ends.iter().position(|&end| text_end <= end);
+            if holder.is_some_and(|i| held.contains(&token_keys[i])) {
+                keys.insert(*key);
+            }
+        }
+    }
+    keys
+}
+
+/// Text prompts on a tokenizing pod (`--tokenizer`, vLLM's token blocks
+/// of the text) and a bridge decoding with the pod's vocabulary: the
+/// bridge holds the pod's token keys plus exactly the text keys of the
+/// token blocks the pod holds, through shared heads, LRU evictions, a gap
+/// replayed, AllBlocksCleared and a pod restart. Never a stale text key.
+#[test]
+fn text_keys_follow_a_tokenizing_pods_cache() {
+    let dir = temp("text");
+    let config_path = config_file(&dir);
+    let config = Config::parse(&std::fs::read(&config_path).expect("config")).expect("valid");
+    let tokenizer = SimTokenizer::named("cl100k_base").expect("tokenizer");
+    let vocabulary = dir.join("tokenizer.json");
+    std::fs::write(&vocabulary, tokenizer.tokenizer_json().to_string()).expect("written");
+    let mut pod = Pod::start(
+        &config_path,
+        &["--tokenizer", "cl100k_base", "--kv-blocks", "60"],
+    );
+    let running = bridge_decoding(&pod, "127.0.0.1:0", &config_path, Some(&vocabulary));
+    let head = "Système: réponds brièvement. ".repeat(12);
+    let mut prompts: Vec<String> = Vec::new();
+    let send = |pod: &Pod, prompts: &mut Vec<String>, prompt: String| {
+        let body = json!({"model": "m", "prompt": prompt, "max_tokens": 1});
+        let r = http::post_json(&pod.sim.address, "/v1/completions", &body.to_string())
+            .expect("completion");
+        assert_eq!(r.status, 200, "{}", r.body);
+        prompts.push(prompt);
+    };
+    for i in 0..3 {
+        let details = format!("what does function {i} return? ").repeat(12);
+        let question = format!("{head}question {i}: {details}");
+        send(&pod, &mut prompts, question);
+    }
+    let truth = |prompts: &[String], pod: &Pod| {
+        let held = pod.blocks();
+        let text = expected_text_keys(prompts, &held, &config, &tokenizer);
+        held.union(&text).copied().collect::<BTreeSet<u64>>()
+    };
+    let held = converged_to(&running, || truth(&prompts, &pod));
+    let text_keys = held.len() - pod.blocks().len();
+    // The shared head's, then each question's own.
+    assert!(text_keys >= 5 + 3 * 2, "{text_keys} text keys");
+    // Evictions (60 blocks hold ~4 prompts) and a gap the replay fills.
+    pod.sim.fault(json!({"kvDrop": 2}));
+    for i in 3..9 {
+        send(
+            &pod,
+            &mut prompts,
+            format!("{i} {}", "tool output line\n".repeat(40)),
+        );
+    }
+    converged_to(&running, || truth(&prompts, &pod));
+    assert!(counter(&running, "kvbridge_replays_total") >= 1.0);
+    assert!(counter(&running, "kvbridge_text_blocks") > 0.0);
+    assert_eq!(
+        counter(&running, "kvbridge_blocks_skipped_unknown_token_total"),
+        0.0
+    );
+    pod.sim.fault(json!({"clearAll": true}));
+    assert!(converged_to(&running, || truth(&prompts, &pod)).is_empty());
+    send(&pod, &mut prompts, format!("{head}after the clear"));
+    assert!(!converged_to(&running, || truth(&prompts, &pod)).is_empty());
+    pod.restart();
+    assert!(converged_to(&running, || truth(&prompts, &pod)).is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn a_long_polled_report_answers_when_the_pod_stores() {
     let dir = temp("long-poll");
