@@ -5,7 +5,9 @@
 //! beyond the replay buffer, a bridge restart, a pod restart and garbage
 //! frames. Never a block the pod does not hold. Then in real Envoy:
 //! kvroute's precise mode fed only by bridges routes to the pod holding a
-//! prompt's prefix, the adapter's chains apart from the base model's.
+//! prompt's prefix, the adapter's chains apart from the base model's:
+//! token-ID prompts, and on pods tokenizing as vLLM does (`--tokenizer`),
+//! text and chat prompts through their text keys.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -14,7 +16,10 @@ use std::time::{Duration, Instant};
 use kvroute::config::Config;
 use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout, BlockMode, ChainSeed};
 use kvroute::report::parse_report;
-use kvroute_integration::harness::{free_port, prometheus_value, Cluster, ClusterSpec, Sim};
+use kvroute_integration::bench::workload::STOCK_VLLM_CHAT_TEMPLATE;
+use kvroute_integration::harness::{
+    free_port, prometheus_value, BridgePorts, Cluster, ClusterSpec, Sim,
+};
 use kvroute_integration::http;
 use kvroute_integration::tokenizer::SimTokenizer;
 use kvroute_vllm_bridge::{start, Options, Running};
@@ -438,6 +443,139 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
     }
     assert!(counter(&bridges[1], "kvbridge_batches_total") >= 1.0);
     assert_eq!(counter(&bridges[1], "kvbridge_malformed_frames_total"), 0.0);
+}
+
+/// Stock-vLLM mode in real Envoy: four pods tokenizing prompts as vLLM
+/// does (`--tokenizer`, chat through the chat template) and serving no
+/// kvroute report, one bridge each decoding their token blocks back to
+/// text. A long system prompt (chat) and a long document (completions,
+/// after the tokenizer's `<|endoftext|>` prefix), each cached on its own
+/// pod for the base model and under the LoRA adapter, directly (so only
+/// the bridges can tell kvroute): 10/10 requests sharing each go to its
+/// holder, matching nearly the whole prompt.
+#[test]
+fn envoy_routes_text_and_chat_prefixes_to_their_holders_on_tokenizing_pods() {
+    let pods = 4;
+    let ports: Vec<BridgePorts> = (0..pods).map(|_| BridgePorts::free()).collect();
+    let config = json!({
+        "podReportIntervalMs": 200,
+        "reportTimeoutMs": 400,
+        "models": {
+            "m": {"baseModel": "m"},
+            "m-lora": {"baseModel": "m", "adapter": "lora-a"},
+        },
+        "chatTemplates": {"m": {
+            "template": STOCK_VLLM_CHAT_TEMPLATE,
+            "completionPrefix": "<|endoftext|>",
+        }},
+    });
+    let mut spec = ClusterSpec::new(pods, config);
+    spec.sim_args
+        .extend(["--tokenizer", "cl100k_base", "--no-report"].map(String::from));
+    spec.per_pod_args = ports.iter().map(BridgePorts::sim_args).collect();
+    spec.report_addresses = ports.iter().map(|p| Some(p.listen.clone())).collect();
+    let cluster = Cluster::start(Path::new(SIM), spec).expect("cluster starts");
+    let vocabulary = cluster.dir.join("tokenizer.json");
+    let tokenizer = SimTokenizer::named("cl100k_base").expect("tokenizer");
+    std::fs::write(&vocabulary, tokenizer.tokenizer_json().to_string()).expect("written");
+    let config_file = cluster.dir.join("kvroute.json");
+    let _bridges: Vec<Running> = (0..pods)
+        .map(|i| {
+            http::runtime()
+                .block_on(start(Options {
+                    events: ports[i].events.clone(),
+                    replay: Some(ports[i].replay.clone()),
+                    topic: String::new(),
+                    listen: ports[i].listen.clone(),
+                    pod_id: format!("pod-{i}"),
+                    config: Some(config_file.clone()),
+                    base_model: "m".into(),
+                    lora_id: Vec::new(),
+                    tokenizer: Some(vocabulary.clone()),
+                    probe_ms: 1000,
+                    log_events: 100_000,
+                }))
+                .expect("bridge starts")
+        })
+        .collect();
+    // ~10 KB of varied text, distinct per endpoint.
+    let long_text = |topic: &str| -> String {
+        (0..160)
+            .map(|i| {
+                format!(
+                    "{topic} rule {i}: keep function_{i} under {} lines. ",
+                    i % 7 + 20
+                )
+            })
+            .collect()
+    };
+    let body = |path: &str, model: &str, head: &str, question: &str| {
+        let mut body = json!({"model": model, "max_tokens": 2});
+        if path.contains("chat") {
+            body["messages"] = json!([
+                {"role": "system", "content": head},
+                {"role": "user", "content": question},
+            ]);
+        } else {
+            body["prompt"] = json!(format!("{head}\n\nQ: {question}"));
+        }
+        body
+    };
+    let cases = [
+        ("/v1/chat/completions", "m", "pod-0"),
+        ("/v1/chat/completions", "m-lora", "pod-1"),
+        ("/v1/completions", "m", "pod-2"),
+        ("/v1/completions", "m-lora", "pod-3"),
+    ];
+    let heads: Vec<String> = cases.iter().map(|(path, _, _)| long_text(path)).collect();
+    for ((path, model, holder), head) in cases.iter().zip(&heads) {
+        let sim = &cluster.sims[cluster.pod_index(holder)];
+        let warm = body(path, model, head, "warm up");
+        let r = http::post_json(&sim.address, path, &warm.to_string()).expect("warm-up");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // Bridges have the blocks (token and text keys), then kvroute has the
+    // bridges' reports.
+    for ports in &ports {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while report_blocks(&ports.listen).1.len() < 200 {
+            assert!(Instant::now() < deadline, "bridge at {} lags", ports.listen);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    cluster.wait_reports(3);
+    for ((path, model, holder), head) in cases.iter().zip(&heads) {
+        for i in 0..10 {
+            let request = body(path, model, head, &format!("question {i}?"));
+            let r = cluster.post(path, &request);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let pod = r.header("x-sim-pod").expect("x-sim-pod");
+            assert_eq!(pod, *holder, "{path} {model} request {i} left the holder");
+            let matched: f64 = r
+                .header("x-kvroute-cache-match")
+                .and_then(|m| m.parse().ok())
+                .expect("x-kvroute-cache-match");
+            assert!(
+                matched > 0.95,
+                "{path} {model} request {i}: cache match {matched}"
+            );
+            // The pod served the tokens the bridge said it held.
+            let body: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+            let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached_tokens");
+            let prompt = body["usage"]["prompt_tokens"]
+                .as_u64()
+                .expect("prompt_tokens");
+            assert!(
+                cached * 10 > prompt * 9,
+                "{path} {model}: {cached} of {prompt} cached"
+            );
+        }
+    }
+    for sim in &cluster.sims {
+        assert_eq!(sim.stats()["reportRequests"], json!(0), "{}", sim.id);
+    }
 }
 
 /// Long-poll: a report asked with `wait` for the current epoch and seq is

@@ -17,7 +17,7 @@
 //! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
 //!
 //! ```text
-//! kvroute-bench [all|workload NAME..|load-sweep|fairness|overhead|scale|render] [--quick] [--out DIR]
+//! kvroute-bench [all|workload NAME..|load-sweep|fairness|overhead|filter-time|scale|render] [--quick] [--out DIR]
 //! ```
 //! Results merge into `DIR/results.json` (a later `workload lora` replaces
 //! only that workload, `workload lora --policies P` only P's row there), and
@@ -52,7 +52,8 @@ use workload::{GenOptions, WORKLOADS};
     about = "Benchmark kvroute against peer routers and Envoy's built-in load balancers on simulated vLLM pods"
 )]
 pub struct BenchArgs {
-    /// all | workload | load-sweep | fairness | overhead | scale | render
+    /// all | workload | load-sweep | fairness | overhead | filter-time |
+    /// scale | render
     /// (re-render README.md and the charts from results.json and
     /// load-sweep/load-sweep.json)
     #[arg(default_value = "all")]
@@ -199,11 +200,12 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
             "load-sweep" => (Vec::new(), true, false, false, false),
             "fairness" => (Vec::new(), false, true, false, false),
             "overhead" => (Vec::new(), false, false, true, false),
+            "filter-time" => (Vec::new(), false, false, false, false),
             "scale" => (Vec::new(), false, false, false, true),
             "render" => (Vec::new(), false, false, false, false),
             other => {
                 return Err(format!(
-                    "unknown command {other:?}: all | workload NAME.. | load-sweep | fairness | overhead | scale | render"
+                    "unknown command {other:?}: all | workload NAME.. | load-sweep | fairness | overhead | filter-time | scale | render"
                 ))
             }
         };
@@ -253,6 +255,12 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     results["host"] = json!(host());
     results["quick"] = json!(args.quick);
     let started = Instant::now();
+    if args.command == "filter-time" {
+        results["filterTime"] =
+            overhead::filter_time(&sim, args.quick).map_err(|e| format!("filter-time: {e}"))?;
+        write_results(&out, &mut results)?;
+        return Ok(results);
+    }
     if fairness {
         results["fairness"] = fairness::idle_latency(&sim, &policies, args.quick);
         write_results(&out, &mut results)?;

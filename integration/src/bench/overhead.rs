@@ -47,6 +47,17 @@ struct Phase {
 }
 
 fn closed_loop(addr: &str, bodies: &[String], concurrency: usize, duration: Duration) -> Phase {
+    closed_loop_on(addr, "/v1/completions", bodies, concurrency, duration)
+}
+
+/// [`closed_loop`] on `path`.
+fn closed_loop_on(
+    addr: &str,
+    path: &str,
+    bodies: &[String],
+    concurrency: usize,
+    duration: Duration,
+) -> Phase {
     let stop = AtomicBool::new(false);
     let errors = AtomicU64::new(0);
     let start = Instant::now();
@@ -64,7 +75,7 @@ fn closed_loop(addr: &str, bodies: &[String], concurrency: usize, duration: Dura
                         match http::request(
                             addr,
                             "POST",
-                            "/v1/completions",
+                            path,
                             &[("content-type", "application/json")],
                             Some(body),
                             Duration::from_secs(10),
@@ -312,6 +323,117 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         "latency": latency,
         "saturation": saturation,
     }))
+}
+
+/// The prompt forms [`filter_time`] measures: endpoint, and whether the
+/// model has a chat template (stock-vLLM mode's text keys).
+const FILTER_TIME_FORMS: [(&str, &str, bool); 3] = [
+    ("completions", "/v1/completions", false),
+    ("chat", "/v1/chat/completions", false),
+    ("chat, templated", "/v1/chat/completions", true),
+];
+
+/// `count` distinct request bodies of about `size` bytes for `path`: a
+/// completions prompt, or a chat of a system prompt, a user turn, an
+/// assistant answer and a user turn.
+fn bodies_for(path: &str, size: usize, count: usize) -> Vec<String> {
+    if !path.contains("chat") {
+        return bodies(size, count);
+    }
+    (0..count)
+        .map(|i| {
+            let text = |part: u64, share: usize| {
+                words(
+                    &format!("{part} "),
+                    (size as u64) << 20 | (i as u64) << 4 | part,
+                    size * share / 8,
+                )
+            };
+            json!({"model": "sim-model", "max_tokens": 1, "messages": [
+                {"role": "system", "content": text(0, 4)},
+                {"role": "user", "content": text(1, 2)},
+                {"role": "assistant", "content": text(2, 1)},
+                {"role": "user", "content": text(3, 1)},
+            ]})
+            .to_string()
+        })
+        .collect()
+}
+
+/// The filter's own time (`latencyUs` of its `route` lines) per prompt
+/// form and body size, one client at a time: completions, chat in
+/// kvroute's canonical form, and chat rendered through a chat template
+/// (what stock-vLLM mode adds to a request). Two Envoys, one configured
+/// with the template, measured in alternating rounds.
+pub fn filter_time(sim_binary: &Path, quick: bool) -> io::Result<Value> {
+    let start = |templated: bool| {
+        let mut plugin = json!({"podReportIntervalMs": 500, "decisionHeaders": false,
+                                "models": {"sim-model": {"baseModel": "sim-model"}}});
+        if templated {
+            plugin["chatTemplates"] =
+                json!({"sim-model": {"template": super::workload::STOCK_VLLM_CHAT_TEMPLATE}});
+        }
+        let mut spec = ClusterSpec::new(1, plugin);
+        spec.sim_args = [
+            "--time-scale",
+            "0",
+            "--max-batch",
+            "4096",
+            "--kv-blocks",
+            "65536",
+        ]
+        .map(String::from)
+        .to_vec();
+        Cluster::start(sim_binary, spec)
+    };
+    let clusters = [start(false)?, start(true)?];
+    let (rounds, phase) = if quick {
+        (2, Duration::from_secs(2))
+    } else {
+        (3, Duration::from_secs(4))
+    };
+    let mut rows = Vec::new();
+    for size in [16 * 1024usize, 128 * 1024, 512 * 1024] {
+        for (form, path, templated) in FILTER_TIME_FORMS {
+            let envoy = &clusters[usize::from(templated)].envoy;
+            let set = bodies_for(path, size, 32);
+            closed_loop_on(&envoy.listen, path, &set, 1, Duration::from_millis(500));
+            let mut filter = Vec::new();
+            let mut errors = 0;
+            for _ in 0..rounds {
+                let offset = log_len(envoy);
+                let p = closed_loop_on(&envoy.listen, path, &set, 1, phase);
+                errors += p.errors;
+                filter.extend(event_field(&log_since(envoy, offset), "route", "latencyUs"));
+            }
+            let entry = json!({"form": form, "bodyBytes": size, "filterUs": stats(&mut filter),
+                               "errors": errors});
+            eprintln!("filter time: {entry}");
+            rows.push(entry);
+        }
+    }
+    Ok(json!({
+        "method": format!("one kvroute-sim (--time-scale 0) behind two Envoy 1.40 with kvroute, one with a chat template for the model (integration/src/bench/chat_template.jinja); one client, {rounds} rounds of {} s per form and size; 32 distinct bodies each (chat: system prompt 1/2, user 1/4, assistant 1/8, user 1/8 of the size); the filter's own time from the `latencyUs` of its `route` lines", phase.as_secs()),
+        "rows": rows,
+    }))
+}
+
+/// The filter-time section of the results document.
+pub fn filter_time_markdown(f: &Value) -> String {
+    let mut out = String::from("## The filter's own time by prompt form\n\n");
+    out.push_str(&format!("{}.\n\n", f["method"].as_str().unwrap_or("")));
+    out.push_str("| body | form | p50 µs | p99 µs | requests |\n|---:|---|---:|---:|---:|\n");
+    for row in f["rows"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "| {} KiB | {} | {} | {} | {} |\n",
+            row["bodyBytes"].as_u64().unwrap_or(0) / 1024,
+            row["form"].as_str().unwrap_or(""),
+            row["filterUs"]["p50"],
+            row["filterUs"]["p99"],
+            row["filterUs"]["n"],
+        ));
+    }
+    out
 }
 
 /// The overhead section of the results document.

@@ -143,6 +143,7 @@ pub fn workload_json(workload: &Workload) -> Value {
         "offeredRps": round(workload.offered_rps, 2),
         "offeredLoad": round(workload.offered_rps / workload.capacity_rps, 3),
         "closedLoopAgents": workload.agents,
+        "stockVllm": workload.stock_vllm,
         "plugin": workload.plugin,
         "bounds": {"pooledLru": round(workload.bounds.pooled, 4), "infinite": round(workload.bounds.infinite, 4)},
     })
@@ -176,8 +177,13 @@ pub fn workload_markdown(w: &Value) -> String {
             w["offeredLoad"].as_f64().unwrap_or(0.0) * 100.0
         ),
     };
+    let stock_vllm = if w["stockVllm"].as_bool().unwrap_or(false) {
+        " Stock-vLLM mode: the pods tokenize prompts (cl100k_base; chat through a chat template) and publish vLLM's KV events, kvroute precise reads them through one kvroute-vllm-bridge per pod; blocks are 16-token blocks."
+    } else {
+        ""
+    };
     out.push_str(&format!(
-        "### {}\n\n{}.\n\n{} requests, mean prompt {} tokens; {} pods × {} sequence slots, time scale {}; \
+        "### {}\n\n{}.{stock_vllm}\n\n{} requests, mean prompt {} tokens; {} pods × {} sequence slots, time scale {}; \
          KV cache {} blocks per pod (working set {} blocks = {:.0}% of the cluster's {} blocks); \
          {offered} (cache-blind capacity {:.1} req/s).\n\n",
         w["name"].as_str().unwrap_or(""),
@@ -243,6 +249,27 @@ pub fn workload_markdown(w: &Value) -> String {
             "–".into()
         }
     ));
+    let stale: Vec<String> = w["policies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| {
+            let stale = &r["staleRouting"];
+            Some(format!(
+                "{} {} of {} ({})",
+                r["policy"].as_str()?,
+                stale["stale"].as_f64()?,
+                stale["decisions"].as_u64()?,
+                pct(stale["share"].as_f64()?)
+            ))
+        })
+        .collect();
+    if !stale.is_empty() {
+        out.push_str(&format!(
+            "Stale routing (the pod served under half the cached tokens kvroute predicted), of decisions: {}.\n\n",
+            stale.join("; ")
+        ));
+    }
     out
 }
 
@@ -311,6 +338,9 @@ pub fn markdown(results: &Value, command: &str) -> String {
     }
     if let Some(o) = results.get("overhead").filter(|o| !o.is_null()) {
         out.push_str(&super::overhead::overhead_markdown(o));
+    }
+    if let Some(f) = results.get("filterTime").filter(|f| !f.is_null()) {
+        out.push_str(&super::overhead::filter_time_markdown(f));
     }
     if let Some(s) = results.get("scale").filter(|s| !s.is_null()) {
         out.push_str(&super::overhead::scale_markdown(s));
