@@ -2,12 +2,14 @@
 //! `fixtures/chat_templates/requests.json` through each of three templates
 //! must give exactly the text (or the error) Python's jinja2 gave in
 //! `expected.json` (written by `fixtures/chat_templates/generate.py`,
-//! which follows vLLM and transformers); then the completions prefix and
-//! the requests of models without a template.
+//! which follows vLLM and transformers); then the completions prefix, the
+//! requests of models without a template, and the router's use of both.
 
 use kvroute::chat_template::{ContentFormat, PromptRenderer};
 use kvroute::config::{Config, ModelTarget};
+use kvroute::hashing::BlockHasher;
 use kvroute::request::{parse_request, Prompt};
+use kvroute::router::Router;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
@@ -327,4 +329,42 @@ fn request_fields_the_renderer_reads_are_checked() {
         let error = renderer.prompt(body.as_bytes(), true).unwrap_err();
         assert!(error.0.contains(needle), "{body} → {error}");
     }
+}
+
+#[test]
+fn the_router_hashes_the_rendered_prompt_and_rejects_what_fails_to_render() {
+    let config = config();
+    let body = br#"{"model": "llama", "messages": [{"role": "user", "content": "Hello there, a prompt long enough to fill a few 64-byte blocks of text."}]}"#;
+    let rendered = PromptRenderer::new(&config)
+        .prompt(body, true)
+        .unwrap()
+        .prompt;
+    let target = config.resolve_model("llama").unwrap();
+    let want = BlockHasher::from_config(&config).chain(&target, &rendered, None);
+    assert!(want.len() >= 3);
+    let routed = Router::new(config).prepare(body, true).unwrap();
+    assert_eq!(routed.chain, want);
+    assert_eq!(routed.degraded, None);
+
+    let out_of_order =
+        br#"{"model": "strict", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}"#;
+    let by_load = Router::new(config_with(json!({})))
+        .prepare(out_of_order, true)
+        .unwrap();
+    assert!(by_load.chain.is_empty());
+    assert!(by_load.degraded.unwrap().contains("\"strict\""));
+    let rejected = Router::new(config_with(json!({"onBadRequest": "reject"})))
+        .prepare(out_of_order, true)
+        .unwrap_err();
+    assert_eq!(rejected.status, 400);
+    assert!(
+        rejected
+            .message
+            .contains("the chat template of \"strict\" failed")
+            && rejected
+                .message
+                .contains("Conversation roles must alternate"),
+        "{}",
+        rejected.message
+    );
 }

@@ -11,6 +11,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+use kvroute::chat_template::PromptRenderer;
 use kvroute::config::Config;
 use kvroute::hashing::{BlockHasher, Coverage};
 use kvroute::request::parse_request;
@@ -226,13 +227,15 @@ fn with_extra(plugin: &Value, opts: &GenOptions) -> Value {
 fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest> {
     let config = parse_plugin(plugin);
     let hasher = BlockHasher::from_config(&config).uncapped();
+    let prompts = PromptRenderer::new(&config);
     drafts
         .into_iter()
         .zip(times)
         .map(|(mut d, &at_s)| {
             stream_fields(&mut d.body);
             let body = d.body.to_string();
-            let parsed = parse_request(body.as_bytes(), d.path.contains("chat"))
+            let parsed = prompts
+                .prompt(body.as_bytes(), d.path.contains("chat"))
                 .expect("generated body parses");
             let target = config
                 .resolve_model(&parsed.model)
