@@ -31,13 +31,16 @@
 //!   (UTC in most containers).
 //! - The string content format leaves images, audio and video out; vLLM
 //!   puts the model's placeholders for them first.
-//! - jinja2 extensions other than loop controls (`{% generation %}`),
-//!   Python methods minijinja-contrib's `pycompat` lacks, and filters
-//!   minijinja lacks fail at render time: the request is a bad request.
+//! - A template using a jinja2 extension other than loop controls
+//!   (`{% generation %}`) does not compile; a Python method
+//!   minijinja-contrib's `pycompat` lacks, or a filter minijinja lacks,
+//!   fails the render: the request is a bad request.
 //! - vLLM's `--default-chat-template-kwargs`, a per-request
 //!   `chat_template` (kvroute refuses it, as vLLM does unless
 //!   `--trust-request-chat-template`), Mistral tokenizers and gpt-oss's
-//!   Harmony are not modelled.
+//!   Harmony are not modelled, nor are transformers 5's changes to the
+//!   messages (`None` fields dropped, reasoning under `thinking` too):
+//!   vLLM requires transformers < 5.
 
 mod content_format;
 mod ordered_json;
@@ -973,6 +976,8 @@ mod tests {
                 && error.ends_with("(template line 3)"),
             "{error}"
         );
+        // transformers' `{% generation %}` extension is not there.
+        assert!(ChatTemplate::compile("{% generation %}x{% endgeneration %}".into()).is_err());
     }
 
     #[test]
