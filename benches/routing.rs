@@ -23,8 +23,13 @@
 //!
 //! `prepare_*`: `Router::prepare` of a request body — JSON parse, canonical
 //! prompt, block chain — for completions bodies of 16 KiB, 128 KiB and
-//! 512 KiB (128k tokens) and a 512 KiB chat body of 64 messages, with the
-//! default block layout (the whole prompt is hashed).
+//! 512 KiB (128k tokens) and chat bodies of 16 KiB, 128 KiB and 512 KiB
+//! (8 KiB messages), with the default block layout (the whole prompt is
+//! hashed); `*_chat_template`: the 16 and 128 KiB chat bodies for a model
+//! with a chat template (tests/fixtures/chat_templates/wren_chatml.jinja),
+//! rendered instead of put in canonical form, and `*_chat_beside_template`
+//! for a model without one in that configuration (read in order for the
+//! template's sake, then put in canonical form).
 
 use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
@@ -329,9 +334,9 @@ fn latency(n: u64, mut run: impl FnMut(u64) -> Decision) -> (f64, f64, f64) {
     (at(0.5), at(0.99), samples[samples.len() - 1])
 }
 
-/// Request bodies of about `bytes` bytes: a completions prompt, or chat
-/// messages of 8 KiB each.
-fn body(bytes: usize, chat: bool) -> Vec<u8> {
+/// Request bodies of about `bytes` bytes for `model`: a completions prompt,
+/// or chat messages of 8 KiB each.
+fn body(model: &str, bytes: usize, chat: bool) -> Vec<u8> {
     let mut rng = Rng(bytes as u64);
     let text = |rng: &mut Rng, n: usize| String::from_utf8(self::text(rng, n)).expect("ASCII");
     let value = if chat {
@@ -341,31 +346,70 @@ fn body(bytes: usize, chat: bool) -> Vec<u8> {
                 serde_json::json!({"role": role, "content": text(&mut rng, 8192)})
             })
             .collect();
-        serde_json::json!({"model": "m", "messages": messages, "max_tokens": 16})
+        serde_json::json!({"model": model, "messages": messages, "max_tokens": 16})
     } else {
-        serde_json::json!({"model": "m", "prompt": text(&mut rng, bytes), "max_tokens": 16})
+        serde_json::json!({"model": model, "prompt": text(&mut rng, bytes), "max_tokens": 16})
     };
     value.to_string().into_bytes()
 }
 
 fn prepare(c: &mut Criterion) {
-    let config = Config::parse(
+    let plain = Config::parse(
         br#"{"pods": [{"id": "a", "address": "127.0.0.1:1"}], "models": {"m": {"baseModel": "m"}}}"#,
     )
     .expect("config");
-    let router = Router::new(config);
+    let templated = serde_json::json!({
+        "pods": [{"id": "a", "address": "127.0.0.1:1"}],
+        "models": {"m": {"baseModel": "m"}, "templated": {"baseModel": "templated"}},
+        "chatTemplates": {"templated": {
+            "template": include_str!("../tests/fixtures/chat_templates/wren_chatml.jinja"),
+            "eosToken": "<|im_end|>",
+        }},
+    });
+    let templated = Config::parse(templated.to_string().as_bytes()).expect("config");
+    let (plain, templated) = (Router::new(plain), Router::new(templated));
     let mut group = c.benchmark_group("prepare");
     group
         .sample_size(30)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    for (name, bytes, chat) in [
-        ("prepare_16KiB", 16 * 1024, false),
-        ("prepare_128KiB", 128 * 1024, false),
-        ("prepare_512KiB", 512 * 1024, false),
-        ("prepare_512KiB_chat", 512 * 1024, true),
+    for (name, router, model, bytes, chat) in [
+        ("prepare_16KiB", &plain, "m", 16 * 1024, false),
+        ("prepare_128KiB", &plain, "m", 128 * 1024, false),
+        ("prepare_512KiB", &plain, "m", 512 * 1024, false),
+        ("prepare_16KiB_chat", &plain, "m", 16 * 1024, true),
+        (
+            "prepare_16KiB_chat_template",
+            &templated,
+            "templated",
+            16 * 1024,
+            true,
+        ),
+        (
+            "prepare_16KiB_chat_beside_template",
+            &templated,
+            "m",
+            16 * 1024,
+            true,
+        ),
+        ("prepare_128KiB_chat", &plain, "m", 128 * 1024, true),
+        (
+            "prepare_128KiB_chat_template",
+            &templated,
+            "templated",
+            128 * 1024,
+            true,
+        ),
+        (
+            "prepare_128KiB_chat_beside_template",
+            &templated,
+            "m",
+            128 * 1024,
+            true,
+        ),
+        ("prepare_512KiB_chat", &plain, "m", 512 * 1024, true),
     ] {
-        let body = body(bytes, chat);
+        let body = body(model, bytes, chat);
         let blocks = router.prepare(&body, chat).expect("prepares").chain.len();
         eprintln!("{name}: {} body bytes, {blocks} blocks", body.len());
         group.bench_function(name, |b| b.iter(|| router.prepare(black_box(&body), chat)));

@@ -20,6 +20,8 @@ use std::fmt;
 
 use serde::Deserialize;
 
+use crate::chat_template::{ChatTemplate, ContentFormat};
+
 /// Most pods one router can track: pod sets are 64-bit masks in the index
 /// and the shared-data snapshot.
 pub const MAX_PODS: usize = 64;
@@ -188,6 +190,28 @@ pub struct ModelTarget {
     pub adapter: Option<String>,
 }
 
+/// A base model's chat template and special tokens: what kvroute needs to
+/// hash the text vLLM tokenizes ([`crate::chat_template`]).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ChatTemplateConfig {
+    /// The model's chat template (`chat_template` of its
+    /// `tokenizer_config.json`, or vLLM's `--chat-template`), compiled.
+    pub template: ChatTemplate,
+    #[serde(default)]
+    pub bos_token: Option<String>,
+    #[serde(default)]
+    pub eos_token: Option<String>,
+    /// The text of the special tokens vLLM's tokenizer puts before a
+    /// `/v1/completions` text prompt (Llama 3: `<|begin_of_text|>`).
+    #[serde(default)]
+    pub completion_prefix: String,
+    /// vLLM's `--chat-template-content-format`; `None`: detected from the
+    /// template as vLLM's `auto` does.
+    #[serde(default)]
+    pub content_format: Option<ContentFormat>,
+}
+
 /// Where block residency comes from.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
@@ -353,6 +377,9 @@ pub struct Config {
     pub report_long_poll: bool,
     pub pods: Vec<PodConfig>,
     pub models: BTreeMap<String, ModelTarget>,
+    /// Base model → the chat template its pods render; such a model's
+    /// prompts are hashed as the text vLLM tokenizes.
+    pub chat_templates: BTreeMap<String, ChatTemplateConfig>,
     /// Request paths kvroute routes; others pass through untouched.
     pub route_paths: Vec<String>,
     pub max_body_bytes: usize,
@@ -418,6 +445,7 @@ impl Default for Config {
             report_long_poll: true,
             pods: Vec::new(),
             models: BTreeMap::new(),
+            chat_templates: BTreeMap::new(),
             route_paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
             max_body_bytes: 8 * 1024 * 1024,
             on_bad_request: BadRequestPolicy::Route,
@@ -611,6 +639,16 @@ impl Config {
                 return Err(invalid(
                     format!("models.{name}.baseModel"),
                     "must be non-empty",
+                ));
+            }
+        }
+        for base_model in self.chat_templates.keys() {
+            // With no `models`, every requested name is its own base model.
+            if !self.models.is_empty() && !self.models.values().any(|t| &t.base_model == base_model)
+            {
+                return Err(invalid(
+                    format!("chatTemplates.{base_model}"),
+                    "must be the baseModel of an entry in `models`",
                 ));
             }
         }

@@ -22,6 +22,7 @@
     )
 )]
 
+pub mod chat_template;
 pub mod cluster;
 pub mod config;
 pub mod discovery;

@@ -11,6 +11,10 @@
 //!   `{"type": "text"}` part in order, parts separated by 0x1F), then 0x1E.
 //!   Non-text parts (images, audio) do not contribute.
 //!
+//! A base model with a chat template in the configuration is hashed as the
+//! text vLLM tokenizes instead ([`crate::chat_template::PromptRenderer`],
+//! which reads every body the router and the simulated pods see).
+//!
 //! vLLM's `cache_salt` (a string, either endpoint) is kept apart: vLLM
 //! hashes it into a prompt's first block, so requests with different
 //! salts never share cache, and kvroute seeds their chains apart too
@@ -70,54 +74,101 @@ const RECORD_SEPARATOR: u8 = 0x1e;
 
 /// Parses a request body. `chat` selects the `messages` form.
 pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestError> {
-    if body.is_empty() {
-        return Err(RequestError("request body is empty".into()));
-    }
-    let mut value: Value = serde_json::from_slice(body)
-        .map_err(|e| RequestError(format!("request body is not valid JSON: {e}")))?;
-    let object = value
-        .as_object_mut()
-        .ok_or_else(|| RequestError("request body must be a JSON object".into()))?;
-    let model = match object.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(_) => return Err(RequestError("`model` must be a non-empty string".into())),
-        None => return Err(RequestError("`model` is missing".into())),
-    };
-    let stream = match object.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(RequestError("`stream` must be a boolean".into())),
-    };
-    let cache_salt = match object.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(salt)) => Some(salt.clone()).filter(|s| !s.is_empty()),
-        Some(_) => return Err(RequestError("`cache_salt` must be a string".into())),
-    };
-    let stream_option = |name: &str| {
-        object
-            .get("stream_options")
-            .and_then(|o| o.get(name))
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-    };
-    let answer_reports_usage =
-        !stream || stream_option("include_usage") || stream_option("continuous_usage_stats");
+    let (object, envelope) = parse_envelope(body)?;
+    with_canonical_prompt(object, envelope, chat)
+}
+
+/// The request of a parsed body with its prompt in canonical form.
+pub(crate) fn with_canonical_prompt(
+    mut object: serde_json::Map<String, Value>,
+    envelope: Envelope,
+    chat: bool,
+) -> Result<ParsedRequest, RequestError> {
     let prompt = if chat {
         canonical_messages(object.get("messages"))?
     } else {
         // Taken out of the parsed body: a 512 KiB prompt is not copied.
         canonical_prompt(object.remove("prompt"))?
     };
-    Ok(ParsedRequest {
+    Ok(envelope.with_prompt(prompt))
+}
+
+/// What routing reads from every request but its prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Envelope {
+    pub model: String,
+    pub stream: bool,
+    pub cache_salt: Option<String>,
+    pub answer_reports_usage: bool,
+}
+
+impl Envelope {
+    pub fn with_prompt(self, prompt: Prompt) -> ParsedRequest {
+        ParsedRequest {
+            model: self.model,
+            prompt,
+            stream: self.stream,
+            cache_salt: self.cache_salt,
+            answer_reports_usage: self.answer_reports_usage,
+        }
+    }
+}
+
+/// The body as a JSON object, and its [`Envelope`].
+pub(crate) fn parse_envelope(
+    body: &[u8],
+) -> Result<(serde_json::Map<String, Value>, Envelope), RequestError> {
+    if body.is_empty() {
+        return Err(RequestError("request body is empty".into()));
+    }
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| RequestError(format!("request body is not valid JSON: {e}")))?;
+    let Value::Object(object) = value else {
+        return Err(RequestError("request body must be a JSON object".into()));
+    };
+    let envelope = envelope(|name| object.get(name))?;
+    Ok((object, envelope))
+}
+
+/// The fields an [`Envelope`] is read from.
+pub(crate) const ENVELOPE_FIELDS: [&str; 4] = ["model", "stream", "cache_salt", "stream_options"];
+
+/// The envelope of a body whose top-level fields `field` returns.
+pub(crate) fn envelope<'a>(
+    field: impl Fn(&str) -> Option<&'a Value>,
+) -> Result<Envelope, RequestError> {
+    let model = match field("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(_) => return Err(RequestError("`model` must be a non-empty string".into())),
+        None => return Err(RequestError("`model` is missing".into())),
+    };
+    let stream = match field("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(RequestError("`stream` must be a boolean".into())),
+    };
+    let cache_salt = match field("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(salt.clone()).filter(|s| !s.is_empty()),
+        Some(_) => return Err(RequestError("`cache_salt` must be a string".into())),
+    };
+    let stream_option = |name: &str| {
+        field("stream_options")
+            .and_then(|o| o.get(name))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    let answer_reports_usage =
+        !stream || stream_option("include_usage") || stream_option("continuous_usage_stats");
+    Ok(Envelope {
         model,
-        prompt,
         stream,
         cache_salt,
         answer_reports_usage,
     })
 }
 
-fn canonical_prompt(prompt: Option<Value>) -> Result<Prompt, RequestError> {
+pub(crate) fn canonical_prompt(prompt: Option<Value>) -> Result<Prompt, RequestError> {
     match prompt {
         None => Err(RequestError("`prompt` is missing".into())),
         Some(Value::String(text)) => Ok(Prompt::Text(text.into_bytes())),
@@ -149,7 +200,7 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, RequestError> {
         .collect()
 }
 
-fn canonical_messages(messages: Option<&Value>) -> Result<Prompt, RequestError> {
+pub(crate) fn canonical_messages(messages: Option<&Value>) -> Result<Prompt, RequestError> {
     let messages = match messages {
         None => return Err(RequestError("`messages` is missing".into())),
         Some(Value::Array(list)) if !list.is_empty() => list,

@@ -30,10 +30,10 @@
 //! trusted for cache: the request is routed by load, with each pod's health
 //! decayed from its last report as the service would have done.
 
+use crate::chat_template::PromptRenderer;
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
-use crate::request::parse_request;
 use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
@@ -197,6 +197,7 @@ pub struct HoldOut {
 #[derive(Debug)]
 pub struct Router {
     config: Config,
+    prompts: PromptRenderer,
     hasher: BlockHasher,
     policy: ScoringPolicy,
     staleness: Staleness,
@@ -238,6 +239,7 @@ impl RoutingRequest {
 impl Router {
     pub fn new(config: Config) -> Router {
         Router {
+            prompts: PromptRenderer::new(&config),
             hasher: BlockHasher::from_config(&config),
             policy: ScoringPolicy::from_config(&config),
             staleness: Staleness::from_config(&config),
@@ -565,7 +567,7 @@ impl Router {
                 self.config.max_body_bytes
             ));
         }
-        let request = match parse_request(body, chat) {
+        let request = match self.prompts.prompt(body, chat) {
             Ok(request) => request,
             Err(e) => return bad(e.0),
         };

@@ -679,3 +679,59 @@ fn a_metrics_address_is_an_ip_and_port() {
         "pods[0].metricsAddress",
     );
 }
+
+#[test]
+fn chat_templates_belong_to_a_base_model_and_compile() {
+    let models = r#""models": {"chat": {"baseModel": "llama-3-8b"}, "billing": {"baseModel": "llama-3-8b", "adapter": "b"}}"#;
+    let config = parse(&with_pods(&format!(
+        r#"{models}, "chatTemplates": {{"llama-3-8b": {{"template": "{{{{ bos_token }}}}{{% for m in messages %}}{{{{ m.content }}}}{{% endfor %}}", "bosToken": "<s>", "completionPrefix": "<s>"}}}}"#
+    )))
+    .expect("a template of a configured base model");
+    let entry = &config.chat_templates["llama-3-8b"];
+    assert_eq!(
+        (
+            entry.bos_token.as_deref(),
+            entry.eos_token.as_deref(),
+            entry.completion_prefix.as_str(),
+            entry.content_format
+        ),
+        (Some("<s>"), None, "<s>", None)
+    );
+    assert!(parse(&with_pods("")).unwrap().chat_templates.is_empty());
+    // Without `models`, every requested name is its own base model.
+    parse(&with_pods(
+        r#""chatTemplates": {"any-name": {"template": "x"}}"#,
+    ))
+    .expect("any base model name");
+
+    let message = rejects(
+        &with_pods(&format!(
+            r#"{models}, "chatTemplates": {{"chat": {{"template": "x"}}}}"#
+        )),
+        "chatTemplates.chat",
+    );
+    assert!(message.contains("baseModel"), "{message}");
+    let message = rejects(
+        &with_pods(
+            r#""chatTemplates": {"m": {"template": "line 1\n{% for m in messages %}\n{{ m.content }"}}"#,
+        ),
+        "chatTemplates.m.template",
+    );
+    assert!(
+        message.contains("does not compile: syntax error") && message.contains("(template line 3)"),
+        "{message}"
+    );
+    rejects(
+        &with_pods(r#""chatTemplates": {"m": {"template": "x", "bosTokn": "<s>"}}"#),
+        "chatTemplates.m.bosTokn",
+    );
+    rejects(
+        &with_pods(r#""chatTemplates": {"m": {}}"#),
+        "chatTemplates.m.template",
+    );
+    let message = rejects(
+        &with_pods(r#""chatTemplates": {"m": {"template": "x", "contentFormat": "parts"}}"#),
+        "chatTemplates.m.contentFormat",
+    );
+    assert!(message.contains("parts"), "{message}");
+}

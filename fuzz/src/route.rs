@@ -11,7 +11,7 @@
 //! | scenario | configuration and state |
 //! |---|---|
 //! | 0 | defaults |
-//! | 1 | `models` (`m` and `m-lora` → base `base`, adapter `lora`), bad and unknown requests rejected, `maxBodyBytes` 4096, a `costPerHour` attribute scorer |
+//! | 1 | `models` (`m` and `m-lora` → base `base`, adapter `lora`) with a chat template for `base` ([`CHAT_TEMPLATE`]), bad and unknown requests rejected, `maxBodyBytes` 4096, a `costPerHour` attribute scorer |
 //! | 2 | every pod's queue at `maxQueue`: `fallbackPod` |
 //! | 3 | every pod's queue at `maxQueue`: 503 |
 //!
@@ -48,6 +48,11 @@ pub const PROMPTS: [(bool, &str); 3] = [
     ),
 ];
 
+/// Scenario 1's chat template: what Hugging Face templates do most
+/// (loops, tests, filters, `tojson`, `raise_exception`), so fuzzed bodies
+/// reach the renderer.
+const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{% if message.role == 'system' and not loop.first %}{{ raise_exception('system first') }}{% endif %}<|{{ message.role }}|>{% if message.content is string %}{{ message.content | trim }}{% else %}{% for part in message.content %}{{ part.text }}{% endfor %}{% endif %}{% for call in message.tool_calls | default([]) %}{{ call.function | tojson }}{% endfor %}{% endfor %}{% if tools %}{{ tools | tojson(indent=2) }}{% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+
 const SCENARIOS: u8 = 4;
 const NOW_MS: u64 = 1_000_000;
 
@@ -62,7 +67,7 @@ struct Scenario {
 
 impl Scenario {
     fn new(extra_config: &str, queue: u32) -> Scenario {
-        let config = fixture_config(extra_config);
+        let config = fixture_config(&extra_config.replace("CHAT_TEMPLATE", CHAT_TEMPLATE));
         let router = Router::new(config.clone());
         let chains: Vec<Vec<u64>> = PROMPTS
             .iter()
@@ -123,6 +128,7 @@ fn scenarios() -> &'static [Scenario] {
             Scenario::new("", 0),
             Scenario::new(
                 r#", "models": {"m": {"baseModel": "base"}, "m-lora": {"baseModel": "base", "adapter": "lora"}},
+                "chatTemplates": {"base": {"template": "CHAT_TEMPLATE", "bosToken": "<s>", "completionPrefix": "<s>"}},
                 "onBadRequest": "reject", "onUnknownModel": "reject", "maxBodyBytes": 4096,
                 "weights": {"cache": 0.5, "load": 0.2, "queue": 0.1, "health": 0.05, "adapter": 0.05},
                 "attributeScorers": [{"name": "cost", "weight": 0.1, "attribute": "costPerHour",

@@ -46,10 +46,11 @@ use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
+use kvroute::chat_template::PromptRenderer;
 use kvroute::config::Config;
 use kvroute::hashing::BlockLayout;
 use kvroute::report_log::{new_epoch, random_u64};
-use kvroute::request::{parse_request, Prompt};
+use kvroute::request::Prompt;
 use kvroute_vllm_bridge::wire::Shape;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -267,6 +268,9 @@ struct Sim {
     pod_id: String,
     epoch: String,
     config: Config,
+    /// The router's own reading of request bodies (chat templates
+    /// included), so the pod caches the prompt the router hashed.
+    prompts: PromptRenderer,
     served: Vec<String>,
     max_batch: usize,
     cost: CostModel,
@@ -464,6 +468,7 @@ pub fn app(
     let sim = Arc::new(Sim {
         pod_id,
         epoch: new_epoch(),
+        prompts: PromptRenderer::new(&config),
         config,
         served,
         max_batch,
@@ -743,7 +748,7 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
         sim.lock().stats.errors += 1;
         error_response(status, message, kind)
     };
-    let mut parsed = match parse_request(&body, chat) {
+    let mut parsed = match sim.prompts.prompt(&body, chat) {
         Ok(parsed) => parsed,
         Err(e) => return fail(StatusCode::BAD_REQUEST, &e.0, "BadRequestError"),
     };

@@ -10,6 +10,7 @@ use kvroute::hashing::BlockHasher;
 use kvroute::index::PrefixLookup;
 use kvroute::report::parse_report;
 use kvroute::request::parse_request;
+use kvroute::router::Router;
 use kvroute_integration::http::{self, get, post_json, post_sse};
 
 struct Sim {
@@ -372,6 +373,62 @@ fn sim_serves_caches_streams_and_reports() {
     let _ = post_json(&sim.addr.clone(), "/admin/fault", r#"{"crash":true}"#);
     let status = sim.child.wait().unwrap();
     assert_eq!(status.code(), Some(1));
+}
+
+#[test]
+fn sim_caches_the_rendered_chat_prompt_the_router_hashes() {
+    let config_text = r#"{
+        "pods": [{"id": "sim-t", "address": "127.0.0.1:1"}],
+        "models": {"m": {"baseModel": "base"}},
+        "chatTemplates": {"base": {
+            "template": "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+            "bosToken": "<s>"
+        }}
+    }"#;
+    let config_path =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvroute-sim-template-config.json");
+    std::fs::write(&config_path, config_text).unwrap();
+    let sim = Sim::start(&[
+        "--pod-id",
+        "sim-t",
+        "--time-scale",
+        "0.05",
+        "--config",
+        config_path.to_str().unwrap(),
+    ]);
+    let config = Config::parse(config_text.as_bytes()).unwrap();
+    let body = format!(
+        r#"{{"model":"m","max_tokens":1,"messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"  Hello  "}}]}}"#,
+        "Answer in one short sentence. ".repeat(12)
+    );
+    let answer = post_json(&sim.addr, "/v1/chat/completions", &body).unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    // The router's chain of the rendered prompt (not the canonical form)
+    // is what the pod now reports holding.
+    let chain = Router::new(config.clone())
+        .prepare(body.as_bytes(), true)
+        .unwrap()
+        .chain;
+    let canonical = BlockHasher::from_config(&config).chain(
+        &config.resolve_model("m").unwrap(),
+        &parse_request(body.as_bytes(), true).unwrap().prompt,
+        None,
+    );
+    assert!(chain.len() >= 5);
+    assert_ne!(chain.first(), canonical.first());
+    let mut cluster = ClusterState::new(&config, 0);
+    let query = cluster.report_query("sim-t", "/kvroute/v1/report").unwrap();
+    let report = get(&sim.addr, &query).unwrap();
+    cluster
+        .apply_report("sim-t", report.body.as_bytes(), 1, 0)
+        .0
+        .unwrap();
+    assert_eq!(
+        cluster.index().lookup(&chain).blocks(0) as usize,
+        chain.len(),
+        "{}",
+        report.body
+    );
 }
 
 #[test]

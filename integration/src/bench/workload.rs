@@ -11,6 +11,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+use kvroute::chat_template::PromptRenderer;
 use kvroute::config::Config;
 use kvroute::hashing::{BlockHasher, Coverage};
 use kvroute::request::parse_request;
@@ -18,6 +19,7 @@ use serde_json::{json, Value};
 
 use crate::model::{prompt_tokens, CostModel, KvCache};
 use crate::sim::token_text;
+use crate::tokenizer::SimTokenizer;
 use crate::trace;
 
 /// Names accepted by `kvroute-bench workload NAME`, in report order.
@@ -251,18 +253,32 @@ fn with_extra(plugin: &Value, opts: &GenOptions) -> Value {
     plugin
 }
 
-/// Hashes drafts the way the router and the pods will.
-fn finish(drafts: Vec<Draft>, plugin: &Value, times: &[f64]) -> Vec<BenchRequest> {
+/// Hashes drafts the way the pods will: text blocks, or in stock-vLLM
+/// mode the token blocks of the text as the pods tokenize it.
+fn finish(
+    drafts: Vec<Draft>,
+    plugin: &Value,
+    times: &[f64],
+    opts: &GenOptions,
+) -> Vec<BenchRequest> {
     let config = parse_plugin(plugin);
     let hasher = BlockHasher::from_config(&config).uncapped();
+    let prompts = PromptRenderer::new(&config);
+    let tokenizer = opts
+        .stock_vllm
+        .then(|| SimTokenizer::named(STOCK_VLLM_TOKENIZER).expect("a known tokenizer"));
     drafts
         .into_iter()
         .zip(times)
         .map(|(mut d, &at_s)| {
             stream_fields(&mut d.body);
             let body = d.body.to_string();
-            let parsed = parse_request(body.as_bytes(), d.path.contains("chat"))
+            let mut parsed = prompts
+                .prompt(body.as_bytes(), d.path.contains("chat"))
                 .expect("generated body parses");
+            if let Some(tokenizer) = &tokenizer {
+                parsed.prompt = tokenizer.tokenize(parsed.prompt);
+            }
             let target = config
                 .resolve_model(&parsed.model)
                 .expect("generated model is configured");
@@ -441,7 +457,7 @@ fn shared_prefix(opts: &GenOptions) -> Workload {
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let rate = cap * opts.load;
     let times = poisson(&mut rng, drafts.len(), rate);
-    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
     assemble(
         "shared-prefix",
         format!("{groups} groups × {prompts} prompts, 2,048-token system prompt per group, 256-token question, 256 output tokens; random order, Poisson arrivals"),
@@ -544,7 +560,7 @@ fn multi_turn(opts: &GenOptions) -> Workload {
         }
     }
     let offered = total as f64 / t;
-    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
     assemble(
         "multi-turn",
         format!("{users} users × {rounds} rounds ({active} conversations active at once, ≥ {min_gap:.2} s between a user's rounds), shared 1,000-token system prompt, 100–200-token questions, 100-token answers kept in the history; chat API"),
@@ -603,7 +619,7 @@ fn lora(opts: &GenOptions) -> Workload {
     let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
     let rate = cap * opts.load;
     let times = poisson(&mut rng, drafts.len(), rate);
-    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
     assemble(
         "lora",
         format!("{n} requests over 10 tenants (adapters lora-0..9 of sim-model), Zipf(1.0) popularity (top tenant {:.0}%), 1,536-token tenant system prompt, 128-token question, 64 output tokens, 4 adapter slots per pod", 100.0 / sum),
@@ -673,7 +689,7 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
         .map(|l| (l.timestamp_ms / 1000.0 - first) / speedup)
         .collect();
     let offered = n as f64 / (span / speedup);
-    let requests = finish(drafts, &with_extra(&plugin, opts), &times);
+    let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
     Ok(assemble(
         "trace",
         format!(
@@ -777,7 +793,7 @@ impl ToolLoop {
         let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, MAX_BATCH);
         let span = times.last().copied().unwrap_or(1.0).max(1e-3);
         let offered = drafts.len() as f64 / span;
-        let requests = finish(drafts, &with_extra(&plugin, opts), &times);
+        let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
         let description = describe(&requests);
         assemble(
             name,

@@ -1,14 +1,15 @@
 //! A trace turned into what the simulation needs: per request its arrival
 //! time, token counts and block chain, hashed once with the routing core's
-//! own [`BlockHasher`] (the pods hash with the same configuration, so one
-//! chain serves the router and the pod).
+//! own [`PromptRenderer`] and [`BlockHasher`] (the pods hash with the same
+//! configuration, so one chain serves the router and the pod).
 
 use std::collections::HashSet;
 use std::path::Path;
 
+use kvroute::chat_template::PromptRenderer;
 use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::{BlockHasher, Coverage};
-use kvroute::request::{parse_request, Prompt};
+use kvroute::request::Prompt;
 use serde_json::Value;
 
 use crate::model::prompt_tokens;
@@ -118,6 +119,7 @@ impl Workload {
     /// `max_completion_tokens`, else 16) is the output length.
     pub fn from_openai(text: &str, config: &Config, speedup: f64) -> Result<Workload, TraceError> {
         let hasher = BlockHasher::from_config(config).uncapped();
+        let prompts = PromptRenderer::new(config);
         let mut out = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             if raw.trim().is_empty() {
@@ -162,7 +164,7 @@ impl Workload {
                 None => body.get("messages").is_some(),
             };
             let bytes = serde_json::to_vec(&body).expect("JSON serialises");
-            let parsed = parse_request(&bytes, chat).map_err(|e| {
+            let parsed = prompts.prompt(&bytes, chat).map_err(|e| {
                 TraceError::new(line, field, format!("is not a valid request: {}", e.0))
             })?;
             let target = config.resolve_model(&parsed.model).ok_or_else(|| {
