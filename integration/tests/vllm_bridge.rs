@@ -621,7 +621,8 @@ fn expected_text_keys(
 /// of the text) and a bridge decoding with the pod's vocabulary: the
 /// bridge holds the pod's token keys plus exactly the text keys of the
 /// token blocks the pod holds, through shared heads, LRU evictions, a gap
-/// replayed, AllBlocksCleared and a pod restart. Never a stale text key.
+/// replayed, garbage frames, a bridge restart, AllBlocksCleared and a pod
+/// restart. Never a stale text key.
 #[test]
 fn text_keys_follow_a_tokenizing_pods_cache() {
     let dir = temp("text");
@@ -674,6 +675,18 @@ fn text_keys_follow_a_tokenizing_pods_cache() {
         counter(&running, "kvbridge_blocks_skipped_unknown_token_total"),
         0.0
     );
+    // Garbage frames are passed over; a restarted bridge rebuilds the text
+    // keys from the replay buffer, in a new epoch.
+    pod.sim.fault(json!({"kvGarbage": true}));
+    send(&pod, &mut prompts, format!("{head}after the garbage"));
+    converged_to(&running, || truth(&prompts, &pod));
+    assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 3.0);
+    let listen = running.addr.to_string();
+    let (epoch, _) = report_blocks(&listen);
+    http::runtime().block_on(running.stop());
+    let running = bridge_decoding(&pod, &listen, &config_path, Some(&vocabulary));
+    converged_to(&running, || truth(&prompts, &pod));
+    assert_ne!(report_blocks(&listen).0, epoch);
     pod.sim.fault(json!({"clearAll": true}));
     assert!(converged_to(&running, || truth(&prompts, &pod)).is_empty());
     send(&pod, &mut prompts, format!("{head}after the clear"));

@@ -207,11 +207,7 @@ fn accesses(expression: &str, name: &str, key: Option<&str>) -> bool {
     let Some(after_name) = rest.strip_prefix(name) else {
         return false;
     };
-    if after_name
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
-    {
+    if continues_identifier(after_name) {
         return false;
     }
     let mut rest = after_name.trim_start();
@@ -227,11 +223,7 @@ fn accesses(expression: &str, name: &str, key: Option<&str>) -> bool {
         else {
             return false;
         };
-        if after_key
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
-        {
+        if continues_identifier(after_key) {
             return false;
         }
         rest = after_key.trim_start();
@@ -303,6 +295,14 @@ fn closing_bracket(text: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// Whether `rest` goes on with an identifier character (so what came
+/// before it was only the start of a longer name).
+fn continues_identifier(rest: &str) -> bool {
+    rest.chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 #[cfg(test)]
