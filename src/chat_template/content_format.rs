@@ -169,21 +169,35 @@ fn split_top_level<'a>(text: &'a str, separator: &str) -> Option<(&'a str, &'a s
 
 /// Byte positions of `text` outside brackets and string literals.
 fn top_level_positions(text: &str) -> impl Iterator<Item = usize> + '_ {
+    unquoted(text)
+        .filter(|&(_, c, depth)| depth == 0 && !"()[]{}".contains(c))
+        .map(|(i, _, _)| i)
+}
+
+/// The characters of `text` outside string literals (the quotes dropped),
+/// each with the bracket depth before it; a closer at depth 0 leaves it
+/// at 0.
+fn unquoted(text: &str) -> impl Iterator<Item = (usize, char, usize)> + '_ {
     let mut depth = 0usize;
     let mut quote = None;
     text.char_indices().filter_map(move |(i, c)| {
-        match quote {
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None => match c {
-                '\'' | '"' => quote = Some(c),
-                '(' | '[' | '{' => depth += 1,
-                ')' | ']' | '}' => depth = depth.saturating_sub(1),
-                _ if depth == 0 => return Some(i),
-                _ => {}
-            },
+        if let Some(q) = quote {
+            if c == q {
+                quote = None;
+            }
+            return None;
         }
-        None
+        let before = depth;
+        match c {
+            '\'' | '"' => {
+                quote = Some(c);
+                return None;
+            }
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        Some((i, c, before))
     })
 }
 
@@ -275,26 +289,14 @@ fn filters_and_tests_only(mut rest: &str) -> bool {
 
 /// The index of the bracket closing the one `text` opens with.
 fn closing_bracket(text: &str) -> Option<usize> {
-    let mut depth = 0usize;
-    let mut quote = None;
-    for (i, c) in text.char_indices() {
-        match quote {
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None => match c {
-                '\'' | '"' => quote = Some(c),
-                '(' | '[' | '{' => depth += 1,
-                ')' | ']' | '}' => {
-                    depth = depth.checked_sub(1)?;
-                    if depth == 0 {
-                        return Some(i);
-                    }
-                }
-                _ => {}
-            },
-        }
-    }
-    None
+    // An unmatched closer ends the search: there is no closing bracket.
+    unquoted(text)
+        .find_map(|(i, c, depth)| match (c, depth) {
+            (')' | ']' | '}', 0) => Some(None),
+            (')' | ']' | '}', 1) => Some(Some(i)),
+            _ => None,
+        })
+        .flatten()
 }
 
 /// Whether `rest` goes on with an identifier character (so what came
