@@ -14,7 +14,7 @@ use std::path::Path;
 use kvroute::chat_template::PromptRenderer;
 use kvroute::config::Config;
 use kvroute::hashing::{BlockHasher, Coverage};
-use kvroute::request::parse_request;
+use kvroute::request::ParsedRequest;
 use serde_json::{json, Value};
 
 use crate::model::{prompt_tokens, CostModel, KvCache};
@@ -261,25 +261,17 @@ fn finish(
     times: &[f64],
     opts: &GenOptions,
 ) -> Vec<BenchRequest> {
-    let config = parse_plugin(plugin);
-    let hasher = BlockHasher::from_config(&config).uncapped();
-    let prompts = PromptRenderer::new(&config);
-    let tokenizer = opts
-        .stock_vllm
-        .then(|| SimTokenizer::named(STOCK_VLLM_TOKENIZER).expect("a known tokenizer"));
+    let pods = PodView::new(plugin, opts);
+    let hasher = BlockHasher::from_config(&pods.config).uncapped();
     drafts
         .into_iter()
         .zip(times)
         .map(|(mut d, &at_s)| {
             stream_fields(&mut d.body);
             let body = d.body.to_string();
-            let mut parsed = prompts
-                .prompt(body.as_bytes(), d.path.contains("chat"))
-                .expect("generated body parses");
-            if let Some(tokenizer) = &tokenizer {
-                parsed.prompt = tokenizer.tokenize(parsed.prompt);
-            }
-            let target = config
+            let parsed = pods.parse(&body, d.path);
+            let target = pods
+                .config
                 .resolve_model(&parsed.model)
                 .expect("generated model is configured");
             let chain = hasher.chain(&target, &parsed.prompt, parsed.cache_salt.as_deref());
@@ -346,15 +338,49 @@ pub fn capacity(pairs: &[(u64, u64)], time_scale: f64, pods: usize, max_batch: u
 /// prefill compute is the bottleneck, as on a real GPU.
 pub const MAX_BATCH: usize = 64;
 
-fn token_pairs(drafts: &[Draft]) -> Vec<(u64, u64)> {
+/// Each draft's (prompt tokens, output tokens) as the pods count them.
+fn token_pairs(drafts: &[Draft], plugin: &Value, opts: &GenOptions) -> Vec<(u64, u64)> {
+    let pods = PodView::new(&with_extra(plugin, opts), opts);
     drafts
         .iter()
         .map(|d| {
-            let body = d.body.to_string();
-            let parsed = parse_request(body.as_bytes(), d.path.contains("chat")).expect("parses");
+            let parsed = pods.parse(&d.body.to_string(), d.path);
             (prompt_tokens(&parsed.prompt), d.output_tokens)
         })
         .collect()
+}
+
+/// A request as the pods see it: the chat template rendered (where one is
+/// configured) and, in stock-vLLM mode, the text tokenized, so capacity,
+/// chains and bounds count what the pods count.
+struct PodView {
+    config: Config,
+    prompts: PromptRenderer,
+    tokenizer: Option<SimTokenizer>,
+}
+
+impl PodView {
+    fn new(plugin: &Value, opts: &GenOptions) -> PodView {
+        let config = parse_plugin(plugin);
+        PodView {
+            prompts: PromptRenderer::new(&config),
+            tokenizer: opts
+                .stock_vllm
+                .then(|| SimTokenizer::named(STOCK_VLLM_TOKENIZER).expect("a known tokenizer")),
+            config,
+        }
+    }
+
+    fn parse(&self, body: &str, path: &str) -> ParsedRequest {
+        let mut parsed = self
+            .prompts
+            .prompt(body.as_bytes(), path.contains("chat"))
+            .expect("generated body parses");
+        if let Some(tokenizer) = &self.tokenizer {
+            parsed.prompt = tokenizer.tokenize(parsed.prompt);
+        }
+        parsed
+    }
 }
 
 /// Builds workload `name`.
@@ -454,7 +480,12 @@ fn shared_prefix(opts: &GenOptions) -> Workload {
         })
         .collect();
     let plugin = base_plugin();
-    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
+    let cap = capacity(
+        &token_pairs(&drafts, &plugin, opts),
+        time_scale,
+        opts.pods,
+        max_batch,
+    );
     let rate = cap * opts.load;
     let times = poisson(&mut rng, drafts.len(), rate);
     let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
@@ -512,7 +543,12 @@ fn multi_turn(opts: &GenOptions) -> Workload {
             follows: None,
         })
         .collect();
-    let cap = capacity(&token_pairs(&all), time_scale, opts.pods, max_batch);
+    let cap = capacity(
+        &token_pairs(&all, &plugin, opts),
+        time_scale,
+        opts.pods,
+        max_batch,
+    );
     let rate = cap * opts.load;
     let cost = CostModel::gpu_8b(time_scale);
     // A round may only start 1.2× its cache-blind latency after the last;
@@ -616,7 +652,12 @@ fn lora(opts: &GenOptions) -> Workload {
             }
         })
         .collect();
-    let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, max_batch);
+    let cap = capacity(
+        &token_pairs(&drafts, &plugin, opts),
+        time_scale,
+        opts.pods,
+        max_batch,
+    );
     let rate = cap * opts.load;
     let times = poisson(&mut rng, drafts.len(), rate);
     let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
@@ -675,11 +716,12 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
             follows: None,
         })
         .collect();
-    let pairs: Vec<(u64, u64)> = lines
-        .iter()
-        .map(|l| (l.input_length, l.output_length.max(1)))
-        .collect();
-    let cap = capacity(&pairs, time_scale, opts.pods, max_batch);
+    let cap = capacity(
+        &token_pairs(&drafts, &plugin, opts),
+        time_scale,
+        opts.pods,
+        max_batch,
+    );
     let first = lines.first().map_or(0.0, |l| l.timestamp_ms) / 1000.0;
     let span = (lines.last().map_or(0.0, |l| l.timestamp_ms) / 1000.0 - first).max(1e-3);
     let native = n as f64 / span;
@@ -790,7 +832,12 @@ impl ToolLoop {
     ) -> Workload {
         let (drafts, times) = self.drafts(rng, &CostModel::gpu_8b(time_scale));
         let plugin = base_plugin();
-        let cap = capacity(&token_pairs(&drafts), time_scale, opts.pods, MAX_BATCH);
+        let cap = capacity(
+            &token_pairs(&drafts, &plugin, opts),
+            time_scale,
+            opts.pods,
+            MAX_BATCH,
+        );
         let span = times.last().copied().unwrap_or(1.0).max(1e-3);
         let offered = drafts.len() as f64 / span;
         let requests = finish(drafts, &with_extra(&plugin, opts), &times, opts);
