@@ -33,7 +33,9 @@
 //! worker (after its response), or when [`FLUSH_DECISIONS`] decisions
 //! piled up. Other workers therefore learn of a decision when its request
 //! ends or at most one tick later (its own worker at once, through
-//! [`RecentDecisions`]); in-flight counts are not batched.
+//! [`RecentDecisions`]). In-flight counts are published at once when they
+//! grow, and their releases with the next growth or flush
+//! ([`shared::adjust_inflight`]).
 //!
 //! Every host call goes through [`super::host`], which returns the host's
 //! status instead of panicking: a request the host cannot serve is answered
@@ -442,6 +444,15 @@ impl RequestContext {
         };
         let last_host = host::property(&["upstream", "address"])
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
+        // The common case, in one host call: the first listed pod answered
+        // 200. Envoy's retries move down the list, so it served the first
+        // attempt and no pod failed.
+        if self.response_ok
+            && last_host.is_some()
+            && last_host.as_deref() == routed.listed.first().map(|d| d.address.as_str())
+        {
+            return;
+        }
         let outcome = UpstreamOutcome {
             attempts: host::property_u64(&["upstream", "request_attempt_count"]).unwrap_or(1),
             last_host: last_host.as_deref(),
@@ -654,10 +665,12 @@ impl Worker {
         self.decisions.1 = 0;
     }
 
-    /// Hands the batched decisions to the service and the metrics to Envoy.
+    /// Hands the batched decisions to the service, the metrics to Envoy
+    /// and the in-flight releases to the other workers.
     fn flush(&mut self) {
         self.send_decisions();
         metrics::flush();
+        shared::publish_releases();
     }
 }
 

@@ -8,11 +8,15 @@
 //! [`SlotLoad`]) are kept per worker VM, with no compare-and-swap on the
 //! request path: each VM claims an index `w` once (a CAS increment of
 //! `kvroute/workers`), keeps its own loads locally and writes them whole
-//! to `kvroute/inflight/{w}` on every change — one plain write, as no one
-//! else writes that key. A reader adds every other worker's key to its own
-//! loads. So a decision sees every request another worker routed (and
-//! every one it released) before that decision started, as the single
-//! CAS-updated counter did: a herd spreads across workers just as fast.
+//! to `kvroute/inflight/{w}` whenever they grow — one plain write, as no
+//! one else writes that key. A reader adds every other worker's key to its
+//! own loads. So a decision sees every request another worker routed
+//! before that decision started, as the single CAS-updated counter did: a
+//! herd spreads across workers just as fast. A release (a request's first
+//! byte or its end) is not written on its own: it goes with the worker's
+//! next growth or its next tick ([`publish_releases`]), so other workers
+//! count a pod busier for up to one tick, which costs no herd guarantee
+//! and saves two writes per request.
 //! The staleness accepted is in the worker count only: it is re-read when
 //! the pod table's generation changes, so a worker VM started later is
 //! counted by the others from their next table (the service publishes one
@@ -127,6 +131,8 @@ struct Inflight {
     worker: u32,
     nonce: u64,
     loads: Vec<SlotLoad>,
+    /// Releases not yet published.
+    released: bool,
     /// How many workers claimed a key, as last read.
     workers: u32,
 }
@@ -160,11 +166,12 @@ fn claim_index() -> Option<u32> {
 }
 
 impl Inflight {
-    fn publish(&self) {
+    fn publish(&mut self) {
         set(
             &inflight_key(self.worker),
             &encode_inflight(self.nonce, &self.loads),
         );
+        self.released = false;
     }
 }
 
@@ -183,10 +190,11 @@ pub fn claim_inflight() -> bool {
         let nonce = std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish();
-        let inflight = Inflight {
+        let mut inflight = Inflight {
             worker,
             nonce,
             loads: Vec::new(),
+            released: false,
             workers: workers_including(worker),
         };
         inflight.publish();
@@ -251,7 +259,8 @@ pub fn idle() -> bool {
 }
 
 /// Adds each `(slot, requests, prefill tokens)` change to this VM's
-/// in-flight loads and publishes them (one write).
+/// in-flight loads; publishes them (one write) if any grows, and leaves
+/// releases to the next growth or tick (see the module documentation).
 pub fn adjust_inflight(changes: &[(usize, i64, i64)]) {
     INFLIGHT.with(|cell| {
         let mut cell = cell.borrow_mut();
@@ -270,7 +279,23 @@ pub fn adjust_inflight(changes: &[(usize, i64, i64)]) {
                 load.prefill_tokens = add(load.prefill_tokens, prefill);
             }
         }
-        inflight.publish();
+        if changes
+            .iter()
+            .any(|&(_, requests, prefill)| requests > 0 || prefill > 0)
+        {
+            inflight.publish();
+        } else {
+            inflight.released = true;
+        }
+    });
+}
+
+/// Publishes this VM's releases not yet published (on the root's tick).
+pub fn publish_releases() {
+    INFLIGHT.with(|cell| {
+        if let Some(inflight) = cell.borrow_mut().as_mut().filter(|i| i.released) {
+            inflight.publish();
+        }
     });
 }
 

@@ -238,27 +238,28 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         .flat_map(|s| [(s, 1usize), (s, 8)])
     {
         let set = bodies(size, 32);
-        closed_loop(&kv.listen, &set, concurrency, Duration::from_millis(700));
-        closed_loop(&plain.listen, &set, concurrency, Duration::from_millis(700));
-        let (mut a, mut b, mut filter) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut a_err, mut b_err) = (0, 0);
+        // kvroute, plain, floor: warmed, then measured in alternating order.
+        let targets = [kv, &plain, &floor];
+        for envoy in targets {
+            closed_loop(&envoy.listen, &set, concurrency, Duration::from_millis(700));
+        }
+        let mut latencies: [Vec<f64>; 3] = Default::default();
+        let mut errors = [0u64; 3];
+        let mut filter = Vec::new();
         for round in 0..rounds {
-            for kvroute_first in [round % 2 == 0, round % 2 != 0] {
-                if kvroute_first {
-                    let offset = log_len(kv);
-                    let p = closed_loop(&kv.listen, &set, concurrency, phase);
-                    a.extend(p.latencies_us);
-                    a_err += p.errors;
+            let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+            for which in order {
+                let offset = log_len(kv);
+                let p = closed_loop(&targets[which].listen, &set, concurrency, phase);
+                latencies[which].extend(p.latencies_us);
+                errors[which] += p.errors;
+                if which == 0 {
                     filter.extend(event_field(&log_since(kv, offset), "route", "latencyUs"));
-                } else {
-                    let p = closed_loop(&plain.listen, &set, concurrency, phase);
-                    b.extend(p.latencies_us);
-                    b_err += p.errors;
                 }
             }
         }
-        let (sa, sb) = (stats(&mut a), stats(&mut b));
-        let added = |q: &str| match (sa[q].as_f64(), sb[q].as_f64()) {
+        let [sa, sb, sf] = latencies.map(|mut l| stats(&mut l));
+        let minus = |x: &Value, q: &str| match (x[q].as_f64(), sb[q].as_f64()) {
             (Some(x), Some(y)) => json!(x - y),
             _ => Value::Null,
         };
@@ -267,9 +268,11 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "concurrency": concurrency,
             "kvrouteUs": sa,
             "plainUs": sb,
-            "addedUs": {"p50": added("p50"), "p99": added("p99")},
+            "floorUs": sf,
+            "addedUs": {"p50": minus(&sa, "p50"), "p99": minus(&sa, "p99")},
+            "floorAddedUs": {"p50": minus(&sf, "p50"), "p99": minus(&sf, "p99")},
             "filterUs": stats(&mut filter),
-            "errors": {"kvroute": a_err, "plain": b_err},
+            "errors": {"kvroute": errors[0], "plain": errors[1], "floor": errors[2]},
         });
         eprintln!("overhead latency: {entry}");
         latency.push(entry);
@@ -319,7 +322,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         saturation.push(entry);
     }
     Ok(json!({
-        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind three Envoy 1.40 (--concurrency 2): kvroute (filter + override-host cluster), plain (STATIC cluster, no filter) and floor (kvroute's Envoy with integration/floor-filter in kvroute's place: pause, buffer, read the body, set one header; saturation only); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
+        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind three Envoy 1.40 (--concurrency 2): kvroute (filter + override-host cluster), plain (STATIC cluster, no filter) and floor (kvroute's Envoy with integration/floor-filter in kvroute's place: pause, buffer, read the body, set one header); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute (or floor) − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
         "latency": latency,
         "saturation": saturation,
     }))
