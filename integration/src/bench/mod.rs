@@ -360,9 +360,15 @@ fn run_policy(
     };
     let pid = stack.router_pid();
     let cpu_before = overhead::process_cpu_s(pid);
+    // Envoy's main thread runs kvroute's report service.
+    let main_thread = |pid| stack.envoy().and(overhead::thread_cpu_s(pid, pid));
+    let main_before = main_thread(pid);
     let (outcomes, wall) = load::run(stack.listen(), &w.requests, limits);
     let cpu_s = overhead::process_cpu_s(pid)
         .zip(cpu_before)
+        .map(|(after, before)| after - before);
+    let main_thread_s = main_thread(pid)
+        .zip(main_before)
         .map(|(after, before)| after - before);
     std::thread::sleep(Duration::from_millis(200));
     let stats: Vec<Value> = stack.sims().iter().map(|s| s.stats()).collect();
@@ -419,10 +425,10 @@ fn run_policy(
     }
     row["router"] = stack.router();
     row["routerCpuS"] = json!(cpu_s.map(|s| (s * 100.0).round() / 100.0));
-    row["routerCpuSPer1k"] = json!(cpu_s.map(|s| {
-        let per_1k = s * 1000.0 / row["completed"].as_f64().unwrap_or(0.0).max(1.0);
-        (per_1k * 100.0).round() / 100.0
-    }));
+    let completed = row["completed"].as_f64().unwrap_or(0.0).max(1.0);
+    let per_1k = |s: f64| (s * 1000.0 / completed * 100.0).round() / 100.0;
+    row["routerCpuSPer1k"] = json!(cpu_s.map(per_1k));
+    row["routerMainThreadCpuSPer1k"] = json!(main_thread_s.map(per_1k));
     Ok(row)
 }
 
