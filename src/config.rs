@@ -411,6 +411,11 @@ pub struct Config {
     /// one; 0: none), so a busy proxy need not format and write a line per
     /// request.
     pub route_log_sample: u32,
+    /// One routed request in this many whose answer carries `usage` has its
+    /// `cached_tokens` compared with the prediction (1: every one; 0:
+    /// none): a streamed answer is read chunk by chunk until its usage
+    /// arrives, a host call per chunk.
+    pub prediction_check_sample: u32,
     /// Envoy cluster the service reaches pods through (report and metrics).
     pub report_cluster: String,
     pub report_path: String,
@@ -462,6 +467,7 @@ impl Default for Config {
             decision_headers: false,
             log_level: LogLevel::Info,
             route_log_sample: 1,
+            prediction_check_sample: 8,
             report_cluster: "kvroute_reports".into(),
             report_path: "/kvroute/v1/report".into(),
             metrics_path: None,

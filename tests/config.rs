@@ -464,6 +464,21 @@ fn route_log_sampling_defaults_to_every_request() {
 }
 
 #[test]
+fn prediction_checks_default_to_one_answer_in_eight() {
+    assert_eq!(parse(&with_pods("")).unwrap().prediction_check_sample, 8);
+    let config = parse(&with_pods(r#""predictionCheckSample": 1"#)).unwrap();
+    assert_eq!(config.prediction_check_sample, 1);
+    rejects(
+        &with_pods(r#""predictionCheckSample": -1"#),
+        "predictionCheckSample",
+    );
+    rejects(
+        &with_pods(r#""predictionCheckSample": "all""#),
+        "predictionCheckSample",
+    );
+}
+
+#[test]
 fn waiting_in_the_gateway_is_bounded() {
     let config = parse(&with_pods(
         r#""onNoEligiblePod": "wait", "maxWaitingRequests": 8, "maxWaitMs": 500"#,

@@ -644,7 +644,16 @@ fn failing_reports_decay_health_and_recover() {
 
 #[test]
 fn unreported_eviction_counts_as_stale_routing() {
-    let cluster = start(4, base_config(), &[], vec![]);
+    // Every answer checked (the default samples one in eight).
+    let mut config = base_config();
+    config["predictionCheckSample"] = json!(1);
+    let cluster = start(4, config, &[], vec![]);
+    let checked = |cluster: &Cluster| {
+        cluster
+            .envoy
+            .metric("epp_cache_predictions_checked_total", &[])
+            .unwrap_or(0.0)
+    };
     let prefix = text("evicted", 8192);
     let r = cluster.post("/v1/completions", &completion(&format!("{prefix} 0"), 1));
     let holder = served_by(&r);
@@ -654,6 +663,7 @@ fn unreported_eviction_counts_as_stale_routing() {
         .envoy
         .metric("epp_stale_cache_routing_total", &[])
         .unwrap_or(0.0);
+    let checked_before = checked(&cluster);
     let r = cluster.post("/v1/completions", &completion(&format!("{prefix} 1"), 1));
     assert_eq!(
         served_by(&r),
@@ -666,6 +676,7 @@ fn unreported_eviction_counts_as_stale_routing() {
         .metric("epp_stale_cache_routing_total", &[])
         .unwrap_or(0.0);
     assert_eq!(after, before + 1.0);
+    assert_eq!(checked(&cluster), checked_before + 1.0);
 }
 
 fn refused(config: Value) -> String {

@@ -428,6 +428,8 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
         // Debug events are produced, and shown once Envoy's wasm logger is
         // raised (the Troubleshooting steps).
         "logLevel": "debug",
+        // Every answer's cached tokens checked: the stale panel's events.
+        "predictionCheckSample": 1,
         "models": {
             "sim-model": {"baseModel": "sim-model"},
             "support-billing": {"baseModel": "sim-model", "adapter": "billing-lora"}

@@ -91,7 +91,10 @@ struct Worker {
     decisions: (Vec<u8>, usize),
     requests: u64,
     /// Requests routed, for sampling the `route` log (`routeLogSample`).
-    routed: u64,
+    routed: Sample,
+    /// Routed requests whose answer carries `usage`, for sampling the
+    /// prediction check (`predictionCheckSample`).
+    usage_answers: Sample,
     /// Requests waiting for a pod ([`waiting`]).
     waiting: waiting::Waiting,
 }
@@ -129,7 +132,8 @@ impl RootContext for FilterRoot {
             decision_queue: None,
             decisions: (Vec::new(), 0),
             requests: 0,
-            routed: 0,
+            routed: Sample::default(),
+            usage_answers: Sample::default(),
         })));
         true
     }
@@ -154,7 +158,7 @@ impl RootContext for FilterRoot {
             chat: None,
             request_id: String::new(),
             priority: String::new(),
-            answer_reports_usage: false,
+            checks_prediction: false,
             routed: None,
             scanner: CachedTokensScanner::default(),
             response_ok: false,
@@ -193,9 +197,9 @@ struct RequestContext {
     request_id: String,
     /// The priority header (`PRIORITY_HEADER`), read with the others.
     priority: String,
-    /// The answer carries `usage`: its `cached_tokens` checks the
-    /// prediction.
-    answer_reports_usage: bool,
+    /// The answer carries `usage` and is in the sample: its
+    /// `cached_tokens` checks the prediction.
+    checks_prediction: bool,
     routed: Option<RoutedRequest>,
     scanner: CachedTokensScanner,
     response_ok: bool,
@@ -292,9 +296,10 @@ impl HttpContext for RequestContext {
         // Returning Continue keeps the response streaming: `body_size` is
         // this chunk only and nothing is buffered. Each chunk read is a
         // host call and a copy: none for an answer without `usage` (a
-        // stream the client did not ask usage for).
+        // stream the client did not ask usage for) or outside the sample
+        // (`predictionCheckSample`).
         let watching = self.response_ok
-            && self.answer_reports_usage
+            && self.checks_prediction
             && self.scanner.found().is_none()
             && self
                 .routed
@@ -386,7 +391,8 @@ impl RequestContext {
         let priority = self.priority.clone();
         let prepared = worker.router.prepare(body, chat);
         if let Ok(request) = &prepared {
-            self.answer_reports_usage = request.answer_reports_usage;
+            self.checks_prediction =
+                request.answer_reports_usage && worker.sample_prediction_check();
         }
         let outcome = match prepared {
             // Behind earlier requests a round did not reach: it waits its turn.
@@ -522,11 +528,12 @@ impl RequestContext {
         Action::Pause
     }
 
-    /// Counts a cache prediction the pod did not honour (it had evicted
-    /// blocks the router still believed cached): fewer than half the
-    /// predicted tokens were served from cache.
+    /// Counts a checked cache prediction, and one the pod did not honour
+    /// (it had evicted blocks the router still believed cached): fewer
+    /// than half the predicted tokens were served from cache.
     fn check_prediction(&self, actual: u64) {
         let Some(routed) = &self.routed else { return };
+        metrics::increment("epp_cache_predictions_checked_total");
         let stale = actual.saturating_mul(2) < routed.predicted_cached_tokens;
         if stale {
             metrics::increment("epp_stale_cache_routing_total");
@@ -571,13 +578,31 @@ fn answer(request_id: &str, rejected: &Rejected) {
     }
 }
 
+/// A counter that picks one event in every `every` (none for 0).
+#[derive(Default)]
+struct Sample(u64);
+
+impl Sample {
+    fn next(&mut self, every: u32) -> bool {
+        self.0 = self.0.wrapping_add(1);
+        every > 0 && self.0.is_multiple_of(u64::from(every))
+    }
+}
+
 impl Worker {
     /// Whether the next routed request logs its `route` line: one in
     /// `routeLogSample` (0: none).
     fn sample_route_log(&mut self) -> bool {
-        self.routed = self.routed.wrapping_add(1);
-        let sample = u64::from(self.router.config().route_log_sample);
-        sample > 0 && self.routed.is_multiple_of(sample)
+        let every = self.router.config().route_log_sample;
+        self.routed.next(every)
+    }
+
+    /// Whether the answer of a request routed now, one that carries
+    /// `usage`, has its `cached_tokens` checked: one in
+    /// `predictionCheckSample` (0: none).
+    fn sample_prediction_check(&mut self) -> bool {
+        let every = self.router.config().prediction_check_sample;
+        self.usage_answers.next(every)
     }
 
     /// Routes a prepared request with the current snapshot; a routed one

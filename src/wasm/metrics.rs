@@ -108,6 +108,7 @@ pub fn flush() {
 /// kvroute answers, configured models, adapters and pods.
 pub fn export_from_zero(config: &Config) {
     for name in [
+        "epp_cache_predictions_checked_total",
         "epp_stale_cache_routing_total",
         "epp_degraded_routing_total",
         "epp_fallback_routing_total",

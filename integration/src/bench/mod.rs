@@ -401,17 +401,23 @@ fn run_policy(
     // 503 at the deadline or a full queue, client gone).
     if policy.starts_with("kvroute") {
         // Decisions whose pod served under half the cached tokens kvroute
-        // predicted (it had evicted blocks the index still listed), of all
-        // decisions (every one logs a `route` line by default).
-        let stale = stack
-            .envoy()
-            .and_then(|envoy| overhead::metric(envoy, "epp_stale_cache_routing_total"));
+        // predicted (it had evicted blocks the index still listed), of the
+        // decisions checked (one answer in `predictionCheckSample`); all
+        // decisions log a `route` line by default.
+        let metric = |name| {
+            stack
+                .envoy()
+                .and_then(|envoy| overhead::metric(envoy, name))
+        };
+        let stale = metric("epp_stale_cache_routing_total");
+        let checked = metric("epp_cache_predictions_checked_total");
         let decisions = overhead::event_field(&log, "route", "blocks").len();
-        if let (Some(stale), true) = (stale, decisions > 0) {
+        if let (Some(stale), Some(checked)) = (stale, checked.filter(|c| *c > 0.0)) {
             row["staleRouting"] = json!({
                 "decisions": decisions,
+                "checked": checked,
                 "stale": stale,
-                "share": (stale / decisions as f64 * 1e4).round() / 1e4,
+                "share": (stale / checked * 1e4).round() / 1e4,
             });
         }
         let waited =

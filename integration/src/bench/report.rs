@@ -265,10 +265,15 @@ pub fn workload_markdown(w: &Value) -> String {
         .flatten()
         .filter_map(|r| {
             let stale = &r["staleRouting"];
+            // Earlier runs checked every decision.
+            let checked = stale["checked"]
+                .as_f64()
+                .or_else(|| stale["decisions"].as_f64())?;
             Some(format!(
-                "{} {} of {} ({})",
+                "{} {} of {} checked of {} decisions ({})",
                 r["policy"].as_str()?,
                 stale["stale"].as_f64()?,
+                checked,
                 stale["decisions"].as_u64()?,
                 pct(stale["share"].as_f64()?)
             ))
@@ -276,7 +281,7 @@ pub fn workload_markdown(w: &Value) -> String {
         .collect();
     if !stale.is_empty() {
         out.push_str(&format!(
-            "Stale routing (the pod served under half the cached tokens kvroute predicted), of decisions: {}.\n\n",
+            "Stale routing (the pod served under half the cached tokens kvroute predicted), of the decisions checked: {}.\n\n",
             stale.join("; ")
         ));
     }
