@@ -361,7 +361,7 @@ fn run_policy(
     let pid = stack.router_pid();
     let cpu_before = overhead::process_cpu_s(pid);
     // Envoy's main thread runs kvroute's report service.
-    let main_thread = |pid| stack.envoy().and(overhead::thread_cpu_s(pid, pid));
+    let main_thread = |pid| stack.envoy().and_then(|_| overhead::thread_cpu_s(pid, pid));
     let main_before = main_thread(pid);
     let (outcomes, wall) = load::run(stack.listen(), &w.requests, limits);
     let cpu_s = overhead::process_cpu_s(pid)

@@ -170,6 +170,16 @@ fn pin(pid: u32, cpu: usize) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// The order of kvroute (0), plain (1) and floor (2) in round `round`:
+/// forwards, then backwards, so drift between rounds hits all three alike.
+fn round_order(round: usize) -> [usize; 3] {
+    if round.is_multiple_of(2) {
+        [0, 1, 2]
+    } else {
+        [2, 1, 0]
+    }
+}
+
 /// Runs the overhead measurement.
 pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     // Defaults as users run them: no decision headers on responses.
@@ -226,7 +236,9 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     );
     let floor = Envoy::start(&floor_dir, &yaml, listen, admin)?;
     let kv = &cluster.envoy;
-    let pinned = pinned && [kv, &plain, &floor].iter().all(|e| pin(e.pid(), ENVOY_CPU));
+    // Every phase measures these three, in `round_order`.
+    let targets = [kv, &plain, &floor];
+    let pinned = pinned && targets.iter().all(|e| pin(e.pid(), ENVOY_CPU));
     let (rounds, phase) = if quick {
         (2, Duration::from_secs(2))
     } else {
@@ -238,8 +250,6 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         .flat_map(|s| [(s, 1usize), (s, 8)])
     {
         let set = bodies(size, 32);
-        // kvroute, plain, floor: warmed, then measured in alternating order.
-        let targets = [kv, &plain, &floor];
         for envoy in targets {
             closed_loop(&envoy.listen, &set, concurrency, Duration::from_millis(700));
         }
@@ -247,13 +257,12 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         let mut errors = [0u64; 3];
         let mut filter = Vec::new();
         for round in 0..rounds {
-            let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
-            for which in order {
-                let offset = log_len(kv);
+            for which in round_order(round) {
+                let offset = (which == 0).then(|| log_len(kv));
                 let p = closed_loop(&targets[which].listen, &set, concurrency, phase);
                 latencies[which].extend(p.latencies_us);
                 errors[which] += p.errors;
-                if which == 0 {
+                if let Some(offset) = offset {
                     filter.extend(event_field(&log_since(kv, offset), "route", "latencyUs"));
                 }
             }
@@ -284,12 +293,10 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         // (requests, seconds, Envoy CPU seconds) of kvroute, plain, and
         // the floor filter.
         let mut sums = [(0usize, 0.0f64, 0.0f64); 3];
-        let targets = [kv, &plain, &floor];
         // kvroute's main thread (the report service) on its own.
         let mut main_thread_s = 0.0;
         for round in 0..rounds {
-            let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
-            for which in order {
+            for which in round_order(round) {
                 let pid = targets[which].pid();
                 let cpu_before = process_cpu_s(pid).unwrap_or(0.0);
                 let main_before = thread_cpu_s(pid, pid).unwrap_or(0.0);
