@@ -166,7 +166,7 @@ fn build() -> Fixture {
     assert_eq!(tree.evictions(), 0);
 
     let mut publisher = SnapshotPublisher::new(config.snapshot_buckets());
-    publisher.apply(&tree.take_changes());
+    publisher.apply_tree(&mut tree);
     let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
 
     let pods = PodState {

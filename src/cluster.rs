@@ -38,10 +38,10 @@
 //!   ([`crate::discovery`]), validated by the rules of `pods`. A pod whose
 //!   id or address changed is a new pod: the old one's blocks are dropped.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::config::{Config, ConfigError, IndexMode, PodConfig};
-use crate::index::{DecisionRecorder, PrefixTree};
+use crate::index::{holders, DecisionRecorder, PrefixTree};
 use crate::report::{parse_report, parse_vllm_metrics, PodReport};
 use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
 use crate::staleness::Staleness;
@@ -295,7 +295,11 @@ pub struct ClusterState {
     /// The report being folded, taken from the inbox's front.
     folding: Option<ReportFold>,
     staleness: Staleness,
+    /// Ordered by slot.
     pods: Vec<PodRecord>,
+    /// Pod id → position in `pods` (a pool has up to 1,024 pods, and every
+    /// answer looks its pod up).
+    positions: HashMap<String, usize>,
     index: DecisionRecorder,
     /// Precise mode: the filters' decisions not yet confirmed by reports,
     /// each counting for matching until it expires.
@@ -330,6 +334,7 @@ impl ClusterState {
             folding: None,
             staleness: Staleness::from_config(config),
             pods: Vec::new(),
+            positions: HashMap::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
             pending: (config.mode == IndexMode::Precise).then(|| {
                 DecisionRecorder::with_expiry(
@@ -362,11 +367,14 @@ impl ClusterState {
     /// slot and state while their id and address stay; a pod that left has
     /// its blocks dropped and its slot reused.
     pub fn set_pods(&mut self, pods: &[PodConfig], now_ms: u64) -> PodSetChange {
-        let (kept, gone): (Vec<PodRecord>, Vec<PodRecord>) =
-            std::mem::take(&mut self.pods).into_iter().partition(|r| {
-                pods.iter()
-                    .any(|p| p.id == r.config.id && p.address == r.config.address)
-            });
+        // O(pods): a discovered list of 1,024 pods is reconciled every round.
+        let wanted: HashMap<&str, &str> = pods
+            .iter()
+            .map(|p| (p.id.as_str(), p.address.as_str()))
+            .collect();
+        let (kept, gone): (Vec<PodRecord>, Vec<PodRecord>) = std::mem::take(&mut self.pods)
+            .into_iter()
+            .partition(|r| wanted.get(r.config.id.as_str()) == Some(&r.config.address.as_str()));
         let mut change = PodSetChange::default();
         for record in &gone {
             change.removed.push(record.config.id.clone());
@@ -376,18 +384,24 @@ impl ClusterState {
             }
         }
         let mut records = kept;
-        for pod in pods.iter().take(crate::config::MAX_PODS) {
-            if let Some(record) = records.iter_mut().find(|r| r.config.id == pod.id) {
+        let mut position: HashMap<String, usize> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.config.id.clone(), i))
+            .collect();
+        let used: HashSet<usize> = records.iter().map(|r| r.slot).collect();
+        let mut free_slots = (0..crate::config::MAX_PODS).filter(|s| !used.contains(s));
+        for pod in pods.iter().take(self.config.max_pods) {
+            if let Some(record) = position.get(&pod.id).and_then(|&i| records.get_mut(i)) {
                 record.config = pod.clone();
                 continue;
             }
-            // Always found: at most MAX_PODS pods are taken.
-            let Some(slot) =
-                (0..crate::config::MAX_PODS).find(|s| records.iter().all(|r| r.slot != *s))
-            else {
+            // Always found: at most maxPods ≤ MAX_PODS pods are taken.
+            let Some(slot) = free_slots.next() else {
                 break;
             };
             change.added.push(pod.id.clone());
+            position.insert(pod.id.clone(), records.len());
             records.push(PodRecord {
                 config: pod.clone(),
                 slot,
@@ -408,6 +422,11 @@ impl ClusterState {
             });
         }
         records.sort_by_key(|r| r.slot);
+        self.positions = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.config.id.clone(), i))
+            .collect();
         self.pods = records;
         let share = self.config.pod_index_share(self.pods.len());
         self.index.tree_mut().set_max_pod_blocks(share);
@@ -546,7 +565,7 @@ impl ClusterState {
     /// reports said, blocks included (nothing would keep them true), at
     /// once: like a pod leaving the list, once per change of state.
     fn serve_without_reports(&mut self, pod_id: &str, now_ms: u64) -> Option<Transition> {
-        let record = self.pods.iter_mut().find(|r| r.config.id == pod_id)?;
+        let record = self.record_mut(pod_id)?;
         record.last_success_ms = now_ms;
         let was_failing = record
             .failing
@@ -629,9 +648,7 @@ impl ClusterState {
             )));
         }
         let record = self
-            .pods
-            .iter_mut()
-            .find(|r| r.config.id == pod_id)
+            .record_mut(pod_id)
             .ok_or_else(|| Failure::Malformed("unknown pod".into()))?;
         // Back from the fallback: its epoch was forgotten, so this report
         // replaces its decisions' blocks (the drop below); decisions from
@@ -746,11 +763,7 @@ impl ClusterState {
         now_ms: u64,
     ) -> (Result<ReportSummary, Failure>, Option<Transition>) {
         // The pod may have left (discovery) while its report was folded.
-        let Some(record) = self
-            .pods
-            .iter_mut()
-            .find(|r| r.config.id == fold.pod && r.slot == fold.slot)
-        else {
+        let Some(record) = self.record_mut(&fold.pod).filter(|r| r.slot == fold.slot) else {
             return (Err(Failure::Malformed("unknown pod".into())), None);
         };
         let report = fold.report;
@@ -793,7 +806,7 @@ impl ClusterState {
                 return (Err(failure), transition);
             }
         };
-        let Some(record) = self.pods.iter_mut().find(|r| r.config.id == pod_id) else {
+        let Some(record) = self.record_mut(pod_id) else {
             return (Err(Failure::Malformed("unknown pod".into())), None);
         };
         record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
@@ -814,7 +827,7 @@ impl ClusterState {
         kind: PullKind,
         failure: Failure,
     ) -> Option<Transition> {
-        let record = self.pods.iter_mut().find(|r| r.config.id == pod_id)?;
+        let record = self.record_mut(pod_id)?;
         record.failures += 1;
         let failing = record.failing.get_mut(kind.index())?;
         let changed = failing.as_ref().map(Failure::kind) != Some(failure.kind());
@@ -852,7 +865,12 @@ impl ClusterState {
     /// one per block, which is most of what the service does for a cache
     /// hit.
     pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) {
-        let Some(record) = self.pods.iter().find(|r| r.slot == slot) else {
+        let Some(record) = self
+            .pods
+            .binary_search_by_key(&slot, |r| r.slot)
+            .ok()
+            .and_then(|i| self.pods.get(i))
+        else {
             return;
         };
         let without_reports = record.without_reports;
@@ -889,12 +907,15 @@ impl ClusterState {
         if let Some(pending) = &mut self.pending {
             pending.expire(now_ms);
             changes.extend(pending.tree_mut().take_changes());
-            let (reported, pending) = (self.index.tree(), pending.tree());
-            for (hash, mask) in &mut changes {
-                *mask = reported.mask(*hash).unwrap_or(0) | pending.mask(*hash).unwrap_or(0);
-            }
         }
-        self.publisher.apply(&changes);
+        let (reported, pending) = (self.index.tree(), self.pending.as_ref());
+        self.publisher.apply(&changes, |hash, out| {
+            let held = reported.holders(hash).unwrap_or_default();
+            match pending.and_then(|p| p.tree().holders(hash)) {
+                Some(pending) => out.extend(holders::union(held, pending)),
+                None => out.extend_from_slice(held),
+            }
+        });
     }
 
     /// At most `max_buckets` changed buckets, without a new pod table: how
@@ -958,7 +979,13 @@ impl ClusterState {
     }
 
     fn record(&self, pod_id: &str) -> Option<&PodRecord> {
-        self.pods.iter().find(|r| r.config.id == pod_id)
+        self.positions.get(pod_id).and_then(|&i| self.pods.get(i))
+    }
+
+    fn record_mut(&mut self, pod_id: &str) -> Option<&mut PodRecord> {
+        self.positions
+            .get(pod_id)
+            .and_then(|&i| self.pods.get_mut(i))
     }
 }
 

@@ -22,9 +22,10 @@ use serde::Deserialize;
 
 use crate::chat_template::{ChatTemplate, ContentFormat};
 
-/// Most pods one router can track: pod sets are 64-bit masks in the index
-/// and the shared-data snapshot.
-pub const MAX_PODS: usize = 64;
+/// Most pods one router can track (`maxPods` at most): a holder in the
+/// index and the shared-data snapshot names its pod in 10 bits
+/// ([`crate::index::holders`]).
+pub const MAX_PODS: usize = 1024;
 
 /// Largest `maxIndexBlocks`: ~77 bytes per block (tree + snapshot mirror)
 /// make it about 1.3 GB of the service's memory.
@@ -371,6 +372,12 @@ pub struct Config {
     pub pod_report_interval_ms: u64,
     /// A report older than this many intervals starts decaying the pod's health.
     pub report_timeout_ms: u64,
+    /// Most pods in the pool (`pods`, or what `discovery` or `membership`
+    /// find), at most [`MAX_PODS`]. A list longer than this is refused (a
+    /// discovered one ignored with a warning, the pods staying as they
+    /// were). What the service and the filters keep grows with the pods in
+    /// use, not with this ceiling.
+    pub max_pods: usize,
     /// Long-poll pods for their reports (`wait` = `podReportIntervalMs`),
     /// falling back to interval polling for pods that ignore it; see
     /// [`crate::polling`].
@@ -448,6 +455,7 @@ impl Default for Config {
             pod_report_interval_ms: 2000,
             report_timeout_ms: 1000,
             report_long_poll: true,
+            max_pods: MAX_PODS,
             pods: Vec::new(),
             models: BTreeMap::new(),
             chat_templates: BTreeMap::new(),
@@ -613,6 +621,12 @@ impl Config {
                 "must be >= maxPrefixBlocks (the index must hold at least one whole prompt)",
             ));
         }
+        if !(1..=MAX_PODS).contains(&self.max_pods) {
+            return Err(invalid(
+                "maxPods",
+                format!("must be 1 to {MAX_PODS} (got {})", self.max_pods),
+            ));
+        }
         self.validate_pods(&self.pods)?;
         if self.pods.is_empty() && self.discovery.is_none() && self.membership.is_none() {
             return Err(invalid(
@@ -684,13 +698,17 @@ impl Config {
     }
 
     /// The rules a pod list obeys, whether configured as `pods` or
-    /// discovered (`discovery`, `membership`): at most [`MAX_PODS`], ids and
+    /// discovered (`discovery`, `membership`): at most `maxPods`, ids and
     /// addresses unique and well-formed, and `fallbackPod` among them.
     pub fn validate_pods(&self, pods: &[PodConfig]) -> Result<(), ConfigError> {
-        if pods.len() > MAX_PODS {
+        if pods.len() > self.max_pods {
             return Err(invalid(
                 "pods",
-                format!("must list at most {MAX_PODS} pods (got {})", pods.len()),
+                format!(
+                    "must list at most maxPods = {} pods (got {}; maxPods can be raised to {MAX_PODS})",
+                    self.max_pods,
+                    pods.len()
+                ),
             ));
         }
         let mut ids = HashSet::new();

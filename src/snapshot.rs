@@ -8,22 +8,26 @@
 //! |-------------------------|------------------------------------------------|------------------|
 //! | `kvroute/pods`          | JSON [`PodTable`]: generation, bucket count, per pod id, address, queue, load, health, adapters, attributes | only when the generation changes |
 //! | `kvroute/generation`    | the table's generation, 8 bytes LE             | once |
-//! | `kvroute/idx/{b:x}`     | bucket `b`: sorted `(hash u64 LE, pod mask u64 LE)` pairs, 16 B each | O(k log n) buckets |
+//! | `kvroute/idx/{b:x}`     | bucket `b`: entry count (u32 LE), then per block ordered by hash its hash (u64 LE) and holders (4 × u16 LE, [`encode_bucket`]), 16 B each, then the holder lists of blocks with more than four | O(k log n) buckets |
 //! | `kvroute/workers`       | how many workers claimed an in-flight key, u32 LE | only when the generation changes |
 //! | `kvroute/inflight/{w}`  | worker `w`'s in-flight load ([`SlotLoad`]): its nonce (u64 LE), then per pod slot the requests routed and not finished (u32 LE) and their prompt tokens still to prefill (u32 LE); written only by that worker | every other worker's, once |
 //!
 //! A block hash lives in bucket `hash & (buckets − 1)`, `buckets` a power of
 //! two ≈ `maxIndexBlocks / 16`, so a bucket holds ~16 entries (~256 B) at a
 //! full index and a request with k distinct match lengths copies about
-//! k · log2(n) · 256 B. Masks are the tree's prefix-closed masks, so
-//! [`match_by_bisection`] applies. The publisher mirrors the buckets and
-//! re-encodes only the ones touched since the last tick.
+//! k · log2(n) · 256 B. Holder sets are the tree's prefix-closed sets, so
+//! [`match_by_bisection`] applies. An entry stays 16 bytes whatever the
+//! pool's size: up to four holders inline (the 64-bit mask's 8 bytes), a
+//! block held by more pods pointing into the bucket's tail (2 bytes per
+//! holder). The publisher mirrors the buckets and re-encodes only the ones
+//! touched since the last tick.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::index::{match_by_bisection, PodMask, PrefixLookup, PrefixMatch};
+use crate::index::holders::{CompactSet, Holder, HolderArena, INLINE};
+use crate::index::{match_by_bisection, PrefixLookup, PrefixMatch};
 
 pub const POD_TABLE_KEY: &str = "kvroute/pods";
 pub const GENERATION_KEY: &str = "kvroute/generation";
@@ -32,6 +36,14 @@ pub const WORKERS_KEY: &str = "kvroute/workers";
 pub const DECISION_QUEUE: &str = "kvroute/decisions";
 
 const ENTRY_BYTES: usize = 16;
+const COUNT_BYTES: usize = 4;
+
+/// The first holder field of an entry whose holders are in the bucket's
+/// tail: then the second is their count and the last two their offset (in
+/// holders) into the tail, as a u32.
+const OVERFLOW_ENTRY: u16 = 0xFFFE;
+/// An unused inline holder field.
+const EMPTY_FIELD: u16 = 0xFFFF;
 
 /// The shared-data key of worker `worker`'s in-flight counts.
 pub fn inflight_key(worker: u32) -> String {
@@ -48,27 +60,82 @@ pub fn bucket_of(hash: u64, buckets: u32) -> u32 {
     (hash & u64::from(buckets.saturating_sub(1))) as u32
 }
 
-/// Encodes sorted `(hash, mask)` entries.
-pub fn encode_bucket(entries: &[(u64, PodMask)]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(entries.len() * ENTRY_BYTES);
-    for (hash, mask) in entries {
+/// Encodes `(hash, holders)` entries ordered by hash: the entry count,
+/// 16 bytes per entry (hash, then up to four holders, unused fields
+/// 0xFFFF, or a reference into the tail), then the tail's holder lists.
+pub fn encode_bucket<'a>(entries: impl ExactSizeIterator<Item = (u64, &'a [Holder])>) -> Vec<u8> {
+    let count = entries.len();
+    let mut bytes = Vec::with_capacity(COUNT_BYTES + count * ENTRY_BYTES);
+    bytes.extend_from_slice(&u32::try_from(count).unwrap_or(u32::MAX).to_le_bytes());
+    let mut tail: Vec<u16> = Vec::new();
+    for (hash, holders) in entries {
         bytes.extend_from_slice(&hash.to_le_bytes());
-        bytes.extend_from_slice(&mask.to_le_bytes());
+        let fields: [u16; INLINE] = if holders.len() > INLINE {
+            let offset = tail.len() as u32;
+            tail.extend(holders.iter().map(|h| h.bits()));
+            [
+                OVERFLOW_ENTRY,
+                holders.len() as u16,
+                offset as u16,
+                (offset >> 16) as u16,
+            ]
+        } else {
+            let mut fields = [EMPTY_FIELD; INLINE];
+            for (field, holder) in fields.iter_mut().zip(holders) {
+                *field = holder.bits();
+            }
+            fields
+        };
+        for field in fields {
+            bytes.extend_from_slice(&field.to_le_bytes());
+        }
+    }
+    for holder in tail {
+        bytes.extend_from_slice(&holder.to_le_bytes());
     }
     bytes
 }
 
-/// The mask of `hash` in an encoded bucket (binary search).
-pub fn bucket_lookup(bytes: &[u8], hash: u64) -> Option<PodMask> {
-    let entries = bytes.len() / ENTRY_BYTES;
-    let word = |i: usize, offset: usize| le_u64(bytes, i * ENTRY_BYTES + offset);
-    let (mut lo, mut hi) = (0, entries);
+/// The holders of `hash` in an encoded bucket (binary search), ordered by
+/// slot; `None` when the block is not there. Fields that are no holder
+/// (a corrupt value) are left out.
+pub fn bucket_lookup(bytes: &[u8], hash: u64) -> Option<Vec<Holder>> {
+    let count = le_u32(bytes, 0)? as usize;
+    let entry = |i: usize| COUNT_BYTES + i * ENTRY_BYTES;
+    let (mut lo, mut hi) = (0, count);
     while lo < hi {
         let mid = (lo + hi) / 2;
-        match word(mid, 0)?.cmp(&hash) {
+        match le_u64(bytes, entry(mid))?.cmp(&hash) {
             std::cmp::Ordering::Less => lo = mid + 1,
             std::cmp::Ordering::Greater => hi = mid,
-            std::cmp::Ordering::Equal => return word(mid, 8),
+            std::cmp::Ordering::Equal => {
+                let field = |k: usize| le_u16(bytes, entry(mid) + 8 + 2 * k);
+                let mut holders: Vec<Holder> = if field(0)? == OVERFLOW_ENTRY {
+                    let len = usize::from(field(1)?);
+                    let offset = u32::from(field(2)?) | u32::from(field(3)?) << 16;
+                    let start = entry(count).checked_add(2 * offset as usize)?;
+                    let list = bytes.get(start..start.checked_add(2 * len)?)?;
+                    list.chunks_exact(2)
+                        .filter_map(|b| {
+                            b.try_into()
+                                .ok()
+                                .map(u16::from_le_bytes)
+                                .and_then(Holder::from_bits)
+                        })
+                        .collect()
+                } else {
+                    (0..INLINE)
+                        .filter_map(|k| field(k).and_then(Holder::from_bits))
+                        .collect()
+                };
+                // Ordered as the publisher writes them; a corrupt value
+                // must not break the merges that rely on it.
+                if !holders.is_sorted_by_key(|h| h.slot()) {
+                    holders.sort_by_key(|h| h.slot());
+                    holders.dedup_by_key(|h| h.slot());
+                }
+                return Some(holders);
+            }
         }
     }
     None
@@ -78,6 +145,16 @@ pub fn bucket_lookup(bytes: &[u8], hash: u64) -> Option<PodMask> {
 fn le_u64(bytes: &[u8], at: usize) -> Option<u64> {
     let word = bytes.get(at..at.checked_add(8)?)?;
     Some(u64::from_le_bytes(word.try_into().ok()?))
+}
+
+fn le_u32(bytes: &[u8], at: usize) -> Option<u32> {
+    let word = bytes.get(at..at.checked_add(4)?)?;
+    Some(u32::from_le_bytes(word.try_into().ok()?))
+}
+
+fn le_u16(bytes: &[u8], at: usize) -> Option<u16> {
+    let word = bytes.get(at..at.checked_add(2)?)?;
+    Some(u16::from_le_bytes(word.try_into().ok()?))
 }
 
 /// The filter's view of the published index: bucket values fetched on demand
@@ -91,11 +168,11 @@ impl<F: Fn(u32) -> Option<Vec<u8>>> PrefixLookup for SnapshotIndex<F> {
     fn lookup(&self, chain: &[u64]) -> PrefixMatch {
         match_by_bisection(chain.len(), |i| {
             let Some(&hash) = chain.get(i) else {
-                return 0;
+                return Vec::new();
             };
             (self.fetch)(bucket_of(hash, self.buckets))
                 .and_then(|bytes| bucket_lookup(&bytes, hash))
-                .unwrap_or(0)
+                .unwrap_or_default()
         })
     }
 }
@@ -103,7 +180,9 @@ impl<F: Fn(u32) -> Option<Vec<u8>>> PrefixLookup for SnapshotIndex<F> {
 /// The service's mirror of all buckets, re-encoding only dirty ones.
 #[derive(Debug, Clone)]
 pub struct SnapshotPublisher {
-    buckets: Vec<Vec<(u64, PodMask)>>,
+    /// Per bucket, (hash, holders) ordered by hash.
+    buckets: Vec<Vec<(u64, CompactSet)>>,
+    arena: HolderArena,
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
 }
@@ -114,6 +193,7 @@ impl SnapshotPublisher {
         let buckets = buckets.max(1).next_power_of_two();
         SnapshotPublisher {
             buckets: vec![Vec::new(); buckets as usize],
+            arena: HolderArena::default(),
             dirty: Vec::new(),
             is_dirty: vec![false; buckets as usize],
         }
@@ -123,10 +203,14 @@ impl SnapshotPublisher {
         self.buckets.len() as u32
     }
 
-    /// Applies index mask changes (mask 0 = block gone).
-    pub fn apply(&mut self, changes: &[(u64, PodMask)]) {
+    /// Brings the entries of `hashes` to what `holders_of(hash, out)` puts
+    /// in `out` now (ordered by slot; empty: the block is gone).
+    pub fn apply(&mut self, hashes: &[u64], mut holders_of: impl FnMut(u64, &mut Vec<Holder>)) {
         let count = self.bucket_count();
-        for &(hash, mask) in changes {
+        let mut holders = Vec::new();
+        for &hash in hashes {
+            holders.clear();
+            holders_of(hash, &mut holders);
             let b = bucket_of(hash, count);
             let (Some(bucket), Some(is_dirty)) = (
                 self.buckets.get_mut(b as usize),
@@ -135,16 +219,25 @@ impl SnapshotPublisher {
                 continue; // bucket_of is always below the count
             };
             match bucket.binary_search_by_key(&hash, |e| e.0) {
-                Ok(at) if mask == 0 => {
-                    bucket.remove(at);
+                Ok(at) if holders.is_empty() => {
+                    let (_, mut set) = bucket.remove(at);
+                    set.clear(&mut self.arena);
                 }
                 Ok(at) => {
-                    if let Some(entry) = bucket.get_mut(at) {
-                        entry.1 = mask;
+                    let Some(entry) = bucket.get_mut(at) else {
+                        continue;
+                    };
+                    if entry.1.holders(&self.arena) == holders.as_slice() {
+                        continue;
                     }
+                    entry.1.assign(&mut self.arena, &holders);
                 }
-                Err(_) if mask == 0 => continue,
-                Err(at) => bucket.insert(at, (hash, mask)),
+                Err(_) if holders.is_empty() => continue,
+                Err(at) => {
+                    let mut set = CompactSet::EMPTY;
+                    set.assign(&mut self.arena, &holders);
+                    bucket.insert(at, (hash, set));
+                }
             }
             if !*is_dirty {
                 *is_dirty = true;
@@ -153,16 +246,28 @@ impl SnapshotPublisher {
         }
     }
 
+    /// Applies `tree`'s changes since it was last asked (a tree with a
+    /// change log that alone makes the index).
+    pub fn apply_tree(&mut self, tree: &mut crate::index::PrefixTree) {
+        let changes = tree.take_changes();
+        self.apply(&changes, |hash, out| {
+            out.extend_from_slice(tree.holders(hash).unwrap_or_default())
+        });
+    }
+
     /// Encoded values of at most `max` buckets changed since they were
     /// last taken, oldest change first.
     pub fn take_dirty(&mut self, max: usize) -> Vec<(u32, Vec<u8>)> {
         let take = self.dirty.len().min(max);
         let taken: Vec<u32> = self.dirty.drain(..take).collect();
+        let arena = &self.arena;
         taken
             .into_iter()
             .filter_map(|b| {
                 *self.is_dirty.get_mut(b as usize)? = false;
-                Some((b, encode_bucket(self.buckets.get(b as usize)?)))
+                let bucket = self.buckets.get(b as usize)?;
+                let entries = bucket.iter().map(|(hash, set)| (*hash, set.holders(arena)));
+                Some((b, encode_bucket(entries)))
             })
             .collect()
     }
@@ -174,12 +279,13 @@ impl SnapshotPublisher {
 
     /// Heap bytes of the mirror (≈ what Envoy holds for the buckets).
     pub fn memory_bytes(&self) -> usize {
-        self.buckets.capacity() * std::mem::size_of::<Vec<(u64, PodMask)>>()
+        self.buckets.capacity() * std::mem::size_of::<Vec<(u64, CompactSet)>>()
             + self
                 .buckets
                 .iter()
-                .map(|b| b.capacity() * ENTRY_BYTES)
+                .map(|b| b.capacity() * std::mem::size_of::<(u64, CompactSet)>())
                 .sum::<usize>()
+            + self.arena.memory_bytes()
             + self.is_dirty.capacity()
             + self.dirty.capacity() * 4
     }
@@ -281,11 +387,11 @@ pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
 
 /// Appends a routing decision to a batch for the shared queue (a worker
 /// sends its decisions together: one wake-up of the service per batch, not
-/// per request): pod slot (1 byte), chain length (u32 LE), then the
+/// per request): pod slot (u16 LE), chain length (u32 LE), then the
 /// chain's hashes (8 bytes LE each).
 pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
-    batch.reserve(5 + chain.len() * 8);
-    batch.push(slot as u8);
+    batch.reserve(6 + chain.len() * 8);
+    batch.extend_from_slice(&u16::try_from(slot).unwrap_or(u16::MAX).to_le_bytes());
     batch.extend_from_slice(&u32::try_from(chain.len()).unwrap_or(u32::MAX).to_le_bytes());
     for hash in chain {
         batch.extend_from_slice(&hash.to_le_bytes());
@@ -295,7 +401,9 @@ pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
 /// The decisions of a batch, `None` if it is malformed.
 pub fn decode_decisions(mut bytes: &[u8]) -> Option<Vec<(usize, Vec<u64>)>> {
     let mut decisions = Vec::new();
-    while let Some((&slot, rest)) = bytes.split_first() {
+    while !bytes.is_empty() {
+        let slot = le_u16(bytes, 0)?;
+        let rest = bytes.get(2..)?;
         let len: [u8; 4] = rest.get(..4)?.try_into().ok()?;
         let len = usize::try_from(u32::from_le_bytes(len)).ok()?;
         let hashes = rest.get(4..4 + len.checked_mul(8)?)?;
@@ -324,7 +432,7 @@ mod tests {
         tree.insert_chain(1, None, &chain[..40]);
         tree.insert_chain(2, None, &chain[..3]);
         let mut publisher = SnapshotPublisher::new(64);
-        publisher.apply(&tree.take_changes());
+        publisher.apply_tree(&mut tree);
         let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
         let snapshot = SnapshotIndex {
             buckets: 64,
@@ -337,20 +445,63 @@ mod tests {
             "nothing changed since"
         );
         tree.remove_blocks(1, &[chain[10]]);
-        publisher.apply(&tree.take_changes());
+        publisher.apply_tree(&mut tree);
         assert!(!publisher.take_dirty(usize::MAX).is_empty());
+    }
+
+    fn holders(slots: impl IntoIterator<Item = usize>) -> Vec<Holder> {
+        slots.into_iter().filter_map(Holder::new).collect()
     }
 
     #[test]
     fn bucket_encoding_round_trips() {
-        let entries = [(3u64, 1u64), (10, 6), (u64::MAX, 9)];
-        let bytes = encode_bucket(&entries);
-        assert_eq!(bytes.len(), 48);
-        for (hash, mask) in entries {
-            assert_eq!(bucket_lookup(&bytes, hash), Some(mask));
+        let many = holders(0..1024);
+        let entries = [
+            (3u64, holders([1])),
+            (10, holders([0, 5, 1023])),
+            (11, holders([2, 3, 4, 6])),
+            (12, many.clone()),
+            (13, holders([7, 8, 9, 10, 11])),
+            (u64::MAX, holders([9])),
+        ];
+        let bytes = encode_bucket(entries.iter().map(|(h, s)| (*h, s.as_slice())));
+        // 16 bytes an entry, 2 a holder past the fourth of a block.
+        assert_eq!(bytes.len(), 4 + 6 * 16 + 2 * (1024 + 5));
+        for (hash, set) in &entries {
+            assert_eq!(bucket_lookup(&bytes, *hash).as_ref(), Some(set));
         }
         assert_eq!(bucket_lookup(&bytes, 4), None);
         assert_eq!(bucket_lookup(&[], 4), None);
+        assert_eq!(bucket_lookup(&bytes[..40], 13), None, "cut short");
+        let cut = &bytes[..bytes.len() - 2];
+        assert_eq!(bucket_lookup(cut, 13), None, "tail cut short");
+    }
+
+    #[test]
+    fn published_entries_stay_sixteen_bytes_until_a_block_has_five_holders() {
+        let mut tree = PrefixTree::with_change_log(100);
+        let mut publisher = SnapshotPublisher::new(1);
+        for pod in [0, 700, 1023, 5] {
+            tree.insert_chain(pod, None, &[42]);
+        }
+        publisher.apply_tree(&mut tree);
+        let (_, bytes) = publisher.take_dirty(1).pop().unwrap();
+        assert_eq!(bytes.len(), 4 + 16);
+        tree.insert_chain(9, None, &[42]);
+        publisher.apply_tree(&mut tree);
+        let (_, bytes) = publisher.take_dirty(1).pop().unwrap();
+        assert_eq!(bytes.len(), 4 + 16 + 2 * 5);
+        let slots: Vec<usize> = bucket_lookup(&bytes, 42)
+            .unwrap()
+            .iter()
+            .map(|h| h.slot())
+            .collect();
+        assert_eq!(slots, [0, 5, 9, 700, 1023]);
+        tree.drop_pod(700);
+        tree.drop_pod(9);
+        publisher.apply_tree(&mut tree);
+        let (_, bytes) = publisher.take_dirty(1).pop().unwrap();
+        assert_eq!(bytes.len(), 4 + 16);
     }
 
     #[test]
@@ -393,13 +544,18 @@ mod tests {
         let mut batch = Vec::new();
         push_decision(&mut batch, 3, &[1, 2]);
         push_decision(&mut batch, 0, &[]);
-        push_decision(&mut batch, 7, &[u64::MAX]);
+        push_decision(&mut batch, 1023, &[u64::MAX]);
         assert_eq!(
             decode_decisions(&batch),
-            Some(vec![(3, vec![1, 2]), (0, vec![]), (7, vec![u64::MAX])])
+            Some(vec![(3, vec![1, 2]), (0, vec![]), (1023, vec![u64::MAX])])
         );
         assert_eq!(decode_decisions(&[]), Some(vec![]));
         assert_eq!(decode_decisions(&batch[..batch.len() - 1]), None, "torn");
-        assert_eq!(decode_decisions(&[1, 9, 0, 0, 0, 1]), None, "short chain");
+        assert_eq!(
+            decode_decisions(&[1, 0, 9, 0, 0, 0, 1]),
+            None,
+            "short chain"
+        );
+        assert_eq!(decode_decisions(&[1]), None, "half a slot");
     }
 }

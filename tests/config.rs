@@ -385,11 +385,36 @@ fn pod_rules() {
         "pods[0].reportAddress",
     );
     assert!(message.contains("bridge"), "{message}");
-    let many: Vec<String> = (0..65)
-        .map(|i| format!(r#"{{"id": "p{i}", "address": "10.0.0.1:{}"}}"#, 1000 + i))
+    // Up to maxPods pods (default and ceiling 1,024).
+    let many: Vec<String> = (0..1025)
+        .map(|i| {
+            format!(
+                r#"{{"id": "p{i}", "address": "10.0.{}.{}:8000"}}"#,
+                i / 200,
+                i % 200
+            )
+        })
         .collect();
-    rejects(&format!(r#"{{"pods": [{}]}}"#, many.join(",")), "pods");
-    parse(&format!(r#"{{"pods": [{}]}}"#, many[..64].join(","))).expect("64 pods fit the masks");
+    let message = rejects(&format!(r#"{{"pods": [{}]}}"#, many.join(",")), "pods");
+    assert!(
+        message.contains("maxPods = 1024") && message.contains("got 1025"),
+        "{message}"
+    );
+    let config = parse(&format!(r#"{{"pods": [{}]}}"#, many[..1024].join(",")))
+        .expect("1,024 pods, the ceiling");
+    assert_eq!((config.pods.len(), config.max_pods), (1024, 1024));
+    let message = rejects(
+        &format!(r#"{{"maxPods": 64, "pods": [{}]}}"#, many[..65].join(",")),
+        "pods",
+    );
+    assert!(
+        message.contains("maxPods = 64") && message.contains("got 65"),
+        "{message}"
+    );
+    for max_pods in [0, 1025] {
+        let message = rejects(&with_pods(&format!(r#""maxPods": {max_pods}"#)), "maxPods");
+        assert!(message.contains("must be 1 to 1024"), "{message}");
+    }
     // Attributes are numeric.
     let config = parse(
         r#"{"pods": [{"id": "a", "address": "10.0.0.1:1", "attributes": {"costPerHour": 2.5}}]}"#,

@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use kvroute::cluster::{ClusterState, Failure, FoldStep, Folded, PullAnswer, PullKind, Transition};
 use kvroute::config::{Config, PodConfig};
 use kvroute::index::{
-    DecisionRecorder, InsertOutcome, PodMask, PrefixLookup, PrefixMatch, PrefixTree,
+    DecisionRecorder, Holder, InsertOutcome, PrefixLookup, PrefixMatch, PrefixTree,
 };
 use kvroute::report::hash_to_hex;
 use kvroute::snapshot::{SnapshotIndex, SnapshotPublisher};
@@ -16,8 +16,9 @@ use proptest::prelude::*;
 /// Hashes of the model universe are 1..=UNIVERSE.
 const UNIVERSE: u64 = 40;
 
-/// Pod slots the model exercises (63 checks the top mask bit).
-const PODS: [usize; 4] = [0, 1, 2, 63];
+/// Pod slots the model exercises (1023 checks the top slot; 0-2, 63 and
+/// 64 sets inline and past the inline four).
+const PODS: [usize; 6] = [0, 1, 2, 63, 64, 1023];
 
 /// A forest over hashes 1..=40: `parent[h]` is `None` for a root or a smaller
 /// hash, so every hash has exactly one chain from its root (as chained
@@ -109,10 +110,9 @@ impl Model {
         self.held.remove(&pod);
     }
 
-    fn mask(&self, h: u64) -> PodMask {
-        PODS.iter()
-            .filter(|&&p| self.holds(p, h))
-            .fold(0, |m, &p| m | (1u64 << p))
+    /// The pods holding `h`, in slot order.
+    fn pods(&self, h: u64) -> Vec<usize> {
+        PODS.iter().copied().filter(|&p| self.holds(p, h)).collect()
     }
 
     fn len(&self) -> usize {
@@ -195,14 +195,15 @@ fn assert_tree_matches_model(
 ) -> Result<(), TestCaseError> {
     prop_assert_eq!(tree.len(), model.len());
     for h in 1..=UNIVERSE {
-        let expected = model.mask(h);
+        let expected = model.pods(h);
+        prop_assert_eq!(tree.pods(h), expected.clone(), "holders of {}", h);
         prop_assert_eq!(
-            tree.mask(h),
-            (expected != 0).then_some(expected),
-            "mask of {}",
+            tree.holders(h).is_some(),
+            !expected.is_empty(),
+            "{} indexed",
             h
         );
-        if expected != 0 {
+        if !expected.is_empty() {
             prop_assert_eq!(
                 tree.parent(h),
                 universe.parent[h as usize],
@@ -289,7 +290,7 @@ proptest! {
         let mut store: HashMap<u32, Vec<u8>> = HashMap::new();
         let mut published = PrefixTree::new(1_000); // the tree as of the last publish
         let mut publish = |tree: &mut PrefixTree, published: &mut PrefixTree, store: &mut HashMap<u32, Vec<u8>>| {
-            publisher.apply(&tree.take_changes());
+            publisher.apply_tree(tree);
             for (bucket, bytes) in publisher.take_dirty(usize::MAX) {
                 store.insert(bucket, bytes);
             }
@@ -344,7 +345,7 @@ fn snapshot_buckets_absent_from_the_store_read_as_empty() {
     let mut tree = PrefixTree::with_change_log(100);
     tree.insert_chain(5, None, &[11, 12, 13]);
     let mut publisher = SnapshotPublisher::new(4);
-    publisher.apply(&tree.take_changes());
+    publisher.apply_tree(&mut tree);
     let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
     let snapshot = SnapshotIndex {
         buckets: 4,
@@ -382,6 +383,13 @@ const BOUND_BYTES_PER_BLOCK: f64 = 64.0 * 1.25;
 
 #[test]
 fn memory_stays_bounded_under_a_flood_of_unique_prefixes() {
+    // Holder sets are sparse: the bound is the same at 64 and 1,024 pods.
+    for pods in [64, 1024] {
+        flood(pods);
+    }
+}
+
+fn flood(pods: u64) {
     const MAX: usize = 50_000;
     const CHAINS: usize = 200_000;
     let mut tree = PrefixTree::new(MAX);
@@ -391,7 +399,7 @@ fn memory_stays_bounded_under_a_flood_of_unique_prefixes() {
     for i in 0..CHAINS {
         let len = 1 + rng.below(8) as usize;
         let chain: Vec<u64> = (0..len).map(|_| rng.next()).collect();
-        let pod = rng.below(64) as usize;
+        let pod = rng.below(pods) as usize;
         let outcome = tree.insert_chain(pod, None, &chain);
         assert_eq!(
             outcome,
@@ -413,7 +421,7 @@ fn memory_stays_bounded_under_a_flood_of_unique_prefixes() {
     let bound = (BOUND_BYTES_PER_BLOCK * MAX as f64) as usize;
     assert!(
         peak_bytes <= bound,
-        "memory {peak_bytes} B > {bound} B (= 64 B × 1.25 × {MAX} blocks); {:.1} B/block",
+        "{pods} pods: memory {peak_bytes} B > {bound} B (= 64 B × 1.25 × {MAX} blocks); {:.1} B/block",
         peak_bytes as f64 / MAX as f64
     );
     assert!(
@@ -871,15 +879,21 @@ fn cluster_health_decays_with_staleness_and_recovers() {
 /// whole chain: the last mask is intersected with the first.
 #[test]
 fn bisection_never_credits_a_pod_missing_from_the_first_block() {
-    let masks: [PodMask; 2] = [0b01, 0b10];
-    let m = kvroute::index::match_by_bisection(masks.len(), |i| masks[i]);
+    let sets = |slots: &[&[usize]]| -> Vec<Vec<Holder>> {
+        slots
+            .iter()
+            .map(|s| s.iter().filter_map(|&p| Holder::new(p)).collect())
+            .collect()
+    };
+    let torn = sets(&[&[0], &[1]]);
+    let m = kvroute::index::match_by_bisection(torn.len(), |i| torn[i].clone());
     assert_eq!(
         (m.blocks(0), m.blocks(1)),
         (1, 0),
         "pod 1 does not hold h[0]"
     );
-    let masks: [PodMask; 5] = [0b01, 0b01, 0b11, 0b11, 0b11];
-    let m = kvroute::index::match_by_bisection(masks.len(), |i| masks[i]);
+    let torn = sets(&[&[0], &[0], &[0, 1], &[0, 1], &[0, 1]]);
+    let m = kvroute::index::match_by_bisection(torn.len(), |i| torn[i].clone());
     assert_eq!((m.blocks(0), m.blocks(1)), (5, 0));
 }
 
@@ -903,7 +917,7 @@ fn drop_pod_forgets_blocks_stored_under_a_mismatched_parent() {
     tree.insert_chain(0, None, &[10, 11]);
     tree.insert_chain(1, None, &[11, 12, 13]);
     let mut publisher = SnapshotPublisher::new(4);
-    publisher.apply(&tree.take_changes());
+    publisher.apply_tree(&mut tree);
     let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
     let snapshot = SnapshotIndex {
         buckets: 4,
@@ -1116,7 +1130,7 @@ proptest! {
         prop_assert_eq!(summaries_at_once, summaries_stepped);
         let every = (1..=600).chain(10_001..10_050).chain(20_000..next).chain(77_001..77_004).chain(90_001..90_003);
         for hash in every {
-            prop_assert_eq!(at_once.index().mask(hash), stepped.index().mask(hash), "block {}", hash);
+            prop_assert_eq!(at_once.index().pods(hash), stepped.index().pods(hash), "block {}", hash);
         }
         prop_assert_eq!(at_once.index().len(), stepped.index().len());
         prop_assert_eq!(at_once.report_query("a", "/r"), stepped.report_query("a", "/r"));
@@ -1340,7 +1354,7 @@ fn a_discovered_pod_list_adds_removes_and_replaces_pods_dropping_the_old_blocks(
         )
         .unwrap_err();
     assert_eq!(error.field, "pods[1].address");
-    let too_many: Vec<PodConfig> = (0..65)
+    let too_many: Vec<PodConfig> = (0..1025)
         .map(|i| pod(&format!("p{i}"), &format!("127.0.0.1:{}", 10_000 + i)))
         .collect();
     assert_eq!(
@@ -1349,6 +1363,26 @@ fn a_discovered_pod_list_adds_removes_and_replaces_pods_dropping_the_old_blocks(
     );
     let ids: Vec<&str> = cluster.pods().map(|p| p.id.as_str()).collect();
     assert_eq!(ids, ["a", "c"], "in slot order, a in its freed slot");
+    // The ceiling: 1,024 pods, each in its own slot; a pod keeps its slot
+    // while others come and go.
+    let change = cluster.replace_pods(&too_many[..1024], 50).unwrap();
+    assert_eq!((change.added.len(), change.removed.len()), (1024, 2));
+    let mut slots: Vec<usize> = (0..1024)
+        .filter_map(|i| cluster.slot(&format!("p{i}")))
+        .collect();
+    slots.sort_unstable();
+    assert_eq!(slots, (0..1024).collect::<Vec<_>>());
+    let kept = cluster.slot("p700");
+    let mut fewer = too_many[1..1024].to_vec();
+    fewer.push(pod("q", "127.0.0.1:9999"));
+    let change = cluster.replace_pods(&fewer, 60).unwrap();
+    assert_eq!(
+        (change.added, change.removed),
+        (vec!["q".into()], vec!["p0".into()])
+    );
+    assert_eq!(cluster.slot("p700"), kept);
+    // A 1,024-pod table is published once per generation.
+    assert_eq!(cluster.pod_table(60).pods.len(), 1024);
 }
 
 #[test]

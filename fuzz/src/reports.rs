@@ -35,7 +35,7 @@
 //! of [`FOLD_STEP`] blocks until the inbox is empty, with a publication and
 //! check every [`PUBLISH_EVERY_STEPS`] steps). After every publication the shared-data view
 //! must equal the index: each hash the reports named has, in its published
-//! bucket, the union of its reported and pending masks; masks are
+//! bucket, the union of its reported and pending holders; holders are
 //! prefix-closed, the bisection lookup over the path to
 //! each stored chain's last block equals the tree's lookup, and the pod table
 //! survives the filter's decoding with health and load in [0, 1].
@@ -373,28 +373,32 @@ impl Harness {
         let tree = self.state.index();
         let pending = self.state.pending();
         for &hash in &self.named {
-            let published = self
+            let published: Vec<usize> = self
                 .shared
                 .bucket(bucket_of(hash, table.buckets))
                 .and_then(|bytes| bucket_lookup(bytes, hash))
-                .unwrap_or(0);
-            let mask = tree.mask(hash).unwrap_or(0);
-            let pending_mask = pending.and_then(|p| p.mask(hash)).unwrap_or(0);
+                .unwrap_or_default()
+                .iter()
+                .map(|h| h.slot())
+                .collect();
+            let reported = tree.pods(hash);
+            let mut expected = reported.clone();
+            expected.extend(pending.map(|p| p.pods(hash)).unwrap_or_default());
+            expected.sort_unstable();
+            expected.dedup();
             assert_eq!(
-                published,
-                mask | pending_mask,
-                "block {hash:016x}: published mask differs"
+                published, expected,
+                "block {hash:016x}: published holders differ"
             );
             if let Some(parent) = tree.parent(hash) {
-                let parent_mask = tree.mask(parent).unwrap_or(0);
-                assert_eq!(
-                    mask & !parent_mask,
-                    0,
-                    "block {hash:016x}: masks not prefix-closed"
+                let parents = tree.pods(parent);
+                assert!(
+                    reported.iter().all(|pod| parents.contains(pod)),
+                    "block {hash:016x}: holders not prefix-closed"
                 );
             }
         }
-        // Reported and pending masks are both prefix-closed, so the union's
+        // Reported and pending holders are both prefix-closed, so the union's
         // match is the longer of the two — where the two trees agree on the
         // path (real chained hashes always do; `S` steps may contradict the
         // decisions' chains).
@@ -405,7 +409,7 @@ impl Harness {
             let path = path_to(tree, tail);
             let agree = path
                 .iter()
-                .all(|&h| pending.mask(h).is_none() || pending.parent(h) == tree.parent(h));
+                .all(|&h| pending.holders(h).is_none() || pending.parent(h) == tree.parent(h));
             if agree {
                 self.shared.assert_lookup_matches(&index, &path);
             }
@@ -420,14 +424,13 @@ fn check_pods(table: &PodTable) {
     ids.sort_unstable();
     let expected: Vec<String> = (0..PODS).map(pod_id).collect();
     assert_eq!(ids, expected, "published pods");
-    let mut slots = 0u64;
+    let mut slots = std::collections::HashSet::new();
     for pod in &table.pods {
         assert!(
-            pod.slot < MAX_PODS && slots & 1 << pod.slot == 0,
+            pod.slot < MAX_PODS && slots.insert(pod.slot),
             "slot {}",
             pod.slot
         );
-        slots |= 1 << pod.slot;
         assert!(
             (0.0..=1.0).contains(&pod.health),
             "{} health {}",

@@ -64,6 +64,7 @@ impl PodLru {
 #[derive(Debug, Clone)]
 pub struct DecisionRecorder {
     tree: PrefixTree,
+    /// Per pod slot, grown to the highest slot recorded.
     pods: Vec<PodLru>,
     pod_capacity: usize,
     clock: u64,
@@ -77,7 +78,7 @@ impl DecisionRecorder {
     pub fn new(tree: PrefixTree, pod_capacity: usize) -> DecisionRecorder {
         DecisionRecorder {
             tree,
-            pods: vec![PodLru::default(); MAX_PODS],
+            pods: Vec::new(),
             pod_capacity: pod_capacity.max(1),
             clock: 0,
             ttl_ms: None,
@@ -123,6 +124,12 @@ impl DecisionRecorder {
 
     /// Records that `pod` was sent a request whose prompt is `chain`.
     pub fn record(&mut self, pod: usize, chain: &[u64]) {
+        if pod >= MAX_PODS {
+            return;
+        }
+        if self.pods.len() <= pod {
+            self.pods.resize_with(pod + 1, PodLru::default);
+        }
         let Some(lru) = self.pods.get_mut(pod) else {
             return;
         };

@@ -2,10 +2,14 @@
 //!
 //! Nodes live in a slab (`Vec<Node>`, 40 bytes each) found through a
 //! `hashbrown::HashTable<u32>` keyed by the block hash itself (already a
-//! uniform 64-bit hash, so no re-hashing). Each node keeps its parent, an
-//! intrusive child list and intrusive LRU links.
+//! uniform 64-bit hash, so no re-hashing). Each node keeps its holders (a
+//! [`CompactSet`]: up to four pod slots in the node, more in the tree's
+//! [`HolderArena`]), its parent, an intrusive child list and intrusive LRU
+//! links. So a node costs the same 40 bytes at 1,024 pods as the 64-bit
+//! mask it replaced did at 64: a block held by more than four pods adds
+//! 24 bytes and 2 per holder.
 //!
-//! Invariant: a pod is in a node's mask only if it is in its parent's mask.
+//! Invariant: a pod holds a node only if it holds the node's parent.
 //! - insert: a pod's blocks attach under a parent the pod holds (or at the
 //!   root); blocks whose parent the pod does not hold are refused as orphans.
 //! - remove (a pod evicted block `h`): the pod leaves `h`'s whole subtree,
@@ -17,8 +21,10 @@
 //!   ([`PrefixTree::set_max_pod_blocks`]); past it the pod's new blocks are
 //!   refused, so one pod's flood cannot evict everyone else's blocks.
 //!
-//! Costs: lookup O(n) probes for an n-block chain; insert O(n) amortised;
-//! remove O(size of the pruned subtree); memory ≈ 40 B/node + the table.
+//! Costs: lookup O(n) probes for an n-block chain (holder sets are
+//! compared only where one ends a match: O(n + pods matched)); insert O(n)
+//! amortised (O(holders) per block in a set past four); remove O(size of
+//! the pruned subtree); memory ≈ 40 B/node + the table + the arena.
 
 // Node ids index the slab and come only from the tree itself (the table,
 // links and free list), never from input: indexing them cannot go out of
@@ -27,15 +33,17 @@
 
 use hashbrown::HashTable;
 
-use super::{pod_bit, PodMask, PrefixLookup, PrefixMatch};
-use crate::config::MAX_PODS;
+use std::borrow::Cow;
+
+use super::holders::{self, CompactSet, Holder, HolderArena};
+use super::{MatchBuilder, PrefixLookup, PrefixMatch};
 
 const NIL: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
 struct Node {
     hash: u64,
-    mask: PodMask,
+    holders: CompactSet,
     parent: u32,
     first_child: u32,
     /// Sibling links; `next_sibling` doubles as the free-list link.
@@ -63,20 +71,22 @@ pub struct InsertOutcome {
 pub struct PrefixTree {
     nodes: Vec<Node>,
     table: HashTable<u32>,
+    /// Holder lists of nodes with more than four holders.
+    arena: HolderArena,
     free_head: u32,
     len: usize,
     max_nodes: usize,
     max_pod_blocks: usize,
-    /// Blocks each pod slot holds.
-    pod_blocks: [usize; MAX_PODS],
+    /// Blocks each pod slot holds (grown to the highest slot seen).
+    pod_blocks: Vec<usize>,
     /// Most recently used node.
     lru_newest: u32,
     /// Least recently used node.
     lru_oldest: u32,
     evictions: u64,
-    /// (hash, new mask) of every mask change since the last
+    /// Hashes whose holders changed since the last
     /// [`PrefixTree::take_changes`], when change tracking is on.
-    changes: Option<Vec<(u64, PodMask)>>,
+    changes: Option<Vec<u64>>,
 }
 
 impl PrefixTree {
@@ -89,11 +99,12 @@ impl PrefixTree {
         PrefixTree {
             nodes: Vec::with_capacity(max_nodes),
             table: HashTable::with_capacity(max_nodes),
+            arena: HolderArena::default(),
             free_head: NIL,
             len: 0,
             max_nodes: max_nodes.max(1),
             max_pod_blocks: usize::MAX,
-            pod_blocks: [0; MAX_PODS],
+            pod_blocks: Vec::new(),
             lru_newest: NIL,
             lru_oldest: NIL,
             evictions: 0,
@@ -133,12 +144,24 @@ impl PrefixTree {
     pub fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.table.allocation_size()
-            + self.changes.as_ref().map_or(0, |c| c.capacity() * 16)
+            + self.arena.memory_bytes()
+            + self.pod_blocks.capacity() * std::mem::size_of::<usize>()
+            + self.changes.as_ref().map_or(0, |c| c.capacity() * 8)
     }
 
-    /// The pods holding block `hash`, if indexed.
-    pub fn mask(&self, hash: u64) -> Option<PodMask> {
-        self.find(hash).map(|slot| self.nodes[slot as usize].mask)
+    /// The pods holding block `hash` (ordered by slot), if indexed.
+    pub fn holders(&self, hash: u64) -> Option<&[Holder]> {
+        self.find(hash)
+            .map(|slot| self.nodes[slot as usize].holders.holders(&self.arena))
+    }
+
+    /// The pod slots holding block `hash`, in order (empty: not indexed).
+    pub fn pods(&self, hash: u64) -> Vec<usize> {
+        self.holders(hash)
+            .unwrap_or_default()
+            .iter()
+            .map(|h| h.slot())
+            .collect()
     }
 
     /// Whether `pod` holds the whole of `chain`: its last block says so, as
@@ -146,8 +169,8 @@ impl PrefixTree {
     pub fn holds(&self, pod: usize, chain: &[u64]) -> bool {
         chain
             .last()
-            .and_then(|&hash| self.mask(hash))
-            .is_some_and(|mask| mask & pod_bit(pod) != 0)
+            .and_then(|&hash| self.holders(hash))
+            .is_some_and(|set| holders::contains(set, pod))
     }
 
     /// The parent block of `hash`, if indexed and not a root.
@@ -157,9 +180,11 @@ impl PrefixTree {
         (parent != NIL).then(|| self.nodes[parent as usize].hash)
     }
 
-    /// Mask changes since the last call (empty unless built with
-    /// [`PrefixTree::with_change_log`]). A mask of 0 means "gone".
-    pub fn take_changes(&mut self) -> Vec<(u64, PodMask)> {
+    /// Hashes whose holders changed since the last call (empty unless
+    /// built with [`PrefixTree::with_change_log`]); a hash may appear more
+    /// than once, and [`PrefixTree::holders`] says what it is now (`None`:
+    /// gone).
+    pub fn take_changes(&mut self) -> Vec<u64> {
         self.changes
             .as_mut()
             .map(std::mem::take)
@@ -174,17 +199,16 @@ impl PrefixTree {
         parent: Option<u64>,
         hashes: &[u64],
     ) -> InsertOutcome {
-        let bit = pod_bit(pod);
-        if bit == 0 {
+        let Some(holder) = Holder::new(pod) else {
             return InsertOutcome {
                 stored: 0,
                 orphaned: hashes.len(),
             };
-        }
+        };
         let mut parent_slot = match parent {
             None => NIL,
             Some(hash) => match self.find(hash) {
-                Some(slot) if self.nodes[slot as usize].mask & bit != 0 => slot,
+                Some(slot) if self.node_holds(slot, pod) => slot,
                 _ => {
                     return InsertOutcome {
                         stored: 0,
@@ -207,7 +231,7 @@ impl PrefixTree {
                         orphaned: hashes.len() - i,
                     }
                 }
-                Some(slot) if self.nodes[slot as usize].mask & bit != 0 => slot,
+                Some(slot) if self.node_holds(slot, pod) => slot,
                 _ if self.pod_block_count(pod) >= self.max_pod_blocks => {
                     return InsertOutcome {
                         stored: i,
@@ -225,7 +249,7 @@ impl PrefixTree {
                     }
                 },
             };
-            self.set_mask(slot, self.nodes[slot as usize].mask | bit);
+            self.add_holder(slot, holder);
             self.touch(slot);
             parent_slot = slot;
         }
@@ -239,7 +263,7 @@ impl PrefixTree {
     pub fn remove_blocks(&mut self, pod: usize, hashes: &[u64]) {
         for &hash in hashes {
             if let Some(slot) = self.find(hash) {
-                self.clear_subtree(slot, pod_bit(pod));
+                self.clear_subtree(slot, pod);
             }
         }
     }
@@ -255,15 +279,14 @@ impl PrefixTree {
     /// spread over several calls; blocks of `pod` inserted in between
     /// would be dropped too. O(max_slots + blocks dropped).
     pub fn drop_pod_from(&mut self, pod: usize, from: usize, max_slots: usize) -> Option<usize> {
-        let bit = pod_bit(pod);
-        if bit == 0 || self.pod_block_count(pod) == 0 {
+        if self.pod_block_count(pod) == 0 {
             return None;
         }
         let end = from.saturating_add(max_slots).min(self.nodes.len());
         for slot in from..end {
-            let node = &self.nodes[slot];
-            if node.parent == NIL && node.mask & bit != 0 {
-                self.clear_subtree(slot as u32, bit);
+            let slot = slot as u32;
+            if self.nodes[slot as usize].parent == NIL && self.node_holds(slot, pod) {
+                self.clear_subtree(slot, pod);
             }
         }
         (end < self.nodes.len()).then_some(end)
@@ -281,16 +304,53 @@ impl PrefixTree {
             .copied()
     }
 
-    fn set_mask(&mut self, slot: u32, mask: PodMask) {
-        let node = &mut self.nodes[slot as usize];
-        if node.mask != mask {
-            for_each_pod(mask & !node.mask, |pod| self.pod_blocks[pod] += 1);
-            for_each_pod(node.mask & !mask, |pod| self.pod_blocks[pod] -= 1);
-            node.mask = mask;
-            if let Some(changes) = &mut self.changes {
-                changes.push((node.hash, mask));
-            }
+    fn node_holds(&self, slot: u32, pod: usize) -> bool {
+        holders::contains(self.nodes[slot as usize].holders.holders(&self.arena), pod)
+    }
+
+    fn changed(&mut self, slot: u32) {
+        if let Some(changes) = &mut self.changes {
+            changes.push(self.nodes[slot as usize].hash);
         }
+    }
+
+    fn add_holder(&mut self, slot: u32, holder: Holder) {
+        if self.nodes[slot as usize]
+            .holders
+            .insert(&mut self.arena, holder)
+        {
+            let pod = holder.slot();
+            if self.pod_blocks.len() <= pod {
+                self.pod_blocks.resize(pod + 1, 0);
+            }
+            self.pod_blocks[pod] += 1;
+            self.changed(slot);
+        }
+    }
+
+    /// Removes `pod` from the node; whether it held it.
+    fn remove_holder(&mut self, slot: u32, pod: usize) -> bool {
+        let removed = self.nodes[slot as usize]
+            .holders
+            .remove(&mut self.arena, pod);
+        if removed {
+            self.pod_blocks[pod] -= 1;
+            self.changed(slot);
+        }
+        removed
+    }
+
+    /// Every pod leaves the node.
+    fn clear_holders(&mut self, slot: u32) {
+        let node = &mut self.nodes[slot as usize];
+        if node.holders.is_empty() {
+            return;
+        }
+        for holder in node.holders.holders(&self.arena) {
+            self.pod_blocks[holder.slot()] -= 1;
+        }
+        node.holders.clear(&mut self.arena);
+        self.changed(slot);
     }
 
     /// A new empty leaf under `parent`, evicting a leaf first when full.
@@ -302,7 +362,7 @@ impl PrefixTree {
         }
         let node = Node {
             hash,
-            mask: 0,
+            holders: CompactSet::EMPTY,
             parent,
             first_child: NIL,
             next_sibling: NIL,
@@ -346,7 +406,7 @@ impl PrefixTree {
                 self.touch(oldest);
                 continue;
             }
-            self.set_mask(oldest, 0);
+            self.clear_holders(oldest);
             self.free_node(oldest);
             self.evictions += 1;
             return true;
@@ -354,17 +414,14 @@ impl PrefixTree {
         false
     }
 
-    /// Clears `bit` from `root`'s subtree, freeing nodes left with no pod.
-    fn clear_subtree(&mut self, root: u32, bit: PodMask) {
+    /// Removes `pod` from `root`'s subtree, freeing nodes left with no pod.
+    fn clear_subtree(&mut self, root: u32, pod: usize) {
         let mut stack = vec![root];
         while let Some(slot) = stack.pop() {
-            let node = &self.nodes[slot as usize];
-            if node.mask & bit == 0 {
+            if !self.remove_holder(slot, pod) {
                 continue; // by the invariant, nothing below holds it either
             }
-            let mask = node.mask & !bit;
-            self.set_mask(slot, mask);
-            if mask == 0 {
+            if self.nodes[slot as usize].holders.is_empty() {
                 self.free_subtree(slot);
             } else {
                 let mut child = self.nodes[slot as usize].first_child;
@@ -386,7 +443,7 @@ impl PrefixTree {
                 child = self.nodes[child as usize].next_sibling;
             }
             self.nodes[slot as usize].first_child = NIL;
-            self.set_mask(slot, 0);
+            self.clear_holders(slot);
             self.free_node(slot);
         }
     }
@@ -467,28 +524,40 @@ impl PrefixTree {
     }
 }
 
-/// Calls `f` with each pod slot set in `mask`.
-fn for_each_pod(mut mask: PodMask, mut f: impl FnMut(usize)) {
-    while mask != 0 {
-        f(mask.trailing_zeros() as usize);
-        mask &= mask - 1;
-    }
-}
-
 impl PrefixLookup for PrefixTree {
     fn lookup(&self, chain: &[u64]) -> PrefixMatch {
-        let mut result = PrefixMatch::default();
-        let mut running = !0u64;
+        let mut result = MatchBuilder::default();
+        // The pods holding the chain so far, and whether they are exactly
+        // the holders of the previous block's node (then a child's holders
+        // are within them by the invariant, and need no intersection).
+        let mut running: Cow<'_, [Holder]> = Cow::Borrowed(&[]);
+        let mut previous = NIL;
         for (i, &hash) in chain.iter().enumerate() {
-            let next = self.mask(hash).unwrap_or(0) & running;
-            result.set_all(running & !next, i as u32);
+            let Some(slot) = self.find(hash) else {
+                result.set_all(&running, i as u32);
+                return result.finish();
+            };
+            let node = &self.nodes[slot as usize];
+            let held = node.holders.holders(&self.arena);
+            let next: Cow<'_, [Holder]> = if i == 0 || (previous != NIL && node.parent == previous)
+            {
+                Cow::Borrowed(held)
+            } else {
+                Cow::Owned(holders::intersection(held, &running))
+            };
+            if i > 0 && next.len() != running.len() {
+                result.set_all(&holders::difference(&running, &next), i as u32);
+            }
+            // An intersection smaller than the node's holders breaks the
+            // link to the node: the next block is intersected too.
+            previous = if next.len() == held.len() { slot } else { NIL };
             running = next;
-            if running == 0 {
-                return result;
+            if running.is_empty() {
+                return result.finish();
             }
         }
-        result.set_all(running, chain.len() as u32);
-        result
+        result.set_all(&running, chain.len() as u32);
+        result.finish()
     }
 }
 
@@ -531,13 +600,14 @@ mod tests {
         tree.insert_chain(1, None, &[1, 2]);
         tree.take_changes();
         tree.remove_blocks(0, &[2]);
-        assert_eq!(tree.mask(1), Some(0b11));
-        assert_eq!(tree.mask(2), Some(0b10));
-        assert_eq!(tree.mask(3), None, "no pod holds block 3 any more");
+        assert_eq!(tree.pods(1), [0, 1]);
+        assert_eq!(tree.pods(2), [1]);
+        assert_eq!(tree.holders(3), None, "no pod holds block 3 any more");
         assert_eq!(tree.len(), 2);
         let mut changes = tree.take_changes();
         changes.sort();
-        assert_eq!(changes, vec![(2, 0b10), (3, 0)]);
+        assert_eq!(changes, vec![2, 3]);
+        assert_eq!((tree.pods(1), tree.pods(2)), (vec![0, 1], vec![1]));
         // A re-store of block 2 by pod 0 does not resurrect block 3.
         tree.insert_chain(0, Some(1), &[2]);
         assert_eq!(tree.lookup(&[1, 2, 3]).blocks(0), 2);
@@ -561,7 +631,7 @@ mod tests {
         tree.insert_chain(0, Some(2), &[4]); // second conversation
         tree.insert_chain(0, Some(2), &[5]); // third: evicts leaf 3, not root 1
         assert_eq!(tree.len(), 4);
-        assert_eq!(tree.mask(3), None);
+        assert_eq!(tree.holders(3), None);
         assert_eq!(tree.lookup(&[1, 2, 5]).blocks(0), 3);
         assert_eq!(tree.evictions(), 1);
     }

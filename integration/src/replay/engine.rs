@@ -238,7 +238,7 @@ pub fn sim_pods(count: usize) -> Vec<PodConfig> {
     (0..count)
         .map(|i| PodConfig {
             id: format!("pod-{i}"),
-            address: format!("10.0.0.{}:8000", i + 1),
+            address: format!("10.0.{}.{}:8000", i / 250, i % 250 + 1),
             report_address: None,
             metrics_address: None,
             attributes: Default::default(),
