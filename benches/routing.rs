@@ -1,25 +1,30 @@
 //! Lookup + scoring of a 4096-token prompt (256 blocks of 16 tokens, i.e.
 //! 16 KiB of text in 64-byte blocks) against an index of ~1,000,000 blocks
-//! over 64 pods.
+//! over 64 and over 1,024 pods, side by side.
 //!
 //! Index shape: 16 shared system prompts of 32 blocks; each pod holds
 //! conversations of 64–256 blocks (system prompt included) that branch from
 //! two of the system prompts, round-robin over the pods until the index
-//! holds ~1M blocks. The benchmarked prompt shares system prompt 3 with the
-//! pods that use it, and is held fully by two pods and for 180 blocks by a
-//! third.
+//! holds ~1M blocks (at 1,024 pods a system prompt is held by ~128 pods:
+//! holder sets past the four kept inline). The benchmarked prompt shares
+//! system prompt 3 with the pods that use it, and is held fully by two pods
+//! and for 180 blocks by a third.
 //!
-//! Benchmarks:
+//! Benchmarks, each at 64 and 1,024 pods (`…/64`, `…/1024`):
 //! - `tree_lookup`: `PrefixTree::lookup` of the 256-block chain;
 //! - `snapshot_lookup`: the same through `SnapshotIndex` over the buckets a
 //!   `SnapshotPublisher` built from the tree's change log, each probe a
 //!   `HashMap<u32, Vec<u8>>` get + clone (the shared-data copy);
-//! - `decide_64`: `ScoringPolicy::decide` over 64 candidates;
-//! - `end_to_end_tree` / `end_to_end_snapshot`: hash 16 KiB with
-//!   `BlockHasher`, look up, build 64 candidates, decide.
+//! - `decide`: `ScoringPolicy::decide` over a slice of every pod as a
+//!   ready candidate (every pod scored at 64; the candidate set at 1,024,
+//!   which scans the slice for holders, O(pods));
+//! - `route`: `Router::route` of the 16 KiB body through a pod table of
+//!   that many pods, the snapshot index and in-flight loads (what the
+//!   filter does natively: parse, hash, look up, build the candidates the
+//!   set asks for, decide).
 //!
-//! Afterwards it prints memory per indexed block and the median and p99 of
-//! 10,000 individually timed end-to-end (tree) iterations.
+//! Afterwards it prints memory per indexed block at both sizes and the
+//! median and p99 of 10,000 individually timed `route` calls.
 //!
 //! `prepare_*`: `Router::prepare` of a request body — JSON parse, canonical
 //! prompt, block chain — for completions bodies of 16 KiB, 128 KiB and
@@ -35,16 +40,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::BlockHasher;
 use kvroute::index::{PrefixLookup, PrefixMatch, PrefixTree};
 use kvroute::request::Prompt;
-use kvroute::router::Router;
-use kvroute::scoring::{Candidate, Decision, ScoringPolicy};
-use kvroute::snapshot::{SnapshotIndex, SnapshotPublisher};
+use kvroute::router::{ClusterView, Outcome, Router};
+use kvroute::scoring::{Candidate, ScoringPolicy};
+use kvroute::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex, SnapshotPublisher};
 
-const PODS: usize = 64;
+const POOLS: [usize; 2] = [64, 1024];
 const INDEX_BLOCKS: usize = 1_000_000;
 const SYSTEM_PROMPTS: usize = 16;
 const SYSTEM_BLOCKS: usize = 32;
@@ -91,30 +96,38 @@ fn text(rng: &mut Rng, bytes: usize) -> Vec<u8> {
     out
 }
 
-struct PodState {
-    ids: Vec<String>,
-    load: Vec<f64>,
-    queue: Vec<u32>,
-    health: Vec<f64>,
-    attributes: BTreeMap<String, f64>,
-}
-
 struct Fixture {
+    pods: usize,
     config: Config,
     hasher: BlockHasher,
     target: ModelTarget,
     prompt: Prompt,
+    body: Vec<u8>,
     chain: Vec<u64>,
     tree: PrefixTree,
     publisher: SnapshotPublisher,
     store: HashMap<u32, Vec<u8>>,
-    pods: PodState,
+    table: PodTable,
+    inflight: Vec<SlotLoad>,
+    attributes: BTreeMap<String, f64>,
     policy: ScoringPolicy,
+    router: Router,
 }
 
-fn build() -> Fixture {
+fn build(pods: usize) -> Fixture {
     let started = Instant::now();
-    let config = Config::default();
+    let pod_list: Vec<serde_json::Value> = (0..pods)
+        .map(|i| {
+            serde_json::json!({"id": format!("pod-{i}"),
+                               "address": format!("10.{}.{}.1:8000", i / 250, i % 250)})
+        })
+        .collect();
+    let config = Config::parse(
+        serde_json::json!({"pods": pod_list, "models": {"m": {"baseModel": "llama-3-8b"}}})
+            .to_string()
+            .as_bytes(),
+    )
+    .expect("config");
     let hasher = BlockHasher::from_config(&config);
     let target = ModelTarget {
         base_model: "llama-3-8b".into(),
@@ -147,7 +160,7 @@ fn build() -> Fixture {
         // Conversation blocks: chained hashes are uniformly random u64s.
         chain_buf.extend((SYSTEM_BLOCKS..total).map(|_| rng.next()));
         tree.insert_chain(pod, None, &chain_buf);
-        pod = (pod + 1) % PODS;
+        pod = (pod + 1) % pods;
     }
 
     // The benchmarked prompt: system prompt 3 + 14 KiB of conversation.
@@ -157,6 +170,12 @@ fn build() -> Fixture {
         (PROMPT_BLOCKS - SYSTEM_BLOCKS) * BLOCK_BYTES,
     ));
     assert_eq!(prompt_text.len(), 16 * 1024);
+    let body = serde_json::json!({
+        "model": "m", "max_tokens": 16,
+        "prompt": String::from_utf8(prompt_text.clone()).expect("ASCII"),
+    })
+    .to_string()
+    .into_bytes();
     let prompt = Prompt::Text(prompt_text);
     let chain = hasher.chain(&target, &prompt, None);
     assert_eq!(chain.len(), PROMPT_BLOCKS);
@@ -169,102 +188,150 @@ fn build() -> Fixture {
     publisher.apply_tree(&mut tree);
     let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
 
-    let pods = PodState {
-        ids: (0..PODS).map(|i| format!("pod-{i}")).collect(),
-        load: (0..PODS).map(|_| rng.range(5, 95) as f64 / 100.0).collect(),
-        queue: (0..PODS).map(|_| rng.range(0, 22) as u32).collect(),
-        health: (0..PODS)
-            .map(|_| rng.range(25, 100) as f64 / 100.0)
+    let table = PodTable {
+        generation: 1,
+        published_at_ms: 0,
+        buckets: publisher.bucket_count(),
+        pods: config
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(slot, pod)| PublishedPod {
+                slot,
+                id: pod.id.clone(),
+                address: pod.address.clone(),
+                queue: rng.range(0, 22) as u32,
+                load: rng.range(5, 95) as f64 / 100.0,
+                health: rng.range(25, 100) as f64 / 100.0,
+                reported_health: 1.0,
+                last_report_ms: 0,
+                adapters: Vec::new(),
+                attributes: BTreeMap::new(),
+                inflight_at_report: 0,
+            })
             .collect(),
-        attributes: BTreeMap::new(),
+        adapter_index: Default::default(),
     };
+    let inflight: Vec<SlotLoad> = (0..pods)
+        .map(|_| SlotLoad {
+            requests: rng.range(0, 8) as u32,
+            prefill_tokens: rng.range(0, 4096) as u32,
+        })
+        .collect();
     let policy = ScoringPolicy::from_config(&config);
+    let router = Router::new(config.clone());
     eprintln!(
-        "fixture: {} blocks over {PODS} pods, built in {:.2} s",
+        "fixture: {} blocks over {pods} pods, built in {:.2} s",
         tree.len(),
         started.elapsed().as_secs_f64()
     );
     Fixture {
+        pods,
         config,
         hasher,
         target,
         prompt,
+        body,
         chain,
         tree,
         publisher,
         store,
-        pods,
+        table,
+        inflight,
+        attributes: BTreeMap::new(),
         policy,
+        router,
     }
 }
 
-fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> Vec<Candidate<'a>> {
-    (0..PODS)
-        .map(|slot| Candidate {
-            slot,
-            id: &pods.ids[slot],
-            cache_match: f64::from(matched.blocks(slot)) / blocks.max(1) as f64,
+/// Every pod of the fixture as a ready candidate.
+fn candidates<'a>(f: &'a Fixture, matched: &PrefixMatch, blocks: usize) -> Vec<Candidate<'a>> {
+    f.table
+        .pods
+        .iter()
+        .map(|pod| Candidate {
+            slot: pod.slot,
+            id: &pod.id,
+            cache_match: f64::from(matched.blocks(pod.slot)) / blocks.max(1) as f64,
             cached_tokens: 0,
             uncached_tokens: 0,
             inflight: 0,
             queued_prefill: 0,
             recent_decisions: 0,
             busy_average: 0.0,
-            load: pods.load[slot],
-            queue: pods.queue[slot],
-            health: pods.health[slot],
+            load: pod.load,
+            queue: pod.queue,
+            health: pod.health,
             adapter_loaded: false,
-            attributes: &pods.attributes,
+            attributes: &f.attributes,
         })
         .collect()
 }
 
-fn end_to_end(f: &Fixture, index: &impl PrefixLookup, tie_breaker: u64) -> Decision {
-    let chain = f.hasher.chain(&f.target, black_box(&f.prompt), None);
-    let matched = index.lookup(&chain);
-    let cands = candidates(&f.pods, &matched, chain.len());
-    f.policy.decide(&cands, false, tie_breaker, true)
+/// `Router::route` of the fixture's body over its table and `index`.
+fn route(f: &Fixture, index: &dyn PrefixLookup, tie_breaker: u64) -> Outcome {
+    let view = ClusterView {
+        table: &f.table,
+        index,
+        inflight: &f.inflight,
+        recent_decisions: &[],
+        busy_average: &[],
+        now_ms: 0,
+    };
+    f.router
+        .route(black_box(&f.body), false, &view, tie_breaker)
 }
 
 fn routing(c: &mut Criterion) {
-    let f = build();
-    let snapshot = SnapshotIndex {
-        buckets: f.publisher.bucket_count(),
-        fetch: |b: u32| f.store.get(&b).cloned(),
-    };
-    // Sanity: both indexes agree and the full holders win on cache.
-    let m = f.tree.lookup(&f.chain);
-    assert_eq!(m, snapshot.lookup(&f.chain));
-    assert_eq!((m.blocks(7), m.blocks(23), m.blocks(40)), (256, 256, 180));
-    let d = end_to_end(&f, &f.tree, 0);
-    eprintln!(
-        "sample decision: pod {:?} composite {:.3}; pods matching the system prompt: {}",
-        d.chosen,
-        d.winner().map_or(0.0, |w| w.composite),
-        (0..PODS)
-            .filter(|&p| m.blocks(p) >= SYSTEM_BLOCKS as u32)
-            .count()
-    );
-
+    let fixtures: Vec<Fixture> = POOLS.into_iter().map(build).collect();
     let mut group = c.benchmark_group("routing");
     group
         .sample_size(60)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(4));
-    group.bench_function("tree_lookup_256_blocks", |b| {
-        b.iter(|| f.tree.lookup(black_box(&f.chain)))
-    });
-    group.bench_function("snapshot_lookup_256_blocks", |b| {
-        b.iter(|| snapshot.lookup(black_box(&f.chain)))
-    });
-    let cands = candidates(&f.pods, &m, f.chain.len());
     let mut tie = 0u64;
-    group.bench_function("decide_64_candidates", |b| {
-        b.iter(|| {
-            tie += 1;
-            f.policy.decide(black_box(&cands), false, tie, true)
-        })
-    });
+    for f in &fixtures {
+        let snapshot = SnapshotIndex {
+            buckets: f.publisher.bucket_count(),
+            fetch: |b: u32| f.store.get(&b).cloned(),
+        };
+        // Sanity: both indexes agree and the full holders win on cache.
+        let m = f.tree.lookup(&f.chain);
+        assert_eq!(m, snapshot.lookup(&f.chain));
+        assert_eq!((m.blocks(7), m.blocks(23), m.blocks(40)), (256, 256, 180));
+        let Outcome::Routed(routed) = route(f, &snapshot, 0) else {
+            panic!("not routed");
+        };
+        eprintln!(
+            "{} pods: sample decision {} ({} candidates scored, cache match {:.2}); pods matching the system prompt: {}",
+            f.pods,
+            routed.pod_id,
+            routed.decision.scored.len(),
+            routed.cache_match,
+            m.iter().filter(|&(_, b)| b >= SYSTEM_BLOCKS as u32).count()
+        );
+        let pods = f.pods;
+        group.bench_with_input(BenchmarkId::new("tree_lookup", pods), f, |b, f| {
+            b.iter(|| f.tree.lookup(black_box(&f.chain)))
+        });
+        group.bench_with_input(BenchmarkId::new("snapshot_lookup", pods), f, |b, f| {
+            b.iter(|| snapshot.lookup(black_box(&f.chain)))
+        });
+        let cands = candidates(f, &m, f.chain.len());
+        group.bench_with_input(BenchmarkId::new("decide", pods), &cands, |b, cands| {
+            b.iter(|| {
+                tie += 1;
+                f.policy.decide(black_box(cands), false, tie, true)
+            })
+        });
+        group.bench_with_input(BenchmarkId::new("route", pods), f, |b, f| {
+            b.iter(|| {
+                tie += 1;
+                route(f, &snapshot, tie)
+            })
+        });
+    }
+    let f = &fixtures[0];
     group.bench_function("hash_16KiB", |b| {
         b.iter(|| f.hasher.chain(&f.target, black_box(&f.prompt), None))
     });
@@ -274,58 +341,44 @@ fn routing(c: &mut Criterion) {
     group.bench_function("hash_4096_tokens", |b| {
         b.iter(|| f.hasher.chain(&f.target, black_box(&tokens), None))
     });
-    group.bench_function("end_to_end_tree", |b| {
-        b.iter(|| {
-            tie += 1;
-            end_to_end(&f, &f.tree, tie)
-        })
-    });
-    group.bench_function("end_to_end_snapshot", |b| {
-        b.iter(|| {
-            tie += 1;
-            end_to_end(&f, &snapshot, tie)
-        })
-    });
     group.finish();
 
-    // Memory per indexed block.
-    let blocks = f.tree.len();
-    let shared_bytes: usize = f.store.values().map(Vec::len).sum();
-    println!(
-        "memory: PrefixTree {:.1} B/block ({} B for {blocks} blocks); SnapshotPublisher mirror {:.1} B/block ({} B); \
-         shared-data bucket values {:.1} B/block over {} buckets",
-        f.tree.memory_bytes() as f64 / blocks as f64,
-        f.tree.memory_bytes(),
-        f.publisher.memory_bytes() as f64 / blocks as f64,
-        f.publisher.memory_bytes(),
-        shared_bytes as f64 / blocks as f64,
-        f.config.snapshot_buckets(),
-    );
-
-    // Latency distribution of the end-to-end path, timed one by one.
-    for (name, percentiles) in [
-        (
-            "end_to_end_tree",
-            latency(10_000, |i| end_to_end(&f, &f.tree, i)),
-        ),
-        (
-            "end_to_end_snapshot",
-            latency(10_000, |i| end_to_end(&f, &snapshot, i)),
-        ),
-    ] {
+    for f in &fixtures {
+        // Memory per indexed block.
+        let blocks = f.tree.len();
+        let shared_bytes: usize = f.store.values().map(Vec::len).sum();
         println!(
-            "{name}: 10000 iterations, median {:.2} µs, p99 {:.2} µs, max {:.2} µs",
-            percentiles.0, percentiles.1, percentiles.2
+            "memory at {} pods: PrefixTree {:.1} B/block ({} B for {blocks} blocks); SnapshotPublisher mirror {:.1} B/block ({} B); \
+             shared-data bucket values {:.1} B/block over {} buckets",
+            f.pods,
+            f.tree.memory_bytes() as f64 / blocks as f64,
+            f.tree.memory_bytes(),
+            f.publisher.memory_bytes() as f64 / blocks as f64,
+            f.publisher.memory_bytes(),
+            shared_bytes as f64 / blocks as f64,
+            f.config.snapshot_buckets(),
+        );
+        // Latency distribution of the filter's native path, timed one by one.
+        let snapshot = SnapshotIndex {
+            buckets: f.publisher.bucket_count(),
+            fetch: |b: u32| f.store.get(&b).cloned(),
+        };
+        let (median, p99, max) = latency(10_000, |i| {
+            black_box(route(f, &snapshot, i));
+        });
+        println!(
+            "route at {} pods: 10000 iterations, median {median:.2} µs, p99 {p99:.2} µs, max {max:.2} µs",
+            f.pods
         );
     }
 }
 
 /// (median, p99, max) in µs of `n` individually timed calls.
-fn latency(n: u64, mut run: impl FnMut(u64) -> Decision) -> (f64, f64, f64) {
+fn latency(n: u64, mut run: impl FnMut(u64)) -> (f64, f64, f64) {
     let mut samples: Vec<f64> = (0..n)
         .map(|i| {
             let start = Instant::now();
-            black_box(run(i));
+            run(i);
             start.elapsed().as_secs_f64() * 1e6
         })
         .collect();

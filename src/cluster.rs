@@ -975,6 +975,7 @@ impl ClusterState {
             published_at_ms: now_ms,
             buckets: self.publisher.bucket_count(),
             pods,
+            adapter_index: Default::default(),
         }
     }
 

@@ -130,6 +130,29 @@ impl Default for BalanceConfig {
     }
 }
 
+/// Which pods a decision scores in a large pool
+/// ([`crate::scoring::candidates`]): every pod up to `exactUpTo` pods;
+/// past that, the pods holding the longest matches and the request's
+/// adapter until `holders` of each are eligible, and `sampled` eligible
+/// pods drawn at random (power-of-d choices).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct CandidatesConfig {
+    pub exact_up_to: usize,
+    pub holders: usize,
+    pub sampled: usize,
+}
+
+impl Default for CandidatesConfig {
+    fn default() -> Self {
+        CandidatesConfig {
+            exact_up_to: 64,
+            holders: 8,
+            sampled: 8,
+        }
+    }
+}
+
 /// Default `balance.prefillSlackTokens` ([`crate::scoring::balance`]).
 pub const DEFAULT_PREFILL_SLACK_TOKENS: u64 = 4096;
 
@@ -341,6 +364,8 @@ pub struct Config {
     pub attribute_scorers: Vec<AttributeScorerConfig>,
     pub max_queue: u32,
     pub balance: BalanceConfig,
+    /// Which pods a decision scores in a large pool.
+    pub candidates: CandidatesConfig,
     pub health_exclusion_threshold: f64,
     pub block_size_bytes: usize,
     pub block_size_tokens: usize,
@@ -439,6 +464,7 @@ impl Default for Config {
             attribute_scorers: Vec::new(),
             max_queue: 20,
             balance: BalanceConfig::default(),
+            candidates: CandidatesConfig::default(),
             health_exclusion_threshold: 0.3,
             block_size_bytes: 64,
             block_size_tokens: 16,
@@ -560,6 +586,17 @@ impl Config {
                 format!(
                     "must be at most {MAX_SHARE_WINDOW} decisions (got {})",
                     self.balance.share_window
+                ),
+            ));
+        }
+        positive("candidates.holders", self.candidates.holders as u64)?;
+        positive("candidates.sampled", self.candidates.sampled as u64)?;
+        if self.candidates.exact_up_to > MAX_PODS {
+            return Err(invalid(
+                "candidates.exactUpTo",
+                format!(
+                    "must be at most {MAX_PODS} (got {}; {MAX_PODS} scores every pod)",
+                    self.candidates.exact_up_to
                 ),
             ));
         }

@@ -34,7 +34,7 @@ use crate::chat_template::PromptRenderer;
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
-use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
+use crate::scoring::{Candidate, Decision, Exclusion, Pool, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
 
@@ -193,6 +193,84 @@ pub struct HoldOut {
     pub offered_blocks: u32,
 }
 
+/// Exclusions a 503's message names (the rest are counted).
+const NAMED_EXCLUSIONS: usize = 8;
+
+/// The pod table as the pool one decision scores: a pod becomes a
+/// [`Candidate`] only if [`crate::scoring::candidates`] asks for it.
+struct TablePool<'v, 'a> {
+    view: &'v ClusterView<'a>,
+    matches: &'v PrefixMatch,
+    coverage: Coverage,
+    adapter: Option<&'v str>,
+    stale_snapshot: bool,
+    staleness: &'v Staleness,
+}
+
+impl<'a> Pool<'a> for TablePool<'_, 'a> {
+    fn len(&self) -> usize {
+        self.view.table.pods.len()
+    }
+
+    fn candidate(&self, index: usize) -> Candidate<'a> {
+        let view = self.view;
+        let table: &'a PodTable = view.table;
+        let Some(pod) = table.pods.get(index) else {
+            return [].candidate(index);
+        };
+        let matched = self.matches.blocks(pod.slot);
+        let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
+        let inflight = load.requests;
+        let cached_tokens = self.coverage.tokens(matched);
+        Candidate {
+            slot: pod.slot,
+            id: &pod.id,
+            cache_match: self.coverage.fraction(matched),
+            cached_tokens,
+            uncached_tokens: self.coverage.prompt_tokens().saturating_sub(cached_tokens),
+            inflight,
+            queued_prefill: u64::from(load.prefill_tokens),
+            recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
+            busy_average: view.busy_average.get(pod.slot).copied().unwrap_or(0.0),
+            health: if self.stale_snapshot {
+                let age = view.now_ms.saturating_sub(pod.last_report_ms);
+                pod.reported_health * self.staleness.health_factor(age)
+            } else {
+                pod.health
+            },
+            load: pod.load,
+            queue: pod
+                .queue
+                .saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
+            adapter_loaded: self
+                .adapter
+                .is_some_and(|a| pod.adapters.iter().any(|loaded| loaded == a)),
+            attributes: &pod.attributes,
+        }
+    }
+
+    fn holders(&self) -> Vec<(usize, f64)> {
+        self.matches
+            .iter()
+            .filter_map(|(slot, blocks)| {
+                let index = self.view.table.index_of_slot(slot)?;
+                Some((index, self.coverage.fraction(blocks)))
+            })
+            .collect()
+    }
+
+    fn adapter_holders(&self) -> Vec<usize> {
+        self.adapter.map_or_else(Vec::new, |adapter| {
+            self.view
+                .table
+                .adapter_holders(adapter)
+                .iter()
+                .map(|&i| i as usize)
+                .collect()
+        })
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct Router {
@@ -341,54 +419,28 @@ impl Router {
         } else {
             view.index.lookup(&chain)
         };
-        let candidates: Vec<Candidate<'_>> = view
-            .table
-            .pods
-            .iter()
-            .map(|pod| {
-                let matched = matches.blocks(pod.slot);
-                let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
-                let inflight = load.requests;
-                let cached_tokens = coverage.tokens(matched);
-                Candidate {
-                    slot: pod.slot,
-                    id: &pod.id,
-                    cache_match: coverage.fraction(matched),
-                    cached_tokens,
-                    uncached_tokens: coverage.prompt_tokens().saturating_sub(cached_tokens),
-                    inflight,
-                    queued_prefill: u64::from(load.prefill_tokens),
-                    recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
-                    busy_average: view.busy_average.get(pod.slot).copied().unwrap_or(0.0),
-                    health: if stale_snapshot {
-                        let age = view.now_ms.saturating_sub(pod.last_report_ms);
-                        pod.reported_health * self.staleness.health_factor(age)
-                    } else {
-                        pod.health
-                    },
-                    load: pod.load,
-                    queue: pod
-                        .queue
-                        .saturating_add(inflight.saturating_sub(pod.inflight_at_report)),
-                    adapter_loaded: adapter.as_ref().is_some_and(|a| pod.adapters.contains(a)),
-                    attributes: &pod.attributes,
-                }
-            })
-            .collect();
+        let pool = TablePool {
+            view,
+            matches: &matches,
+            coverage,
+            adapter: adapter.as_deref(),
+            stale_snapshot,
+            staleness: &self.staleness,
+        };
         // A request leaving the wait queue goes to a pod only once that
         // pod has drained below `maxQueue`, one request per freed place:
         // the queue balances the pods already, and the guard would only
         // trade its cache hit for a miss on another pod that has room.
         let balance_guard = attempt == Attempt::Arrival;
-        let decision =
-            self.policy
-                .decide(&candidates, adapter.is_some(), tie_breaker, balance_guard);
+        let decision = self
+            .policy
+            .decide(&pool, adapter.is_some(), tie_breaker, balance_guard);
         let (pod, fallback) = match decision.chosen {
             Some(index) => (index, false),
             None => match self.fallback_index(view.table) {
                 Some(index) => (index, true),
                 None => {
-                    let rejected = self.no_eligible_pod(&decision, &candidates);
+                    let rejected = self.no_eligible_pod(&decision, view.table);
                     if self.config.on_no_eligible_pod != NoPodPolicy::Wait {
                         return Outcome::Rejected(rejected);
                     }
@@ -396,9 +448,8 @@ impl Router {
                 }
             },
         };
-        // Candidates are the table's pods in order, so `pod` indexes both.
-        let (Some(chosen), Some(candidate)) = (view.table.pods.get(pod), candidates.get(pod))
-        else {
+        // The pool's indexes are the table's.
+        let (Some(chosen), candidate) = (view.table.pods.get(pod), pool.candidate(pod)) else {
             return Outcome::Rejected(Rejected {
                 status: 503,
                 kind: "ServiceUnavailableError",
@@ -408,7 +459,7 @@ impl Router {
         };
         let matched_blocks = matches.blocks(chosen.slot);
         if !fallback {
-            let hold = self.hold_out(&decision, &candidates, &matches, matched_blocks);
+            let hold = self.hold_out(&decision, view.table, &matches, matched_blocks);
             if let Some(hold) =
                 hold.filter(|h| attempt.holding_ms() < self.hold_bound_ms(h, &coverage))
             {
@@ -464,7 +515,7 @@ impl Router {
     fn hold_out(
         &self,
         decision: &Decision,
-        candidates: &[Candidate<'_>],
+        table: &PodTable,
         matches: &PrefixMatch,
         offered_blocks: u32,
     ) -> Option<HoldOut> {
@@ -475,8 +526,8 @@ impl Router {
             .excluded
             .iter()
             .filter(|(_, why)| matches!(why, Exclusion::QueueFull { .. }))
-            .filter_map(|(i, _)| candidates.get(*i))
-            .map(|c| (matches.blocks(c.slot), c.id))
+            .filter_map(|(i, _)| table.pods.get(*i))
+            .map(|p| (matches.blocks(p.slot), p.id.as_str()))
             .max_by_key(|(blocks, _)| *blocks)?;
         (held_blocks > offered_blocks).then(|| HoldOut {
             pod_id: pod_id.to_string(),
@@ -522,20 +573,25 @@ impl Router {
         }
     }
 
-    /// The 503 for a request no pod can take, naming every exclusion.
-    fn no_eligible_pod(&self, decision: &Decision, candidates: &[Candidate<'_>]) -> Rejected {
+    /// The 503 for a request no pod can take, naming the first
+    /// [`NAMED_EXCLUSIONS`] exclusions (a pool has up to 1,024 pods).
+    fn no_eligible_pod(&self, decision: &Decision, table: &PodTable) -> Rejected {
+        let excluded = decision.excluded.len();
+        let mut named: Vec<String> = decision
+            .excluded
+            .iter()
+            .take(NAMED_EXCLUSIONS)
+            .filter_map(|(i, why)| table.pods.get(*i).map(|p| format!("{} {why}", p.id)))
+            .collect();
+        if excluded > NAMED_EXCLUSIONS {
+            named.push(format!("and {} more", excluded - NAMED_EXCLUSIONS));
+        }
         Rejected {
             status: 503,
             kind: "ServiceUnavailableError",
             message: format!(
-                "no inference pod can take the request ({} excluded: {})",
-                decision.excluded.len(),
-                decision
-                    .excluded
-                    .iter()
-                    .filter_map(|(i, why)| candidates.get(*i).map(|c| format!("{} {why}", c.id)))
-                    .collect::<Vec<_>>()
-                    .join("; ")
+                "no inference pod can take the request ({excluded} excluded: {})",
+                named.join("; ")
             ),
             retry_after: Some(self.config.retry_after_seconds),
         }

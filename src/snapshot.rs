@@ -22,7 +22,7 @@
 //! holder). The publisher mirrors the buckets and re-encodes only the ones
 //! touched since the last tick.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
@@ -323,7 +323,11 @@ pub struct PodTable {
     /// When the service published it (ms since the Unix epoch).
     pub published_at_ms: u64,
     pub buckets: u32,
+    /// Ordered by slot (as the service publishes them).
     pub pods: Vec<PublishedPod>,
+    /// Which pods have each adapter loaded, built on first use.
+    #[serde(skip)]
+    pub adapter_index: AdapterIndex,
 }
 
 impl PodTable {
@@ -334,6 +338,49 @@ impl PodTable {
 
     pub fn decode(bytes: &[u8]) -> Result<PodTable, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("malformed pod table: {e}"))
+    }
+
+    /// The index in `pods` of the pod in `slot`: a binary search, as pods
+    /// are ordered by slot (a table that is not falls back to a scan).
+    pub fn index_of_slot(&self, slot: usize) -> Option<usize> {
+        match self.pods.binary_search_by_key(&slot, |p| p.slot) {
+            Ok(index) => Some(index),
+            Err(_) => self.pods.iter().position(|p| p.slot == slot),
+        }
+    }
+
+    /// Indexes in `pods` of the pods with `adapter` loaded.
+    pub fn adapter_holders(&self, adapter: &str) -> &[u32] {
+        self.adapter_index
+            .0
+            .get_or_init(|| {
+                let mut index: HashMap<String, Vec<u32>> = HashMap::new();
+                for (i, pod) in self.pods.iter().enumerate() {
+                    for name in &pod.adapters {
+                        index.entry(name.clone()).or_default().push(i as u32);
+                    }
+                }
+                index
+            })
+            .get(adapter)
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
+/// [`PodTable::adapter_holders`]' index: derived from the table, so it is
+/// neither compared nor cloned (a clone builds its own on first use).
+#[derive(Debug, Default)]
+pub struct AdapterIndex(std::sync::OnceLock<HashMap<String, Vec<u32>>>);
+
+impl Clone for AdapterIndex {
+    fn clone(&self) -> Self {
+        AdapterIndex::default()
+    }
+}
+
+impl PartialEq for AdapterIndex {
+    fn eq(&self, _: &Self) -> bool {
+        true
     }
 }
 

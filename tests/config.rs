@@ -415,6 +415,32 @@ fn pod_rules() {
         let message = rejects(&with_pods(&format!(r#""maxPods": {max_pods}"#)), "maxPods");
         assert!(message.contains("must be 1 to 1024"), "{message}");
     }
+    // The candidate set of a large pool.
+    rejects(
+        &with_pods(r#""candidates": {"holders": 0}"#),
+        "candidates.holders",
+    );
+    rejects(
+        &with_pods(r#""candidates": {"sampled": 0}"#),
+        "candidates.sampled",
+    );
+    rejects(
+        &with_pods(r#""candidates": {"exactUpTo": 1025}"#),
+        "candidates.exactUpTo",
+    );
+    rejects(
+        &with_pods(r#""candidates": {"sample": 4}"#),
+        "candidates.sample",
+    );
+    let config = parse(&with_pods(r#""candidates": {"exactUpTo": 1024}"#)).unwrap();
+    assert_eq!(
+        (
+            config.candidates.exact_up_to,
+            config.candidates.holders,
+            config.candidates.sampled
+        ),
+        (1024, 8, 8)
+    );
     // Attributes are numeric.
     let config = parse(
         r#"{"pods": [{"id": "a", "address": "10.0.0.1:1", "attributes": {"costPerHour": 2.5}}]}"#,

@@ -1091,3 +1091,82 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
     });
     assert_eq!(off.decide(&behind, false, 0, true).chosen, Some(0));
 }
+
+/// A pool of `health`, `queue` and cache matches per pod, as candidates.
+fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
+    pods.iter()
+        .enumerate()
+        .map(|(slot, &(health, queue, cache))| Candidate {
+            slot,
+            id: "p",
+            cache_match: cache,
+            cached_tokens: (cache * 4096.0) as u64,
+            uncached_tokens: ((1.0 - cache) * 4096.0) as u64,
+            inflight: queue,
+            queued_prefill: 0,
+            recent_decisions: 0,
+            busy_average: 0.0,
+            load: f64::from(queue % 10) / 10.0,
+            queue,
+            health,
+            adapter_loaded: slot % 97 == 0,
+            attributes: &NO_ATTRIBUTES,
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 64,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Past `candidates.exactUpTo` a decision scores a set of bounded size,
+    /// and the exclusion rules hold exactly as when every pod is scored:
+    /// the chosen pod is eligible, and a request is refused only when no
+    /// pod of the pool can take it.
+    #[test]
+    fn a_large_pool_keeps_the_exclusions_exact(
+        pods in prop::collection::vec(
+            (prop_oneof![3 => Just(1.0), 1 => 0.0f64..0.6], prop_oneof![3 => 0u32..19, 2 => 20u32..40],
+             prop_oneof![4 => Just(0.0), 1 => 0.0f64..1.0]),
+            65..400),
+        needs_adapter in any::<bool>(),
+        tie_breaker in any::<u64>(),
+    ) {
+        let pool = large_pool(&pods);
+        let set = ScoringPolicy::from_config(&Config::default());
+        let exact = ScoringPolicy::from_config(&Config {
+            candidates: kvroute::config::CandidatesConfig { exact_up_to: 1024, ..Default::default() },
+            ..Config::default()
+        });
+        let d = set.decide(&pool, needs_adapter, tie_breaker, true);
+        let e = exact.decide(&pool, needs_adapter, tie_breaker, true);
+        prop_assert_eq!(e.scored.len() + e.excluded.len(), pods.len());
+        prop_assert_eq!(d.chosen.is_none(), e.chosen.is_none(), "refused iff every pod is excluded");
+        if let Some(chosen) = d.chosen {
+            prop_assert!(set.exclusion(&pool[chosen]).is_none(), "chose an excluded pod");
+            // At most `holders` eligible pods per source (longest holders,
+            // adapter holders), `sampled` drawn.
+            prop_assert!(d.scored.len() <= 3 * 8, "bounded: {}", d.scored.len());
+            for (i, why) in &d.excluded {
+                prop_assert_eq!(set.exclusion(&pool[*i]), Some(*why));
+            }
+            for s in &d.scored {
+                prop_assert!(set.exclusion(&pool[s.index]).is_none());
+            }
+            // The longest match among eligible pods is always scored.
+            let longest = pool.iter().enumerate()
+                .filter(|(_, c)| set.exclusion(c).is_none())
+                .map(|(i, c)| (c.cache_match, i))
+                .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a });
+            if longest.0 > 0.0 {
+                let best_scored = d.scored.iter().map(|s| pool[s.index].cache_match).fold(0.0, f64::max);
+                prop_assert_eq!(best_scored, longest.0);
+            }
+        } else {
+            prop_assert_eq!(d.excluded.len(), pods.len(), "every exclusion listed");
+        }
+    }
+}

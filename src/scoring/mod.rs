@@ -19,15 +19,22 @@
 //! and queue terms decide: a cold start goes to the least-loaded pod.
 //!
 //! Each factor is a [`Scorer`] (one per file: [`factors`], [`attribute`]);
-//! compiled-in scorers implement the same trait. Cost: O(pods × scorers).
+//! compiled-in scorers implement the same trait. Which pods are scored is
+//! [`candidates`]' choice: every pod of a pool of up to
+//! `candidates.exactUpTo` (64), else a set of bounded size (the longest
+//! holders, the adapter holders, power-of-d draws) with the exclusions
+//! exact. Cost: O(candidates × scorers), candidates ≤ 64 by default.
 
 pub mod attribute;
 pub mod balance;
+pub mod candidates;
 pub mod factors;
 
 use std::collections::BTreeMap;
 
-use crate::config::{BalanceConfig, Config, ConfigError};
+pub use candidates::Pool;
+
+use crate::config::{BalanceConfig, CandidatesConfig, Config, ConfigError};
 
 const TIE_EPSILON: f64 = 1e-9;
 
@@ -81,7 +88,7 @@ pub trait Scorer: std::fmt::Debug + Send + Sync {
     fn score(&self, candidate: &Candidate<'_>, context: &DecisionContext<'_>) -> f64;
 }
 
-/// Why a pod was not a candidate.
+/// Why a pod cannot take the request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Exclusion {
     Unhealthy { health: f64 },
@@ -100,19 +107,22 @@ impl std::fmt::Display for Exclusion {
 /// A candidate's per-scorer values and composite.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoredPod {
-    /// Index into the candidates given to [`ScoringPolicy::decide`].
+    /// Index into the pool given to [`ScoringPolicy::decide`].
     pub index: usize,
     /// One value per scorer, in [`ScoringPolicy::scorer_names`] order.
     pub factors: Vec<f64>,
     pub composite: f64,
 }
 
-/// A decision and its explanation.
+/// A decision and its explanation, over the pods it scored (the whole
+/// pool, or the candidate set of a large one).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
-    /// Index of the chosen candidate, `None` when every pod was excluded.
+    /// Pool index of the chosen pod, `None` when every pod was excluded.
     pub chosen: Option<usize>,
     pub scored: Vec<ScoredPod>,
+    /// Pods of the set that cannot take requests, with the reason (every
+    /// excluded pod of the pool when none can).
     pub excluded: Vec<(usize, Exclusion)>,
 }
 
@@ -123,8 +133,9 @@ impl Decision {
         self.scored.iter().find(|s| s.index == chosen)
     }
 
-    /// Candidate indexes to try in order: the chosen pod, then the other
-    /// eligible pods by composite, highest first (ties in candidate order).
+    /// Pool indexes to try in order: the chosen pod, then the other
+    /// eligible pods scored, by composite, highest first (ties in index
+    /// order).
     /// Empty when every pod was excluded.
     pub fn ranked(&self) -> Vec<usize> {
         let Some(chosen) = self.chosen else {
@@ -144,6 +155,7 @@ impl Decision {
 pub struct ScoringPolicy {
     scorers: Vec<Box<dyn Scorer>>,
     balance: BalanceConfig,
+    candidates: CandidatesConfig,
     max_queue: u32,
     health_threshold: f64,
 }
@@ -169,6 +181,7 @@ impl ScoringPolicy {
         ScoringPolicy {
             scorers,
             balance: config.balance.clone(),
+            candidates: config.candidates.clone(),
             max_queue: config.max_queue,
             health_threshold: config.health_exclusion_threshold,
         }
@@ -190,6 +203,7 @@ impl ScoringPolicy {
         Ok(ScoringPolicy {
             scorers,
             balance: BalanceConfig::default(),
+            candidates: CandidatesConfig::default(),
             max_queue,
             health_threshold,
         })
@@ -218,27 +232,42 @@ impl ScoringPolicy {
         }
     }
 
-    /// Scores `pods` and picks one. `tie_breaker` (any per-request varying
-    /// number, e.g. a counter) spreads exact ties evenly; `balance_guard`
-    /// applies [`balance`].
-    pub fn decide(
+    /// Scores the pods of `pool` ([`candidates::select`] picks which) and
+    /// picks one. `tie_breaker` (any per-request varying number, e.g. a
+    /// counter) spreads exact ties evenly and seeds the candidate set's
+    /// draws; `balance_guard` applies [`balance`].
+    pub fn decide<'a, P: Pool<'a> + ?Sized>(
         &self,
-        pods: &[Candidate<'_>],
+        pool: &P,
         needs_adapter: bool,
         tie_breaker: u64,
         balance_guard: bool,
     ) -> Decision {
+        let set = candidates::select(pool, &self.candidates, needs_adapter, tie_breaker, |c| {
+            self.exclusion(c).is_none()
+        });
         let mut excluded = Vec::new();
-        let mut eligible = Vec::with_capacity(pods.len());
-        for (index, pod) in pods.iter().enumerate() {
-            match self.exclusion(pod) {
+        let mut eligible = Vec::with_capacity(set.len());
+        let mut eligible_pods: Vec<Candidate<'a>> = Vec::with_capacity(set.len());
+        for (index, pod) in set {
+            match self.exclusion(&pod) {
                 Some(reason) => excluded.push((index, reason)),
-                None => eligible.push(index),
+                None => {
+                    eligible.push(index);
+                    eligible_pods.push(pod);
+                }
             }
         }
-        let mut eligible_pods: Vec<Candidate<'_>> = eligible
+        // Ties are decided on the pods' own load and queue, not on what
+        // the guards changed.
+        let tie_keys: Vec<(f64, f64)> = eligible_pods
             .iter()
-            .filter_map(|&i| pods.get(i).cloned())
+            .map(|p| {
+                (
+                    unit(1.0 - p.load),
+                    factors::queue_score(p.queue, self.max_queue),
+                )
+            })
             .collect();
         if balance_guard {
             self.apply_balance_guards(&mut eligible_pods);
@@ -273,7 +302,7 @@ impl ScoringPolicy {
                 }
             })
             .collect();
-        let chosen = self.pick(pods, &scored, tie_breaker);
+        let chosen = pick(&scored, &tie_keys, tie_breaker);
         Decision {
             chosen,
             scored,
@@ -326,42 +355,36 @@ impl ScoringPolicy {
             }
         }
     }
+}
 
-    fn pick(
-        &self,
-        pods: &[Candidate<'_>],
-        scored: &[ScoredPod],
-        tie_breaker: u64,
-    ) -> Option<usize> {
-        let load_score = |s: &ScoredPod| pods.get(s.index).map_or(0.0, |p| unit(1.0 - p.load));
-        let queue_score = |s: &ScoredPod| {
-            pods.get(s.index)
-                .map_or(0.0, |p| factors::queue_score(p.queue, self.max_queue))
-        };
-        let key = |s: &ScoredPod| (s.composite, load_score(s), queue_score(s));
-        let better = |a: (f64, f64, f64), b: (f64, f64, f64)| {
-            for (x, y) in [(a.0, b.0), (a.1, b.1), (a.2, b.2)] {
-                if x > y + TIE_EPSILON {
-                    return Some(true);
-                }
-                if y > x + TIE_EPSILON {
-                    return Some(false);
-                }
+/// The highest composite, ties (within [`TIE_EPSILON`]) to the higher load
+/// score, then the higher queue score (`tie_keys`, aligned with `scored`),
+/// then rotating by `tie_breaker`.
+fn pick(scored: &[ScoredPod], tie_keys: &[(f64, f64)], tie_breaker: u64) -> Option<usize> {
+    let key = |i: usize| {
+        let (load, queue) = tie_keys.get(i).copied().unwrap_or((0.0, 0.0));
+        (scored.get(i).map_or(0.0, |s| s.composite), load, queue)
+    };
+    let better = |a: (f64, f64, f64), b: (f64, f64, f64)| {
+        for (x, y) in [(a.0, b.0), (a.1, b.1), (a.2, b.2)] {
+            if x > y + TIE_EPSILON {
+                return Some(true);
             }
-            None
-        };
-        let best = scored
-            .iter()
-            .map(key)
-            .reduce(|a, b| if better(b, a) == Some(true) { b } else { a })?;
-        let ties: Vec<usize> = scored
-            .iter()
-            .filter(|s| better(key(s), best).is_none())
-            .map(|s| s.index)
-            .collect();
-        let turn = tie_breaker % (ties.len().max(1) as u64);
-        ties.get(turn as usize).copied()
-    }
+            if y > x + TIE_EPSILON {
+                return Some(false);
+            }
+        }
+        None
+    };
+    let best = (0..scored.len())
+        .map(key)
+        .reduce(|a, b| if better(b, a) == Some(true) { b } else { a })?;
+    let ties: Vec<usize> = (0..scored.len())
+        .filter(|&i| better(key(i), best).is_none())
+        .filter_map(|i| scored.get(i).map(|s| s.index))
+        .collect();
+    let turn = tie_breaker % (ties.len().max(1) as u64);
+    ties.get(turn as usize).copied()
 }
 
 /// Clamps into [0, 1]; NaN counts as 0.
