@@ -12,8 +12,9 @@
 //!   `removed`; a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
 //!   a full resync next tick;
-//! - a report is folded in steps ([`FOLD_STEP_BLOCKS`] blocks or
-//!   [`FOLD_STEP_SLOTS`] slab slots of a drop each): parse, drop the pod's
+//! - a report is folded in steps ([`FOLD_STEP_BLOCKS`] blocks stored,
+//!   removed or dropped each, a dropped root's subtree at once): parse,
+//!   drop the pod's
 //!   blocks (full or discontinuous), store, remove, then the pod's record.
 //!   Publications between steps show the pod's blocks part-way: a resync
 //!   happens when the index is already wrong for that pod (restart, gap);
@@ -59,9 +60,6 @@ pub const PUBLISH_BUCKETS: usize = 64;
 /// millisecond of Envoy's main thread, even where each new block's table
 /// entry lands on a page not touched before (a page fault each).
 pub const FOLD_STEP_BLOCKS: usize = 512;
-
-/// Slab slots a drop scans per [`ClusterState::fold_step`].
-pub const FOLD_STEP_SLOTS: usize = 16_384;
 
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,11 +132,14 @@ struct ReportFold {
     ends_fallback: bool,
     phase: FoldPhase,
     summary: ReportSummary,
+    /// The pod's roots when the drop began ([`PrefixTree::roots_of`]).
+    roots: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum FoldPhase {
-    /// Dropping the pod's blocks, resuming at this slab slot.
+    /// Dropping the pod's blocks: removing its roots (listed in
+    /// [`ReportFold::roots`]) from this one on.
     Drop(usize),
     /// Storing `report.stored[chain]` from hash `offset` on.
     Store {
@@ -367,7 +368,15 @@ impl ClusterState {
     /// slot and state while their id and address stay; a pod that left has
     /// its blocks dropped and its slot reused.
     pub fn set_pods(&mut self, pods: &[PodConfig], now_ms: u64) -> PodSetChange {
-        // O(pods): a discovered list of 1,024 pods is reconciled every round.
+        // O(pods): a discovered list of 1,024 pods is reconciled every
+        // round, and is most often the same list.
+        let unchanged = pods.len() == self.pods.len()
+            && pods
+                .iter()
+                .all(|pod| self.record(&pod.id).is_some_and(|r| r.config == *pod));
+        if unchanged {
+            return PodSetChange::default();
+        }
         let wanted: HashMap<&str, &str> = pods
             .iter()
             .map(|p| (p.id.as_str(), p.address.as_str()))
@@ -438,7 +447,18 @@ impl ClusterState {
         self.pods.iter().map(|r| &r.config)
     }
 
-    /// Slot (index bit and in-flight counter) of `pod_id`.
+    /// The pod `pod_id`, if in the list.
+    pub fn pod(&self, pod_id: &str) -> Option<&PodConfig> {
+        self.record(pod_id).map(|r| &r.config)
+    }
+
+    /// Whether the next report call of `pod_id` asks for everything
+    /// (`since=0`: no report of a known epoch folded yet).
+    pub fn needs_resync(&self, pod_id: &str) -> bool {
+        self.record(pod_id).is_none_or(|r| r.epoch.is_none())
+    }
+
+    /// Slot (holder and in-flight counter) of `pod_id`.
     pub fn slot(&self, pod_id: &str) -> Option<usize> {
         self.record(pod_id).map(|r| r.slot)
     }
@@ -508,8 +528,8 @@ impl ClusterState {
     }
 
     /// One bounded step of folding the oldest accepted answer: at most
-    /// `max_blocks` blocks stored or removed (or `max_blocks` × 32 slab
-    /// slots of a drop), or parsing one body (bounded by `maxReportBytes`).
+    /// `max_blocks` blocks stored, removed or dropped (a dropped root's
+    /// subtree at once), or parsing one body (bounded by `maxReportBytes`).
     /// `None` when nothing waits.
     pub fn fold_step(&mut self, now_ms: u64, max_blocks: usize) -> Option<FoldStep> {
         if let Some(mut fold) = self.folding.take() {
@@ -685,6 +705,7 @@ impl ClusterState {
             ends_fallback,
             phase,
             summary,
+            roots: Vec::new(),
         })
     }
 
@@ -695,19 +716,31 @@ impl ClusterState {
         while budget > 0 {
             fold.phase = match fold.phase {
                 FoldPhase::Drop(from) => {
-                    let slots = budget.saturating_mul(FOLD_STEP_SLOTS / FOLD_STEP_BLOCKS);
-                    // A drop that ends early leaves the rest of the step
-                    // to storing (the overrun is under one step's scan).
-                    match tree.drop_pod_from(fold.slot, from, slots) {
-                        Some(next) => {
-                            budget = 0;
-                            FoldPhase::Drop(next)
+                    if from == 0 {
+                        fold.roots = tree.roots_of(fold.slot);
+                    }
+                    // Root by root (a root's subtree at once) until the
+                    // pod lost the budget's worth of blocks.
+                    let held = tree.pod_block_count(fold.slot);
+                    let mut next = from;
+                    while let Some(root) = fold.roots.get(next) {
+                        if held - tree.pod_block_count(fold.slot) >= budget {
+                            break;
                         }
-                        None if fold.applies => FoldPhase::Store {
+                        tree.remove_blocks(fold.slot, std::slice::from_ref(root));
+                        next += 1;
+                    }
+                    budget = budget.saturating_sub((held - tree.pod_block_count(fold.slot)).max(1));
+                    if next < fold.roots.len() {
+                        budget = 0;
+                        FoldPhase::Drop(next)
+                    } else if fold.applies {
+                        FoldPhase::Store {
                             chain: 0,
                             offset: 0,
-                        },
-                        None => FoldPhase::Done,
+                        }
+                    } else {
+                        FoldPhase::Done
                     }
                 }
                 FoldPhase::Store { chain, offset } => {
@@ -970,13 +1003,16 @@ impl ClusterState {
                 inflight_at_report: r.inflight_at_report,
             })
             .collect();
-        PodTable {
+        let mut table = PodTable {
             generation: self.generation,
             published_at_ms: now_ms,
             buckets: self.publisher.bucket_count(),
+            members_digest: 0,
             pods,
             adapter_index: Default::default(),
-        }
+        };
+        table.members_digest = members_digest(&table);
+        table
     }
 
     fn record(&self, pod_id: &str) -> Option<&PodRecord> {
@@ -988,6 +1024,26 @@ impl ClusterState {
             .get(pod_id)
             .and_then(|&i| self.pods.get_mut(i))
     }
+}
+
+/// A digest of what [`PodTable::encode_state`] leaves out: pods, slots,
+/// addresses, adapters, attributes, bucket count.
+fn members_digest(table: &PodTable) -> u64 {
+    let mut digest = xxhash_rust::xxh64::Xxh64::new(u64::from(table.buckets));
+    for pod in &table.pods {
+        digest.update(&(pod.slot as u64).to_le_bytes());
+        for text in [&pod.id, &pod.address].into_iter().chain(&pod.adapters) {
+            digest.update(text.as_bytes());
+            digest.update(&[0]);
+        }
+        digest.update(&[1]);
+        for (name, value) in &pod.attributes {
+            digest.update(name.as_bytes());
+            digest.update(&value.to_le_bytes());
+        }
+        digest.update(&[2]);
+    }
+    digest.digest()
 }
 
 fn union(a: &[String], b: &[String]) -> Vec<String> {

@@ -15,6 +15,7 @@
 //!   outlier ejections are passing and left to kvroute's passive health. A
 //!   cluster missing from the answer is an error, never an empty pod set.
 
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 
 use serde::Deserialize;
@@ -127,6 +128,7 @@ pub fn parse_cluster_members(
         .find(|c| c.name == membership.cluster)
         .ok_or_else(|| format!("Envoy has no cluster {:?}", membership.cluster))?;
     let mut pods: Vec<PodConfig> = Vec::new();
+    let mut seen = HashSet::new();
     for host in cluster.host_statuses {
         if !host.health_status.member() {
             continue;
@@ -142,7 +144,7 @@ pub fn parse_cluster_members(
         })?;
         let at = |port: u16| SocketAddr::new(ip, port).to_string();
         let address = at(socket.port_value);
-        if pods.iter().any(|p| p.address == address) {
+        if !seen.insert(address.clone()) {
             continue;
         }
         pods.push(PodConfig {

@@ -236,8 +236,8 @@ impl ReportPolling {
 
     /// Forgets pods not in `pods` (after discovery changed the list).
     pub fn retain<'a>(&mut self, pods: impl Iterator<Item = &'a str>) {
-        let keep: Vec<&str> = pods.collect();
-        self.pods.retain(|id, _| keep.contains(&id.as_str()));
+        let keep: std::collections::HashSet<&str> = pods.collect();
+        self.pods.retain(|id, _| keep.contains(id.as_str()));
     }
 
     fn outstanding_mut(&mut self, pod: &str) -> Option<&mut Outstanding> {

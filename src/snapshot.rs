@@ -6,7 +6,8 @@
 //!
 //! | key                     | value                                          | read per request |
 //! |-------------------------|------------------------------------------------|------------------|
-//! | `kvroute/pods`          | JSON [`PodTable`]: generation, bucket count, per pod id, address, queue, load, health, adapters, attributes | only when the generation changes |
+//! | `kvroute/pods`          | JSON [`PodTable`]: generation, members digest, bucket count, per pod id, address, queue, load, health, adapters, attributes | only when the members digest changes |
+//! | `kvroute/podstate`      | binary: generation, publication time, members digest, then per pod (in the JSON's order) queue, in-flight at report, last report, load, health, reported health ([`PodTable::encode_state`], 40 B a pod) | when the generation changes |
 //! | `kvroute/generation`    | the table's generation, 8 bytes LE             | once |
 //! | `kvroute/idx/{b:x}`     | bucket `b`: entry count (u32 LE), then per block ordered by hash its hash (u64 LE) and holders (4 × u16 LE, [`encode_bucket`]), 16 B each, then the holder lists of blocks with more than four | O(k log n) buckets |
 //! | `kvroute/workers`       | how many workers claimed an in-flight key, u32 LE | only when the generation changes |
@@ -30,6 +31,8 @@ use crate::index::holders::{CompactSet, Holder, HolderArena, INLINE};
 use crate::index::{match_by_bisection, PrefixLookup, PrefixMatch};
 
 pub const POD_TABLE_KEY: &str = "kvroute/pods";
+/// The pod table's numbers of every generation ([`PodTable::encode_state`]).
+pub const POD_STATE_KEY: &str = "kvroute/podstate";
 pub const GENERATION_KEY: &str = "kvroute/generation";
 pub const WORKERS_KEY: &str = "kvroute/workers";
 /// Shared queue carrying approximate-mode decisions from filters to the service.
@@ -323,6 +326,12 @@ pub struct PodTable {
     /// When the service published it (ms since the Unix epoch).
     pub published_at_ms: u64,
     pub buckets: u32,
+    /// A digest of everything [`PodTable::encode_state`] leaves out (the
+    /// pods, their slots, addresses, adapters and attributes, the bucket
+    /// count): the JSON table is written only when it changes, and a
+    /// state applies only to a table of the same digest.
+    #[serde(default)]
+    pub members_digest: u64,
     /// Ordered by slot (as the service publishes them).
     pub pods: Vec<PublishedPod>,
     /// Which pods have each adapter loaded, built on first use.
@@ -338,6 +347,63 @@ impl PodTable {
 
     pub fn decode(bytes: &[u8]) -> Result<PodTable, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("malformed pod table: {e}"))
+    }
+
+    /// What changes with every generation, in binary (a JSON table of
+    /// 1,024 pods is 190 KB and 0.6 ms to decode natively, this 40 KB and
+    /// a copy): generation, publication time, members digest (u64 LE
+    /// each), then per pod in table order its queue and in-flight count at
+    /// report (u32 LE), last report time (u64 LE), load, health and
+    /// reported health (f64 LE).
+    pub fn encode_state(&self) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(STATE_HEADER_BYTES + self.pods.len() * POD_STATE_BYTES);
+        for word in [self.generation, self.published_at_ms, self.members_digest] {
+            bytes.extend_from_slice(&word.to_le_bytes());
+        }
+        for pod in &self.pods {
+            bytes.extend_from_slice(&pod.queue.to_le_bytes());
+            bytes.extend_from_slice(&pod.inflight_at_report.to_le_bytes());
+            bytes.extend_from_slice(&pod.last_report_ms.to_le_bytes());
+            for value in [pod.load, pod.health, pod.reported_health] {
+                bytes.extend_from_slice(&value.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    /// Brings the table to an encoded state of the same members
+    /// generation; an error (table unchanged) when it is of another, or
+    /// malformed.
+    pub fn apply_state(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let members = state_members_digest(bytes).ok_or("pod state too short")?;
+        if members != self.members_digest {
+            return Err(format!(
+                "pod state of members digest {members}, table of {}",
+                self.members_digest
+            ));
+        }
+        if bytes.len() != STATE_HEADER_BYTES + self.pods.len() * POD_STATE_BYTES {
+            return Err(format!(
+                "pod state of {} bytes for {} pods",
+                bytes.len(),
+                self.pods.len()
+            ));
+        }
+        let word = |at: usize| le_u64(bytes, at).unwrap_or_default();
+        let half = |at: usize| le_u32(bytes, at).unwrap_or_default();
+        let float = |at: usize| f64::from_bits(word(at));
+        self.generation = word(0);
+        self.published_at_ms = word(8);
+        for (i, pod) in self.pods.iter_mut().enumerate() {
+            let at = STATE_HEADER_BYTES + i * POD_STATE_BYTES;
+            pod.queue = half(at);
+            pod.inflight_at_report = half(at + 4);
+            pod.last_report_ms = word(at + 8);
+            pod.load = float(at + 16);
+            pod.health = float(at + 24);
+            pod.reported_health = float(at + 32);
+        }
+        Ok(())
     }
 
     /// The index in `pods` of the pod in `slot`: a binary search, as pods
@@ -365,6 +431,14 @@ impl PodTable {
             .get(adapter)
             .map_or(&[], Vec::as_slice)
     }
+}
+
+const STATE_HEADER_BYTES: usize = 24;
+const POD_STATE_BYTES: usize = 40;
+
+/// The members digest of the table an encoded pod state belongs to.
+pub fn state_members_digest(bytes: &[u8]) -> Option<u64> {
+    le_u64(bytes, 16)
 }
 
 /// [`PodTable::adapter_holders`]' index: derived from the table, so it is
@@ -549,6 +623,53 @@ mod tests {
         publisher.apply_tree(&mut tree);
         let (_, bytes) = publisher.take_dirty(1).pop().unwrap();
         assert_eq!(bytes.len(), 4 + 16);
+    }
+
+    #[test]
+    fn the_pod_state_carries_every_generation_s_numbers() {
+        let pod = |slot: usize| PublishedPod {
+            slot,
+            id: format!("pod-{slot}"),
+            address: format!("10.0.0.{slot}:8000"),
+            queue: 3,
+            load: 0.25,
+            health: 0.9,
+            reported_health: 1.0,
+            last_report_ms: 1_700_000_000_000,
+            adapters: vec!["lora".into()],
+            attributes: BTreeMap::new(),
+            inflight_at_report: 2,
+        };
+        let old = PodTable {
+            generation: 4,
+            published_at_ms: 100,
+            buckets: 64,
+            members_digest: 2,
+            pods: vec![pod(0), pod(5)],
+            ..PodTable::default()
+        };
+        let mut new = old.clone();
+        new.generation = 9;
+        new.published_at_ms = 200;
+        new.pods[1].queue = 17;
+        new.pods[1].load = 0.123_456_789;
+        new.pods[0].health = 0.1;
+        new.pods[0].last_report_ms += 5;
+        let state = new.encode_state();
+        assert_eq!(state.len(), 24 + 2 * 40);
+        assert_eq!(state_members_digest(&state), Some(2));
+        let mut decoded = PodTable::decode(&old.encode()).unwrap();
+        decoded.apply_state(&state).unwrap();
+        assert_eq!(decoded, new, "exact, f64s included");
+        let mut other = new.clone();
+        other.members_digest = 3;
+        assert!(decoded.apply_state(&other.encode_state()).is_err());
+        assert!(decoded.apply_state(&state[..state.len() - 1]).is_err());
+        assert!(decoded.apply_state(&[]).is_err());
+        assert_eq!(decoded, new, "unchanged by refused states");
+        assert_eq!(decoded.adapter_holders("lora"), [0, 1]);
+        assert_eq!(decoded.index_of_slot(5), Some(1));
+        assert_eq!(decoded.index_of_slot(4), None);
     }
 
     #[test]

@@ -153,6 +153,78 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// The first of `n` consecutive loopback ports nothing listens on (below
+/// the ephemeral range, where the kernel hands out no client ports), none
+/// handed out before by [`free_port`] or this.
+pub fn free_port_range(n: usize) -> u16 {
+    static NEXT: std::sync::Mutex<u16> = std::sync::Mutex::new(0);
+    let mut next = NEXT.lock().unwrap_or_else(|e| e.into_inner());
+    if *next == 0 {
+        // Apart per process, so that parallel runs rarely meet.
+        *next = 20_000 + (std::process::id() % 400) as u16 * 25;
+    }
+    loop {
+        let base = *next;
+        *next = if base > 32_000 {
+            20_000
+        } else {
+            base + n as u16
+        };
+        let free = (0..n as u16).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok());
+        if free {
+            return base;
+        }
+    }
+}
+
+/// Starts one `kvroute-sim` serving pods `pod-{first}`… on `ports` (`--pods`);
+/// returns once every pod answers `/health`.
+pub fn start_sims(
+    binary: &Path,
+    first: usize,
+    ports: &[u16],
+    config_file: &Path,
+    extra: &[String],
+) -> io::Result<(Process, Vec<Sim>)> {
+    let base = ports.first().copied().unwrap_or(0);
+    let mut args = extra.to_vec();
+    args.retain(|a| a != "--port");
+    let mut child = Command::new(binary)
+        .args(["--pod-id", "pod-{i}", "--port", &base.to_string()])
+        .args(["--pods", &ports.len().to_string()])
+        .args(["--first-index", &first.to_string(), "--config"])
+        .arg(config_file)
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    if let Some(stdout) = child.stdout.take() {
+        std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
+    }
+    let process = Process {
+        child,
+        name: format!("pods {first}.."),
+    };
+    let sims: Vec<Sim> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| Sim {
+            id: format!("pod-{}", first + i),
+            address: format!("127.0.0.1:{port}"),
+            process: None,
+        })
+        .collect();
+    for sim in &sims {
+        if !http::wait_ready(&sim.address, "/health", Duration::from_secs(60)) {
+            return Err(io::Error::other(format!(
+                "sim {} did not become ready on {}",
+                sim.id, sim.address
+            )));
+        }
+    }
+    Ok((process, sims))
+}
+
 /// The Envoy bootstrap for local tests (listener and admin on 127.0.0.1),
 /// rendered by kvroute-config's renderer; see [`EnvoyBootstrap`] for the
 /// arguments.
@@ -242,7 +314,9 @@ impl Drop for Process {
 pub struct Sim {
     pub id: String,
     pub address: String,
-    process: Process,
+    /// Its own process (`None`: one of several pods of a process the
+    /// cluster owns, see [`ClusterSpec::pods_per_process`]).
+    process: Option<Process>,
 }
 
 impl Sim {
@@ -277,15 +351,20 @@ impl Sim {
     }
 
     /// Kills the sim with SIGKILL (no goodbye: the kernel resets its open
-    /// connections, a report being sent included) and reaps it.
+    /// connections, a report being sent included) and reaps it; a pod
+    /// sharing its process is not killed alone.
     pub fn kill(&mut self) {
-        let _ = self.process.child.kill();
-        let _ = self.process.child.wait();
+        if let Some(process) = &mut self.process {
+            let _ = process.child.kill();
+            let _ = process.child.wait();
+        }
     }
 
     /// Whether the sim process is still alive.
     pub fn running(&mut self) -> bool {
-        matches!(self.process.child.try_wait(), Ok(None))
+        self.process
+            .as_mut()
+            .is_none_or(|p| matches!(p.child.try_wait(), Ok(None)))
     }
 }
 
@@ -439,6 +518,10 @@ pub struct ClusterSpec {
     pub admin_port: Option<u16>,
     /// Envoy worker threads (2 by default, like production-sized tests).
     pub envoy_workers: usize,
+    /// Pods one `kvroute-sim` process serves (`--pods`): 1 by default;
+    /// more for pools of hundreds of pods (one listener per pod, one
+    /// runtime per process).
+    pub pods_per_process: usize,
 }
 
 impl ClusterSpec {
@@ -453,6 +536,7 @@ impl ClusterSpec {
             listen_port: None,
             admin_port: None,
             envoy_workers: 2,
+            pods_per_process: 1,
         }
     }
 }
@@ -463,6 +547,8 @@ pub struct Cluster {
     pub envoy: Envoy,
     pub config: Value,
     pub dir: PathBuf,
+    /// Processes serving several pods each.
+    pub sim_processes: Vec<Process>,
 }
 
 impl Cluster {
@@ -477,7 +563,20 @@ impl Cluster {
         fs::create_dir_all(&dir)?;
         // Ports first: the sims need the final config (pods included) to
         // hash with the same seed and models; pod addresses are fixed now.
-        let ports: Vec<u16> = (0..spec.pods).map(|_| free_port()).collect();
+        // A process serving several pods listens on consecutive ports.
+        let per_process = spec.pods_per_process.max(1);
+        let ports: Vec<u16> = if per_process == 1 {
+            (0..spec.pods).map(|_| free_port()).collect()
+        } else {
+            (0..spec.pods)
+                .step_by(per_process)
+                .flat_map(|first| {
+                    let n = per_process.min(spec.pods - first);
+                    let base = free_port_range(n);
+                    (0..n as u16).map(move |i| base + i)
+                })
+                .collect()
+        };
         let mut config = spec.plugin_config.clone();
         config["pods"] = Value::Array(
             ports
@@ -504,12 +603,23 @@ impl Cluster {
         let config_file = dir.join("kvroute.json");
         fs::write(&config_file, config.to_string())?;
         let mut sims = Vec::new();
-        for (i, port) in ports.iter().enumerate() {
-            let mut args = spec.sim_args.clone();
-            args.extend(spec.per_pod_args.get(i).cloned().unwrap_or_default());
-            args.retain(|a| a != "--port");
-            let sim = Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)?;
-            sims.push(sim);
+        let mut sim_processes = Vec::new();
+        if per_process == 1 {
+            for (i, port) in ports.iter().enumerate() {
+                let mut args = spec.sim_args.clone();
+                args.extend(spec.per_pod_args.get(i).cloned().unwrap_or_default());
+                args.retain(|a| a != "--port");
+                let sim =
+                    Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)?;
+                sims.push(sim);
+            }
+        } else {
+            for (chunk, first) in ports.chunks(per_process).zip((0..).step_by(per_process)) {
+                let (process, pods) =
+                    start_sims(sim_binary, first, chunk, &config_file, &spec.sim_args)?;
+                sim_processes.push(process);
+                sims.extend(pods);
+            }
         }
         let listen_port = spec.listen_port.unwrap_or_else(free_port);
         let admin_port = spec.admin_port.unwrap_or_else(free_port);
@@ -522,9 +632,40 @@ impl Cluster {
             envoy,
             config,
             dir,
+            sim_processes,
         };
-        cluster.wait_published(Duration::from_secs(20))?;
+        cluster.wait_published(Duration::from_secs(20 + spec.pods as u64 / 32))?;
         Ok(cluster)
+    }
+
+    /// Restarts every sim with `args`: SIGKILL, then the same pods on the
+    /// same ports (new epochs: the service resyncs every pod).
+    pub fn restart_sims(&mut self, sim_binary: &Path, args: &[String]) -> io::Result<()> {
+        let config_file = self.dir.join("kvroute.json");
+        let port = |sim: &Sim| {
+            sim.address
+                .rsplit_once(':')
+                .and_then(|(_, port)| port.parse::<u16>().ok())
+                .unwrap_or(0)
+        };
+        let ports: Vec<u16> = self.sims.iter().map(port).collect();
+        if self.sim_processes.is_empty() {
+            for (sim, port) in self.sims.iter_mut().zip(ports) {
+                sim.kill();
+                *sim = Sim::start_on(sim_binary, &sim.id, port, &config_file, args)?;
+            }
+            return Ok(());
+        }
+        let per_process = ports.len().div_ceil(self.sim_processes.len());
+        // Dropping a process kills and reaps it.
+        self.sim_processes.clear();
+        self.sims.clear();
+        for (chunk, first) in ports.chunks(per_process).zip((0..).step_by(per_process)) {
+            let (process, pods) = start_sims(sim_binary, first, chunk, &config_file, args)?;
+            self.sim_processes.push(process);
+            self.sims.extend(pods);
+        }
+        Ok(())
     }
 
     /// Waits until the service has published a snapshot with every pod
@@ -691,7 +832,7 @@ impl Sim {
         Ok(Sim {
             id: id.to_string(),
             address,
-            process,
+            process: Some(process),
         })
     }
 }

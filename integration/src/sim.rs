@@ -73,11 +73,25 @@ pub const REPORT_WAITERS: usize = 4;
 #[command(name = "kvroute-sim", about = "A simulated vLLM pod for kvroute tests")]
 pub struct SimOptions {
     /// Port to listen on (0: any free port; the startup line says which).
+    /// With `--pods N`, pod i listens on `port + i` (each on any free port
+    /// when 0).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Simulated pods this process serves, each on its own listener with
+    /// its own cache, slots and report log, all on one runtime: how a
+    /// 2-core machine runs hundreds of pods behind one Envoy. Not with
+    /// `--kv-events` or `--tokenizer`.
+    #[arg(long, default_value_t = 1)]
+    pub pods: usize,
+    /// The index of this process's first pod in `{i}` of `--pod-id` (pods
+    /// of one pool served by several processes).
+    #[arg(long, default_value_t = 0)]
+    pub first_index: usize,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Pod id in reports and `x-sim-pod` (default: `sim-<port>`).
+    /// Pod id in reports and `x-sim-pod` (default: `sim-<port>`); `{i}`
+    /// and `{port}` in it are replaced by the pod's index and port (with
+    /// `--pods`, e.g. `pod-{i}`).
     #[arg(long)]
     pub pod_id: Option<String>,
     /// The kvroute configuration JSON the router uses (hashing, models).
@@ -349,8 +363,8 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, String> {
     }
 }
 
-/// Binds, prints `kvroute-sim <pod-id> listening on <addr>` and serves
-/// until the process ends (SIGINT/SIGTERM exit).
+/// Binds, prints `kvroute-sim <pod-id> listening on <addr>` (a line per
+/// pod) and serves until the process ends (SIGINT/SIGTERM exit).
 pub async fn run(options: SimOptions) -> Result<(), String> {
     let config = load_config(options.config.as_deref())?;
     let tokenizer = options
@@ -362,40 +376,78 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
         let json = tokenizer.tokenizer_json().to_string();
         return std::fs::write(path, json).map_err(|e| format!("{}: {e}", path.display()));
     }
-    let listener = TcpListener::bind((options.host.as_str(), options.port))
-        .await
-        .map_err(|e| format!("cannot listen on {}:{}: {e}", options.host, options.port))?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let kv_events = match &options.kv_events {
-        Some(endpoint) => Some(
-            Publisher::start(PublisherOptions {
-                endpoint: endpoint.clone(),
-                replay_endpoint: options.kv_replay.clone(),
-                topic: options.kv_topic.clone(),
-                buffer_steps: options.kv_replay_buffer,
-                shape: options.kv_events_format,
-                layout: BlockLayout::tokens(&config).uncapped(),
-            })
-            .await?,
-        ),
-        None => None,
-    };
-    let app = app(&options, config, addr, kv_events, tokenizer);
-    let pod_id = options
-        .pod_id
-        .clone()
-        .unwrap_or_else(|| format!("sim-{}", addr.port()));
-    println!("kvroute-sim {pod_id} listening on {addr}");
+    if options.pods == 0 {
+        return Err("--pods must be at least 1".into());
+    }
+    if options.pods > 1 && (options.kv_events.is_some() || tokenizer.is_some()) {
+        return Err("--pods serves several pods without --kv-events or --tokenizer".into());
+    }
+    let mut servers = tokio::task::JoinSet::new();
+    let mut tokenizer = tokenizer;
+    for i in 0..options.pods {
+        let port = match options.port {
+            0 => 0,
+            base => u16::try_from(usize::from(base) + i)
+                .map_err(|_| format!("--port {base} + --pods {} passes 65535", options.pods))?,
+        };
+        let listener = TcpListener::bind((options.host.as_str(), port))
+            .await
+            .map_err(|e| format!("cannot listen on {}:{port}: {e}", options.host))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let kv_events = match &options.kv_events {
+            Some(endpoint) => Some(
+                Publisher::start(PublisherOptions {
+                    endpoint: endpoint.clone(),
+                    replay_endpoint: options.kv_replay.clone(),
+                    topic: options.kv_topic.clone(),
+                    buffer_steps: options.kv_replay_buffer,
+                    shape: options.kv_events_format,
+                    layout: BlockLayout::tokens(&config).uncapped(),
+                })
+                .await?,
+            ),
+            None => None,
+        };
+        let pod_id = pod_id(
+            options.pod_id.as_deref(),
+            options.first_index + i,
+            addr.port(),
+        );
+        let pod_options = SimOptions {
+            pod_id: Some(pod_id.clone()),
+            ..options.clone()
+        };
+        let app = app(
+            &pod_options,
+            config.clone(),
+            addr,
+            kv_events,
+            tokenizer.take(),
+        );
+        println!("kvroute-sim {pod_id} listening on {addr}");
+        // TCP_NODELAY on every accepted connection, as vLLM's server does:
+        // without it a client that does not batch its writes waits out ~40
+        // ms delayed ACKs on small responses and SSE chunks.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        servers.spawn(async move { axum::serve(listener, app).await.map_err(|e| e.to_string()) });
+    }
     let _ = std::io::stdout().flush();
-    // TCP_NODELAY on every accepted connection, as vLLM's server does:
-    // without it a client that does not batch its writes waits out ~40 ms
-    // delayed ACKs on small responses and SSE chunks.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     tokio::select! {
-        served = axum::serve(listener, app) => served.map_err(|e| e.to_string()),
+        Some(served) = servers.join_next() => served.map_err(|e| e.to_string())?,
         _ = shutdown_signal() => Ok(()),
+    }
+}
+
+/// Pod `i`'s id: `template` with `{i}` and `{port}` replaced, else
+/// `sim-<port>`.
+fn pod_id(template: Option<&str>, i: usize, port: u16) -> String {
+    match template {
+        Some(template) => template
+            .replace("{i}", &i.to_string())
+            .replace("{port}", &port.to_string()),
+        None => format!("sim-{port}"),
     }
 }
 

@@ -534,3 +534,78 @@ fn report_wait_holds_until_an_event_or_the_wait_ends() {
     let (_, took) = timed_report(&plain.addr, &query);
     assert!(took < Duration::from_millis(500), "answered after {took:?}");
 }
+
+/// `--pods N`: one process, N pods, each with its own listener, id, cache
+/// and report log.
+#[test]
+fn one_process_serves_many_pods() {
+    let config_path =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvroute-sim-pods-config.json");
+    std::fs::write(&config_path, CONFIG).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-sim"))
+        .args([
+            "--port",
+            "0",
+            "--pods",
+            "40",
+            "--pod-id",
+            "pod-{i}",
+            "--time-scale",
+            "0",
+        ])
+        .args([
+            "--preload-prompts",
+            "2",
+            "--preload-prompt-bytes",
+            "1024",
+            "--config",
+        ])
+        .arg(&config_path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("kvroute-sim starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let pods: Vec<(String, String)> = (0..40)
+        .map(|_| {
+            let line = lines.next().unwrap().unwrap();
+            let mut words = line.split(' ');
+            assert_eq!(words.next(), Some("kvroute-sim"), "{line}");
+            let id = words.next().unwrap().to_string();
+            (id, words.next_back().unwrap().to_string())
+        })
+        .collect();
+    let sim = Sim {
+        child,
+        addr: pods[0].1.clone(),
+    };
+    let mut addresses: Vec<&str> = pods.iter().map(|(_, a)| a.as_str()).collect();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 40, "a listener each");
+    for (i, (id, addr)) in pods.iter().enumerate() {
+        assert_eq!(id, &format!("pod-{i}"));
+        let report = parse_report(
+            get(addr, "/kvroute/v1/report?since=0")
+                .unwrap()
+                .body
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(report.pod_id, *id);
+        // Its own preloaded prompts: 2 × 1 KiB = 32 blocks of 64 bytes.
+        let blocks: usize = report.stored.iter().map(|c| c.hashes.len()).sum();
+        assert_eq!(blocks, 32, "{id}");
+    }
+    // A request to one pod caches there only.
+    let body = serde_json::json!({"model": "m", "prompt": "x".repeat(640), "max_tokens": 1});
+    assert_eq!(
+        post_json(&pods[3].1, "/v1/completions", &body.to_string())
+            .unwrap()
+            .status,
+        200
+    );
+    let stats =
+        |addr: &str| -> serde_json::Value { get(addr, "/admin/stats").unwrap().json().unwrap() };
+    assert_eq!(stats(&pods[3].1)["requests"], 1);
+    assert_eq!(stats(&pods[4].1)["requests"], 0);
+    drop(sim);
+}

@@ -74,6 +74,10 @@ pub struct PrefixTree {
     /// Holder lists of nodes with more than four holders.
     arena: HolderArena,
     free_head: u32,
+    /// The first root (a node without a parent): roots are linked through
+    /// their sibling links, as children are under their parent, so a
+    /// pod's blocks are found from its roots without scanning the slab.
+    roots_head: u32,
     len: usize,
     max_nodes: usize,
     max_pod_blocks: usize,
@@ -101,6 +105,7 @@ impl PrefixTree {
             table: HashTable::with_capacity(max_nodes),
             arena: HolderArena::default(),
             free_head: NIL,
+            roots_head: NIL,
             len: 0,
             max_nodes: max_nodes.max(1),
             max_pod_blocks: usize::MAX,
@@ -268,28 +273,31 @@ impl PrefixTree {
         }
     }
 
-    /// Forgets every block of `pod` (restart, removal, full resync). O(nodes).
+    /// Forgets every block of `pod` (restart, removal, full resync):
+    /// O(roots + the pod's blocks).
     pub fn drop_pod(&mut self, pod: usize) {
-        self.drop_pod_from(pod, 0, usize::MAX);
+        let roots = self.roots_of(pod);
+        self.remove_blocks(pod, &roots);
     }
 
-    /// [`PrefixTree::drop_pod`] over the slab slots `from..from + max_slots`
-    /// only: the roots there lose `pod` with all their descendants. Returns
-    /// the slot to resume at, `None` when done, so a large resync can be
-    /// spread over several calls; blocks of `pod` inserted in between
-    /// would be dropped too. O(max_slots + blocks dropped).
-    pub fn drop_pod_from(&mut self, pod: usize, from: usize, max_slots: usize) -> Option<usize> {
+    /// The first blocks of the chains `pod` holds (its roots): removing
+    /// them ([`PrefixTree::remove_blocks`]) drops all its blocks, in as
+    /// many steps as wanted. O(roots): the roots are linked, so the slab
+    /// is not scanned (at 1,024 pods a resync of every pod scanning the
+    /// slab would scan it 1,024 times).
+    pub fn roots_of(&self, pod: usize) -> Vec<u64> {
+        let mut roots = Vec::new();
         if self.pod_block_count(pod) == 0 {
-            return None;
+            return roots;
         }
-        let end = from.saturating_add(max_slots).min(self.nodes.len());
-        for slot in from..end {
-            let slot = slot as u32;
-            if self.nodes[slot as usize].parent == NIL && self.node_holds(slot, pod) {
-                self.clear_subtree(slot, pod);
+        let mut slot = self.roots_head;
+        while slot != NIL {
+            if self.node_holds(slot, pod) {
+                roots.push(self.nodes[slot as usize].hash);
             }
+            slot = self.nodes[slot as usize].next_sibling;
         }
-        (end < self.nodes.len()).then_some(end)
+        roots
     }
 
     /// Blocks `pod` holds.
@@ -382,13 +390,14 @@ impl PrefixTree {
         let nodes = &self.nodes;
         self.table
             .insert_unique(hash, slot, |&s| nodes[s as usize].hash);
-        if parent != NIL {
-            let old_first = self.nodes[parent as usize].first_child;
-            self.nodes[slot as usize].next_sibling = old_first;
-            if old_first != NIL {
-                self.nodes[old_first as usize].prev_sibling = slot;
-            }
-            self.nodes[parent as usize].first_child = slot;
+        let old_first = if parent != NIL {
+            std::mem::replace(&mut self.nodes[parent as usize].first_child, slot)
+        } else {
+            std::mem::replace(&mut self.roots_head, slot)
+        };
+        self.nodes[slot as usize].next_sibling = old_first;
+        if old_first != NIL {
+            self.nodes[old_first as usize].prev_sibling = slot;
         }
         self.lru_push_newest(slot);
         self.len += 1;
@@ -460,8 +469,12 @@ impl PrefixTree {
         } = self.nodes[slot as usize];
         if prev_sibling != NIL {
             self.nodes[prev_sibling as usize].next_sibling = next_sibling;
-        } else if parent != NIL && self.nodes[parent as usize].first_child == slot {
-            self.nodes[parent as usize].first_child = next_sibling;
+        } else if parent != NIL {
+            if self.nodes[parent as usize].first_child == slot {
+                self.nodes[parent as usize].first_child = next_sibling;
+            }
+        } else if self.roots_head == slot {
+            self.roots_head = next_sibling;
         }
         if next_sibling != NIL {
             self.nodes[next_sibling as usize].prev_sibling = prev_sibling;
@@ -611,6 +624,27 @@ mod tests {
         // A re-store of block 2 by pod 0 does not resurrect block 3.
         tree.insert_chain(0, Some(1), &[2]);
         assert_eq!(tree.lookup(&[1, 2, 3]).blocks(0), 2);
+    }
+
+    #[test]
+    fn roots_are_linked_and_unlinked() {
+        let mut tree = PrefixTree::new(100);
+        tree.insert_chain(0, None, &[1, 2]);
+        tree.insert_chain(1, None, &[3]);
+        tree.insert_chain(0, None, &[4, 5]);
+        tree.insert_chain(1, None, &[4]);
+        let mut roots = tree.roots_of(0);
+        roots.sort_unstable();
+        assert_eq!(roots, [1, 4]);
+        assert_eq!(tree.roots_of(1), [4, 3]);
+        tree.remove_blocks(0, &[4]);
+        assert_eq!(tree.roots_of(0), [1]);
+        tree.remove_blocks(1, &[4, 3]);
+        assert!(tree.roots_of(1).is_empty());
+        assert_eq!(tree.roots_of(0), [1], "the list survives freed roots");
+        tree.insert_chain(2, None, &[6]);
+        assert_eq!(tree.roots_of(2), [6]);
+        assert_eq!(tree.len(), 3);
     }
 
     #[test]

@@ -620,7 +620,8 @@ impl Worker {
                 retry_after: Some(1),
             });
         };
-        let inflight = shared::inflight(table.pods.iter().map(|p| p.slot + 1).max().unwrap_or(0));
+        // Pods are ordered by slot.
+        let inflight = shared::inflight(table.pods.last().map_or(0, |p| p.slot + 1));
         let snapshot = SnapshotIndex {
             buckets: table.buckets,
             fetch: shared::bucket,

@@ -45,7 +45,7 @@
 //! getter panics on the host's status for that (BadArgument); this service
 //! reads through [`super::host`], for which it is just "no answer".
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -84,6 +84,23 @@ const RESERVED_BODIES: usize = 8;
 /// Least time between two publications triggered by answers (folds closer
 /// together are published together, by the next answer or tick).
 const PUBLISH_GAP_MS: u64 = 5;
+
+/// Pulls started per tick (report calls that are due, a round's metrics
+/// calls): at 1,024 pods a round's calls go out over 16 ticks (0.4 s)
+/// instead of ~1,024 dispatches in one callback. A pod whose answer was
+/// just folded is asked again at once, outside this bound (one call per
+/// answer).
+const CALLS_PER_TICK: usize = 64;
+
+/// Report calls asking for everything (`since=0`: a pod not yet known, or
+/// resyncing) in flight at once. Full reports are the large answers and
+/// their folding is paced by the tick budget anyway; this bounds how many
+/// wait in memory (the heap reserved for [`RESERVED_BODIES`]).
+const RESYNC_CALLS: usize = RESERVED_BODIES;
+
+/// Pods whose gauges are exported per tick, and new pods whose series are
+/// defined per tick (1,024 pods over 16 ticks, 0.4 s).
+const GAUGE_PODS_PER_TICK: usize = 64;
 
 /// Records a service callback's main-thread time in
 /// `epp_service_busy_us` when dropped: the service's share of any stall of
@@ -126,6 +143,22 @@ pub struct ServiceRoot {
     /// Answers were folded since the last publication.
     folds_unpublished: bool,
     last_publish_ms: u64,
+    /// The members digest of the JSON pod table last written.
+    members_written: Option<u64>,
+    /// Pulls this tick may still start ([`CALLS_PER_TICK`]).
+    calls_left: usize,
+    /// Where the next tick's scan for due report calls starts, so every
+    /// pod gets its turn.
+    poll_cursor: usize,
+    /// Pods with a `since=0` report call in flight ([`RESYNC_CALLS`]).
+    resyncs: HashSet<String>,
+    /// This round's metrics calls not yet sent.
+    metrics_due: VecDeque<PodConfig>,
+    /// The round's table whose per-pod gauges are being exported, and the
+    /// next pod's index.
+    gauges: Option<(PodTable, usize)>,
+    /// New pods whose series are not defined yet.
+    zero_due: VecDeque<String>,
 }
 
 impl ServiceRoot {
@@ -155,6 +188,7 @@ impl ServiceRoot {
             Err(status) => {
                 log::error!("kvroute service: cannot call cluster {cluster:?} for {pod}: {status:?} (is the cluster defined?)");
                 if pull == Pull::Pod(PullKind::Report) {
+                    self.resyncs.remove(pod);
                     if let Some(polling) = self.polling.as_mut() {
                         polling.failed(pod, host::now_ms());
                     }
@@ -190,7 +224,9 @@ impl ServiceRoot {
         let written = self.write_buckets(now);
         let state = self.state.as_mut()?;
         let table = state.pod_table(now);
-        shared::publish_table(&table);
+        let members_changed = self.members_written != Some(table.members_digest);
+        shared::publish_table(&table, members_changed);
+        self.members_written = Some(table.members_digest);
         // Last: once it moves, the whole table above is visible.
         metrics::gauge("epp_snapshot_generation", table.generation);
         if log::log_enabled!(log::Level::Trace) {
@@ -228,31 +264,49 @@ impl ServiceRoot {
         written
     }
 
-    /// The per-pod and index gauges, once per round.
-    fn export_gauges(&self, table: &PodTable) {
-        if let Some(state) = self.state.as_ref() {
+    /// New pods' series at 0, the index gauges, and the per-pod gauges of
+    /// this round's table, [`GAUGE_PODS_PER_TICK`] pods at a time each.
+    fn export_gauges(&mut self) {
+        for _ in 0..GAUGE_PODS_PER_TICK {
+            let Some(pod) = self.zero_due.pop_front() else {
+                break;
+            };
+            metrics::export_pod_from_zero(&pod);
+        }
+        let Some((table, next)) = self.gauges.as_mut() else {
+            return;
+        };
+        let Some(state) = self.state.as_ref() else {
+            return;
+        };
+        if *next == 0 {
             metrics::gauge("epp_prefix_tree_nodes", state.index().len() as u64);
             metrics::gauge("epp_index_memory_bytes", state.memory_bytes() as u64);
         }
-        for pod in &table.pods {
-            metrics::gauge(
+        let end = next
+            .saturating_add(GAUGE_PODS_PER_TICK)
+            .min(table.pods.len());
+        for pod in table.pods.get(*next..end).unwrap_or_default() {
+            metrics::gauge_changed(
                 &metrics::labelled("epp_queue_depth", "pod", &pod.id),
                 u64::from(pod.queue),
             );
-            metrics::gauge(
+            metrics::gauge_changed(
                 &metrics::labelled("epp_pod_health_score", "pod", &pod.id),
                 metrics::percent(pod.health),
             );
-            metrics::gauge(
+            metrics::gauge_changed(
                 &metrics::labelled("epp_pod_load", "pod", &pod.id),
                 metrics::percent(pod.load),
             );
-            if let Some(state) = self.state.as_ref() {
-                metrics::gauge(
-                    &metrics::labelled("epp_pod_report_fallback", "pod", &pod.id),
-                    u64::from(state.in_report_fallback(&pod.id)),
-                );
-            }
+            metrics::gauge_changed(
+                &metrics::labelled("epp_pod_report_fallback", "pod", &pod.id),
+                u64::from(state.in_report_fallback(&pod.id)),
+            );
+        }
+        *next = end;
+        if end >= table.pods.len() {
+            self.gauges = None;
         }
     }
 
@@ -270,13 +324,14 @@ impl ServiceRoot {
         let change = state
             .replace_pods(&pods, host::now_ms())
             .map_err(|e| e.to_string())?;
-        polling.retain(state.pods().map(|p| p.id.as_str()));
         if change.is_empty() {
             return Ok(());
         }
-        for pod in &change.added {
-            metrics::export_pod_from_zero(pod);
-        }
+        polling.retain(state.pods().map(|p| p.id.as_str()));
+        // Defining a pod's series costs Envoy tens of µs each (stat names,
+        // tag regexes): a membership of 1,024 new pods has them defined
+        // over the next ticks, with the gauges.
+        self.zero_due.extend(change.added.iter().cloned());
         event(
             log::Level::Info,
             "pods_changed",
@@ -304,30 +359,23 @@ impl ServiceRoot {
 
     fn start_round(&mut self, config: &Config) {
         if let Some(table) = self.publish() {
-            self.export_gauges(&table);
+            self.gauges = Some((table, 0));
         }
-        if let (Some(path), Some(state)) = (&config.metrics_path, self.state.as_ref()) {
+        if let (Some(_), Some(state)) = (&config.metrics_path, self.state.as_ref()) {
+            // A pod whose last metrics are not answered or folded yet is
+            // skipped this round.
             let metrics = Pull::Pod(PullKind::Metrics);
-            // A pod whose last metrics are not folded yet is skipped too.
-            let pods: Vec<PodConfig> = state
+            let pending: HashSet<&str> = self
+                .pending
+                .values()
+                .filter(|(_, pull)| *pull == metrics)
+                .map(|(pod, _)| pod.as_str())
+                .collect();
+            self.metrics_due = state
                 .pods()
-                .filter(|p| {
-                    !state.has_unfolded(&p.id)
-                        && !self.pending.values().any(|c| *c == (p.id.clone(), metrics))
-                })
+                .filter(|p| !pending.contains(p.id.as_str()) && !state.has_unfolded(&p.id))
                 .cloned()
                 .collect();
-            for pod in &pods {
-                let timeout = config.report_timeout_ms;
-                self.call(
-                    &pod.id,
-                    &config.report_cluster,
-                    pod.metrics_address.as_deref().unwrap_or(&pod.address),
-                    path,
-                    metrics,
-                    timeout,
-                );
-            }
         }
         let discovery_pending = self
             .pending
@@ -355,11 +403,35 @@ impl ServiceRoot {
                 config.report_timeout_ms,
             );
         }
-        self.poll_reports(config);
     }
 
-    /// Sends the report calls [`ReportPolling`] finds due (precise mode).
-    fn poll_reports(&mut self, config: &Config) {
+    /// Sends this round's metrics calls while this tick's call budget lasts.
+    fn send_metrics(&mut self, config: &Config) {
+        let Some(path) = &config.metrics_path else {
+            return;
+        };
+        while self.calls_left > 0 {
+            let Some(pod) = self.metrics_due.pop_front() else {
+                break;
+            };
+            self.calls_left -= 1;
+            self.call(
+                &pod.id,
+                &config.report_cluster,
+                pod.metrics_address.as_deref().unwrap_or(&pod.address),
+                path,
+                Pull::Pod(PullKind::Metrics),
+                config.report_timeout_ms,
+            );
+        }
+    }
+
+    /// Sends the report calls [`ReportPolling`] finds due (precise mode):
+    /// for `pods` only (their answers were just folded), or, on a tick,
+    /// for every pod from where the last tick's scan stopped, while the
+    /// tick's call budget lasts. At most [`RESYNC_CALLS`] `since=0` calls
+    /// are in flight.
+    fn poll_reports(&mut self, config: &Config, pods: Option<&[String]>) {
         if config.mode != IndexMode::Precise {
             return;
         }
@@ -367,24 +439,58 @@ impl ServiceRoot {
         let (Some(state), Some(polling)) = (self.state.as_ref(), self.polling.as_mut()) else {
             return;
         };
-        let calls: Vec<(PodConfig, String, u64)> = state
-            .pods()
-            .filter_map(|pod| {
-                let call = polling.next_call(&pod.id, now)?;
-                let query = state
-                    .report_query(&pod.id, &config.report_path)
-                    .unwrap_or_else(|| config.report_path.clone());
-                Some((pod.clone(), call.path(&query), call.timeout_ms))
-            })
-            .collect();
-        for (pod, path, timeout) in &calls {
-            let pull = Pull::Pod(PullKind::Report);
+        // The whole list only for a tick's scan.
+        let all: Vec<&PodConfig> = match pods {
+            Some(_) => Vec::new(),
+            None => state.pods().collect(),
+        };
+        let count = all.len();
+        let (start, scan) = match pods {
+            Some(pods) => (0, pods.len()),
+            None => (self.poll_cursor % count.max(1), count),
+        };
+        let mut calls: Vec<(PodConfig, String, u64, bool)> = Vec::new();
+        let mut resyncs = self.resyncs.len();
+        let mut scanned = 0;
+        while scanned < scan {
+            let pod = match pods {
+                Some(pods) => pods.get(scanned).and_then(|id| state.pod(id)),
+                None => all.get((start + scanned) % count).copied(),
+            };
+            scanned += 1;
+            let Some(pod) = pod else {
+                continue;
+            };
+            let resync = state.needs_resync(&pod.id);
+            if resync && resyncs >= RESYNC_CALLS {
+                continue;
+            }
+            let Some(call) = polling.next_call(&pod.id, now) else {
+                continue;
+            };
+            let query = state
+                .report_query(&pod.id, &config.report_path)
+                .unwrap_or_else(|| config.report_path.clone());
+            resyncs += usize::from(resync);
+            calls.push((pod.clone(), call.path(&query), call.timeout_ms, resync));
+            if pods.is_none() && calls.len() >= self.calls_left {
+                break;
+            }
+        }
+        if pods.is_none() {
+            self.poll_cursor = (start + scanned) % count.max(1);
+            self.calls_left = self.calls_left.saturating_sub(calls.len());
+        }
+        for (pod, path, timeout, resync) in &calls {
+            if *resync {
+                self.resyncs.insert(pod.id.clone());
+            }
             self.call(
                 &pod.id,
                 &config.report_cluster,
                 pod.report_address.as_deref().unwrap_or(&pod.address),
                 path,
-                pull,
+                Pull::Pod(PullKind::Report),
                 *timeout,
             );
         }
@@ -393,9 +499,12 @@ impl ServiceRoot {
     /// Folds accepted answers in steps while this tick's budget lasts; a
     /// fold that is not done goes on at the next tick. Answers that changed
     /// blocks are published soon after (see the module documentation).
-    fn fold(&mut self) {
+    /// Returns the pods whose report answers were folded (their next call
+    /// may be due).
+    fn fold(&mut self) -> Vec<String> {
+        let mut reported = Vec::new();
         let Some(state) = self.state.as_mut() else {
-            return;
+            return reported;
         };
         let now = host::now_ms();
         let polling = &mut self.polling;
@@ -418,6 +527,7 @@ impl ServiceRoot {
                     }
                     _ => polling.failed(&folded.pod, now),
                 }
+                reported.push(folded.pod.clone());
             }
             match folded.result {
                 Ok(Some(summary)) => {
@@ -434,6 +544,7 @@ impl ServiceRoot {
                 Err(_) => count_failure(&folded.pod),
             }
         }
+        reported
     }
 }
 
@@ -493,6 +604,7 @@ impl Context for ServiceRoot {
         };
         if kind == PullKind::Report {
             polling.answered(&pod, now);
+            self.resyncs.remove(&pod);
         }
         let answer = PullAnswer {
             status: status.as_deref(),
@@ -506,12 +618,12 @@ impl Context for ServiceRoot {
             }
             count_failure(&pod);
         }
-        self.fold();
+        let reported = self.fold();
         if self.folds_unpublished && now.saturating_sub(self.last_publish_ms) >= PUBLISH_GAP_MS {
             self.publish();
         }
         if let Some(config) = self.config.clone() {
-            self.poll_reports(&config);
+            self.poll_reports(&config, Some(&reported));
         }
     }
 }
@@ -535,6 +647,7 @@ impl RootContext for ServiceRoot {
             // After the index took its own reservation.
             reserve_heap(&config);
             self.polling = Some(ReportPolling::new(&config));
+            self.members_written = None;
             self.config = Some(Rc::new(config));
             self.next_round_ms = 0;
         }
@@ -550,21 +663,22 @@ impl RootContext for ServiceRoot {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
         (self.budget_us, self.folding_us) = (TICK_BUDGET_US, 0);
+        self.calls_left = CALLS_PER_TICK;
         self.fold();
         let now = host::now_ms();
         if now >= self.next_round_ms {
             self.next_round_ms = now.saturating_add(config.pod_report_interval_ms);
             self.start_round(&config);
+        } else if self.folds_unpublished {
+            self.publish();
         } else {
-            if self.folds_unpublished {
-                self.publish();
-            } else {
-                // A resync's rest; pending decisions expire on time, not
-                // at the next round.
-                self.write_buckets(now);
-            }
-            self.poll_reports(&config);
+            // A resync's rest; pending decisions expire on time, not at
+            // the next round.
+            self.write_buckets(now);
         }
+        self.poll_reports(&config, None);
+        self.send_metrics(&config);
+        self.export_gauges();
         metrics::flush();
     }
 

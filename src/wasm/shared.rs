@@ -37,8 +37,8 @@ use super::host::{self, Status};
 use crate::config::PassiveHealthConfig;
 use crate::ejection::{without_pods, Ejection, Ejections, EJECTIONS_KEY};
 use crate::snapshot::{
-    add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, PodTable,
-    PublishedPod, SlotLoad, GENERATION_KEY, POD_TABLE_KEY, WORKERS_KEY,
+    add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, state_members_digest,
+    PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY, WORKERS_KEY,
 };
 
 /// Retries of a compare-and-swap update under contention.
@@ -93,6 +93,10 @@ impl TableCache {
         Some(routable)
     }
 
+    /// The current table: per new generation its numbers from
+    /// `kvroute/podstate` applied to the cached table in place, the JSON
+    /// table decoded only when the members digest moved (see
+    /// [`crate::snapshot`]).
     pub fn current(&mut self) -> Option<Rc<PodTable>> {
         let generation = get(GENERATION_KEY)
             .0
@@ -104,9 +108,22 @@ impl TableCache {
             }
         }
         refresh_inflight();
+        let state = get(POD_STATE_KEY).0.unwrap_or_default();
+        let members = state_members_digest(&state);
+        if let Some(cached) = self.cached.as_mut() {
+            if Some(cached.members_digest) == members
+                && Rc::make_mut(cached).apply_state(&state).is_ok()
+            {
+                return Some(cached.clone());
+            }
+        }
         let bytes = get(POD_TABLE_KEY).0?;
         match PodTable::decode(&bytes) {
-            Ok(table) => {
+            Ok(mut table) => {
+                // Written before the state: a state of other members is
+                // that of a publication in between, and the JSON's own
+                // numbers stand.
+                let _ = table.apply_state(&state);
                 let table = Rc::new(table);
                 self.cached = Some(table.clone());
                 Some(table)
@@ -119,10 +136,15 @@ impl TableCache {
     }
 }
 
-/// Publishes a pod table (after its buckets, so a reader of the new
-/// generation finds the buckets already there).
-pub fn publish_table(table: &PodTable) {
-    set(POD_TABLE_KEY, &table.encode());
+/// Publishes a pod table, after its buckets, so a reader of the new
+/// generation finds the buckets already there: its numbers always, the
+/// JSON table only when `members_changed` (the members digest moved
+/// since the last one written).
+pub fn publish_table(table: &PodTable, members_changed: bool) {
+    if members_changed {
+        set(POD_TABLE_KEY, &table.encode());
+    }
+    set(POD_STATE_KEY, &table.encode_state());
     set(GENERATION_KEY, &table.generation.to_le_bytes());
 }
 

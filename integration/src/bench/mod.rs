@@ -109,6 +109,11 @@ pub struct BenchArgs {
     /// The kvroute-sim binary (default: next to this one).
     #[arg(long)]
     pub sim: Option<PathBuf>,
+    /// Pods of `scale` (1 to 1,024): the run's figures go to
+    /// DIR/scale/pods-N.json and DIR/scale/README.md compares the pool
+    /// sizes run; without it, 64 pods into results.json as before.
+    #[arg(long)]
+    pub pods: Option<usize>,
     /// Stock-vLLM mode: the pods tokenize prompts (a real byte-level BPE)
     /// and publish vLLM's KV events instead of serving kvroute's report,
     /// kvroute precise reads them through one kvroute-vllm-bridge per pod
@@ -314,9 +319,18 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         write_results(&out, &mut results)?;
     }
     if scale {
-        let s = overhead::scale(&sim, args.quick).map_err(|e| format!("scale: {e}"))?;
-        results["scale"] = s;
-        write_results(&out, &mut results)?;
+        let pods = args.pods.unwrap_or(64);
+        if !(1..=kvroute::config::MAX_PODS).contains(&pods) {
+            return Err(format!("--pods must be 1 to {}", kvroute::config::MAX_PODS));
+        }
+        let s = overhead::scale(&sim, args.quick, pods).map_err(|e| format!("scale: {e}"))?;
+        if args.pods.is_some() {
+            overhead::write_scale(&out.join("scale"), &s, &command)
+                .map_err(|e| format!("scale: {e}"))?;
+        } else {
+            results["scale"] = s;
+            write_results(&out, &mut results)?;
+        }
     }
     eprintln!(
         "done in {:.0} s; results in {}",

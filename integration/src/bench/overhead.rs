@@ -9,11 +9,12 @@
 //!   more the load generator and the sim run on CPU 0, the Envoys on CPU 1
 //!   (`taskset`), and the saturation phases report each Envoy's CPU
 //!   seconds per 1,000 requests (`/proc/<pid>/stat`).
-//! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
-//!   ingest time, index gauges, main-thread CPU per tick (from
-//!   `/proc/<envoy>/task/<main>/stat`), the filter's time at that index
-//!   size; and the same folding and publication natively (exact snapshot
-//!   size).
+//! - [`scale`]: N pods (64 by default, up to 1,024, served 128 per
+//!   `kvroute-sim` process past 64) preloaded with ~1M blocks in total;
+//!   the service's ingest time, index gauges, main-thread CPU per tick
+//!   (from `/proc/<envoy>/task/<main>/stat`), the main thread's stall
+//!   while every pod resyncs, the filter's time at that index size; and
+//!   the same folding and publication natively (exact snapshot size).
 
 use std::io;
 use std::path::Path;
@@ -567,9 +568,11 @@ fn service_busy(envoy: &Envoy) -> Value {
     })
 }
 
-/// Runs the 1M-block scale measurement.
-pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
-    let pods = 64usize;
+/// Pods one `kvroute-sim` process serves in a scale run past 64 pods.
+const PODS_PER_SIM_PROCESS: usize = 128;
+
+/// Runs the 1M-block scale measurement over `pods` pods.
+pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     let prompt_bytes = 16384; // 256 blocks of 64 bytes
     let blocks_per_prompt = 256usize;
     let target_blocks: usize = if quick { 250_000 } else { 1_000_000 };
@@ -585,6 +588,9 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         "models": {"sim-model": {"baseModel": "sim-model"}},
     });
     let mut spec = ClusterSpec::new(pods, plugin);
+    // One process per 128 pods (a 64-pod pool in one): a listener, cache
+    // and report log per pod, one runtime per process.
+    spec.pods_per_process = PODS_PER_SIM_PROCESS;
     spec.sim_args = vec![
         "--time-scale".into(),
         "0.01".into(),
@@ -595,45 +601,19 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         "--preload-prompt-bytes".into(),
         prompt_bytes.to_string(),
     ];
+    let sim_args = spec.sim_args.clone();
     let started = Instant::now();
-    let cluster = Cluster::start(sim_binary, spec)?;
+    let mut cluster = Cluster::start(sim_binary, spec)?;
     let startup_s = started.elapsed().as_secs_f64();
     let pid = envoy_pid(&cluster.dir.join("envoy.yaml"))
         .ok_or_else(|| io::Error::other("cannot find the Envoy process"))?;
     let expected = (per_pod * pods) as f64;
+    let admin = cluster.envoy.admin.clone();
     let ingest_start = Instant::now();
     let mut nodes = 0.0;
-    // The admin page is served on the main thread, beside the service: its
-    // latency during the ingest is the longest main-thread stall as a
-    // client sees it. On this 2-core machine that includes time the main
-    // thread waited for a CPU (64 sims building their full reports at
-    // once), so each probe also records the main thread's own CPU time
-    // meanwhile: the stall the service and Envoy cause (an upper bound:
-    // a probe held up by preemption also counts the events processed
-    // while it waited).
-    let ingesting = std::sync::atomic::AtomicBool::new(true);
-    let (mut admin_ms, mut on_cpu_ms) = std::thread::scope(|scope| {
-        let probe = scope.spawn(|| {
-            let (mut latencies, mut on_cpu) = (Vec::new(), Vec::new());
-            while ingesting.load(std::sync::atomic::Ordering::Relaxed) {
-                let (t, ran) = (Instant::now(), thread_run_ns(pid, pid));
-                if crate::http::get(&cluster.envoy.admin, "/ready").is_ok() {
-                    let ms = t.elapsed().as_secs_f64() * 1000.0;
-                    let cpu_ms = thread_run_ns(pid, pid)
-                        .zip(ran)
-                        .map_or(ms, |(after, before)| (after - before) as f64 / 1e6);
-                    if ms > 10.0 {
-                        let at = t.duration_since(ingest_start).as_secs_f64();
-                        eprintln!("scale: /ready took {ms:.1} ms at {at:.2} s, {cpu_ms:.1} ms of it on CPU");
-                    }
-                    latencies.push(ms);
-                    on_cpu.push(cpu_ms);
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            (latencies, on_cpu)
-        });
-        while ingest_start.elapsed() < Duration::from_secs(240) {
+    // Every pod's first report is a full one: the whole pool resyncs.
+    let (mut admin_ms, mut on_cpu_ms) = probe_main_thread(&admin, pid, || {
+        while ingest_start.elapsed() < Duration::from_secs(300) {
             nodes = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
             if nodes >= expected * 0.999 {
                 break;
@@ -642,8 +622,6 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         }
         // The last buckets are published over the next ticks.
         std::thread::sleep(Duration::from_secs(3));
-        ingesting.store(false, std::sync::atomic::Ordering::Relaxed);
-        probe.join().unwrap_or_default()
     });
     admin_ms.sort_by(f64::total_cmp);
     on_cpu_ms.sort_by(f64::total_cmp);
@@ -671,6 +649,32 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let mut filter = event_field(&log_since(&cluster.envoy, offset), "route", "latencyUs");
     let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
     let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
+    // Every sim process restarts at once (new epochs, the same caches):
+    // each pod's next answer is a delta of an unknown epoch, so the
+    // service drops its blocks and asks for a full report, the whole pool
+    // resyncing while Envoy serves.
+    let resync_start = Instant::now();
+    let ready_nodes = nodes_after.unwrap_or(expected);
+    let mut dipped = false;
+    let (mut resync_admin, mut resync_cpu) = probe_main_thread(&admin, pid, || {
+        if let Err(e) = cluster.restart_sims(sim_binary, &sim_args) {
+            eprintln!("scale: restarting the sims failed: {e}");
+            return;
+        }
+        while resync_start.elapsed() < Duration::from_secs(300) {
+            let now = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
+            dipped |= now < ready_nodes * 0.99;
+            if dipped && now >= ready_nodes.min(expected) * 0.999 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+    });
+    let resync_s = resync_start.elapsed().as_secs_f64() - 3.0;
+    resync_admin.sort_by(f64::total_cmp);
+    resync_cpu.sort_by(f64::total_cmp);
+    let resync_busy = service_busy(&cluster.envoy);
     Ok(json!({
         "pods": pods,
         "preloadedBlocks": per_pod * pods,
@@ -694,6 +698,13 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "over10Ms": on_cpu_ms.iter().filter(|&&ms| ms > 10.0).count(),
         },
         "serviceBusyDuringIngest": busy,
+        "resync": {
+            "s": (resync_s * 10.0).round() / 10.0,
+            "indexDipped": dipped,
+            "adminReadyMs": percentiles(&resync_admin),
+            "mainThreadOnCpuPerProbeMs": percentiles(&resync_cpu),
+            "serviceBusySinceStart": resync_busy,
+        },
         "reportIntervalMs": interval_ms,
         "idle": {"windowS": window.as_secs(), "mainThreadCpuS": idle_cpu, "msPerTick": idle_cpu * 1000.0 / ticks},
         "churn": {"windowS": window.as_secs(), "requests": sent, "newBlocksPerS": rate / 2.0 * blocks_per_prompt as f64,
@@ -702,6 +713,55 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         "native": native,
         "method": "in Envoy: CPU time of Envoy's main thread (where the singleton service runs; it also flushes stats every 1 s and serves the admin page) from /proc/<pid>/task/<pid>/stat at 10 ms resolution, divided by the ticks in the window; native: the same ClusterState code (kvroute::cluster) on the host, timed with Instant, snapshot size = bytes of all published buckets + pod table + in-flight array",
     }))
+}
+
+/// p50 / p99 / max and how many over 10 ms of sorted millisecond samples.
+fn percentiles(sorted: &[f64]) -> Value {
+    json!({
+        "probes": sorted.len(),
+        "p50": sorted.get(sorted.len() / 2),
+        "p99": sorted.get(sorted.len() * 99 / 100),
+        "max": sorted.last(),
+        "over10Ms": sorted.iter().filter(|&&ms| ms > 10.0).count(),
+    })
+}
+
+/// Runs `work` while probing Envoy's main thread every 20 ms: the admin
+/// page is served on the main thread, beside the service, so its latency
+/// is the longest main-thread stall as a client sees it. On this 2-core
+/// machine that includes time the main thread waited for a CPU (sims
+/// building full reports at once), so each probe also records the main
+/// thread's own CPU time meanwhile: the stall the service and Envoy cause
+/// (an upper bound: a probe held up by preemption also counts the events
+/// processed while it waited). Returns (latencies, on-CPU) in ms.
+fn probe_main_thread(admin: &str, pid: u32, work: impl FnOnce()) -> (Vec<f64>, Vec<f64>) {
+    let working = AtomicBool::new(true);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        let probe = scope.spawn(|| {
+            let (mut latencies, mut on_cpu) = (Vec::new(), Vec::new());
+            while working.load(Ordering::Relaxed) {
+                let (t, ran) = (Instant::now(), thread_run_ns(pid, pid));
+                if crate::http::get(admin, "/ready").is_ok() {
+                    let ms = t.elapsed().as_secs_f64() * 1000.0;
+                    let cpu_ms = thread_run_ns(pid, pid)
+                        .zip(ran)
+                        .map_or(ms, |(after, before)| (after - before) as f64 / 1e6);
+                    if ms > 10.0 {
+                        let at = t.duration_since(started).as_secs_f64();
+                        eprintln!("scale: /ready took {ms:.1} ms at {at:.2} s, {cpu_ms:.1} ms of it on CPU");
+                    }
+                    latencies.push(ms);
+                    on_cpu.push(cpu_ms);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (latencies, on_cpu)
+        });
+        work();
+        working.store(false, Ordering::Relaxed);
+        probe.join().unwrap_or_default()
+    })
 }
 
 /// Sends `rate` requests/s for `window`: even ones reuse a preloaded
@@ -851,6 +911,101 @@ fn native_scale(pods: usize, prompts: usize, bytes: usize) -> io::Result<Value> 
         "idlePublishMs": (idle_publish_s * 1e4).round() / 10.0,
         "idleBucketsWritten": idle.buckets.len(),
     }))
+}
+
+/// Writes a `scale --pods N` run to `dir/pods-N.json` and re-renders
+/// `dir/README.md`, the pool sizes run side by side.
+pub fn write_scale(dir: &Path, run: &Value, command: &str) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut run = run.clone();
+    run["command"] = json!(command);
+    run["date"] = json!(String::from_utf8_lossy(
+        &std::process::Command::new("date")
+            .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+            .output()?
+            .stdout
+    )
+    .trim());
+    let pods = run["pods"].as_u64().unwrap_or(0);
+    let text = serde_json::to_string_pretty(&run).map_err(io::Error::other)?;
+    std::fs::write(dir.join(format!("pods-{pods}.json")), text + "\n")?;
+    let mut runs: Vec<Value> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("pods-"))
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|t| serde_json::from_str(&t).ok())
+        .collect();
+    runs.sort_by_key(|r| r["pods"].as_u64());
+    std::fs::write(dir.join("README.md"), scale_comparison(&runs))
+}
+
+/// One figure of a scale run.
+type Figure<'a> = dyn Fn(&Value) -> Option<f64> + 'a;
+
+/// The pool sizes of `runs` side by side, each figure also as a ratio to
+/// the smallest pool's.
+fn scale_comparison(runs: &[Value]) -> String {
+    let per_block = |r: &Value| {
+        r["indexMemoryBytes"].as_f64().unwrap_or(0.0)
+            / r["indexNodes"].as_f64().unwrap_or(1.0).max(1.0)
+    };
+    let rows: [(&str, &Figure<'_>); 13] = [
+        ("blocks indexed (`epp_prefix_tree_nodes`)", &|r| r["indexNodes"].as_f64()),
+        ("index bytes per block in Envoy (`epp_index_memory_bytes` / nodes: tree, pending, mirror)", &|r| Some(per_block(r))),
+        ("index bytes per block, native tree alone", &|r| r["native"]["bytesPerBlock"].as_f64()),
+        ("filter's own time p50 (µs, 16 KiB prompts, `latencyUs`)", &|r| r["filterUsAtFullIndex"]["p50"].as_f64()),
+        ("filter's own time p99 (µs)", &|r| r["filterUsAtFullIndex"]["p99"].as_f64()),
+        ("first ingest (every pod's full report): s", &|r| r["ingestS"].as_f64()),
+        ("  admin `/ready` p99 / ms", &|r| r["adminReadyDuringIngestMs"]["p99"].as_f64()),
+        ("  main thread on CPU per probe p99 / ms", &|r| r["mainThreadOnCpuPerProbeMs"]["p99"].as_f64()),
+        ("every pod restarted (resync while serving): s", &|r| r["resync"]["s"].as_f64()),
+        ("  admin `/ready` p99 / ms", &|r| r["resync"]["adminReadyMs"]["p99"].as_f64()),
+        ("  main thread on CPU per probe p99 / ms", &|r| r["resync"]["mainThreadOnCpuPerProbeMs"]["p99"].as_f64()),
+        ("service tick, idle: main-thread ms per round", &|r| r["idle"]["msPerTick"].as_f64()),
+        ("service tick, churn: main-thread ms per round", &|r| r["churn"]["msPerTick"].as_f64()),
+    ];
+    let mut out = String::from(
+        "# Scale: one pool of N pods behind one Envoy, ~1M indexed blocks\n\n\
+         `kvroute-bench scale --pods N` (kvroute-sim serving 128 pods per process, \
+         2 Envoy workers, 1 s report interval). Ratios are to the first column.\n\n| figure |",
+    );
+    for r in runs {
+        out.push_str(&format!(" {} pods |", r["pods"]));
+    }
+    out.push_str("\n|---|");
+    out.push_str(&"---:|".repeat(runs.len()));
+    out.push('\n');
+    for (name, value) in rows {
+        out.push_str(&format!("| {name} |"));
+        let base = runs.first().and_then(value);
+        for r in runs {
+            match (value(r), base) {
+                (Some(v), Some(b)) if b > 0.0 && r != &runs[0] => {
+                    out.push_str(&format!(" {v:.1} ({:.2}×) |", v / b))
+                }
+                (Some(v), _) => out.push_str(&format!(" {v:.1} |")),
+                _ => out.push_str(" – |"),
+            }
+        }
+        out.push('\n');
+    }
+    for r in runs {
+        out.push_str(&format!(
+            "\n{} pods: `{}` ({}); service callbacks over 10 ms since start: {} of {}.\n",
+            r["pods"],
+            r["command"].as_str().unwrap_or(""),
+            r["date"].as_str().unwrap_or(""),
+            r["resync"]["serviceBusySinceStart"]["over10Ms"],
+            r["resync"]["serviceBusySinceStart"]["callbacks"],
+        ));
+    }
+    out.push_str(&format!(
+        "\nMethod: {}.\n",
+        runs.first()
+            .and_then(|r| r["method"].as_str())
+            .unwrap_or("")
+    ));
+    out
 }
 
 /// The scale section of the results document.
