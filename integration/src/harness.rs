@@ -177,10 +177,13 @@ pub fn free_port_range(n: usize) -> u16 {
     }
 }
 
-/// Starts one `kvroute-sim` serving pods `pod-{first}`… on `ports` (`--pods`);
-/// returns once every pod answers `/health`.
+/// Starts one `kvroute-sim` serving pods on `ports` (`--pods`), named by
+/// `id` (`{i}`: `first` + the pod's index, `{port}`: its port; e.g.
+/// `pod-{i}`, or `127.0.0.1:{port}` as `membership` names pods); returns
+/// once every pod answers `/health`.
 pub fn start_sims(
     binary: &Path,
+    id: &str,
     first: usize,
     ports: &[u16],
     config_file: &Path,
@@ -190,7 +193,7 @@ pub fn start_sims(
     let mut args = extra.to_vec();
     args.retain(|a| a != "--port");
     let mut child = Command::new(binary)
-        .args(["--pod-id", "pod-{i}", "--port", &base.to_string()])
+        .args(["--pod-id", id, "--port", &base.to_string()])
         .args(["--pods", &ports.len().to_string()])
         .args(["--first-index", &first.to_string(), "--config"])
         .arg(config_file)
@@ -209,7 +212,9 @@ pub fn start_sims(
         .iter()
         .enumerate()
         .map(|(i, port)| Sim {
-            id: format!("pod-{}", first + i),
+            id: id
+                .replace("{i}", &(first + i).to_string())
+                .replace("{port}", &port.to_string()),
             address: format!("127.0.0.1:{port}"),
             process: None,
         })
@@ -615,8 +620,14 @@ impl Cluster {
             }
         } else {
             for (chunk, first) in ports.chunks(per_process).zip((0..).step_by(per_process)) {
-                let (process, pods) =
-                    start_sims(sim_binary, first, chunk, &config_file, &spec.sim_args)?;
+                let (process, pods) = start_sims(
+                    sim_binary,
+                    "pod-{i}",
+                    first,
+                    chunk,
+                    &config_file,
+                    &spec.sim_args,
+                )?;
                 sim_processes.push(process);
                 sims.extend(pods);
             }
@@ -661,7 +672,8 @@ impl Cluster {
         self.sim_processes.clear();
         self.sims.clear();
         for (chunk, first) in ports.chunks(per_process).zip((0..).step_by(per_process)) {
-            let (process, pods) = start_sims(sim_binary, first, chunk, &config_file, args)?;
+            let (process, pods) =
+                start_sims(sim_binary, "pod-{i}", first, chunk, &config_file, args)?;
             self.sim_processes.push(process);
             self.sims.extend(pods);
         }

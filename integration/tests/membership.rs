@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_config::{Deployment, Target};
 use kvroute_integration::harness::{
-    filler_text as text, free_port, poll, wasm_path, write_eds, Envoy, Sim,
+    filler_text as text, free_port, free_port_range, poll, start_sims, wasm_path, write_eds, Envoy,
+    Process, Sim,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -32,6 +33,8 @@ struct Membership {
     envoy: Envoy,
     eds: PathBuf,
     dir: PathBuf,
+    /// The process serving every sim, when they share one.
+    _pool: Option<Process>,
 }
 
 impl Drop for Membership {
@@ -48,6 +51,12 @@ impl Membership {
     /// membership is of `cluster` (the rendering's is `kvroute_pods`, the
     /// pods' cluster; another name is a misconfiguration).
     fn start(pods: usize, members: usize, cluster: &str) -> Membership {
+        Membership::start_with(pods, members, cluster, false)
+    }
+
+    /// [`Membership::start`]; with `pool`, every sim in one `kvroute-sim
+    /// --pods` process.
+    fn start_with(pods: usize, members: usize, cluster: &str, pool: bool) -> Membership {
         let dir = std::env::temp_dir().join(format!(
             "kvroute-membership-{}-{}",
             std::process::id(),
@@ -73,14 +82,30 @@ impl Membership {
         let config = deployment.plugin.clone();
         let config_file = dir.join("kvroute.json");
         fs::write(&config_file, config.to_string()).unwrap();
-        let sims: Vec<Sim> = (0..pods)
-            .map(|_| {
-                let port = free_port();
-                let id = format!("127.0.0.1:{port}");
-                let args = ["--time-scale".to_string(), "0.02".to_string()];
-                Sim::start_on(SIM.as_ref(), &id, port, &config_file, &args).expect("sim")
-            })
-            .collect();
+        let args = ["--time-scale".to_string(), "0.02".to_string()];
+        let (sims, pool): (Vec<Sim>, _) = if pool {
+            let base = free_port_range(pods);
+            let ports: Vec<u16> = (0..pods as u16).map(|i| base + i).collect();
+            let (process, sims) = start_sims(
+                SIM.as_ref(),
+                "127.0.0.1:{port}",
+                0,
+                &ports,
+                &config_file,
+                &args,
+            )
+            .expect("sims");
+            (sims, Some(process))
+        } else {
+            let sims = (0..pods)
+                .map(|_| {
+                    let port = free_port();
+                    let id = format!("127.0.0.1:{port}");
+                    Sim::start_on(SIM.as_ref(), &id, port, &config_file, &args).expect("sim")
+                })
+                .collect();
+            (sims, None)
+        };
         let addresses: Vec<String> = sims[..members].iter().map(|s| s.address.clone()).collect();
         write_eds(&eds, &addresses).unwrap();
         let yaml = deployment.envoy_bootstrap();
@@ -90,6 +115,7 @@ impl Membership {
             envoy,
             eds,
             dir,
+            _pool: pool,
         };
         let published = if cluster_name_is_pods(&config) {
             members
@@ -325,4 +351,62 @@ fn a_membership_cluster_envoy_does_not_have_is_reported_not_an_empty_pod_set() {
             .metric("epp_pod_health_score", &[("pod", &id)]),
         None
     );
+}
+
+/// A pool at the ceiling: EDS lists 1,024 endpoints at once (one
+/// kvroute-sim process serving them all), and kvroute's pods become those
+/// members within one report round of the file's rename, each published,
+/// routed to, and asked for its report.
+#[test]
+fn a_membership_of_1024_endpoints_reconciles_within_one_round() {
+    const PODS: usize = 1024;
+    let cluster = Membership::start_with(PODS, 0, "kvroute_pods", true);
+    std::thread::sleep(Duration::from_millis(2 * INTERVAL_MS));
+    let all: Vec<usize> = (0..PODS).collect();
+    let changed = cluster.set_members(&all);
+    let known = cluster.wait_for("pods_changed adding every endpoint", || {
+        events(&cluster.envoy.log(), "pods_changed")
+            .iter()
+            .any(|e| e["added"].as_array().map(Vec::len) == Some(PODS))
+            .then(Instant::now)
+    });
+    let reconciled_ms = known.duration_since(changed).as_millis();
+    // Every member published (its gauges go out 64 pods a tick).
+    let published = cluster.wait_for("every member's health gauge", || {
+        let page = cluster.envoy.prometheus();
+        let count = page
+            .lines()
+            .filter(|l| l.starts_with("epp_pod_health_score{"))
+            .count();
+        (count >= PODS).then(Instant::now)
+    });
+    let published_ms = published.duration_since(changed).as_millis();
+    eprintln!(
+        "1,024 EDS endpoints: pods_changed {reconciled_ms} ms, every pod's gauges {published_ms} ms after the rename ({INTERVAL_MS} ms rounds)"
+    );
+    // Envoy's side of the rename takes a few ms; a round starts within
+    // INTERVAL_MS of it; reading, parsing and reconciling 1,024 hosts
+    // (~0.8 MB of admin JSON) takes a few ms more.
+    assert!(
+        reconciled_ms <= u128::from(INTERVAL_MS) + 250,
+        "reconciled {reconciled_ms} ms after the rename, more than one {INTERVAL_MS} ms round"
+    );
+    assert_eq!(
+        cluster.envoy_stat("cluster.kvroute_pods.membership_total"),
+        PODS as u64
+    );
+    // Requests reach members, and every member gets its long-poll.
+    for i in 0..8 {
+        let (pod, _) = cluster.route(&prompt("pool", &format!("q{i}")));
+        assert!(cluster.sims.iter().any(|s| s.id == pod), "{pod}");
+    }
+    let asked = cluster.wait_for("a report call to every member", || {
+        let asked = cluster
+            .sims
+            .iter()
+            .filter(|s| s.stats()["reportRequests"].as_u64().unwrap_or(0) > 0)
+            .count();
+        (asked == PODS).then_some(asked)
+    });
+    assert_eq!(asked, PODS);
 }

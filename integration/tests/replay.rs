@@ -257,3 +257,58 @@ fn openai_bodies_replay_like_the_mooncake_trace() {
         requests[0].input_length as usize * 4
     );
 }
+
+/// A pool of 256 pods (past the 64 of the old ceiling, and past the
+/// candidate set's `exactUpTo`), with the trace replicated so each pod
+/// sees the load of a 4-pod run: kvroute still finds the holders (a hit
+/// rate far above round robin's) and copies share no prefix.
+#[test]
+fn a_replicated_trace_replays_over_a_thousand_pods() {
+    let scratch = Scratch::new("replicated");
+    let trace = synthetic_trace(100);
+    let path = scratch.file("replicated.jsonl", &mooncake_jsonl(&trace));
+    let a = args(&[
+        "--trace",
+        path.to_str().unwrap(),
+        "--pods",
+        "256",
+        "--replicate",
+        "64",
+        "--time-scale",
+        "0.1",
+        "--policies",
+        "kvroute,round_robin",
+    ]);
+    let report = replay::run(&a, &mut Vec::new()).unwrap();
+    assert_eq!(report.requests, 100 * 64);
+    let single = replay::run(
+        &args(&[
+            "--trace",
+            path.to_str().unwrap(),
+            "--pods",
+            "4",
+            "--policies",
+            "round_robin",
+        ]),
+        &mut Vec::new(),
+    )
+    .unwrap();
+    assert_eq!(
+        report.unique_blocks,
+        64 * single.unique_blocks,
+        "copies share nothing"
+    );
+    let summary = |p: Policy| &report.runs.iter().find(|r| r.policy == p).unwrap().summary;
+    let (kvroute, round_robin) = (summary(Policy::Kvroute), summary(Policy::RoundRobin));
+    assert!(
+        kvroute.hit_rate > round_robin.hit_rate + 0.1,
+        "kvroute {:.3} vs round robin {:.3}",
+        kvroute.hit_rate,
+        round_robin.hit_rate
+    );
+    assert_eq!(kvroute.pod_shares.len(), 256);
+    assert!(
+        kvroute.pod_shares.iter().filter(|&&s| s > 0.0).count() > 230,
+        "the pool is used"
+    );
+}

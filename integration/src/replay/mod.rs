@@ -69,6 +69,11 @@ pub struct ReplayArgs {
     /// Divides every trace timestamp.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// Replays this many copies of the trace at once, each with its own
+    /// blocks (see `Workload::replicated`): with `--pods` N× as many, the
+    /// load per pod and the heat of each prefix stay the same.
+    #[arg(long, default_value_t = 1)]
+    pub replicate: usize,
     /// Multiplies every pod duration (prefill, decode), like `kvroute-sim
     /// --time-scale`: a benchmark running its pods at 0.05 replays with the
     /// same value.
@@ -270,7 +275,8 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
         emit_openai(&args.trace, path, &args.model)?;
     }
     let workload = Workload::load(&args.trace, args.format, &config, &args.model, args.speedup)
-        .map_err(|e| format!("{}: {e}", args.trace.display()))?;
+        .map_err(|e| format!("{}: {e}", args.trace.display()))?
+        .replicated(args.replicate);
     let unique_blocks = workload.unique_blocks();
     let kv_blocks = args
         .kv_blocks
@@ -294,7 +300,8 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
         }
         let target_ms = args.sustain_p90_ms * args.time_scale;
         let unscaled = Workload::load(&args.trace, args.format, &config, &args.model, 1.0)
-            .map_err(|e| format!("{}: {e}", args.trace.display()))?;
+            .map_err(|e| format!("{}: {e}", args.trace.display()))?
+            .replicated(args.replicate);
         let points = load_sweep::run(
             &unscaled,
             &pods,

@@ -209,6 +209,36 @@ impl Workload {
         }
     }
 
+    /// `copies` copies of the workload side by side: the same arrivals
+    /// (copy c 1 µs after copy c − 1), each copy's blocks its own (every
+    /// hash XORed with a per-copy constant, so prefixes are shared within a
+    /// copy exactly as in the trace and never across copies). A pool of N×
+    /// the pods then sees N× the load with each prefix as hot as before:
+    /// the pool grows, not the hot spots.
+    pub fn replicated(&self, copies: usize) -> Workload {
+        let lines = self.requests.iter().map(|r| r.line).max().unwrap_or(0);
+        let requests = (0..copies.max(1) as u64)
+            .flat_map(|c| {
+                let key = if c == 0 {
+                    0
+                } else {
+                    xxhash_rust::xxh64::xxh64(&c.to_le_bytes(), 0x5ca1e)
+                };
+                self.requests.iter().map(move |r| Request {
+                    line: r.line + c as usize * lines,
+                    arrival_us: r.arrival_us + c,
+                    chain: r.chain.iter().map(|h| h ^ key).collect(),
+                    session_key: r.session_key ^ key,
+                    ..r.clone()
+                })
+            })
+            .collect();
+        Workload {
+            reordered: self.reordered,
+            ..Workload::sorted(requests)
+        }
+    }
+
     /// Distinct blocks over all chains: the working set.
     pub fn unique_blocks(&self) -> usize {
         let mut seen = HashSet::new();
