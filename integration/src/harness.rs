@@ -688,11 +688,13 @@ impl Cluster {
             let text = self.envoy.prometheus();
             let published = prometheus_value(&text, "epp_snapshot_generation", &[])
                 .is_some_and(|generation| generation > 0.0);
-            if published
-                && self.sims.iter().all(|s| {
-                    prometheus_value(&text, "epp_pod_health_score", &[("pod", &s.id)]).is_some()
-                })
-            {
+            // One pass over the page (a pool has up to 1,024 pods).
+            let healths: std::collections::HashSet<&str> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("epp_pod_health_score{"))
+                .filter_map(|l| l.split("pod=\"").nth(1)?.split('"').next())
+                .collect();
+            if published && self.sims.iter().all(|s| healths.contains(s.id.as_str())) {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));

@@ -251,6 +251,8 @@ struct Stats {
     requests: u64,
     /// Report endpoint calls.
     report_requests: u64,
+    /// Reports answered with `full: true` (a first report, a resync).
+    full_reports: u64,
     completed: u64,
     errors: u64,
     cached_tokens: u64,
@@ -1108,12 +1110,15 @@ async fn report(
     {
         hold_report(&sim, since, wait).await;
     }
-    let inner = sim.lock();
+    let mut inner = sim.lock();
     let load = sim.load(&inner);
     let body = inner
         .pod
         .cache
         .report(&sim.pod_id, &sim.epoch, since, epoch, &load);
+    if body["full"] == json!(true) {
+        inner.stats.full_reports += 1;
+    }
     drop(inner);
     if mode == ReportMode::Stall {
         return stalled_json(body.to_string().into_bytes());
@@ -1289,6 +1294,7 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Response {
         "epoch": sim.epoch,
         "requests": s.requests,
         "reportRequests": s.report_requests,
+        "fullReports": s.full_reports,
         "completed": s.completed,
         "errors": s.errors,
         "cachedTokens": s.cached_tokens,

@@ -654,20 +654,26 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     // service drops its blocks and asks for a full report, the whole pool
     // resyncing while Envoy serves.
     let resync_start = Instant::now();
-    let ready_nodes = nodes_after.unwrap_or(expected);
-    let mut dipped = false;
+    let mut resynced = 0;
     let (mut resync_admin, mut resync_cpu) = probe_main_thread(&admin, pid, || {
         if let Err(e) = cluster.restart_sims(sim_binary, &sim_args) {
             eprintln!("scale: restarting the sims failed: {e}");
             return;
         }
-        while resync_start.elapsed() < Duration::from_secs(300) {
-            let now = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
-            dipped |= now < ready_nodes * 0.99;
-            if dipped && now >= ready_nodes.min(expected) * 0.999 {
+        // Done when every pod has served its full report (the service
+        // asks at most 8 at once) and the index holds the preloaded
+        // blocks again (what churn added before the restart is gone).
+        while resync_start.elapsed() < Duration::from_secs(600) {
+            resynced = cluster
+                .sims
+                .iter()
+                .filter(|s| s.stats()["fullReports"].as_u64().unwrap_or(0) > 0)
+                .count();
+            let nodes = metric(&cluster.envoy, "epp_prefix_tree_nodes").unwrap_or(0.0);
+            if resynced == pods && nodes >= expected * 0.999 {
                 break;
             }
-            std::thread::sleep(Duration::from_millis(250));
+            std::thread::sleep(Duration::from_secs(1));
         }
         std::thread::sleep(Duration::from_secs(3));
     });
@@ -700,7 +706,7 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
         "serviceBusyDuringIngest": busy,
         "resync": {
             "s": (resync_s * 10.0).round() / 10.0,
-            "indexDipped": dipped,
+            "podsResynced": resynced,
             "adminReadyMs": percentiles(&resync_admin),
             "mainThreadOnCpuPerProbeMs": percentiles(&resync_cpu),
             "serviceBusySinceStart": resync_busy,
