@@ -86,21 +86,26 @@ const RESERVED_BODIES: usize = 8;
 const PUBLISH_GAP_MS: u64 = 5;
 
 /// Pulls started per tick (report calls that are due, a round's metrics
-/// calls): at 1,024 pods a round's calls go out over 16 ticks (0.4 s)
-/// instead of ~1,024 dispatches in one callback. A pod whose answer was
-/// just folded is asked again at once, outside this bound (one call per
-/// answer).
+/// calls), at most: at 1,024 pods a round's calls go out over 16 ticks or
+/// more instead of ~1,024 dispatches in one callback. A pod whose answer
+/// was just folded is asked again at once, outside this bound (one call
+/// per answer).
 const CALLS_PER_TICK: usize = 64;
+
+/// Main-thread time per tick for starting pulls: with what a dispatch
+/// costs (averaged as calls go out), fewer than [`CALLS_PER_TICK`] start
+/// when each costs more than 15 µs.
+const CALL_BUDGET_US: f64 = 1_000.0;
+
+/// Main-thread time per tick for per-pod gauges (defining a pod's series
+/// costs Envoy tens of µs each; setting one, a few).
+const GAUGE_BUDGET_US: u64 = 1_000;
 
 /// Report calls asking for everything (`since=0`: a pod not yet known, or
 /// resyncing) in flight at once. Full reports are the large answers and
 /// their folding is paced by the tick budget anyway; this bounds how many
 /// wait in memory (the heap reserved for [`RESERVED_BODIES`]).
 const RESYNC_CALLS: usize = RESERVED_BODIES;
-
-/// Pods whose gauges are exported per tick, and new pods whose series are
-/// defined per tick (1,024 pods over 16 ticks, 0.4 s).
-const GAUGE_PODS_PER_TICK: usize = 64;
 
 /// Records a service callback's main-thread time in
 /// `epp_service_busy_us` when dropped: the service's share of any stall of
@@ -145,8 +150,11 @@ pub struct ServiceRoot {
     last_publish_ms: u64,
     /// The members digest of the JSON pod table last written.
     members_written: Option<u64>,
-    /// Pulls this tick may still start ([`CALLS_PER_TICK`]).
+    /// Pulls this tick may still start ([`CALLS_PER_TICK`],
+    /// [`CALL_BUDGET_US`]).
     calls_left: usize,
+    /// What starting a pull costs the main thread, µs (moving average).
+    dispatch_us: f64,
     /// Where the next tick's scan for due report calls starts, so every
     /// pod gets its turn.
     poll_cursor: usize,
@@ -181,7 +189,11 @@ impl ServiceRoot {
             ("x-envoy-original-dst-host", destination),
         ];
         let timeout = Duration::from_millis(timeout_ms);
-        match self.dispatch_http_call(cluster, headers, None, vec![], timeout) {
+        let started = Instant::now();
+        let dispatched = self.dispatch_http_call(cluster, headers, None, vec![], timeout);
+        let spent = started.elapsed().as_secs_f64() * 1e6;
+        self.dispatch_us += (spent - self.dispatch_us) / 16.0;
+        match dispatched {
             Ok(token) => {
                 self.pending.insert(token, (pod.to_string(), pull));
             }
@@ -218,26 +230,30 @@ impl ServiceRoot {
 
     /// Writes changed buckets while this tick's budget lasts, then a new
     /// pod table (after the buckets it counts on), which it returns.
-    fn publish(&mut self) -> Option<PodTable> {
+    /// Returns a copy of the table when `copy` (the round's, for its
+    /// gauges).
+    fn publish(&mut self, copy: bool) -> Option<PodTable> {
         let now = host::now_ms();
         (self.last_publish_ms, self.folds_unpublished) = (now, false);
         let written = self.write_buckets(now);
         let state = self.state.as_mut()?;
-        let table = state.pod_table(now);
+        let table = state.next_table(now);
         let members_changed = self.members_written != Some(table.members_digest);
-        shared::publish_table(&table, members_changed);
+        shared::publish_table(table, members_changed);
         self.members_written = Some(table.members_digest);
+        let generation = table.generation;
+        let copy = copy.then(|| table.clone());
         // Last: once it moves, the whole table above is visible.
-        metrics::gauge("epp_snapshot_generation", table.generation);
+        metrics::gauge("epp_snapshot_generation", generation);
         if log::log_enabled!(log::Level::Trace) {
             event(
                 log::Level::Trace,
                 "publish",
-                json!({"generation": table.generation, "bucketsWritten": written,
+                json!({"generation": generation, "bucketsWritten": written,
                        "bucketsPending": state.unpublished_buckets(), "indexBlocks": state.index().len()}),
             );
         }
-        Some(table)
+        copy
     }
 
     /// Writes changed buckets (reports folded, decisions recorded or
@@ -265,28 +281,25 @@ impl ServiceRoot {
     }
 
     /// New pods' series at 0, the index gauges, and the per-pod gauges of
-    /// this round's table, [`GAUGE_PODS_PER_TICK`] pods at a time each.
+    /// this round's table, while [`GAUGE_BUDGET_US`] lasts (at least one
+    /// pod a tick); the rest go on at the next tick.
     fn export_gauges(&mut self) {
-        for _ in 0..GAUGE_PODS_PER_TICK {
-            let Some(pod) = self.zero_due.pop_front() else {
-                break;
-            };
+        let started = Instant::now();
+        let within = || started.elapsed().as_micros() < u128::from(GAUGE_BUDGET_US);
+        while let Some(pod) = self.zero_due.pop_front() {
             metrics::export_pod_from_zero(&pod);
+            if !within() {
+                return;
+            }
         }
-        let Some((table, next)) = self.gauges.as_mut() else {
-            return;
-        };
-        let Some(state) = self.state.as_ref() else {
+        let (Some((table, next)), Some(state)) = (self.gauges.as_mut(), self.state.as_ref()) else {
             return;
         };
         if *next == 0 {
             metrics::gauge("epp_prefix_tree_nodes", state.index().len() as u64);
             metrics::gauge("epp_index_memory_bytes", state.memory_bytes() as u64);
         }
-        let end = next
-            .saturating_add(GAUGE_PODS_PER_TICK)
-            .min(table.pods.len());
-        for pod in table.pods.get(*next..end).unwrap_or_default() {
+        while let Some(pod) = table.pods.get(*next) {
             metrics::gauge_changed(
                 &metrics::labelled("epp_queue_depth", "pod", &pod.id),
                 u64::from(pod.queue),
@@ -303,9 +316,12 @@ impl ServiceRoot {
                 &metrics::labelled("epp_pod_report_fallback", "pod", &pod.id),
                 u64::from(state.in_report_fallback(&pod.id)),
             );
+            *next += 1;
+            if !within() {
+                break;
+            }
         }
-        *next = end;
-        if end >= table.pods.len() {
+        if *next >= table.pods.len() {
             self.gauges = None;
         }
     }
@@ -358,8 +374,11 @@ impl ServiceRoot {
     }
 
     fn start_round(&mut self, config: &Config) {
-        if let Some(table) = self.publish() {
-            self.gauges = Some((table, 0));
+        if let Some(table) = self.publish(true) {
+            // An export the last round did not finish goes on where it
+            // stopped, with this round's numbers.
+            let next = self.gauges.as_ref().map_or(0, |(_, next)| *next);
+            self.gauges = Some((table, next));
         }
         if let (Some(_), Some(state)) = (&config.metrics_path, self.state.as_ref()) {
             // A pod whose last metrics are not answered or folded yet is
@@ -620,7 +639,7 @@ impl Context for ServiceRoot {
         }
         let reported = self.fold();
         if self.folds_unpublished && now.saturating_sub(self.last_publish_ms) >= PUBLISH_GAP_MS {
-            self.publish();
+            self.publish(false);
         }
         if let Some(config) = self.config.clone() {
             self.poll_reports(&config, Some(&reported));
@@ -663,14 +682,15 @@ impl RootContext for ServiceRoot {
             self.queue = host::register_queue(DECISION_QUEUE).ok();
         }
         (self.budget_us, self.folding_us) = (TICK_BUDGET_US, 0);
-        self.calls_left = CALLS_PER_TICK;
+        let affordable = CALL_BUDGET_US / self.dispatch_us.max(1.0);
+        self.calls_left = (affordable as usize).clamp(4, CALLS_PER_TICK);
         self.fold();
         let now = host::now_ms();
         if now >= self.next_round_ms {
             self.next_round_ms = now.saturating_add(config.pod_report_interval_ms);
             self.start_round(&config);
         } else if self.folds_unpublished {
-            self.publish();
+            self.publish(false);
         } else {
             // A resync's rest; pending decisions expire on time, not at
             // the next round.
