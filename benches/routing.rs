@@ -210,7 +210,7 @@ fn build(pods: usize) -> Fixture {
                 inflight_at_report: 0,
             })
             .collect(),
-        adapter_index: Default::default(),
+        ..PodTable::default()
     };
     let inflight: Vec<SlotLoad> = (0..pods)
         .map(|_| SlotLoad {
