@@ -416,22 +416,14 @@ fn pod_rules() {
         assert!(message.contains("must be 1 to 1024"), "{message}");
     }
     // The candidate set of a large pool.
-    rejects(
-        &with_pods(r#""candidates": {"holders": 0}"#),
-        "candidates.holders",
-    );
-    rejects(
-        &with_pods(r#""candidates": {"sampled": 0}"#),
-        "candidates.sampled",
-    );
-    rejects(
-        &with_pods(r#""candidates": {"exactUpTo": 1025}"#),
-        "candidates.exactUpTo",
-    );
-    rejects(
-        &with_pods(r#""candidates": {"sample": 4}"#),
-        "candidates.sample",
-    );
+    for (json, field) in [
+        (r#"{"holders": 0}"#, "candidates.holders"),
+        (r#"{"sampled": 0}"#, "candidates.sampled"),
+        (r#"{"exactUpTo": 1025}"#, "candidates.exactUpTo"),
+        (r#"{"sample": 4}"#, "candidates.sample"),
+    ] {
+        rejects(&with_pods(&format!(r#""candidates": {json}"#)), field);
+    }
     let config = parse(&with_pods(r#""candidates": {"exactUpTo": 1024}"#)).unwrap();
     assert_eq!(
         (

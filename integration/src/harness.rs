@@ -153,6 +153,31 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// Spawns `kvroute-sim --pod-id ID --port PORT --config FILE EXTRA…`,
+/// its stdout drained so it never blocks on a full pipe.
+fn spawn_sim(
+    binary: &Path,
+    id: &str,
+    port: &str,
+    config_file: &Path,
+    extra: &[String],
+) -> io::Result<Process> {
+    let mut child = Command::new(binary)
+        .args(["--pod-id", id, "--port", port, "--config"])
+        .arg(config_file)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    if let Some(stdout) = child.stdout.take() {
+        std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
+    }
+    Ok(Process {
+        child,
+        name: id.to_string(),
+    })
+}
+
 /// The first of `n` consecutive loopback ports nothing listens on (below
 /// the ephemeral range, where the kernel hands out no client ports), none
 /// handed out before by [`free_port`] or this.
@@ -192,22 +217,14 @@ pub fn start_sims(
     let base = ports.first().copied().unwrap_or(0);
     let mut args = extra.to_vec();
     args.retain(|a| a != "--port");
-    let mut child = Command::new(binary)
-        .args(["--pod-id", id, "--port", &base.to_string()])
-        .args(["--pods", &ports.len().to_string()])
-        .args(["--first-index", &first.to_string(), "--config"])
-        .arg(config_file)
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    if let Some(stdout) = child.stdout.take() {
-        std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
-    }
-    let process = Process {
-        child,
-        name: format!("pods {first}.."),
-    };
+    let count = ports.len().to_string();
+    let (base, first_index) = (base.to_string(), first.to_string());
+    args.extend(
+        ["--pods", &count, "--first-index", &first_index]
+            .iter()
+            .map(|a| a.to_string()),
+    );
+    let process = spawn_sim(binary, id, &base, config_file, &args)?;
     let sims: Vec<Sim> = ports
         .iter()
         .enumerate()
@@ -823,21 +840,7 @@ impl Sim {
         extra: &[String],
     ) -> io::Result<Sim> {
         let address = format!("127.0.0.1:{port}");
-        let mut child = Command::new(binary)
-            .args(["--pod-id", id, "--port", &port.to_string(), "--config"])
-            .arg(config_file)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()?;
-        // Drain stdout so the sim never blocks on a full pipe.
-        if let Some(stdout) = child.stdout.take() {
-            std::thread::spawn(move || for _ in BufReader::new(stdout).lines() {});
-        }
-        let process = Process {
-            child,
-            name: id.to_string(),
-        };
+        let process = spawn_sim(binary, id, &port.to_string(), config_file, extra)?;
         if !http::wait_ready(&address, "/health", Duration::from_secs(20)) {
             return Err(io::Error::other(format!(
                 "sim {id} did not become ready on {address}"

@@ -284,27 +284,15 @@ fn mix(mut z: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
 
-    static NO_ATTRIBUTES: BTreeMap<String, f64> = BTreeMap::new();
-
+    /// `n` healthy idle pods at half load.
     fn pool(n: usize) -> Vec<Candidate<'static>> {
         (0..n)
             .map(|slot| Candidate {
-                slot,
-                id: "p",
-                cache_match: 0.0,
-                cached_tokens: 0,
-                uncached_tokens: 0,
-                inflight: 0,
-                queued_prefill: 0,
-                recent_decisions: 0,
-                busy_average: 0.0,
                 load: 0.5,
                 queue: 0,
                 health: 1.0,
-                adapter_loaded: false,
-                attributes: &NO_ATTRIBUTES,
+                ..absent_candidate(slot)
             })
             .collect()
     }
