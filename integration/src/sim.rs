@@ -25,6 +25,10 @@
 //! - with `--kv-events`, vLLM's ZMQ KV events too ([`crate::kv_events`]).
 //!
 //! Every response carries `x-sim-pod: <pod id>`.
+//!
+//! `--pods N` serves N such pods from one process (a listener, cache, slots
+//! and report log each, one runtime), so a 2-core machine runs a pool of
+//! 1,024 pods behind one Envoy.
 
 use std::collections::HashMap;
 use std::convert::Infallible;

@@ -33,6 +33,14 @@
 //! [`PUBLISH_BUCKETS`], the rest left to the following ticks; bodies over
 //! `maxReportBytes` are never read. A step may overrun the budget by its
 //! own length (parsing one body is one step).
+//! Work per pod is spread the same way, so a pool of 1,024 pods costs no
+//! callback 1,024 of anything: a tick starts at most [`CALLS_PER_TICK`]
+//! pulls within [`CALL_BUDGET_US`] (scanning the pods from where the last
+//! tick stopped), an answer's callback asks only the pods it folded again,
+//! at most [`RESYNC_CALLS`] `since=0` calls are in flight, per-pod gauges
+//! and new pods' series go out within [`GAUGE_BUDGET_US`] a tick, and the
+//! pod table is brought to each generation's numbers in place (its JSON
+//! written only when the pods change).
 //! A report answer that changed no block is published with the next round
 //! (its pod's queue and load with it), not with a table of its own: 64
 //! idle pods answer 64 long-polls a second. Metrics answers are published

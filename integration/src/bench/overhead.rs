@@ -641,7 +641,13 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     // A few requests first: each worker decodes the JSON pod table once
     // per membership (190 KB at 1,024 pods, ~2 ms of wasm), which is not
     // the steady state the filter's time below is about.
-    churn(&cluster, prompts, prompt_bytes, 10.0, Duration::from_secs(1));
+    churn(
+        &cluster,
+        prompts,
+        prompt_bytes,
+        10.0,
+        Duration::from_secs(1),
+    );
     // Churn: half the requests hit a preloaded prompt (lookups at full
     // index), half are new 256-block prompts (256 stored + up to 256
     // evicted blocks each, folded and republished by the service).
@@ -654,7 +660,11 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     // More of the filter's time at full index, past the churn's 300.
     let offset = log_len(&cluster.envoy);
     churn(&cluster, prompts, prompt_bytes, 40.0, window);
-    filter.extend(event_field(&log_since(&cluster.envoy, offset), "route", "latencyUs"));
+    filter.extend(event_field(
+        &log_since(&cluster.envoy, offset),
+        "route",
+        "latencyUs",
+    ));
     let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
     let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
     // Every sim process restarts at once (new epochs, the same caches):
