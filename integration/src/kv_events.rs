@@ -17,7 +17,10 @@
 //! token IDs as it must with vLLM.
 //!
 //! Faults for the bridge's tests: batches left off the PUB socket (still
-//! buffered for replay: a gap), garbage frames, and `AllBlocksCleared`.
+//! buffered for replay: a gap, or past `buffer_steps` an overrun), batches
+//! numbered but neither sent nor buffered (a hole: vLLM's publisher loses a
+//! batch so when its send raises, after taking its number), garbage
+//! frames, and `AllBlocksCleared`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -87,6 +90,8 @@ struct State {
     buffer: VecDeque<(i64, Bytes)>,
     /// Batches still to leave off the PUB socket.
     drop_next: u64,
+    /// Batches still to lose (numbered, never buffered nor sent).
+    lose_next: u64,
 }
 
 /// The pod's publisher (see the module documentation).
@@ -137,6 +142,7 @@ impl Publisher {
                 next_seq: 0,
                 buffer: VecDeque::new(),
                 drop_next: 0,
+                lose_next: 0,
             }),
             outgoing,
         });
@@ -313,6 +319,10 @@ impl Publisher {
     fn send(&self, state: &mut State, payload: Bytes) {
         let seq = state.next_seq;
         state.next_seq += 1;
+        if state.lose_next > 0 {
+            state.lose_next -= 1;
+            return;
+        }
         state.buffer.push_back((seq, payload.clone()));
         while state.buffer.len() > self.options.buffer_steps.max(1) {
             state.buffer.pop_front();
@@ -331,6 +341,12 @@ impl Publisher {
     /// Leaves the next `batches` off the PUB socket (still replayable).
     pub fn drop_next(&self, batches: u64) {
         self.lock().drop_next += batches;
+    }
+
+    /// Loses the next `batches`: their numbers are taken, but they are
+    /// neither buffered nor sent (a hole no replay fills).
+    pub fn lose_next(&self, batches: u64) {
+        self.lock().lose_next += batches;
     }
 
     /// Sends garbage: a one-part message, a short seq frame, and a batch

@@ -1141,7 +1141,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         let ok = match key.as_str() {
             "crash" | "hang" | "evictAll" | "silent" | "flushSilent" => v.is_boolean(),
             "clearAll" | "kvGarbage" => v.is_boolean() && sim.kv_events.is_some(),
-            "kvDrop" => v.is_u64() && sim.kv_events.is_some(),
+            "kvDrop" | "kvLose" => v.is_u64() && sim.kv_events.is_some(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
             "report" => matches!(
                 v.as_str(),
@@ -1205,6 +1205,9 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         if let Some(publisher) = &sim.kv_events {
             if let Some(batches) = object.get("kvDrop").and_then(Value::as_u64) {
                 publisher.drop_next(batches);
+            }
+            if let Some(batches) = object.get("kvLose").and_then(Value::as_u64) {
+                publisher.lose_next(batches);
             }
             if flag("kvGarbage") == Some(true) {
                 publisher.send_garbage();

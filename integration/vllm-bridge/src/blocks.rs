@@ -46,7 +46,7 @@
 //! keys are reference-counted: stored on the first, removed with the last.
 //! Changes go to a [`ReportLog`] that protocol v1 reports are built from.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvroute::hashing::{
@@ -108,6 +108,8 @@ struct Mapped {
     /// The text-mode keys it completed, in chain order.
     text_keys: Vec<u64>,
     chain: Chains,
+    /// The vLLM block it continues (`None`: it opens a chain).
+    parent: Option<u64>,
     /// How many times vLLM stored this hash without removing it.
     refs: u32,
 }
@@ -215,6 +217,9 @@ pub struct PodBlocks {
     held: Held,
     /// One block's tokens decoded (kept to reuse its allocation).
     decoded: Vec<u8>,
+    /// While rebuilding past a hole ([`PodBlocks::start_proof`]): the vLLM
+    /// blocks later events prove present.
+    proven: Option<HashSet<u64>>,
     pub skipped: Skipped,
 }
 
@@ -230,6 +235,7 @@ impl PodBlocks {
                 log: ReportLog::new(max_log),
             },
             decoded: Vec::new(),
+            proven: None,
             skipped: Skipped::default(),
         }
     }
@@ -321,6 +327,7 @@ impl PodBlocks {
                 extra_keys,
                 ..
             } => {
+                self.prove(block_hashes, *parent_block_hash);
                 let blocks = block_hashes.len() as u64;
                 if *block_size != self.hashing.layout.block_size
                     || token_ids.len() != block_hashes.len() * block_size
@@ -360,6 +367,7 @@ impl PodBlocks {
                         }
                     },
                 };
+                let mut previous = *parent_block_hash;
                 let vllm_blocks = block_hashes.iter().zip(token_ids.chunks_exact(*block_size));
                 for (i, (&hash, tokens)) in vllm_blocks.enumerate() {
                     if i > 0 && salt_in(extra(i), lora_name.as_deref(), *lora_id, false).is_err() {
@@ -385,26 +393,75 @@ impl PodBlocks {
                             key,
                             text_keys,
                             chain: chain.clone(),
+                            parent: previous,
                             refs: 1,
                         });
+                    previous = Some(hash);
                 }
             }
             KvEvent::Removed { block_hashes, .. } => {
                 for hash in block_hashes {
-                    let Some(mapped) = self.vllm.get_mut(hash) else {
-                        continue;
-                    };
-                    mapped.refs -= 1;
-                    // Tail first, as vLLM frees a request's blocks.
-                    for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
-                        self.held.release(key);
-                    }
-                    if mapped.refs == 0 {
-                        self.vllm.remove(hash);
-                    }
+                    self.release(*hash);
                 }
             }
             KvEvent::AllCleared => self.clear(),
+        }
+    }
+
+    /// vLLM removed one copy of block `hash`.
+    fn release(&mut self, hash: u64) {
+        let Some(mapped) = self.vllm.get_mut(&hash) else {
+            return;
+        };
+        mapped.refs -= 1;
+        // Tail first, as vLLM frees a request's blocks.
+        for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
+            self.held.release(key);
+        }
+        if mapped.refs == 0 {
+            self.vllm.remove(&hash);
+        }
+    }
+
+    /// Rebuilding past a hole in vLLM's event history: the events in the
+    /// lost batch are unknown, so a block stored before it may have been
+    /// removed in it. From now until [`PodBlocks::end_proof`], each stored
+    /// block proves itself present, and its chain's ancestors too (vLLM
+    /// stores a block while the request holding it holds its whole prefix).
+    pub fn start_proof(&mut self) {
+        self.proven = Some(HashSet::new());
+    }
+
+    /// Ends [`PodBlocks::start_proof`]: every block held but not proven
+    /// since is dropped (it may have gone in the hole). Returns how many.
+    pub fn end_proof(&mut self) -> usize {
+        let Some(proven) = self.proven.take() else {
+            return 0;
+        };
+        let unproven: Vec<(u64, u32)> = self
+            .vllm
+            .iter()
+            .filter(|(hash, _)| !proven.contains(hash))
+            .map(|(&hash, mapped)| (hash, mapped.refs))
+            .collect();
+        for &(hash, refs) in &unproven {
+            for _ in 0..refs {
+                self.release(hash);
+            }
+        }
+        unproven.len()
+    }
+
+    /// Marks a stored chain and its ancestors proven (while proving).
+    fn prove(&mut self, hashes: &[u64], parent: Option<u64>) {
+        let Some(proven) = &mut self.proven else {
+            return;
+        };
+        proven.extend(hashes);
+        let mut ancestor = parent;
+        // Each block is marked once: the walk stops at a proven one.
+        while let Some(hash) = ancestor.filter(|hash| proven.insert(*hash)) {
+            ancestor = self.vllm.get(&hash).and_then(|m| m.parent);
         }
     }
 
@@ -636,6 +693,36 @@ mod tests {
         // left out.
         assert_eq!(pod.len(), 6);
         assert_eq!(pod.skipped.extra_keys, 3);
+    }
+
+    #[test]
+    fn past_a_hole_only_blocks_proven_present_stay() {
+        let mut pod = blocks();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let key = |tokens: &[u32]| *hash_tokens(&seed, tokens, &LAYOUT).last().expect("a key");
+        // Before the hole: three chains.
+        pod.apply(&stored(&[10, 11], None, &[1, 2, 3, 4], None));
+        pod.apply(&stored(&[20], None, &[5, 6], None));
+        pod.apply(&stored(&[30], None, &[9, 9], None));
+        pod.start_proof();
+        // After it: a block continuing 11 proves 11 and 10; 30 is stored
+        // again; nothing proves 20.
+        pod.apply(&stored(&[12], Some(11), &[7, 8], None));
+        pod.apply(&stored(&[30], None, &[9, 9], None));
+        assert_eq!(pod.len(), 5);
+        assert_eq!(pod.end_proof(), 1);
+        assert!([&[1, 2][..], &[1, 2, 3, 4], &[1, 2, 3, 4, 7, 8], &[9, 9]]
+            .iter()
+            .all(|tokens| pod.contains(key(tokens))));
+        assert!(!pod.contains(key(&[5, 6])));
+        assert_eq!(pod.len(), 4);
+        // Proof is over: removals and stores as usual (30 was stored twice).
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![30],
+            medium: None,
+        });
+        assert!(pod.contains(key(&[9, 9])));
+        assert_eq!(pod.end_proof(), 0);
     }
 
     #[test]
