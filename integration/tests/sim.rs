@@ -534,3 +534,90 @@ fn report_wait_holds_until_an_event_or_the_wait_ends() {
     let (_, took) = timed_report(&plain.addr, &query);
     assert!(took < Duration::from_millis(500), "answered after {took:?}");
 }
+
+/// `/v1/models` in vLLM's order and shape (`show_available_models`): the
+/// base model's served names first (the model itself before its aliases,
+/// with `max_model_len`), then the LoRA adapters with `parent` set and no
+/// `max_model_len`. Routers that register a worker for the first listed
+/// model (SGLang's gateway) see the base model: with `envoy/kvroute.json`'s
+/// models, listed alphabetically, they used to see an alias.
+#[test]
+fn models_are_listed_base_model_first_as_vllm_lists_them() {
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/kvroute.json");
+    let sim = Sim::start(&["--config", shipped]);
+    let models = get(&sim.addr, "/v1/models").unwrap().json().unwrap();
+    assert_eq!(models["object"], "list");
+    let cards = models["data"].as_array().unwrap();
+    let column =
+        |field: &str| -> Vec<String> { cards.iter().map(|card| card[field].to_string()).collect() };
+    assert_eq!(
+        column("id"),
+        [
+            "\"sim-model\"",
+            "\"customer-support-v3\"",
+            "\"customer-support-v3-billing\"",
+            "\"customer-support-v3-enterprise\""
+        ]
+    );
+    assert_eq!(
+        column("parent"),
+        ["null", "null", "\"sim-model\"", "\"sim-model\""]
+    );
+    assert_eq!(
+        column("root"),
+        [
+            "\"sim-model\"",
+            "\"sim-model\"",
+            "\"billing-lora\"",
+            "\"enterprise-lora\""
+        ]
+    );
+    assert_eq!(column("max_model_len"), ["8192", "8192", "null", "null"]);
+    for card in cards {
+        assert_eq!(
+            (&card["object"], &card["owned_by"]),
+            (&"model".into(), &"vllm".into())
+        );
+        assert_eq!(card["permission"][0]["object"], "model_permission");
+    }
+
+    // Adapters only (the benchmark's LoRA workload): vLLM serves its base
+    // model anyway, listed first, and answers requests for it.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let config = dir.join("kvroute-sim-adapters-only.json");
+    std::fs::write(
+        &config,
+        r#"{"pods": [{"id": "p", "address": "127.0.0.1:1"}],
+            "models": {"tenant-1": {"baseModel": "sim-model", "adapter": "lora-1"},
+                       "tenant-0": {"baseModel": "sim-model", "adapter": "lora-0"}}}"#,
+    )
+    .unwrap();
+    let sim = Sim::start(&["--config", config.to_str().unwrap(), "--time-scale", "0.01"]);
+    let models = get(&sim.addr, "/v1/models").unwrap().json().unwrap();
+    let listed: Vec<(&str, &serde_json::Value)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|card| (card["id"].as_str().unwrap(), &card["parent"]))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("sim-model", &serde_json::Value::Null),
+            ("tenant-0", &"sim-model".into()),
+            ("tenant-1", &"sim-model".into())
+        ]
+    );
+    for model in ["sim-model", "tenant-1"] {
+        let body = format!(r#"{{"model":"{model}","prompt":"hello","max_tokens":1}}"#);
+        let answer = post_json(&sim.addr, "/v1/completions", &body).unwrap();
+        assert_eq!(answer.status, 200, "{model}: {}", answer.body);
+    }
+    let unknown = r#"{"model":"other","prompt":"hello","max_tokens":1}"#;
+    assert_eq!(
+        post_json(&sim.addr, "/v1/completions", unknown)
+            .unwrap()
+            .status,
+        404
+    );
+}
