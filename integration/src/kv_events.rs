@@ -46,6 +46,9 @@ pub struct PublisherOptions {
     /// Batches kept for replay (vLLM's `buffer_steps`).
     pub buffer_steps: usize,
     pub shape: Shape,
+    /// Publish `extra_keys` in the typed form proposed upstream (tagged
+    /// structs, in `shape`) instead of vLLM's raw tuples.
+    pub typed_extra_keys: bool,
     /// The sim's token layout (uncapped): its blocks of `block_size`
     /// tokens (vLLM's) and, past `coarse_after`, its coarse ones, each
     /// published as the `coarse_factor` vLLM blocks it spans.
@@ -63,20 +66,25 @@ struct BlockTokens {
 
 impl BlockTokens {
     /// vLLM's `extra_keys` of each of the `vllm_blocks` this block spans:
-    /// the adapter's name in every one, the salt in the first; `None` for
-    /// a block with neither.
-    fn extra_keys(&self, vllm_blocks: usize) -> Vec<Option<Vec<Msgpack>>> {
+    /// the adapter's name in every one, the salt in the first; nil for a
+    /// block with neither. `typed`: each key as the tagged struct of the
+    /// typed form proposed upstream (`LoRAKey`, `CacheSaltKey`) instead.
+    fn extra_keys(&self, vllm_blocks: usize, typed: Option<Shape>) -> Vec<Option<Msgpack>> {
+        let key = |tag: &str, field: &str, value: &str| match typed {
+            None => Msgpack::from(value),
+            Some(Shape::Map) => Msgpack::Map(vec![
+                ("type".into(), tag.into()),
+                (field.into(), value.into()),
+            ]),
+            Some(Shape::Positional) => Msgpack::Array(vec![tag.into(), value.into()]),
+        };
         (0..vllm_blocks)
             .map(|i| {
+                let adapter = self.lora_name.as_deref().map(|n| key("LoRAKey", "name", n));
                 let salt = self.salt.as_deref().filter(|_| i == 0);
-                let keys: Vec<Msgpack> = self
-                    .lora_name
-                    .as_deref()
-                    .into_iter()
-                    .chain(salt)
-                    .map(Msgpack::from)
-                    .collect();
-                (!keys.is_empty()).then_some(keys)
+                let salt = salt.map(|s| key("CacheSaltKey", "salt", s));
+                let keys: Vec<Msgpack> = adapter.into_iter().chain(salt).collect();
+                (!keys.is_empty()).then_some(Msgpack::Array(keys))
             })
             .collect()
     }
@@ -261,7 +269,8 @@ impl Publisher {
                 .rev()
                 .map(|i| vllm_hash(event.hash, i))
                 .collect();
-            let extra = block.extra_keys(vllm_blocks);
+            let typed = self.options.typed_extra_keys.then_some(self.options.shape);
+            let extra = block.extra_keys(vllm_blocks, typed);
             // A block continuing the previous stored chain joins it (a
             // salted one opens a chain: it never continues one).
             if let Some(KvEvent::Stored {

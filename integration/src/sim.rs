@@ -145,6 +145,12 @@ pub struct SimOptions {
     /// or `array` (older vLLM's positional arrays).
     #[arg(long, default_value = "map", value_parser = parse_shape)]
     pub kv_events_format: Shape,
+    /// Publish `extra_keys` (adapter, `cache_salt`) in the typed form
+    /// proposed upstream (vLLM PR 55488: `LoRAKey`, `CacheSaltKey` tagged
+    /// structs) instead of vLLM's raw tuples: a vLLM the bridge does not
+    /// know yet.
+    #[arg(long)]
+    pub kv_typed_extra_keys: bool,
     /// Tokenize text and chat prompts as vLLM does, with this tokenizer
     /// (`cl100k_base`), and cache token blocks of `blockSizeTokens`
     /// ([`crate::tokenizer`]); with `--kv-events` they are published.
@@ -479,6 +485,7 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
                 topic: options.kv_topic.clone(),
                 buffer_steps: options.kv_replay_buffer,
                 shape: options.kv_events_format,
+                typed_extra_keys: options.kv_typed_extra_keys,
                 layout: BlockLayout::tokens(&config).uncapped(),
             })
             .await?,

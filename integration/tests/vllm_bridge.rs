@@ -93,7 +93,12 @@ impl Pod {
 
     /// A token-ID completion of `tokens` (max 1 output token).
     fn complete(&self, model: &str, tokens: &[u32]) {
-        let body = json!({"model": model, "prompt": tokens, "max_tokens": 1});
+        self.complete_salted(model, tokens, None);
+    }
+
+    /// [`Pod::complete`] with vLLM's `cache_salt`.
+    fn complete_salted(&self, model: &str, tokens: &[u32], salt: Option<&str>) {
+        let body = json!({"model": model, "prompt": tokens, "max_tokens": 1, "cache_salt": salt});
         let r = http::post_json(&self.sim.address, "/v1/completions", &body.to_string())
             .expect("completion");
         assert_eq!(r.status, 200, "{}", r.body);
@@ -401,6 +406,43 @@ fn a_restarted_publisher_is_rebuilt_from_its_buffer() {
         assert_ne!(report_blocks(&running.addr.to_string()).0, epoch);
     }
     assert!(counter(&running, "kvbridge_connects_total") >= 2.0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A vLLM publishing `extra_keys` in a form the bridge does not know (the
+/// typed form proposed upstream: `LoRAKey` and `CacheSaltKey` structs), in
+/// both wire shapes: the adapter's and the salted request's blocks are
+/// refused and counted, nothing else: the base model's unsalted blocks are
+/// bridged, before and after, and no frame counts as malformed.
+#[test]
+fn extra_keys_of_an_unknown_form_refuse_their_blocks_only() {
+    let dir = temp("typed-extra-keys");
+    let config = config_file(&dir);
+    for format in ["map", "array"] {
+        let pod = Pod::start(
+            &config,
+            &["--kv-typed-extra-keys", "--kv-events-format", format],
+        );
+        let running = bridge(&pod, "127.0.0.1:0", &config);
+        let plain = prompt(1, 3);
+        pod.complete("m", &plain);
+        pod.complete("m-lora", &prompt(2, 3));
+        pod.complete_salted("m", &prompt(3, 3), Some("tenant-a"));
+        let later = prompt(4, 2);
+        pod.complete("m", &later);
+        assert_eq!(pod.blocks().len(), 3 + 3 + 3 + 2, "{format}");
+        converged_to(&running, || keys_of(&config, &[&plain, &later]));
+        assert_eq!(
+            counter(&running, "kvbridge_blocks_skipped_unknown_extra_keys_total"),
+            6.0,
+            "{format}"
+        );
+        assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 0.0);
+        assert_eq!(
+            counter(&running, "kvbridge_blocks_skipped_extra_keys_total"),
+            0.0
+        );
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

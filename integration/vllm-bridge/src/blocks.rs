@@ -25,8 +25,13 @@
 //! filter seeds a salted request's ([`ChainSeed::salted`]). A block whose
 //! extra keys hold anything else (multimodal inputs, prompt embeddings:
 //! the filter hashes text and token IDs only) is left out and counted.
-//! Older vLLM publishes no `extra_keys`: its salted blocks are keyed as
-//! unsalted ones.
+//! Extra keys of a shape vLLM does not send today (the typed form proposed
+//! upstream, a salt that is not a string, a salt past a chain's first
+//! block, more or fewer entries than blocks) are refused for that block,
+//! counted apart and described for the log; the rest of the batch applies.
+//! A refused block takes the blocks after it in its event along (their
+//! chain continues it). Older vLLM publishes no `extra_keys`: its salted
+//! blocks are keyed as unsalted ones.
 //!
 //! **Text keys** (with a tokenizer, `--tokenizer`). The filter hashes text
 //! and chat prompts as bytes, in blocks of `blockSizeBytes` (text mode).
@@ -176,6 +181,9 @@ pub struct Skipped {
     /// Extra keys the filter cannot hash (multimodal inputs, prompt
     /// embeddings), and the blocks after them in their event.
     pub extra_keys: u64,
+    /// Extra keys of a shape vLLM does not send today (logged), and the
+    /// blocks after them in their event.
+    pub unknown_extra_keys: u64,
     /// No text keys: a token id not in the vocabulary, in the block or
     /// before it in its chain.
     pub unknown_token: u64,
@@ -183,17 +191,37 @@ pub struct Skipped {
     pub text_past_cap: u64,
 }
 
-/// The `cache_salt` in one block's vLLM `extra_keys` (`first`: the block
-/// opens its chain; the salt is only hashed into such a block), after the
-/// adapter (`lora_name`, or `lora_id` on older vLLM) that vLLM lists
-/// first. `Err`: keys the filter cannot hash.
-fn salt_in(
-    extra: Option<&[Msgpack]>,
+/// One block's vLLM `extra_keys`, as kvroute reads them. vLLM builds them
+/// (`generate_block_hash_extra_keys`) in this order: the adapter's name
+/// (older vLLM: its `lora_int_id`), an `(identifier, offset)` pair per
+/// multimodal input in the block, on a chain's first block the
+/// `cache_salt`, then prompt-embedding hashes (bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Extra {
+    /// Only what kvroute seeds a chain with: the adapter, and on a chain's
+    /// first block its salt.
+    Seeds { salt: Option<String> },
+    /// Keys the filter cannot hash: multimodal inputs, prompt embeddings.
+    Unhashable,
+    /// A shape vLLM does not send today (the typed form proposed upstream,
+    /// a salt that is not a string, …): what is wrong, for the log.
+    Unknown(String),
+}
+
+/// Reads one block's `extra_keys` (`first`: the block opens its chain, the
+/// only place vLLM puts the salt).
+fn read_extra(
+    keys: Option<&Msgpack>,
     lora_name: Option<&str>,
     lora_id: Option<i64>,
     first: bool,
-) -> Result<Option<String>, ()> {
-    let mut keys = extra.unwrap_or_default();
+) -> Extra {
+    let Some(keys) = keys else {
+        return Extra::Seeds { salt: None };
+    };
+    let Some(mut keys) = keys.as_array().map(Vec::as_slice) else {
+        return Extra::Unknown(format!("{keys} is not a tuple of keys"));
+    };
     if let Some(adapter) = keys.first() {
         let named = lora_name.is_some() && adapter.as_str() == lora_name;
         let numbered = lora_id.is_some() && adapter.as_i64() == lora_id;
@@ -201,11 +229,39 @@ fn salt_in(
             keys = &keys[1..];
         }
     }
-    match keys {
-        [] => Ok(None),
-        [salt] if first => salt.as_str().map(|s| Some(s.to_string())).ok_or(()),
-        _ => Err(()),
+    let mut salt = None;
+    let mut unhashable = false;
+    for key in keys {
+        match key {
+            Msgpack::Array(pair) if is_multimodal(pair) => unhashable = true,
+            Msgpack::Binary(_) => unhashable = true,
+            Msgpack::String(text) if first && salt.is_none() => match text.as_str() {
+                Some(text) if !text.is_empty() => salt = Some(text.to_string()),
+                _ => return Extra::Unknown(format!("cache_salt {key} is empty or not UTF-8")),
+            },
+            Msgpack::String(_) if !first => {
+                return Extra::Unknown(format!(
+                    "{key} in a block that opens no chain (vLLM salts only a chain's first)"
+                ))
+            }
+            other => {
+                return Extra::Unknown(format!(
+                    "{other} is none of the adapter, a multimodal (identifier, offset), \
+                     the cache_salt or prompt-embedding bytes"
+                ))
+            }
+        }
     }
+    if unhashable {
+        Extra::Unhashable
+    } else {
+        Extra::Seeds { salt }
+    }
+}
+
+/// A multimodal input's key: `(identifier, offset in the block)`.
+fn is_multimodal(pair: &[Msgpack]) -> bool {
+    matches!(pair, [id, offset] if id.as_slice().is_some() && offset.as_u64().is_some())
 }
 
 /// The pod's blocks, keyed by kvroute chain keys (see the module docs).
@@ -220,6 +276,8 @@ pub struct PodBlocks {
     /// While rebuilding past a hole ([`PodBlocks::start_proof`]): the vLLM
     /// blocks later events prove present.
     proven: Option<HashSet<u64>>,
+    /// The latest block refused for extra keys of an unknown shape, and why.
+    unknown_extra_keys: Option<String>,
     pub skipped: Skipped,
 }
 
@@ -236,6 +294,7 @@ impl PodBlocks {
             },
             decoded: Vec::new(),
             proven: None,
+            unknown_extra_keys: None,
             skipped: Skipped::default(),
         }
     }
@@ -346,20 +405,28 @@ impl PodBlocks {
                     },
                     (None, _) => None,
                 };
-                let extra = |i: usize| extra_keys.get(i).and_then(Option::as_deref);
-                let first_salt = salt_in(
-                    extra(0),
-                    lora_name.as_deref(),
-                    *lora_id,
-                    parent_block_hash.is_none(),
-                );
-                let mut chain = match (parent_block_hash, first_salt) {
-                    (_, Err(())) => {
-                        self.skipped.extra_keys += blocks;
+                let extra = |i: usize| {
+                    if !extra_keys.is_empty() && extra_keys.len() != block_hashes.len() {
+                        return Extra::Unknown(format!(
+                            "{} extra_keys entries for {} blocks",
+                            extra_keys.len(),
+                            block_hashes.len()
+                        ));
+                    }
+                    let first = i == 0 && parent_block_hash.is_none();
+                    let keys = extra_keys.get(i).and_then(Option::as_ref);
+                    read_extra(keys, lora_name.as_deref(), *lora_id, first)
+                };
+                let salt = match extra(0) {
+                    Extra::Seeds { salt } => salt,
+                    refused => {
+                        self.refuse(refused, block_hashes[0], blocks);
                         return;
                     }
-                    (None, Ok(salt)) => self.chain_start(adapter.as_deref(), salt.as_deref()),
-                    (Some(hash), Ok(_)) => match self.vllm.get(hash) {
+                };
+                let mut chain = match parent_block_hash {
+                    None => self.chain_start(adapter.as_deref(), salt.as_deref()),
+                    Some(hash) => match self.vllm.get(hash) {
                         Some(parent) => parent.chain.clone(),
                         None => {
                             self.skipped.unknown_parent += blocks;
@@ -370,9 +437,12 @@ impl PodBlocks {
                 let mut previous = *parent_block_hash;
                 let vllm_blocks = block_hashes.iter().zip(token_ids.chunks_exact(*block_size));
                 for (i, (&hash, tokens)) in vllm_blocks.enumerate() {
-                    if i > 0 && salt_in(extra(i), lora_name.as_deref(), *lora_id, false).is_err() {
-                        self.skipped.extra_keys += (block_hashes.len() - i) as u64;
-                        break;
+                    if i > 0 {
+                        let refused = extra(i);
+                        if refused != (Extra::Seeds { salt: None }) {
+                            self.refuse(refused, hash, (block_hashes.len() - i) as u64);
+                            break;
+                        }
                     }
                     let key = match chain.tokens.push(tokens, &self.hashing.layout) {
                         ChainStep::Completed { key, parent } => {
@@ -406,6 +476,23 @@ impl PodBlocks {
             }
             KvEvent::AllCleared => self.clear(),
         }
+    }
+
+    /// Leaves out `blocks` stored blocks from `hash` on (the rest of its
+    /// event: their chain continues it) for their extra keys.
+    fn refuse(&mut self, extra: Extra, hash: u64, blocks: u64) {
+        match extra {
+            Extra::Unknown(why) => {
+                self.skipped.unknown_extra_keys += blocks;
+                self.unknown_extra_keys = Some(format!("block {hash:016x}: {why}"));
+            }
+            _ => self.skipped.extra_keys += blocks,
+        }
+    }
+
+    /// The latest refusal for extra keys of an unknown shape, to log.
+    pub fn unknown_extra_keys(&self) -> Option<&str> {
+        self.unknown_extra_keys.as_deref()
     }
 
     /// vLLM removed one copy of block `hash`.
@@ -576,6 +663,18 @@ mod tests {
         lora: Option<&str>,
         extra_keys: Vec<Option<Vec<Msgpack>>>,
     ) -> KvEvent {
+        let extra_keys = extra_keys.into_iter().map(|k| k.map(Msgpack::Array));
+        stored_raw(hashes, parent, tokens, lora, extra_keys.collect())
+    }
+
+    /// [`stored_with`] with each block's extra keys as sent.
+    fn stored_raw(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        lora: Option<&str>,
+        extra_keys: Vec<Option<Msgpack>>,
+    ) -> KvEvent {
         KvEvent::Stored {
             block_hashes: hashes.to_vec(),
             parent_block_hash: parent,
@@ -693,6 +792,73 @@ mod tests {
         // left out.
         assert_eq!(pod.len(), 6);
         assert_eq!(pod.skipped.extra_keys, 3);
+    }
+
+    #[test]
+    fn extra_keys_of_an_unknown_shape_refuse_their_block_only() {
+        let mut pod = blocks();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let key = |tokens: &[u32]| *hash_tokens(&seed, tokens, &LAYOUT).last().expect("a key");
+        let typed_salt = Msgpack::Map(vec![
+            ("type".into(), "CacheSaltKey".into()),
+            ("salt".into(), "tenant-a".into()),
+        ]);
+        let tuple = |keys: Vec<Msgpack>| Some(Msgpack::Array(keys));
+        // (case, each block's extra keys, how many blocks it keys)
+        type Case = (&'static str, Vec<Option<Msgpack>>, Option<u64>);
+        let cases: Vec<Case> = vec![
+            // The typed form proposed upstream, as a map or positional.
+            (
+                "typed map",
+                vec![tuple(vec![typed_salt.clone()]), None],
+                None,
+            ),
+            (
+                "typed positional",
+                vec![
+                    tuple(vec![tuple(vec!["CacheSaltKey".into(), "t".into()]).unwrap()]),
+                    None,
+                ],
+                None,
+            ),
+            ("not a tuple", vec![Some(typed_salt), None], None),
+            ("salt not a string", vec![tuple(vec![7.into()]), None], None),
+            ("empty salt", vec![tuple(vec!["".into()]), None], None),
+            (
+                "two salts",
+                vec![tuple(vec!["a".into(), "b".into()]), None],
+                None,
+            ),
+            ("too few entries", vec![None], None),
+            // Past a chain's first block vLLM puts no salt.
+            ("salt inside", vec![None, tuple(vec!["t".into()])], Some(1)),
+        ];
+        let mut refused = 0;
+        for (i, (case, extra, kept)) in cases.into_iter().enumerate() {
+            let hashes = [100 + 2 * i as u64, 101 + 2 * i as u64];
+            pod.apply(&stored_raw(&hashes, None, &[1, 2, 3, 4], None, extra));
+            refused += 2 - kept.unwrap_or(0);
+            assert_eq!(pod.skipped.unknown_extra_keys, refused, "{case}");
+            assert!(
+                pod.unknown_extra_keys().is_some_and(
+                    |why| why.contains(&format!("{:016x}", hashes[kept.unwrap_or(0) as usize]))
+                ),
+                "{case}: {:?}",
+                pod.unknown_extra_keys()
+            );
+            // Never more than the blocks the case keeps.
+            assert_eq!(pod.contains(key(&[1, 2])), kept.is_some(), "{case}");
+            assert!(!pod.contains(key(&[1, 2, 3, 4])), "{case}");
+        }
+        assert!(pod.unknown_extra_keys().unwrap().contains("opens no chain"));
+        // The next event, with known keys, applies.
+        let salted = vec![Some(vec![Msgpack::from("tenant-a")]), None];
+        pod.apply(&stored_with(&[90, 91], None, &[1, 2, 3, 4], None, salted));
+        let salted_seed = seed.clone().salted(Some("tenant-a"));
+        assert!(hash_tokens(&salted_seed, &[1, 2, 3, 4], &LAYOUT)
+            .iter()
+            .all(|k| pod.contains(*k)));
+        assert_eq!(pod.skipped.extra_keys, 0, "none was multimodal");
     }
 
     #[test]

@@ -182,12 +182,30 @@ impl Bridge {
                 self.counters
                     .unknown_events
                     .fetch_add(batch.unknown as u64, Ordering::Relaxed);
+                let refused = state.blocks.skipped.unknown_extra_keys;
                 for event in &batch.events {
                     state.blocks.apply(event);
                 }
+                self.log_unknown_extra_keys(&state.blocks, refused);
             }
             Err(e) => self.malformed(&format!("batch {seq}: {e}")),
         }
+    }
+
+    /// Logs blocks refused for extra keys of an unknown shape, whenever
+    /// their count passes a power of two (a newer vLLM may send such keys
+    /// on every block: the log stays bounded).
+    fn log_unknown_extra_keys(&self, blocks: &PodBlocks, before: u64) {
+        let after = blocks.skipped.unknown_extra_keys;
+        // A power of two in (before, after]: the bit length grew.
+        if u64::BITS - after.leading_zeros() == u64::BITS - before.leading_zeros() {
+            return;
+        }
+        eprintln!(
+            "kvroute-vllm-bridge {}: {after} stored blocks refused so far for extra_keys of an unknown shape (kvbridge_blocks_skipped_unknown_extra_keys_total); the latest, {}",
+            self.pod_id,
+            blocks.unknown_extra_keys().unwrap_or("?")
+        );
     }
 
     fn malformed(&self, what: &str) {

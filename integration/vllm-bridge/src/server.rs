@@ -168,6 +168,12 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         skipped.extra_keys,
     );
     metric(
+        "kvbridge_blocks_skipped_unknown_extra_keys_total",
+        "counter",
+        "Stored blocks refused: extra keys of a shape vLLM does not send today (logged), and the blocks after them in their event.",
+        skipped.unknown_extra_keys,
+    );
+    metric(
         "kvbridge_blocks_skipped_unknown_token_total",
         "counter",
         "Stored blocks without text keys: a token id, theirs or an earlier one's in the chain, not in the tokenizer's vocabulary.",

@@ -175,7 +175,7 @@ fn added_fields_and_kinds_are_tolerated() {
             lora_id: Some(1),
             medium: Some("GPU".into()),
             lora_name: Some("lora-a".into()),
-            extra_keys: vec![Some(vec![Value::from("lora-a")])],
+            extra_keys: vec![Some(Value::Array(vec![Value::from("lora-a")]))],
         }]
     );
 }
@@ -222,13 +222,75 @@ fn extra_keys_carry_the_first_blocks_cache_salt() {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
-        extra_keys: vec![Some(vec![Value::from("tenant-a")]), None],
+        extra_keys: vec![Some(Value::Array(vec![Value::from("tenant-a")])), None],
     };
     assert_eq!(
         decode_batch(&payload).expect("decodes").events,
         vec![event.clone()]
     );
     assert_eq!(encode_batch(1.5, &[event], 0, Shape::Map), payload);
+}
+
+/// The typed `extra_keys` proposed upstream (a tagged struct per key, here
+/// `CacheSaltKey` in map form) decode as sent: the batch is no malformed
+/// frame; the block mapping refuses such a block alone.
+#[test]
+fn typed_extra_keys_decode_as_sent() {
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x91, 0x87],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x91, 0x0b],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0x92, 0x01, 0x02],
+        &s("block_size"),
+        &[0x02],
+        &s("lora_id"),
+        &[0xc0],
+        &s("extra_keys"),
+        &[0x91, 0x91, 0x82],
+        &s("type"),
+        &s("CacheSaltKey"),
+        &s("salt"),
+        &s("tenant-a"),
+        &s("data_parallel_rank"),
+        &[0x00],
+    ]);
+    let batch = decode_batch(&payload).expect("decodes");
+    let KvEvent::Stored { extra_keys, .. } = &batch.events[0] else {
+        panic!("{batch:?}");
+    };
+    let typed = Value::Map(vec![
+        (Value::from("type"), Value::from("CacheSaltKey")),
+        (Value::from("salt"), Value::from("tenant-a")),
+    ]);
+    assert_eq!(extra_keys, &vec![Some(Value::Array(vec![typed]))]);
+    let mut pod = PodBlocks::new(
+        Hashing {
+            secret: String::new(),
+            base_model: "m".into(),
+            layout: BlockLayout::tokens(&Config {
+                block_size_tokens: 2,
+                ..Config::default()
+            }),
+            lora_ids: HashMap::new(),
+            text: None,
+        },
+        100,
+    );
+    pod.apply(&batch.events[0]);
+    assert!(pod.is_empty());
+    assert_eq!(pod.skipped.unknown_extra_keys, 1);
+    assert!(pod
+        .unknown_extra_keys()
+        .is_some_and(|why| why.contains("CacheSaltKey")));
 }
 
 /// Older vLLM (`array_like=True`): `[ts, events, rank]`, events
