@@ -90,6 +90,14 @@ pub struct SimOptions {
     /// KV cache capacity in blocks.
     #[arg(long, default_value_t = 4096)]
     pub kv_blocks: usize,
+    /// A CPU tier of this many blocks (0: none): blocks the GPU evicts move
+    /// there, and a hit on one costs a reload (see [`crate::model`]);
+    /// reports and `--kv-events` give each block's tier.
+    #[arg(long, default_value_t = 0)]
+    pub cpu_kv_blocks: usize,
+    /// GB/s of reloads from the CPU tier (PCIe 4.0 x16 as DMA reaches it).
+    #[arg(long, default_value_t = crate::model::PCIE_GBPS)]
+    pub cpu_reload_gbps: f64,
     /// Sequence slots (vLLM's `max_num_seqs`): requests admitted at once,
     /// from prefill to their last token; the rest wait in a FIFO queue.
     #[arg(long, default_value_t = 64)]
@@ -335,6 +343,8 @@ impl Faults {
 #[derive(Debug, Clone, Default)]
 struct Stats {
     requests: u64,
+    /// Of `cached_tokens`, those reloaded from the CPU tier.
+    reloaded_tokens: u64,
     /// Report endpoint calls.
     report_requests: u64,
     completed: u64,
@@ -351,7 +361,10 @@ struct Inner {
     stats: Stats,
     /// Lifetime counters for `/metrics` (never reset).
     query_tokens_total: u64,
+    /// GPU prefix-cache hits (vLLM's local ones).
     hit_tokens_total: u64,
+    /// CPU-tier hits (vLLM's external ones, through its KV connector).
+    external_hit_tokens_total: u64,
     /// Waiting for a slot, or holding one with the prefill not started.
     waiting: u32,
     /// In prefill or decode.
@@ -463,6 +476,12 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, String> {
 /// Binds, prints `kvroute-sim <pod-id> listening on <addr>` and serves
 /// until the process ends (SIGINT/SIGTERM exit).
 pub async fn run(options: SimOptions) -> Result<(), String> {
+    if !(options.cpu_reload_gbps.is_finite() && options.cpu_reload_gbps > 0.0) {
+        return Err(format!(
+            "--cpu-reload-gbps must be a positive number (got {})",
+            options.cpu_reload_gbps
+        ));
+    }
     let config = load_config(options.config.as_deref())?;
     let tokenizer = options
         .tokenizer
@@ -545,7 +564,7 @@ pub fn app(
         .pod_id
         .clone()
         .unwrap_or_else(|| format!("sim-{}", addr.port()));
-    let cost = CostModel::gpu_8b(options.time_scale);
+    let cost = CostModel::gpu_8b(options.time_scale).with_reload_gbps(options.cpu_reload_gbps);
     let ranks: HashMap<String, u32> = options.adapter_rank.iter().cloned().collect();
     let mut adapters = AdapterSlots::new(options.max_loras, ranks);
     for name in options.preload_adapters.iter().filter(|n| !n.is_empty()) {
@@ -555,7 +574,7 @@ pub fn app(
     let max_batch = options.max_batch.max(1);
     let mut pod = PodModel::new(
         &config,
-        KvCache::new(options.kv_blocks, options.log_events),
+        KvCache::new(options.kv_blocks, options.log_events).with_cpu_tier(options.cpu_kv_blocks),
         adapters,
         cost.clone(),
     );
@@ -592,6 +611,7 @@ pub fn app(
             stats: Stats::default(),
             query_tokens_total: 0,
             hit_tokens_total: 0,
+            external_hit_tokens_total: 0,
             waiting: 0,
             running: 0,
             running_blocks: 0,
@@ -933,10 +953,12 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     {
         let mut inner = sim.lock();
         inner.stats.cached_tokens += admission.cached_tokens;
+        inner.stats.reloaded_tokens += admission.reload_tokens;
         inner.stats.prompt_tokens += admission.prompt_tokens;
         inner.stats.ttft_ms_sum += arrived.elapsed().as_secs_f64() * 1000.0;
         inner.query_tokens_total += admission.prompt_tokens;
-        inner.hit_tokens_total += admission.cached_tokens;
+        inner.hit_tokens_total += admission.cached_tokens - admission.reload_tokens;
+        inner.external_hit_tokens_total += admission.reload_tokens;
     }
     let n = sim.next_id.fetch_add(1, Ordering::Relaxed);
     let reply = Reply {
@@ -1131,6 +1153,21 @@ async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
         "Prefix cache hits, in terms of number of cached tokens.",
         format!("{{{labels}}} {:.1}", inner.hit_tokens_total),
     );
+    // As vLLM with a KV connector: what the CPU tier served.
+    if inner.pod.cache.cpu_capacity() > 0 {
+        metric(
+            "vllm:external_prefix_cache_queries_total",
+            "counter",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            format!("{{{labels}}} {:.1}", inner.query_tokens_total),
+        );
+        metric(
+            "vllm:external_prefix_cache_hits_total",
+            "counter",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            format!("{{{labels}}} {:.1}", inner.external_hit_tokens_total),
+        );
+    }
     drop(inner);
     (
         [(
@@ -1365,12 +1402,15 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Response {
         "completed": s.completed,
         "errors": s.errors,
         "cachedTokens": s.cached_tokens,
+        "cachedTokensCpu": s.reloaded_tokens,
         "promptTokens": s.prompt_tokens,
         "queueDepth": inner.waiting,
         "running": inner.running,
         "maxQueueSeen": s.max_queue_seen,
         "kvBlocks": inner.pod.cache.len(),
         "kvCapacity": inner.pod.cache.capacity(),
+        "kvCpuBlocks": inner.pod.cache.cpu_len(),
+        "kvCpuCapacity": inner.pod.cache.cpu_capacity(),
         "seq": inner.pod.cache.seq(),
         "ttftMsSum": s.ttft_ms_sum,
         "adapterLoads": inner.pod.adapters.loads() - s.adapter_loads_at_reset,

@@ -9,13 +9,13 @@
 //! token-ID prompts, and on pods tokenizing as vLLM does (`--tokenizer`),
 //! text and chat prompts through their text keys.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvroute::config::Config;
 use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout, BlockMode, ChainSeed};
-use kvroute::report::parse_report;
+use kvroute::report::{parse_report, Tier};
 use kvroute_integration::bench::workload::STOCK_VLLM_CHAT_TEMPLATE;
 use kvroute_integration::harness::{
     free_port, prometheus_value, BridgePorts, Cluster, ClusterSpec, Sim,
@@ -108,6 +108,17 @@ impl Pod {
     fn blocks(&self) -> BTreeSet<u64> {
         report_blocks(&self.sim.address).1
     }
+}
+
+/// Each block of a full report from `address`, with its tier.
+fn report_tiers(address: &str) -> BTreeMap<u64, Tier> {
+    let r = http::get(address, "/kvroute/v1/report").expect("report");
+    let report = parse_report(r.body.as_bytes()).expect("valid report");
+    report
+        .stored
+        .iter()
+        .flat_map(|c| c.hashes.iter().map(move |&h| (h, c.tier)))
+        .collect()
 }
 
 /// `(epoch, blocks)` of a full report from `address`.
@@ -266,6 +277,83 @@ fn the_bridge_reports_exactly_the_pods_cache() {
         assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 0.0);
         assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A pod with a CPU tier (`--cpu-kv-blocks`): blocks its GPU evicts move
+/// to host memory and are published as vLLM's offloading connector does by
+/// default (a `CPU` store named by hash only, then the `GPU` removal),
+/// reloads as `GPU` stores and `CPU` removals. The bridge reports every
+/// block in the tier the pod's own report gives it, through offloads, a
+/// reload, CPU evictions and a gap replayed.
+#[test]
+fn the_bridge_follows_blocks_across_tiers() {
+    let dir = temp("tiers");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &["--kv-blocks", "8", "--cpu-kv-blocks", "12"]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    let pods_tiers = || report_tiers(&pod.sim.address);
+    let converged = || {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let (truth, bridged) = (pods_tiers(), report_tiers(&running.addr.to_string()));
+            if truth == bridged {
+                return truth;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pod {truth:?}\nbridge {bridged:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let in_tier =
+        |tiers: &BTreeMap<u64, Tier>, tier| tiers.values().filter(|t| **t == tier).count();
+    let a = prompt(1, 4);
+    pod.complete("m", &a);
+    pod.complete("m", &prompt(2, 4));
+    pod.complete("m", &prompt(3, 4));
+    // The GPU keeps 8 blocks: a's 4 went to the CPU tier.
+    let tiers = converged();
+    assert_eq!(
+        (in_tier(&tiers, Tier::Gpu), in_tier(&tiers, Tier::Cpu)),
+        (8, 4)
+    );
+    assert!(keys(&config, &a).iter().all(|k| tiers[k] == Tier::Cpu));
+    // a again: reloaded to the GPU, and the least recent 4 offloaded.
+    pod.complete("m", &a);
+    let tiers = converged();
+    assert!(keys(&config, &a).iter().all(|k| tiers[k] == Tier::Gpu));
+    assert_eq!(in_tier(&tiers, Tier::Cpu), 4);
+    // The pod served it from the CPU tier: 4 blocks of 16 tokens reloaded.
+    assert_eq!(pod.sim.stats()["cachedTokensCpu"], 64);
+    // More: the CPU tier (12) evicts its oldest; a gap is replayed.
+    pod.sim.fault(json!({"kvDrop": 1}));
+    for seed in 4..7 {
+        pod.complete("m", &prompt(seed, 4));
+    }
+    let tiers = converged();
+    assert_eq!(
+        (in_tier(&tiers, Tier::Gpu), in_tier(&tiers, Tier::Cpu)),
+        (8, 12)
+    );
+    let stats = pod.sim.stats();
+    assert_eq!(stats["kvCpuBlocks"], 12);
+    let metric = |tier: &str| {
+        let text = http::get(&running.addr.to_string(), "/metrics")
+            .unwrap()
+            .body;
+        prometheus_value(&text, "kvbridge_tier_blocks", &[("tier", tier)]).expect("tier gauge")
+    };
+    assert_eq!(
+        (metric("gpu"), metric("cpu"), metric("disk")),
+        (8.0, 12.0, 0.0)
+    );
+    assert_eq!(
+        counter(&running, "kvbridge_blocks_skipped_unknown_hash_total"),
+        0.0
+    );
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
     let _ = std::fs::remove_dir_all(dir);
 }
 

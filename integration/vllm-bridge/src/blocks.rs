@@ -47,9 +47,32 @@
 //!
 //! The vLLM → kvroute mapping is kept so `BlockRemoved` can be applied.
 //! Several vLLM blocks may carry one kvroute key (vLLM also hashes
-//! `cache_salt` and multimodal keys; a hash may also sit in two media), so
-//! keys are reference-counted: stored on the first, removed with the last.
-//! Changes go to a [`ReportLog`] that protocol v1 reports are built from.
+//! `cache_salt` and multimodal keys), so keys are reference-counted:
+//! stored on the first, removed with the last. Changes go to a
+//! [`ReportLog`] that protocol v1 reports are built from.
+//!
+//! **Tiers.** With KV offloading (vLLM's offloading connector, LMCache)
+//! vLLM keeps copies of a block in several media (`GPU`, `CPU`, storage)
+//! and reports each copy's store and removal with its `medium`. Copies are
+//! counted per medium, for each vLLM block and for each kvroute key (over
+//! the vLLM blocks carrying it): a block in two media counts once in each,
+//! and a removal from one leaves the other. A key is reported in the
+//! fastest tier holding a copy ([`Tier`]: GPU, CPU, disk); when that
+//! changes (the GPU copy evicted while a CPU copy stays, or a CPU copy
+//! reloaded to the GPU) it is logged as stored again, in its new tier.
+//! A copy named by hash only (vLLM's offloading connector without
+//! self-describing events publishes no token ids) is a copy of a block
+//! keyed before; one of a block never keyed is counted and left out. A
+//! self-describing copy (token ids, parent) is keyed like a GPU store.
+//! `medium` names, in any case: none or `GPU`; names holding `CPU` (vLLM,
+//! SGLang's `CPU_TIER1`/`CPU_TIER2`, LMCache's CPU backend); names holding
+//! `DISK`, or `STORAGE` (vLLM's storage tier). Another name is refused,
+//! counted and logged. `AllBlocksCleared` drops every medium: vLLM sends it
+//! on a prefix-cache reset, and dropping copies that may survive costs
+//! hits, never a stale route. LMCache publishes stores but no removals,
+//! in its chunk size (256 tokens by default): such chunks are left out by
+//! size unless it equals `blockSizeTokens`, and should be, since their
+//! eviction would never be seen.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -57,7 +80,7 @@ use std::sync::Arc;
 use kvroute::hashing::{
     BlockLayout, BlockMode, ChainSeed, ChainStep, TextChainCursor, TokenChainCursor,
 };
-use kvroute::report::StoredChain;
+use kvroute::report::{StoredChain, Tier};
 use kvroute::report_log::{chain_segments, ReportLog};
 use rmpv::Value as Msgpack;
 use serde_json::{Map, Value};
@@ -115,52 +138,121 @@ struct Mapped {
     chain: Chains,
     /// The vLLM block it continues (`None`: it opens a chain).
     parent: Option<u64>,
-    /// How many times vLLM stored this hash without removing it.
-    refs: u32,
+    /// How many times vLLM stored this hash in each medium without
+    /// removing it.
+    copies: Copies,
+}
+
+/// Copies of a block per tier (vLLM's `medium`), indexed by
+/// [`Tier::index`]: a block in two media counts once in each, and a
+/// removal from one leaves the other.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Copies([u32; 3]);
+
+impl Copies {
+    /// The fastest tier holding a copy (`None`: no copy left).
+    fn best(&self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|tier| self.0[tier.index()] > 0)
+    }
+
+    fn add(&mut self, tier: Tier) {
+        self.0[tier.index()] += 1;
+    }
+
+    /// One copy in `tier` fewer; `false` when there was none.
+    fn take(&mut self, tier: Tier) -> bool {
+        let copies = &mut self.0[tier.index()];
+        let had = *copies > 0;
+        *copies = copies.saturating_sub(1);
+        had
+    }
+
+    fn in_tier(&self, tier: Tier) -> u32 {
+        self.0[tier.index()]
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Key {
     parent: Option<u64>,
-    refs: u32,
+    copies: Copies,
     /// A text-mode key.
     text: bool,
 }
 
-/// The kvroute keys held, reference-counted, and the log of their changes.
+/// The kvroute keys held, counted per tier, and the log of their changes:
+/// a key is reported in the fastest tier any vLLM block carrying it is in.
 struct Held {
     keys: HashMap<u64, Key>,
     /// How many of `keys` are text-mode keys.
     text: usize,
+    /// How many of `keys` are reported in each tier.
+    by_tier: [usize; 3],
     log: ReportLog,
 }
 
 impl Held {
-    /// One more vLLM block carries `key`: stored with the first.
-    fn hold(&mut self, key: u64, parent: Option<u64>, text: bool) {
+    /// One more vLLM block in `tier` carries `key`: stored with the first,
+    /// moved when `tier` is faster than the key's.
+    fn hold(&mut self, key: u64, parent: Option<u64>, text: bool, tier: Tier) {
         let held = self.keys.entry(key).or_insert(Key {
             parent,
-            refs: 0,
+            copies: Copies::default(),
             text,
         });
-        held.refs += 1;
-        if held.refs == 1 {
+        let before = held.copies.best();
+        held.copies.add(tier);
+        let after = held.copies.best();
+        if before.is_none() {
             self.text += usize::from(text);
-            self.log.push(key, parent, true);
+        }
+        self.moved(key, parent, before, after);
+    }
+
+    /// One more vLLM block in `tier` carries `key`, which is held already.
+    fn hold_again(&mut self, key: u64, tier: Tier) {
+        if let Some(held) = self.keys.get(&key) {
+            self.hold(key, held.parent, held.text, tier);
         }
     }
 
-    /// One vLLM block fewer carries `key`: removed with the last.
-    fn release(&mut self, key: u64) {
+    /// One vLLM block in `tier` fewer carries `key`: removed with the last,
+    /// moved when that was its fastest copy.
+    fn release(&mut self, key: u64, tier: Tier) {
         let Some(held) = self.keys.get_mut(&key) else {
             return;
         };
-        held.refs -= 1;
-        if held.refs == 0 {
-            let Key { parent, text, .. } = *held;
+        if held.copies.in_tier(tier) == 0 {
+            return;
+        }
+        let before = held.copies.best();
+        held.copies.take(tier);
+        let Key {
+            parent,
+            copies,
+            text,
+        } = *held;
+        if copies.best().is_none() {
             self.keys.remove(&key);
             self.text -= usize::from(text);
-            self.log.push(key, parent, false);
+        }
+        self.moved(key, parent, before, copies.best());
+    }
+
+    /// Logs a key's tier going from `before` to `after` (`None`: not held).
+    fn moved(&mut self, key: u64, parent: Option<u64>, before: Option<Tier>, after: Option<Tier>) {
+        if before == after {
+            return;
+        }
+        if let Some(tier) = before {
+            self.by_tier[tier.index()] -= 1;
+        }
+        match after {
+            Some(tier) => {
+                self.by_tier[tier.index()] += 1;
+                self.log.stored(key, parent, tier);
+            }
+            None => self.log.removed(key, parent),
         }
     }
 }
@@ -184,6 +276,11 @@ pub struct Skipped {
     /// Extra keys of a shape vLLM does not send today (logged), and the
     /// blocks after them in their event.
     pub unknown_extra_keys: u64,
+    /// A `medium` none of GPU, CPU, disk or storage (logged).
+    pub unknown_medium: u64,
+    /// A copy named by hash only (no token ids: vLLM's offloading
+    /// connector without self-describing events) of a block not keyed.
+    pub unknown_hash: u64,
     /// No text keys: a token id not in the vocabulary, in the block or
     /// before it in its chain.
     pub unknown_token: u64,
@@ -264,6 +361,26 @@ fn is_multimodal(pair: &[Msgpack]) -> bool {
     matches!(pair, [id, offset] if id.as_slice().is_some() && offset.as_u64().is_some())
 }
 
+/// The tier of vLLM's `medium`, in any case: none (older vLLM) or `GPU`;
+/// names holding `CPU` (vLLM's offloading connector, SGLang's `CPU_TIER1`
+/// and `CPU_TIER2`, LMCache's CPU backend); names holding `DISK`, or
+/// `STORAGE` (vLLM's storage tier). `None`: a medium none of these.
+fn medium_tier(medium: Option<&str>) -> Option<Tier> {
+    let Some(medium) = medium else {
+        return Some(Tier::Gpu);
+    };
+    let medium = medium.to_ascii_lowercase();
+    if medium == "gpu" {
+        Some(Tier::Gpu)
+    } else if medium.contains("cpu") {
+        Some(Tier::Cpu)
+    } else if medium.contains("disk") || medium == "storage" {
+        Some(Tier::Disk)
+    } else {
+        None
+    }
+}
+
 /// The pod's blocks, keyed by kvroute chain keys (see the module docs).
 pub struct PodBlocks {
     hashing: Hashing,
@@ -274,10 +391,10 @@ pub struct PodBlocks {
     /// One block's tokens decoded (kept to reuse its allocation).
     decoded: Vec<u8>,
     /// While rebuilding past a hole ([`PodBlocks::start_proof`]): the vLLM
-    /// blocks later events prove present.
-    proven: Option<HashSet<u64>>,
-    /// The latest block refused for extra keys of an unknown shape, and why.
-    unknown_extra_keys: Option<String>,
+    /// blocks later events prove present, and where.
+    proven: Option<HashSet<(u64, Tier)>>,
+    /// The latest event part refused for a shape vLLM does not send today.
+    refusal: Option<String>,
     pub skipped: Skipped,
 }
 
@@ -290,11 +407,12 @@ impl PodBlocks {
             held: Held {
                 keys: HashMap::new(),
                 text: 0,
+                by_tier: [0; 3],
                 log: ReportLog::new(max_log),
             },
             decoded: Vec::new(),
             proven: None,
-            unknown_extra_keys: None,
+            refusal: None,
             skipped: Skipped::default(),
         }
     }
@@ -311,6 +429,12 @@ impl PodBlocks {
     /// Text-mode keys held (of [`len`](Self::len)).
     pub fn text_len(&self) -> usize {
         self.held.text
+    }
+
+    /// Keys held per tier (the fastest each is in), indexed by
+    /// [`Tier::index`].
+    pub fn tier_len(&self) -> [usize; 3] {
+        self.held.by_tier
     }
 
     /// Whether kvroute key `key` is held.
@@ -346,7 +470,12 @@ impl PodBlocks {
 
     /// Continues `chain` with one vLLM block's `tokens` decoded; the text
     /// keys they complete, now held.
-    fn push_text(&mut self, chain: &mut Option<TextChainCursor>, tokens: &[u32]) -> Vec<u64> {
+    fn push_text(
+        &mut self,
+        chain: &mut Option<TextChainCursor>,
+        tokens: &[u32],
+        tier: Tier,
+    ) -> Vec<u64> {
         let Some(text) = &self.hashing.text else {
             return Vec::new();
         };
@@ -367,7 +496,7 @@ impl PodBlocks {
         step.completed
             .into_iter()
             .map(|(key, parent)| {
-                self.held.hold(key, parent, true);
+                self.held.hold(key, parent, true, tier);
                 key
             })
             .collect()
@@ -382,12 +511,31 @@ impl PodBlocks {
                 token_ids,
                 block_size,
                 lora_id,
+                medium,
                 lora_name,
                 extra_keys,
-                ..
             } => {
-                self.prove(block_hashes, *parent_block_hash);
                 let blocks = block_hashes.len() as u64;
+                let Some(tier) = medium_tier(medium.as_deref()) else {
+                    self.skipped.unknown_medium += blocks;
+                    self.refusal = Some(format!(
+                        "block {:016x}: medium {medium:?} is none of GPU, CPU, disk, storage",
+                        block_hashes.first().copied().unwrap_or_default()
+                    ));
+                    return;
+                };
+                self.prove(block_hashes, *parent_block_hash, tier);
+                if token_ids.is_empty() {
+                    // Named by hash only (vLLM's offloading connector
+                    // without self-describing events): copies, in `tier`,
+                    // of blocks stored before.
+                    for &hash in block_hashes {
+                        if !self.add_copy(hash, tier) {
+                            self.skipped.unknown_hash += 1;
+                        }
+                    }
+                    return;
+                }
                 if *block_size != self.hashing.layout.block_size
                     || token_ids.len() != block_hashes.len() * block_size
                 {
@@ -444,9 +592,18 @@ impl PodBlocks {
                             break;
                         }
                     }
+                    // A hash already keyed is the same content: one more
+                    // copy (in another medium, or another group).
+                    if self.add_copy(hash, tier) {
+                        if let Some(mapped) = self.vllm.get(&hash) {
+                            chain = mapped.chain.clone();
+                        }
+                        previous = Some(hash);
+                        continue;
+                    }
                     let key = match chain.tokens.push(tokens, &self.hashing.layout) {
                         ChainStep::Completed { key, parent } => {
-                            self.held.hold(key, parent, false);
+                            self.held.hold(key, parent, false, tier);
                             Some(key)
                         }
                         ChainStep::Inside => None,
@@ -455,23 +612,36 @@ impl PodBlocks {
                             None
                         }
                     };
-                    let text_keys = self.push_text(&mut chain.text, tokens);
-                    self.vllm
-                        .entry(hash)
-                        .and_modify(|m| m.refs += 1)
-                        .or_insert_with(|| Mapped {
+                    let text_keys = self.push_text(&mut chain.text, tokens, tier);
+                    let mut copies = Copies::default();
+                    copies.add(tier);
+                    self.vllm.insert(
+                        hash,
+                        Mapped {
                             key,
                             text_keys,
                             chain: chain.clone(),
                             parent: previous,
-                            refs: 1,
-                        });
+                            copies,
+                        },
+                    );
                     previous = Some(hash);
                 }
             }
-            KvEvent::Removed { block_hashes, .. } => {
+            KvEvent::Removed {
+                block_hashes,
+                medium,
+            } => {
+                let Some(tier) = medium_tier(medium.as_deref()) else {
+                    self.skipped.unknown_medium += block_hashes.len() as u64;
+                    self.refusal = Some(format!(
+                        "removal of block {:016x}: medium {medium:?} is none of GPU, CPU, disk, storage",
+                        block_hashes.first().copied().unwrap_or_default()
+                    ));
+                    return;
+                };
                 for hash in block_hashes {
-                    self.release(*hash);
+                    self.release(*hash, tier);
                 }
             }
             KvEvent::AllCleared => self.clear(),
@@ -484,28 +654,49 @@ impl PodBlocks {
         match extra {
             Extra::Unknown(why) => {
                 self.skipped.unknown_extra_keys += blocks;
-                self.unknown_extra_keys = Some(format!("block {hash:016x}: {why}"));
+                self.refusal = Some(format!("block {hash:016x}: {why}"));
             }
             _ => self.skipped.extra_keys += blocks,
         }
     }
 
-    /// The latest refusal for extra keys of an unknown shape, to log.
-    pub fn unknown_extra_keys(&self) -> Option<&str> {
-        self.unknown_extra_keys.as_deref()
+    /// The latest event part refused for a shape vLLM does not send today
+    /// (extra keys, medium), and why: to log.
+    pub fn refusal(&self) -> Option<&str> {
+        self.refusal.as_deref()
     }
 
-    /// vLLM removed one copy of block `hash`.
-    fn release(&mut self, hash: u64) {
+    /// Blocks refused for a shape vLLM does not send today, so far.
+    pub fn refused(&self) -> u64 {
+        self.skipped.unknown_extra_keys + self.skipped.unknown_medium
+    }
+
+    /// One more copy, in `tier`, of the vLLM block `hash`, if it is keyed.
+    /// Its keys are held while it is (its copies count in theirs).
+    fn add_copy(&mut self, hash: u64, tier: Tier) -> bool {
+        let Some(mapped) = self.vllm.get_mut(&hash) else {
+            return false;
+        };
+        mapped.copies.add(tier);
+        for &key in mapped.text_keys.iter().chain(&mapped.key) {
+            self.held.hold_again(key, tier);
+        }
+        true
+    }
+
+    /// vLLM removed the copy in `tier` of block `hash`.
+    fn release(&mut self, hash: u64, tier: Tier) {
         let Some(mapped) = self.vllm.get_mut(&hash) else {
             return;
         };
-        mapped.refs -= 1;
+        if !mapped.copies.take(tier) {
+            return;
+        }
         // Tail first, as vLLM frees a request's blocks.
         for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
-            self.held.release(key);
+            self.held.release(key, tier);
         }
-        if mapped.refs == 0 {
+        if mapped.copies.best().is_none() {
             self.vllm.remove(&hash);
         }
     }
@@ -525,29 +716,38 @@ impl PodBlocks {
         let Some(proven) = self.proven.take() else {
             return 0;
         };
-        let unproven: Vec<(u64, u32)> = self
+        let unproven: Vec<(u64, Tier, u32)> = self
             .vllm
             .iter()
-            .filter(|(hash, _)| !proven.contains(hash))
-            .map(|(&hash, mapped)| (hash, mapped.refs))
+            .flat_map(|(&hash, mapped)| {
+                Tier::ALL
+                    .into_iter()
+                    .map(move |tier| (hash, tier, mapped.copies.in_tier(tier)))
+            })
+            .filter(|&(hash, tier, copies)| copies > 0 && !proven.contains(&(hash, tier)))
             .collect();
-        for &(hash, refs) in &unproven {
-            for _ in 0..refs {
-                self.release(hash);
+        for &(hash, tier, copies) in &unproven {
+            for _ in 0..copies {
+                self.release(hash, tier);
             }
         }
         unproven.len()
     }
 
-    /// Marks a stored chain and its ancestors proven (while proving).
-    fn prove(&mut self, hashes: &[u64], parent: Option<u64>) {
+    /// Marks a chain stored in `tier` proven there (while proving), and on
+    /// the GPU its ancestors too: a copy in another medium proves only
+    /// itself.
+    fn prove(&mut self, hashes: &[u64], parent: Option<u64>, tier: Tier) {
         let Some(proven) = &mut self.proven else {
             return;
         };
-        proven.extend(hashes);
+        proven.extend(hashes.iter().map(|&hash| (hash, tier)));
+        if tier != Tier::Gpu {
+            return;
+        }
         let mut ancestor = parent;
         // Each block is marked once: the walk stops at a proven one.
-        while let Some(hash) = ancestor.filter(|hash| proven.insert(*hash)) {
+        while let Some(hash) = ancestor.filter(|hash| proven.insert((*hash, Tier::Gpu))) {
             ancestor = self.vllm.get(&hash).and_then(|m| m.parent);
         }
     }
@@ -556,16 +756,21 @@ impl PodBlocks {
     /// this epoch's deltas drops them too).
     pub fn clear(&mut self) {
         for (key, held) in self.held.keys.drain() {
-            self.held.log.push(key, held.parent, false);
+            self.held.log.removed(key, held.parent);
         }
         self.held.text = 0;
+        self.held.by_tier = [0; 3];
         self.vllm.clear();
     }
 
     /// Every block held, as parent-first chains.
     pub fn held(&self) -> Vec<StoredChain> {
-        let nodes: Vec<(u64, Option<u64>)> =
-            self.held.keys.iter().map(|(&k, h)| (k, h.parent)).collect();
+        let nodes: Vec<(u64, Option<u64>, Tier)> = self
+            .held
+            .keys
+            .iter()
+            .map(|(&k, h)| (k, h.parent, h.copies.best().unwrap_or_default()))
+            .collect();
         chain_segments(&nodes)
     }
 
@@ -587,6 +792,7 @@ impl PodBlocks {
 mod tests {
     use super::*;
     use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout};
+    use kvroute::report::parse_report;
 
     /// 3 fine blocks of 2 tokens, then 2 coarse ones of 2 vLLM blocks.
     const LAYOUT: BlockLayout = BlockLayout {
@@ -840,17 +1046,17 @@ mod tests {
             refused += 2 - kept.unwrap_or(0);
             assert_eq!(pod.skipped.unknown_extra_keys, refused, "{case}");
             assert!(
-                pod.unknown_extra_keys().is_some_and(
+                pod.refusal().is_some_and(
                     |why| why.contains(&format!("{:016x}", hashes[kept.unwrap_or(0) as usize]))
                 ),
                 "{case}: {:?}",
-                pod.unknown_extra_keys()
+                pod.refusal()
             );
             // Never more than the blocks the case keeps.
             assert_eq!(pod.contains(key(&[1, 2])), kept.is_some(), "{case}");
             assert!(!pod.contains(key(&[1, 2, 3, 4])), "{case}");
         }
-        assert!(pod.unknown_extra_keys().unwrap().contains("opens no chain"));
+        assert!(pod.refusal().unwrap().contains("opens no chain"));
         // The next event, with known keys, applies.
         let salted = vec![Some(vec![Msgpack::from("tenant-a")]), None];
         pod.apply(&stored_with(&[90, 91], None, &[1, 2, 3, 4], None, salted));
@@ -859,6 +1065,108 @@ mod tests {
             .iter()
             .all(|k| pod.contains(*k)));
         assert_eq!(pod.skipped.extra_keys, 0, "none was multimodal");
+    }
+
+    /// vLLM's offloading connector publishes a copy named by hash only.
+    fn copy(hashes: &[u64], medium: &str) -> KvEvent {
+        KvEvent::Stored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            medium: Some(medium.into()),
+            lora_name: None,
+            extra_keys: Vec::new(),
+        }
+    }
+
+    fn removed_from(hashes: &[u64], medium: &str) -> KvEvent {
+        KvEvent::Removed {
+            block_hashes: hashes.to_vec(),
+            medium: Some(medium.into()),
+        }
+    }
+
+    /// The tier the pod's report gives each key (a full report).
+    fn reported_tiers(pod: &PodBlocks) -> HashMap<u64, Tier> {
+        let body = Value::Object(pod.report_body("p", "E", None, None)).to_string();
+        let mut body: serde_json::Map<String, Value> = serde_json::from_str(&body).unwrap();
+        body.insert("queueDepth".into(), 0.into());
+        body.insert("health".into(), 1.into());
+        let report = parse_report(Value::Object(body).to_string().as_bytes()).expect("valid");
+        report
+            .stored
+            .iter()
+            .flat_map(|c| c.hashes.iter().map(move |&h| (h, c.tier)))
+            .collect()
+    }
+
+    #[test]
+    fn blocks_are_tracked_per_medium_and_reported_in_their_fastest() {
+        let mut pod = blocks();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let keys = hash_tokens(&seed, &[1, 2, 3, 4], &LAYOUT);
+        pod.apply(&stored(&[10, 11], None, &[1, 2, 3, 4], None));
+        let since = pod.seq();
+        // Offloaded to CPU (named by hash) and to storage (self-describing,
+        // with tokens): still reported on the GPU, nothing logged.
+        pod.apply(&copy(&[10], "CPU"));
+        pod.apply(&copy(&[11], "CPU"));
+        let mut on_disk = stored(&[10, 11], None, &[1, 2, 3, 4], None);
+        if let KvEvent::Stored { medium, .. } = &mut on_disk {
+            *medium = Some("STORAGE".into());
+        }
+        pod.apply(&on_disk);
+        assert_eq!(pod.seq(), since);
+        assert_eq!(pod.tier_len(), [2, 0, 0]);
+        // The GPU evicts the tail: its key moves to the CPU tier (a store
+        // in the new tier), the head's stays.
+        pod.apply(&removed_from(&[11], "GPU"));
+        let tiers = reported_tiers(&pod);
+        assert_eq!((tiers[&keys[0]], tiers[&keys[1]]), (Tier::Gpu, Tier::Cpu));
+        let delta = pod.held.log.delta(since).unwrap();
+        assert_eq!(delta.stored.len(), 1);
+        assert_eq!(
+            (delta.stored[0].hashes[0], delta.stored[0].tier),
+            (keys[1], Tier::Cpu)
+        );
+        // Then the CPU copy: on disk; then the disk copy: gone.
+        pod.apply(&removed_from(&[11], "CPU"));
+        assert_eq!(reported_tiers(&pod)[&keys[1]], Tier::Disk);
+        pod.apply(&removed_from(&[11], "STORAGE"));
+        assert!(!pod.contains(keys[1]) && pod.contains(keys[0]));
+        assert_eq!(pod.tier_len(), [1, 0, 0]);
+        // A removal from a medium holding no copy changes nothing; a copy of
+        // a block never keyed is counted; an unknown medium is refused.
+        pod.apply(&removed_from(&[10], "CPU"));
+        pod.apply(&removed_from(&[10], "CPU"));
+        assert!(pod.contains(keys[0]));
+        pod.apply(&copy(&[99], "CPU"));
+        assert_eq!(pod.skipped.unknown_hash, 1);
+        pod.apply(&copy(&[10], "REMOTE"));
+        pod.apply(&removed_from(&[10], "tape"));
+        assert_eq!(pod.skipped.unknown_medium, 2);
+        assert!(pod.refusal().unwrap().contains("\"tape\""));
+        assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Gpu);
+        // A block offloaded and then stored again on the GPU (a reload).
+        pod.apply(&removed_from(&[10], "GPU"));
+        assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Disk);
+        pod.apply(&stored(&[10], None, &[1, 2], None));
+        assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Gpu);
+        // Media in other spellings: SGLang's CPU tiers, LMCache's backends.
+        for (medium, tier) in [("CPU_TIER2", Tier::Cpu), ("LocalDiskBackend", Tier::Disk)] {
+            pod.apply(&copy(&[10], medium));
+            pod.apply(&removed_from(&[10], "GPU"));
+            assert_eq!(reported_tiers(&pod)[&keys[0]], tier, "{medium}");
+            pod.apply(&removed_from(&[10], medium));
+            pod.apply(&stored(&[10], None, &[1, 2], None));
+        }
+        // AllBlocksCleared drops every medium.
+        pod.apply(&copy(&[10], "CPU"));
+        pod.apply(&KvEvent::AllCleared);
+        assert!(pod.is_empty());
+        assert_eq!(pod.tier_len(), [0, 0, 0]);
     }
 
     #[test]
@@ -889,6 +1197,24 @@ mod tests {
         });
         assert!(pod.contains(key(&[9, 9])));
         assert_eq!(pod.end_proof(), 0);
+        // Per medium: a GPU block proves its GPU ancestors, not their CPU
+        // copies, and a CPU copy proves only itself.
+        pod.apply(&copy(&[10, 11, 30], "CPU"));
+        pod.start_proof();
+        pod.apply(&stored(&[13], Some(11), &[5, 5], None));
+        pod.apply(&copy(&[30], "CPU"));
+        assert_eq!(
+            pod.end_proof(),
+            4,
+            "12 and 30 on the GPU, 10 and 11 on the CPU"
+        );
+        assert!(!pod.contains(key(&[1, 2, 3, 4, 7, 8])));
+        assert!(pod.contains(key(&[1, 2, 3, 4, 5, 5])));
+        let tiers = reported_tiers(&pod);
+        assert_eq!(tiers[&key(&[1, 2, 3, 4])], Tier::Gpu);
+        assert_eq!(tiers[&key(&[9, 9])], Tier::Cpu);
+        pod.apply(&removed_from(&[11], "GPU"));
+        assert!(!pod.contains(key(&[1, 2, 3, 4])), "no CPU copy left");
     }
 
     #[test]
@@ -986,6 +1312,7 @@ mod tests {
         let text_chain = StoredChain {
             parent: None,
             hashes: filter.clone(),
+            tier: Tier::Gpu,
         };
         assert!(pod.held().contains(&text_chain), "each with its parent");
         // In addition to the token keys, which are as without a tokenizer.

@@ -182,29 +182,29 @@ impl Bridge {
                 self.counters
                     .unknown_events
                     .fetch_add(batch.unknown as u64, Ordering::Relaxed);
-                let refused = state.blocks.skipped.unknown_extra_keys;
+                let refused = state.blocks.refused();
                 for event in &batch.events {
                     state.blocks.apply(event);
                 }
-                self.log_unknown_extra_keys(&state.blocks, refused);
+                self.log_refused(&state.blocks, refused);
             }
             Err(e) => self.malformed(&format!("batch {seq}: {e}")),
         }
     }
 
-    /// Logs blocks refused for extra keys of an unknown shape, whenever
-    /// their count passes a power of two (a newer vLLM may send such keys
-    /// on every block: the log stays bounded).
-    fn log_unknown_extra_keys(&self, blocks: &PodBlocks, before: u64) {
-        let after = blocks.skipped.unknown_extra_keys;
+    /// Logs blocks refused for a shape vLLM does not send today (extra
+    /// keys, medium), whenever their count passes a power of two (a newer
+    /// vLLM may send such a shape on every block: the log stays bounded).
+    fn log_refused(&self, blocks: &PodBlocks, before: u64) {
+        let after = blocks.refused();
         // A power of two in (before, after]: the bit length grew.
         if u64::BITS - after.leading_zeros() == u64::BITS - before.leading_zeros() {
             return;
         }
         eprintln!(
-            "kvroute-vllm-bridge {}: {after} stored blocks refused so far for extra_keys of an unknown shape (kvbridge_blocks_skipped_unknown_extra_keys_total); the latest, {}",
+            "kvroute-vllm-bridge {}: {after} stored blocks refused so far for a shape vLLM does not send today (kvbridge_blocks_skipped_unknown_{{extra_keys,medium}}_total); the latest, {}",
             self.pod_id,
-            blocks.unknown_extra_keys().unwrap_or("?")
+            blocks.refusal().unwrap_or("?")
         );
     }
 

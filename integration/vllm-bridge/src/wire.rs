@@ -195,12 +195,13 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>, String> {
                 block_hashes,
                 parent_block_hash: parent,
                 token_ids,
+                // 0 in the copies vLLM's offloading connector names by
+                // hash only (no token ids).
                 block_size: f
                     .get("block_size")
                     .as_u64()
                     .and_then(|b| usize::try_from(b).ok())
-                    .filter(|&b| b > 0)
-                    .ok_or("`block_size` is not a positive int")?,
+                    .ok_or("`block_size` is not a non-negative int")?,
                 lora_id: f.get("lora_id").as_i64(),
                 medium: optional_string(f.get("medium"), "medium")?,
                 lora_name: optional_string(f.get("lora_name"), "lora_name")?,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::{BlockHasher, BlockLayout};
-use kvroute::report::StoredChain;
+use kvroute::report::{StoredChain, Tier};
 use kvroute::request::Prompt;
 use kvroute_vllm_bridge::blocks::{Hashing, PodBlocks, TextHashing};
 use kvroute_vllm_bridge::vocab::Vocabulary;
@@ -289,8 +289,94 @@ fn typed_extra_keys_decode_as_sent() {
     assert!(pod.is_empty());
     assert_eq!(pod.skipped.unknown_extra_keys, 1);
     assert!(pod
-        .unknown_extra_keys()
+        .refusal()
         .is_some_and(|why| why.contains("CacheSaltKey")));
+}
+
+/// A copy vLLM's offloading connector publishes by default (no
+/// self-describing events): `BlockStored` named by hash only, no token ids,
+/// `block_size` 0, medium `CPU`, its `group_idx`; then the GPU copy's
+/// removal. Decoded (a `block_size` of 0 is no malformed frame), and a
+/// copy of the block stored before: the key stays, now on the CPU.
+#[test]
+fn an_offloaded_copy_named_by_hash_decodes_and_moves_its_block() {
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x92, 0x89],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x91, 0x2a],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0x90],
+        &s("block_size"),
+        &[0x00],
+        &s("lora_id"),
+        &[0xc0],
+        &s("medium"),
+        &s("CPU"),
+        &s("lora_name"),
+        &[0xc0],
+        &s("group_idx"),
+        &[0x00],
+        &[0x83],
+        &s("type"),
+        &s("BlockRemoved"),
+        &s("block_hashes"),
+        &[0x91, 0x2a],
+        &s("medium"),
+        &s("GPU"),
+        &s("data_parallel_rank"),
+        &[0x00],
+    ]);
+    let batch = decode_batch(&payload).expect("decodes");
+    assert_eq!(
+        batch.events[0],
+        KvEvent::Stored {
+            block_hashes: vec![42],
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            medium: Some("CPU".into()),
+            lora_name: None,
+            extra_keys: Vec::new(),
+        }
+    );
+    let config = Config {
+        block_size_tokens: 2,
+        ..Config::default()
+    };
+    let mut pod = PodBlocks::new(
+        Hashing {
+            secret: config.hash_seed.clone(),
+            base_model: "m".into(),
+            layout: BlockLayout::tokens(&config),
+            lora_ids: HashMap::new(),
+            text: None,
+        },
+        100,
+    );
+    pod.apply(&KvEvent::Stored {
+        block_hashes: vec![42],
+        parent_block_hash: None,
+        token_ids: vec![5, 6],
+        block_size: 2,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: Vec::new(),
+    });
+    for event in &batch.events {
+        pod.apply(event);
+    }
+    assert_eq!(pod.tier_len(), [0, 1, 0]);
+    assert_eq!(pod.held()[0].tier, Tier::Cpu);
 }
 
 /// Older vLLM (`array_like=True`): `[ts, events, rank]`, events
@@ -455,11 +541,13 @@ fn a_stored_chats_text_keys_are_the_filters_chain_of_its_text() {
         [
             StoredChain {
                 parent: None,
-                hashes: text_keys
+                hashes: text_keys,
+                tier: Tier::Gpu,
             },
             StoredChain {
                 parent: None,
-                hashes: token_keys
+                hashes: token_keys,
+                tier: Tier::Gpu,
             }
         ]
     );
