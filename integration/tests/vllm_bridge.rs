@@ -184,20 +184,34 @@ fn converged(pod: &Pod, running: &Running) -> BTreeSet<u64> {
 
 /// Waits until the bridge reports exactly `truth()`; returns it.
 fn converged_to(running: &Running, truth: impl Fn() -> BTreeSet<u64>) -> BTreeSet<u64> {
+    eventually_equal(
+        truth,
+        || report_blocks(&running.addr.to_string()).1,
+        |truth, bridged| {
+            format!(
+                "bridge has {} blocks the sim has not (stale) and misses {} of its {}",
+                bridged.difference(truth).count(),
+                truth.difference(bridged).count(),
+                truth.len()
+            )
+        },
+    )
+}
+
+/// Waits until `bridged()` is `truth()` (events take a moment to arrive:
+/// until then the bridge may lag); returns it, or fails with `describe`.
+fn eventually_equal<T: PartialEq>(
+    truth: impl Fn() -> T,
+    bridged: impl Fn() -> T,
+    describe: impl Fn(&T, &T) -> String,
+) -> T {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let truth = truth();
-        let (_, bridged) = report_blocks(&running.addr.to_string());
+        let (truth, bridged) = (truth(), bridged());
         if bridged == truth {
             return truth;
         }
-        assert!(
-            Instant::now() < deadline,
-            "bridge has {} blocks the sim has not (stale) and misses {} of its {}",
-            bridged.difference(&truth).count(),
-            truth.difference(&bridged).count(),
-            truth.len()
-        );
+        assert!(Instant::now() < deadline, "{}", describe(&truth, &bridged));
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -292,20 +306,12 @@ fn the_bridge_follows_blocks_across_tiers() {
     let config = config_file(&dir);
     let pod = Pod::start(&config, &["--kv-blocks", "8", "--cpu-kv-blocks", "12"]);
     let running = bridge(&pod, "127.0.0.1:0", &config);
-    let pods_tiers = || report_tiers(&pod.sim.address);
     let converged = || {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let (truth, bridged) = (pods_tiers(), report_tiers(&running.addr.to_string()));
-            if truth == bridged {
-                return truth;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "pod {truth:?}\nbridge {bridged:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually_equal(
+            || report_tiers(&pod.sim.address),
+            || report_tiers(&running.addr.to_string()),
+            |truth, bridged| format!("pod {truth:?}\nbridge {bridged:?}"),
+        )
     };
     let in_tier =
         |tiers: &BTreeMap<u64, Tier>, tier| tiers.values().filter(|t| **t == tier).count();
@@ -541,8 +547,10 @@ fn bridge_and_pod_restarts_leave_nothing_stale() {
     let dir = temp("restart");
     let config = config_file(&dir);
     let mut pod = Pod::start(&config, &[]);
-    let listen = format!("127.0.0.1:{}", free_port());
-    let running = bridge(&pod, &listen, &config);
+    // Bound at once (a port picked free and bound later may be taken by
+    // then); restarted on the same address.
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    let listen = running.addr.to_string();
     pod.complete("m", &prompt(1, 3));
     pod.complete("m-lora", &prompt(2, 3));
     let held = converged(&pod, &running);

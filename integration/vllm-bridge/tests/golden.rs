@@ -32,6 +32,19 @@ fn cat(parts: &[&[u8]]) -> Vec<u8> {
 
 const TS: [u8; 9] = [0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0]; // float64 1.5
 
+/// The block mapping for model `m` hashed as `config` says, text keys with
+/// `text`.
+fn pod_blocks(config: &Config, text: Option<TextHashing>) -> PodBlocks {
+    let hashing = Hashing {
+        secret: config.hash_seed.clone(),
+        base_model: "m".into(),
+        layout: BlockLayout::tokens(config),
+        lora_ids: HashMap::new(),
+        text,
+    };
+    PodBlocks::new(hashing, 100)
+}
+
 fn stored() -> KvEvent {
     KvEvent::Stored {
         block_hashes: vec![0xffff_ffff_ffff_fff0, 7],
@@ -272,19 +285,11 @@ fn typed_extra_keys_decode_as_sent() {
         (Value::from("salt"), Value::from("tenant-a")),
     ]);
     assert_eq!(extra_keys, &vec![Some(Value::Array(vec![typed]))]);
-    let mut pod = PodBlocks::new(
-        Hashing {
-            secret: String::new(),
-            base_model: "m".into(),
-            layout: BlockLayout::tokens(&Config {
-                block_size_tokens: 2,
-                ..Config::default()
-            }),
-            lora_ids: HashMap::new(),
-            text: None,
-        },
-        100,
-    );
+    let config = Config {
+        block_size_tokens: 2,
+        ..Config::default()
+    };
+    let mut pod = pod_blocks(&config, None);
     pod.apply(&batch.events[0]);
     assert!(pod.is_empty());
     assert_eq!(pod.skipped.unknown_extra_keys, 1);
@@ -352,16 +357,7 @@ fn an_offloaded_copy_named_by_hash_decodes_and_moves_its_block() {
         block_size_tokens: 2,
         ..Config::default()
     };
-    let mut pod = PodBlocks::new(
-        Hashing {
-            secret: config.hash_seed.clone(),
-            base_model: "m".into(),
-            layout: BlockLayout::tokens(&config),
-            lora_ids: HashMap::new(),
-            text: None,
-        },
-        100,
-    );
+    let mut pod = pod_blocks(&config, None);
     pod.apply(&KvEvent::Stored {
         block_hashes: vec![42],
         parent_block_hash: None,
@@ -505,19 +501,11 @@ fn a_stored_chats_text_keys_are_the_filters_chain_of_its_text() {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/data/byte-level-bpe.tokenizer.json"
     );
-    let mut pod = PodBlocks::new(
-        Hashing {
-            secret: config.hash_seed.clone(),
-            base_model: "m".into(),
-            layout: BlockLayout::tokens(&config),
-            lora_ids: HashMap::new(),
-            text: Some(TextHashing {
-                layout: BlockLayout::text(&config),
-                vocabulary: Arc::new(Vocabulary::load(tokenizer.as_ref()).expect("loads")),
-            }),
-        },
-        100,
-    );
+    let text = TextHashing {
+        layout: BlockLayout::text(&config),
+        vocabulary: Arc::new(Vocabulary::load(tokenizer.as_ref()).expect("loads")),
+    };
+    let mut pod = pod_blocks(&config, Some(text));
     let events = decode_batch(&payload).expect("decodes").events;
     assert_eq!(encode_batch(1.5, &events, 0, Shape::Map), payload);
     for event in &events {
