@@ -9,7 +9,11 @@
 //! [`ClusterState::publish_some`] publishes a bounded part of what changed.
 //! Folding rules:
 //! - a full report replaces the pod's blocks; a delta applies `stored` then
-//!   `removed`; a delta that does not continue the last `seq` of the same
+//!   `removed`. Each stored segment carries its blocks' tier (protocol v1's
+//!   `tier`: GPU, CPU or disk); the index does not keep tiers yet, so a
+//!   block in any tier is held, as before tiers were reported, and a block
+//!   whose tier changed comes again in `stored` (a no-op for the index);
+//!   a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
 //!   a full resync next tick;
 //! - a report is folded in steps ([`FOLD_STEP_BLOCKS`] blocks or
@@ -706,6 +710,8 @@ impl ClusterState {
                         None => stored.parent,
                         Some(last) => stored.hashes.get(last).copied(),
                     };
+                    // Tier hand-off: `stored.tier` is every block's tier in
+                    // `part`; held in any tier until the index keeps it.
                     let outcome = tree.insert_chain(fold.slot, parent, part);
                     fold.summary.stored += outcome.stored;
                     fold.summary.orphaned += outcome.orphaned;
