@@ -31,6 +31,8 @@ use serde_json::{json, Value};
 use super::report::percentile;
 use super::stack::render_baseline;
 use super::workload::words;
+use kvroute_config::Module;
+
 use crate::harness::{
     floor_wasm_path, free_port, prometheus_value, render_envoy_config, Cluster, ClusterSpec, Envoy,
 };
@@ -228,7 +230,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     std::fs::create_dir_all(&floor_dir)?;
     let (listen, admin) = (free_port(), free_port());
     let yaml = render_envoy_config(
-        &floor_wasm,
+        Module::Wasm(&floor_wasm),
         listen,
         admin,
         &cluster.config,
