@@ -50,6 +50,14 @@ pub fn kvroute_module() -> Module<'static> {
     }
 }
 
+/// The module under test as a deployment file's `envoy.module`.
+pub fn module_name() -> &'static str {
+    match kvroute_module() {
+        Module::Native => "native",
+        Module::Wasm(_) => "wasm",
+    }
+}
+
 /// Envoy's log component of the module under test (`--component-log-level`,
 /// the admin's `/logging?<component>=debug`).
 pub fn log_component() -> &'static str {

@@ -216,6 +216,19 @@ pub fn export_pod_from_zero(pod: &str, sink: &mut dyn MetricSink) {
     }
 }
 
+/// A label value as both hosts export it: `.` replaced by `_`. The
+/// proxy-wasm build encodes labels in metric names, which Envoy's
+/// `stats_tags` regexes split at dots; the native build, whose labels are
+/// Envoy tags, exports the same values so dashboards and alerts see the
+/// same series whichever build runs.
+pub fn label_value(value: &str) -> std::borrow::Cow<'_, str> {
+    if value.contains('.') {
+        value.replace('.', "_").into()
+    } else {
+        value.into()
+    }
+}
+
 /// A [0, 1] value in percent.
 pub fn percent(value: f64) -> u64 {
     (value.clamp(0.0, 1.0) * 100.0).round() as u64

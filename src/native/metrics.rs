@@ -2,12 +2,13 @@
 //! defined when the filter config is created (Envoy freezes definitions
 //! after that), with its label as an Envoy tag, so Prometheus shows
 //! `epp_queue_depth{pod="pod-0"}` as under proxy-wasm (where the label is
-//! encoded in the name and extracted by `stats_tags`). Updates go through
+//! encoded in the name and extracted by `stats_tags`), with the same
+//! values ([`label_value`]). Updates go through
 //! the config-level callbacks, usable from any thread and outside a
 //! request; the batching is the core's ([`crate::gateway::metrics`]).
 
 use super::abi::{self, FilterConfigEnvoy, ModuleBuffer};
-use crate::gateway::metrics::{Metric, MetricKind, MetricSink};
+use crate::gateway::metrics::{label_value, Metric, MetricKind, MetricSink};
 
 /// Metric ids as Envoy defined them, by [`Metric`] (position in
 /// [`Metric::ALL`]).
@@ -80,6 +81,7 @@ impl NativeMetrics {
         let Some(Some(id)) = self.ids.get(position(metric)) else {
             return;
         };
+        let label = label_value(label);
         let mut values = [ModuleBuffer::of(label.as_bytes())];
         let length = usize::from(metric.label().is_some());
         update(

@@ -3,7 +3,7 @@
 //! a label is encoded in the name (`epp_queue_depth.pod.<id>`), turned
 //! into a Prometheus label by the `stats_tags` regexes shipped in
 //! `envoy/`, with `.` replaced by `_` in the value so the regexes can
-//! split it. Metric ids are per VM, defined on first use. A metric the
+//! split it ([`catalogue::label_value`]). Metric ids are per VM, defined on first use. A metric the
 //! host refuses is skipped: metrics never fail a request.
 
 use std::cell::RefCell;
@@ -20,7 +20,11 @@ thread_local! {
 /// `base.label.value` with the value made tag-safe.
 fn series(metric: Metric, value: &str) -> String {
     match metric.label() {
-        Some(label) => format!("{}.{label}.{}", metric.name(), value.replace('.', "_")),
+        Some(label) => format!(
+            "{}.{label}.{}",
+            metric.name(),
+            catalogue::label_value(value)
+        ),
         None => metric.name().to_string(),
     }
 }
