@@ -1,14 +1,16 @@
 //! What kvroute costs in the proxy.
 //!
 //! - [`overhead`]: one simulated pod answering at once (`--time-scale 0`,
-//!   `max_tokens` 1), two Envoys in front of it — kvroute, and the same
-//!   Envoy with a plain STATIC cluster and no filter. Closed-loop
-//!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the two measured in
-//!   alternating phases (A B, B A, …) so drift hits both; the filter's own
-//!   time from the `latencyUs` of its `route` log lines. On two cores or
-//!   more the load generator and the sim run on CPU 0, the Envoys on CPU 1
-//!   (`taskset`), and the saturation phases report each Envoy's CPU
-//!   seconds per 1,000 requests (`/proc/<pid>/stat`).
+//!   `max_tokens` 1), four Envoys in front of it — kvroute's native
+//!   module, plain Envoy (a STATIC cluster, no filter), the floor filter
+//!   and kvroute.wasm. Closed-loop keep-alive clients ([`crate::http`]'s
+//!   pool) at fixed concurrency, the four measured in alternating phases
+//!   (forwards, then backwards) so drift hits all; the filter's own time
+//!   from the `latencyUs` of the kvroute builds' `route` log lines. On two
+//!   cores or more the load generator and the sim run on CPU 0, the Envoys
+//!   on CPU 1 (`taskset`), and the saturation phases report each Envoy's
+//!   CPU seconds per 1,000 requests (`/proc/<pid>/stat`). The same is
+//!   checked with an independent load generator, `wrk`.
 //! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
 //!   ingest time, index gauges, main-thread CPU per tick (from
 //!   `/proc/<envoy>/task/<main>/stat`), the filter's time at that index
