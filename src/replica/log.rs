@@ -131,7 +131,10 @@ impl ReplicaLog {
 /// A logged decision as stored: seq, time, pod id length and bytes, chain
 /// length and hashes, little-endian.
 pub fn encode_decision(seq: u64, pod: &str, at_ms: u64, chain: &[u64]) -> Vec<u8> {
-    let pod = &pod.as_bytes()[..pod.len().min(usize::from(u16::MAX))];
+    // Pod ids are at most 255 bytes (configuration rules); the cut is
+    // only a guard on the length field.
+    let pod = pod.as_bytes();
+    let pod = pod.get(..usize::from(u16::MAX)).unwrap_or(pod);
     let mut bytes = Vec::with_capacity(22 + pod.len() + chain.len() * 8);
     bytes.extend_from_slice(&seq.to_le_bytes());
     bytes.extend_from_slice(&at_ms.to_le_bytes());
