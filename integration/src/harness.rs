@@ -439,6 +439,10 @@ pub struct ClusterSpec {
     pub admin_port: Option<u16>,
     /// Envoy worker threads (2 by default, like production-sized tests).
     pub envoy_workers: usize,
+    /// kvroute Envoys in front of the same pods (replicated gateways; 1 by
+    /// default): the first is [`Cluster::envoy`], the others
+    /// [`Cluster::other_replicas`], each on ports of its own.
+    pub replicas: usize,
 }
 
 impl ClusterSpec {
@@ -453,6 +457,7 @@ impl ClusterSpec {
             listen_port: None,
             admin_port: None,
             envoy_workers: 2,
+            replicas: 1,
         }
     }
 }
@@ -461,6 +466,9 @@ impl ClusterSpec {
 pub struct Cluster {
     pub sims: Vec<Sim>,
     pub envoy: Envoy,
+    /// The other kvroute Envoys of a replicated gateway
+    /// ([`ClusterSpec::replicas`]).
+    pub other_replicas: Vec<Envoy>,
     pub config: Value,
     pub dir: PathBuf,
 }
@@ -511,28 +519,57 @@ impl Cluster {
             let sim = Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)?;
             sims.push(sim);
         }
-        let listen_port = spec.listen_port.unwrap_or_else(free_port);
-        let admin_port = spec.admin_port.unwrap_or_else(free_port);
         let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
-        let yaml = render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
-        let envoy =
-            Envoy::start_with_workers(&dir, &yaml, listen_port, admin_port, spec.envoy_workers)?;
+        let mut replicas = Vec::new();
+        for replica in 0..spec.replicas.max(1) {
+            let (listen_port, admin_port) = match replica {
+                0 => (
+                    spec.listen_port.unwrap_or_else(free_port),
+                    spec.admin_port.unwrap_or_else(free_port),
+                ),
+                _ => (free_port(), free_port()),
+            };
+            let yaml =
+                render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
+            let replica_dir = dir.join(format!("replica-{replica}"));
+            fs::create_dir_all(&replica_dir)?;
+            replicas.push(Envoy::start_with_workers(
+                &replica_dir,
+                &yaml,
+                listen_port,
+                admin_port,
+                spec.envoy_workers,
+            )?);
+        }
+        let envoy = replicas.remove(0);
         let cluster = Cluster {
             sims,
             envoy,
+            other_replicas: replicas,
             config,
             dir,
         };
-        cluster.wait_published(Duration::from_secs(20))?;
+        for envoy in cluster.replicas() {
+            cluster.wait_published_by(envoy, Duration::from_secs(20))?;
+        }
         Ok(cluster)
+    }
+
+    /// Every kvroute Envoy: [`Cluster::envoy`], then the other replicas.
+    pub fn replicas(&self) -> impl Iterator<Item = &Envoy> {
+        std::iter::once(&self.envoy).chain(&self.other_replicas)
     }
 
     /// Waits until the service has published a snapshot with every pod
     /// (gauges are defined at 0 from startup, so the generation tells).
     pub fn wait_published(&self, timeout: Duration) -> io::Result<()> {
+        self.wait_published_by(&self.envoy, timeout)
+    }
+
+    fn wait_published_by(&self, envoy: &Envoy, timeout: Duration) -> io::Result<()> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            let text = self.envoy.prometheus();
+            let text = envoy.prometheus();
             let published = prometheus_value(&text, "epp_snapshot_generation", &[])
                 .is_some_and(|generation| generation > 0.0);
             if published
@@ -546,7 +583,7 @@ impl Cluster {
         }
         Err(io::Error::other(format!(
             "pods not published in {timeout:?}; envoy log:\n{}",
-            self.envoy.log()
+            envoy.log()
         )))
     }
 
