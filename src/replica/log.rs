@@ -25,6 +25,13 @@ use super::wire::{LoggedDecision, PodInflight, ReplicaAnswer};
 /// Most decisions a log holds.
 pub const LOG_DECISIONS: u64 = 4096;
 
+/// Most hashes a log holds (1 MiB of them): a peer catching up gets them
+/// in one answer of about 2.5 MB of JSON, within the default
+/// `maxReportBytes` (4 MiB). Precise mode needs only the decisions of the
+/// last `pendingDecisionMs`; approximate mode's catch-up is the newest
+/// 131,072 blocks routed, the ones its per-pod LRU would keep longest.
+pub const LOG_BLOCKS: usize = 131_072;
+
 /// Bytes of an encoded [`LogHead`].
 const HEAD_BYTES: usize = 24;
 

@@ -47,10 +47,14 @@
 
 pub mod log;
 pub mod peers;
+pub mod serve;
+pub mod sync;
 pub mod wire;
 
 pub use log::{LogHead, ReplicaLog};
 pub use peers::{PeerState, PeerTransition, Peers, Received};
+pub use serve::{parse_log_request, LogRequest, Refusal};
+pub use sync::{PeerCall, PeerOutcome, ReplicaSync};
 pub use wire::{
     encode_answer, parse_answer, AnswerLimits, LoggedDecision, PodInflight, ReplicaAnswer,
     REPLICA_KEY_HEADER,
