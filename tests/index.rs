@@ -353,7 +353,7 @@ fn snapshot_buckets_absent_from_the_store_read_as_empty() {
     assert_eq!(snapshot.lookup(&[11, 12, 13]).blocks(5), 3);
     let empty = SnapshotIndex {
         buckets: 4,
-        fetch: |_| None,
+        fetch: |_| None::<Vec<u8>>,
     };
     assert_eq!(empty.lookup(&[11, 12, 13]), PrefixMatch::default());
 }

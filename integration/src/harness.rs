@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvroute_config::{EnvoyBootstrap, PodEndpoints};
+use kvroute_config::{EnvoyBootstrap, Module, PodEndpoints};
 use serde_json::{json, Value};
 
 use crate::http;
@@ -32,6 +32,45 @@ pub fn repo_root() -> PathBuf {
 /// The release kvroute.wasm (built by `make wasm`).
 pub fn wasm_path() -> PathBuf {
     repo_root().join("target/wasm32-wasip1/release/kvroute.wasm")
+}
+
+/// The directory of the native module `libkvroute.so` (built by `make
+/// native`), which Envoy finds through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`.
+pub fn native_dir() -> PathBuf {
+    repo_root().join("target/native")
+}
+
+/// The kvroute build the real-Envoy suites run: the native module, or
+/// kvroute.wasm when `KVROUTE_MODULE=wasm` (`make test` runs both).
+pub fn kvroute_module() -> Module<'static> {
+    static WASM: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    match std::env::var("KVROUTE_MODULE").as_deref() {
+        Ok("wasm") => Module::Wasm(WASM.get_or_init(wasm_path)),
+        _ => Module::Native,
+    }
+}
+
+/// The module under test as a deployment file's `envoy.module`.
+pub fn module_name() -> &'static str {
+    match kvroute_module() {
+        Module::Native => "native",
+        Module::Wasm(_) => "wasm",
+    }
+}
+
+/// Envoy's log component of the module under test (`--component-log-level`,
+/// the admin's `/logging?<component>=debug`).
+pub fn log_component() -> &'static str {
+    match kvroute_module() {
+        Module::Native => "dynamic_modules",
+        Module::Wasm(_) => "wasm",
+    }
+}
+
+/// kvroute's JSON object in one of Envoy's log lines (`None`: not one).
+pub fn log_event(line: &str) -> Option<Value> {
+    let json = line.find("{\"").and_then(|at| line.get(at..))?;
+    serde_json::from_str(json).ok()
 }
 
 /// The floor filter (`integration/floor-filter`, `make wasm-floor`), the
@@ -97,6 +136,7 @@ pub fn poll<T>(
 pub fn validate_envoy_config(config: &Path) -> (bool, String) {
     let output = envoy_binary().and_then(|envoy| {
         Command::new(envoy)
+            .env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir())
             .args([
                 "--mode",
                 "validate",
@@ -157,14 +197,14 @@ pub fn free_port() -> u16 {
 /// rendered by kvroute-config's renderer; see [`EnvoyBootstrap`] for the
 /// arguments.
 pub fn render_envoy_config(
-    wasm: &Path,
+    module: Module<'_>,
     listen_port: u16,
     admin_port: u16,
     plugin_config: &Value,
     passthrough: &[String],
 ) -> String {
     EnvoyBootstrap {
-        wasm,
+        module,
         listen_address: "127.0.0.1",
         listen_port,
         admin_port,
@@ -325,7 +365,9 @@ impl Envoy {
             .arg(&config_path)
             .args(["--concurrency", &workers.to_string()])
             .args(["--disable-hot-restart", "-l", "warning"])
-            .args(["--component-log-level", "wasm:info"])
+            .args(["--component-log-level", "wasm:info,dynamic_modules:info"])
+            // Where a native module is found (`libkvroute.so`).
+            .env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir())
             // Flush the log often: tests read it.
             .args(["--file-flush-interval-msec", "50"])
             .arg("--log-path")
@@ -529,8 +571,13 @@ impl Cluster {
                 ),
                 _ => (free_port(), free_port()),
             };
-            let yaml =
-                render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
+            let yaml = render_envoy_config(
+                kvroute_module(),
+                listen_port,
+                admin_port,
+                &config,
+                &addresses,
+            );
             let replica_dir = dir.join(format!("replica-{replica}"));
             fs::create_dir_all(&replica_dir)?;
             replicas.push(Envoy::start_with_workers(

@@ -1,4 +1,5 @@
-//! proxy-wasm glue: thin host adapters over the routing core.
+//! proxy-wasm glue: the host traits of [`crate::gateway::host`] over
+//! proxy-wasm (the build for Istio and any Envoy with V8).
 //!
 //! One `kvroute.wasm` serves two roots, chosen by the plugin's `root_id`
 //! (readable through `plugin_root_id` already while the root is created):
@@ -16,6 +17,8 @@ mod service;
 mod shared;
 
 use proxy_wasm::traits::RootContext;
+
+use host::Buffer;
 
 fn root_id() -> String {
     host::property(&["plugin_root_id"])
@@ -35,18 +38,11 @@ pub fn start() {
     });
 }
 
-/// Reads and validates the plugin configuration, logging the error (which
-/// names the field) so Envoy's refusal is explained.
-fn load_config(bytes: Option<Vec<u8>>, role: &str) -> Option<crate::config::Config> {
-    match crate::config::Config::parse(&bytes.unwrap_or_default()) {
-        Ok(config) => {
-            logging::apply_level(config.log_level);
-            metrics::export_from_zero(&config);
-            Some(config)
-        }
-        Err(error) => {
-            log::error!("kvroute {role}: {error}");
-            None
-        }
-    }
+/// The plugin configuration, validated ([`crate::gateway::load_config`]).
+fn load_config(role: &str) -> Option<crate::config::Config> {
+    let bytes = host::buffer(Buffer::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    crate::gateway::load_config(&bytes, role, &mut metrics::WasmMetrics)
 }

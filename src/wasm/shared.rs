@@ -31,11 +31,11 @@
 
 use std::cell::RefCell;
 use std::hash::{BuildHasher, Hasher};
-use std::rc::Rc;
+use std::sync::Arc;
 
 use super::host::{self, Status};
 use crate::config::PassiveHealthConfig;
-use crate::ejection::{without_pods, Ejection, Ejections, EJECTIONS_KEY};
+use crate::ejection::{Ejection, Ejections, RoutableTable, EJECTIONS_KEY};
 use crate::snapshot::{
     add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, PodTable,
     PublishedPod, SlotLoad, GENERATION_KEY, POD_TABLE_KEY, WORKERS_KEY,
@@ -64,36 +64,24 @@ pub fn bucket(bucket: u32) -> Option<Vec<u8>> {
 /// the same table as routing sees it, without the ejected pods.
 #[derive(Default)]
 pub struct TableCache {
-    cached: Option<Rc<PodTable>>,
+    cached: Option<Arc<PodTable>>,
     /// The shared ejections and the CAS token they were read at.
     ejections: (u32, Ejections),
-    /// The cached table with the pods in these slots ejected.
-    routable: Option<(Vec<usize>, Rc<PodTable>)>,
+    routable: RoutableTable,
 }
 
 impl TableCache {
     /// The current table with the pods ejected at `now_ms` at health 0.
-    pub fn routable(&mut self, now_ms: u64) -> Option<Rc<PodTable>> {
+    pub fn routable(&mut self, now_ms: u64) -> Option<Arc<PodTable>> {
         let table = self.current()?;
         let (bytes, cas) = get(EJECTIONS_KEY);
         if cas != self.ejections.0 {
             self.ejections = (cas, Ejections::decode(&bytes.unwrap_or_default()));
         }
-        let slots = self.ejections.1.ejected_slots(&table, now_ms);
-        if slots.is_empty() {
-            return Some(table);
-        }
-        if let Some((cached_slots, routable)) = &self.routable {
-            if *cached_slots == slots && routable.generation == table.generation {
-                return Some(routable.clone());
-            }
-        }
-        let routable = Rc::new(without_pods(&table, &slots));
-        self.routable = Some((slots, routable.clone()));
-        Some(routable)
+        Some(self.routable.of(&table, &self.ejections.1, now_ms))
     }
 
-    pub fn current(&mut self) -> Option<Rc<PodTable>> {
+    pub fn current(&mut self) -> Option<Arc<PodTable>> {
         let generation = get(GENERATION_KEY)
             .0
             .and_then(|bytes| bytes.try_into().ok())
@@ -107,7 +95,7 @@ impl TableCache {
         let bytes = get(POD_TABLE_KEY).0?;
         match PodTable::decode(&bytes) {
             Ok(table) => {
-                let table = Rc::new(table);
+                let table = Arc::new(table);
                 self.cached = Some(table.clone());
                 Some(table)
             }

@@ -1,6 +1,7 @@
 //! The deployment file kvroute-config reads (YAML, or JSON, which is YAML):
-//! the kvroute plugin configuration plus where Envoy listens, where
-//! kvroute.wasm is, and for Istio which Service the gateway fronts.
+//! the kvroute plugin configuration plus where Envoy listens, which kvroute
+//! build it runs (the native module by default, or kvroute.wasm and where
+//! it is), and for Istio which Service the gateway fronts.
 //! Loading checks everything a wrong value would otherwise only reveal at
 //! Envoy's start (or never): the plugin JSON goes through kvroute's own
 //! parser, pod addresses become the IP literals Envoy matches, the wasm
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::envoy::{pod_addresses, EnvoyBootstrap, PodEndpoints};
+use crate::envoy::{pod_addresses, EnvoyBootstrap, Module, PodEndpoints};
 use crate::istio::IstioSettings;
 
 /// A deployment file that cannot be rendered, with the file and the field.
@@ -73,10 +74,25 @@ struct EdsSource {
     path: PathBuf,
 }
 
+/// Which kvroute build a plain Envoy runs (Istio's proxy runs the wasm
+/// build: it does not enable dynamic modules).
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum ModuleKind {
+    /// The dynamic module `libkvroute.so` (`make native`): Envoy needs
+    /// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` set to its directory.
+    #[default]
+    Native,
+    /// kvroute.wasm (`make wasm`), at `envoy.wasm`.
+    Wasm,
+}
+
 /// The `envoy` section.
 #[derive(Deserialize, Clone, Debug)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
 pub struct EnvoySettings {
+    /// `native` (the default) or `wasm`.
+    pub module: ModuleKind,
     /// kvroute.wasm; relative to the deployment file, rendered absolute.
     pub wasm: PathBuf,
     pub listen_address: String,
@@ -89,6 +105,7 @@ pub struct EnvoySettings {
 impl Default for EnvoySettings {
     fn default() -> Self {
         EnvoySettings {
+            module: ModuleKind::Native,
             wasm: PathBuf::from("kvroute.wasm"),
             listen_address: "0.0.0.0".into(),
             listen_port: 10000,
@@ -162,9 +179,10 @@ impl Deployment {
         })
     }
 
-    /// Replaces the wasm path (a path given on the command line, relative
-    /// to the working directory).
+    /// Renders the wasm build at `wasm` (a path given on the command line,
+    /// relative to the working directory).
     pub fn set_wasm(&mut self, wasm: &Path) {
+        self.envoy.module = ModuleKind::Wasm;
         self.envoy.wasm = absolute(wasm);
     }
 
@@ -175,8 +193,12 @@ impl Deployment {
         } else {
             self.envoy.passthrough.clone()
         };
+        let module = match self.envoy.module {
+            ModuleKind::Native => Module::Native,
+            ModuleKind::Wasm => Module::Wasm(&self.envoy.wasm),
+        };
         EnvoyBootstrap {
-            wasm: &self.envoy.wasm,
+            module,
             listen_address: &self.envoy.listen_address,
             listen_port: self.envoy.listen_port,
             admin_port: self.envoy.admin_port,

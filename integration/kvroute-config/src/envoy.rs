@@ -20,11 +20,21 @@ pub enum PodEndpoints {
     Eds(PathBuf),
 }
 
+/// Which kvroute build Envoy runs (the template's `native` or `wasm`
+/// section).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Module<'a> {
+    /// `libkvroute.so`, loaded by name from the directory in Envoy's
+    /// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`.
+    Native,
+    /// kvroute.wasm as Envoy will open it (an absolute path: Envoy
+    /// resolves a relative one against its working directory).
+    Wasm(&'a Path),
+}
+
 /// Everything the template's `{{...}}` placeholders take.
 pub struct EnvoyBootstrap<'a> {
-    /// kvroute.wasm as Envoy will open it (an absolute path: Envoy resolves
-    /// a relative one against its working directory).
-    pub wasm: &'a Path,
+    pub module: Module<'a>,
     /// Address the kvroute listener binds (`0.0.0.0` to serve others).
     pub listen_address: &'a str,
     pub listen_port: u16,
@@ -56,7 +66,11 @@ impl EnvoyBootstrap<'_> {
             PodEndpoints::Dns(names) => ("dnsPods", names.clone(), None),
             PodEndpoints::Eds(path) => ("edsPods", Vec::new(), Some(path)),
         };
-        let mut sections = vec![mode, pods_section];
+        let (module, wasm) = match self.module {
+            Module::Native => ("native", Path::new("")),
+            Module::Wasm(path) => ("wasm", path),
+        };
+        let mut sections = vec![module, mode, pods_section];
         if eds_path.is_none() {
             sections.push("listedPods");
         }
@@ -67,7 +81,7 @@ impl EnvoyBootstrap<'_> {
             sections.push("passthrough");
         }
         keep_sections(TEMPLATE, &sections)
-            .replace("{{wasm}}", &self.wasm.display().to_string())
+            .replace("{{wasm}}", &wasm.display().to_string())
             .replace("{{listen_address}}", self.listen_address)
             .replace("{{listen_port}}", &self.listen_port.to_string())
             .replace("{{admin_port}}", &self.admin_port.to_string())

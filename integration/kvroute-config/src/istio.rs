@@ -151,6 +151,8 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
         envoy: deployment.envoy.clone(),
         istio: None,
     };
+    // Istio's proxy does not enable dynamic modules: the wasm build.
+    in_pod.envoy.module = crate::deployment::ModuleKind::Wasm;
     in_pod.envoy.wasm = format!("{WASM_MOUNT}/kvroute.wasm").into();
     in_pod.envoy.admin_port = ISTIO_ADMIN_PORT;
     let pieces = EnvoyPieces::of(&in_pod.envoy_bootstrap())?;
