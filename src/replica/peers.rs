@@ -56,6 +56,17 @@ impl PeerState {
         }
     }
 
+    /// The value of `epp_replica_peer_state`: 0 syncing, 1 live, 2
+    /// failing, 3 this replica itself.
+    pub fn code(self) -> u64 {
+        match self {
+            PeerState::Syncing => 0,
+            PeerState::Live => 1,
+            PeerState::Failing => 2,
+            PeerState::Myself => 3,
+        }
+    }
+
     /// Every state, for gauges defined from zero.
     pub const ALL: [PeerState; 4] = [
         PeerState::Syncing,
