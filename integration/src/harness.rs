@@ -8,6 +8,7 @@
 //! ([`render_envoy_config`]).
 
 use std::fs;
+use std::hash::{BuildHasher, Hasher};
 use std::io::{self, BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -15,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvroute_config::{EnvoyBootstrap, Module, PodEndpoints};
+use kvroute_config::{EnvoyBootstrap, Module, PodEndpoints, DEFAULT_REPLICA_PORT};
 use serde_json::{json, Value};
 
 use crate::http;
@@ -203,6 +204,22 @@ pub fn render_envoy_config(
     plugin_config: &Value,
     passthrough: &[String],
 ) -> String {
+    render_replica_config(
+        module,
+        (listen_port, admin_port, DEFAULT_REPLICA_PORT),
+        plugin_config,
+        passthrough,
+    )
+}
+
+/// [`render_envoy_config`] for one replica of a replicated gateway, its
+/// replica listener on the third port.
+pub fn render_replica_config(
+    module: Module<'_>,
+    (listen_port, admin_port, replica_port): (u16, u16, u16),
+    plugin_config: &Value,
+    passthrough: &[String],
+) -> String {
     EnvoyBootstrap {
         module,
         listen_address: "127.0.0.1",
@@ -211,6 +228,8 @@ pub fn render_envoy_config(
         plugin: plugin_config,
         pods: &PodEndpoints::Plugin,
         passthrough,
+        replica_port,
+        replica_dns: &[],
     }
     .render()
 }
@@ -485,6 +504,10 @@ pub struct ClusterSpec {
     /// default): the first is [`Cluster::envoy`], the others
     /// [`Cluster::other_replicas`], each on ports of its own.
     pub replicas: usize,
+    /// With more than one replica: the replicas share their decisions
+    /// (kvroute's `replicas`, every replica listed as a peer, a fresh
+    /// secret); `false` runs them unaware of each other.
+    pub replica_sync: bool,
 }
 
 impl ClusterSpec {
@@ -500,6 +523,7 @@ impl ClusterSpec {
             admin_port: None,
             envoy_workers: 2,
             replicas: 1,
+            replica_sync: true,
         }
     }
 }
@@ -511,6 +535,9 @@ pub struct Cluster {
     /// The other kvroute Envoys of a replicated gateway
     /// ([`ClusterSpec::replicas`]).
     pub other_replicas: Vec<Envoy>,
+    /// Each replica's replica listener, in replica order (when they share
+    /// their decisions).
+    pub replica_listeners: Vec<String>,
     pub config: Value,
     pub dir: PathBuf,
 }
@@ -562,19 +589,37 @@ impl Cluster {
             sims.push(sim);
         }
         let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
-        let mut replicas = Vec::new();
-        for replica in 0..spec.replicas.max(1) {
-            let (listen_port, admin_port) = match replica {
+        let count = spec.replicas.max(1);
+        let ports: Vec<(u16, u16, u16)> = (0..count)
+            .map(|replica| match replica {
                 0 => (
                     spec.listen_port.unwrap_or_else(free_port),
                     spec.admin_port.unwrap_or_else(free_port),
+                    free_port(),
                 ),
-                _ => (free_port(), free_port()),
-            };
-            let yaml = render_envoy_config(
+                _ => (free_port(), free_port(), free_port()),
+            })
+            .collect();
+        let replica_listeners: Vec<String> = if count > 1 && spec.replica_sync {
+            ports
+                .iter()
+                .map(|(_, _, replica)| format!("127.0.0.1:{replica}"))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if !replica_listeners.is_empty() && config.get("replicas").is_none() {
+            config["replicas"] = json!({
+                "peers": replica_listeners,
+                "secret": format!("{:032x}", std::collections::hash_map::RandomState::new().build_hasher().finish()),
+            });
+            fs::write(&config_file, config.to_string())?;
+        }
+        let mut replicas = Vec::new();
+        for (replica, &(listen_port, admin_port, replica_port)) in ports.iter().enumerate() {
+            let yaml = render_replica_config(
                 kvroute_module(),
-                listen_port,
-                admin_port,
+                (listen_port, admin_port, replica_port),
                 &config,
                 &addresses,
             );
@@ -593,6 +638,7 @@ impl Cluster {
             sims,
             envoy,
             other_replicas: replicas,
+            replica_listeners,
             config,
             dir,
         };

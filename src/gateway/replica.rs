@@ -9,7 +9,8 @@
 //! `since` (or its `epoch` is not this replica's, or it asks no `wait`);
 //! otherwise it is held, and answered on the replica worker's tick
 //! ([`TICK_MS`]) as soon as a decision is logged, this replica's own loads
-//! in flight change, or its `wait` ends. The answer carries the log
+//! in flight differ from those the peer holds (the pull names their
+//! digest), or its `wait` ends. The answer carries the log
 //! ([`crate::replica::log::answer`]) and this replica's own requests in
 //! flight per pod — never its peers', so nothing echoes between replicas.
 //! A held pull whose peer hangs up is dropped; at most [`MAX_HELD`] are
@@ -21,8 +22,9 @@ use serde_json::json;
 use super::host::{Action, ReplicaHost, Stream};
 use crate::config::{Config, ReplicasConfig};
 use crate::replica::log::answer;
+use crate::replica::wire::loads_digest;
 use crate::replica::{
-    encode_answer, parse_log_request, LogRequest, PodInflight, REPLICA_KEY_HEADER,
+    encode_answer, parse_log_request, LogHead, LogRequest, PodInflight, REPLICA_KEY_HEADER,
 };
 use crate::snapshot::{PodTable, SlotLoad};
 
@@ -36,8 +38,14 @@ pub const MAX_HELD: usize = 64;
 struct HeldPull {
     id: u32,
     request: LogRequest,
-    loads: Vec<PodInflight>,
     deadline_ms: u64,
+}
+
+/// Whether a pull has something to get: a decision after its `since`, or
+/// loads other than those its peer holds.
+fn has_news(head: Option<LogHead>, request: &LogRequest, loads: &[PodInflight]) -> bool {
+    head.is_none_or(|h| h.has_news(request.since, request.epoch.as_deref()))
+        || request.loads != Some(loads_digest(loads))
 }
 
 /// One worker's replica listener.
@@ -96,11 +104,7 @@ impl<H: ReplicaHost> ReplicaServer<H> {
             Err(refusal) => return refuse(stream, refusal.status, &refusal.message),
         };
         let loads = self.host.own_inflight();
-        let news = self
-            .host
-            .replica_head()
-            .is_none_or(|head| head.has_news(request.since, request.epoch.as_deref()));
-        if news || request.wait_ms == 0 {
+        if has_news(self.host.replica_head(), &request, &loads) || request.wait_ms == 0 {
             let body = self.body(&request, loads);
             return deliver(stream, body);
         }
@@ -115,7 +119,6 @@ impl<H: ReplicaHost> ReplicaServer<H> {
         self.held.push(HeldPull {
             id,
             request,
-            loads,
             deadline_ms,
         });
         Action::Pause
@@ -132,13 +135,7 @@ impl<H: ReplicaHost> ReplicaServer<H> {
         let loads = self.host.own_inflight();
         let (due, kept): (Vec<HeldPull>, Vec<HeldPull>) = std::mem::take(&mut self.held)
             .into_iter()
-            .partition(|pull| {
-                now >= pull.deadline_ms
-                    || pull.loads != loads
-                    || head.is_none_or(|h| {
-                        h.has_news(pull.request.since, pull.request.epoch.as_deref())
-                    })
-            });
+            .partition(|pull| now >= pull.deadline_ms || has_news(head, &pull.request, &loads));
         self.held = kept;
         for pull in due {
             let body = self.body(&pull.request, loads.clone());

@@ -632,6 +632,9 @@ impl<H: ServiceHost> ReportService<H> {
             return;
         };
         let outcome = sync.answered(peer, status, body_size, read_body, state, now);
+        // The peer's loads count at once (one write), not with the next
+        // publication: they are what its answers are for between decisions.
+        self.host.publish_peer_loads(sync.loads(state, now));
         if outcome.recorded > 0 {
             self.metrics.add(
                 Metric::ReplicaDecisionsReceived,
@@ -796,5 +799,230 @@ fn log_transition(transition: Option<Transition>) {
             json!({"pod": pod, "detail": "serves reports again: its blocks are the report's"}),
         ),
         None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gateway::host::{HostResult, ReplicaHost, Stream};
+    use crate::gateway::metrics::MetricSink;
+    use crate::gateway::replica::{loads_by_pod, ReplicaServer};
+    use crate::index::PrefixLookup;
+    use crate::replica::{LogHead, PodInflight};
+    use crate::snapshot::{push_decision, SlotLoad, SnapshotIndex};
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::rc::Rc;
+
+    #[derive(Clone, Default)]
+    struct NoMetrics;
+    impl MetricSink for NoMetrics {
+        fn define(&mut self, _: Metric, _: &str) {}
+        fn add(&mut self, _: Metric, _: &str, _: i64) {}
+        fn set(&mut self, _: Metric, _: &str, _: u64) {}
+        fn record(&mut self, _: Metric, _: u64) {}
+    }
+
+    /// One replica's shared state, as a host keeps it.
+    #[derive(Default)]
+    struct Store {
+        now: u64,
+        buckets: HashMap<u32, Vec<u8>>,
+        table: Option<PodTable>,
+        log: HashMap<u64, Vec<u8>>,
+        head: Option<LogHead>,
+        calls: Vec<(u64, Vec<(String, String)>)>,
+        next_token: u64,
+    }
+
+    #[derive(Clone, Default)]
+    struct FakeHost(Rc<RefCell<Store>>, NoMetrics);
+
+    impl ServiceHost for FakeHost {
+        fn now_ms(&self) -> u64 {
+            self.0.borrow().now
+        }
+        fn dispatch_call(&mut self, _: &str, headers: &[(&str, &str)], _: u64) -> HostResult<u64> {
+            let mut store = self.0.borrow_mut();
+            store.next_token += 1;
+            let token = store.next_token;
+            let headers = headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect();
+            store.calls.push((token, headers));
+            Ok(token)
+        }
+        fn write_bucket(&mut self, bucket: u32, value: Vec<u8>) {
+            self.0.borrow_mut().buckets.insert(bucket, value);
+        }
+        fn publish_table(&mut self, table: PodTable) {
+            self.0.borrow_mut().table = Some(table);
+        }
+        fn inflight_of(&mut self, _: usize) -> u32 {
+            0
+        }
+        fn metric_sink(&mut self) -> &mut dyn MetricSink {
+            &mut self.1
+        }
+        fn store_replica_log(&mut self, slot: u64, value: Vec<u8>, head: LogHead) {
+            let mut store = self.0.borrow_mut();
+            if !value.is_empty() {
+                store.log.insert(slot, value);
+            }
+            store.head = Some(head);
+        }
+        fn publish_peer_loads(&mut self, _: Vec<SlotLoad>) {}
+    }
+
+    impl ReplicaHost for FakeHost {
+        type Other<'a> = Answer;
+        fn now_ms(&self) -> u64 {
+            self.0.borrow().now
+        }
+        fn replica_head(&self) -> Option<LogHead> {
+            self.0.borrow().head
+        }
+        fn replica_log(&self, slot: u64) -> Option<Vec<u8>> {
+            self.0.borrow().log.get(&slot).cloned()
+        }
+        fn own_inflight(&mut self) -> Vec<PodInflight> {
+            let store = self.0.borrow();
+            store
+                .table
+                .as_ref()
+                .map(|t| loads_by_pod(t, &[]))
+                .unwrap_or_default()
+        }
+        fn other(&mut self, _: u32) -> Option<Answer> {
+            None
+        }
+    }
+
+    /// A call's request headers and its answer.
+    #[derive(Default)]
+    struct Answer {
+        request: Vec<(String, String)>,
+        status: u32,
+        body: Vec<u8>,
+    }
+
+    impl Stream for Answer {
+        fn request_header(&mut self, name: &str) -> HostResult<Option<Vec<u8>>> {
+            Ok(self
+                .request
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone().into_bytes()))
+        }
+        fn remove_request_header(&mut self, _: &str) -> HostResult<()> {
+            Ok(())
+        }
+        fn set_request_header(&mut self, _: &str, _: &str) -> HostResult<()> {
+            Ok(())
+        }
+        fn request_body(&mut self, _: usize) -> Vec<u8> {
+            Vec::new()
+        }
+        fn response_header(&mut self, _: &str) -> String {
+            String::new()
+        }
+        fn set_response_header(&mut self, _: &str, _: &str) -> HostResult<()> {
+            Ok(())
+        }
+        fn response_chunk(&mut self, _: usize) -> Vec<u8> {
+            Vec::new()
+        }
+        fn upstream_host(&mut self) -> Option<String> {
+            None
+        }
+        fn upstream_attempts(&mut self) -> Option<u64> {
+            None
+        }
+        fn response_flags(&mut self) -> Option<u64> {
+            None
+        }
+        fn send_response(
+            &mut self,
+            status: u32,
+            _: &[(&str, &str)],
+            body: &[u8],
+        ) -> HostResult<()> {
+            self.status = status;
+            self.body = body.to_vec();
+            Ok(())
+        }
+        fn resume(&mut self) -> HostResult<()> {
+            Ok(())
+        }
+        fn reactivate(&mut self) -> HostResult<()> {
+            Ok(())
+        }
+    }
+
+    fn config() -> Config {
+        Config::parse(br#"{"pods": [{"id": "pod-0", "address": "127.0.0.1:9001"},
+                                    {"id": "pod-1", "address": "127.0.0.1:9002"}],
+                            "mode": "approximate", "podReportIntervalMs": 200, "reportTimeoutMs": 400,
+                            "replicas": {"peers": ["127.0.0.1:9902", "127.0.0.1:9903"],
+                                         "secret": "0123456789abcdef0123456789abcdef"}}"#)
+        .expect("valid")
+    }
+
+    /// Replica a routes a chain; replica b's service pulls a's replica
+    /// listener and publishes the chain for the pod a chose.
+    #[test]
+    fn a_peer_decision_reaches_the_published_index() {
+        let (a_host, b_host) = (FakeHost::default(), FakeHost::default());
+        let mut a = ReportService::new(a_host.clone());
+        let mut b = ReportService::new(b_host.clone());
+        assert!(a.configure(config()) && b.configure(config()));
+        let mut a_listener = ReplicaServer::new(&config(), a_host.clone());
+        a.on_tick();
+        b.on_tick();
+        for round in 0..4u64 {
+            let chain: Vec<u64> = (1..=40).map(|h| h + 1000 * round).collect();
+            let slot = (round % 2) as usize;
+            let mut batch = Vec::new();
+            push_decision(&mut batch, slot, &chain);
+            a.on_decisions([batch]);
+            a_host.0.borrow_mut().now += 7;
+            // b's pulls: answered by a's listener (b's own address is a
+            // second peer id here).
+            let calls = std::mem::take(&mut b_host.0.borrow_mut().calls);
+            for (token, headers) in calls
+                .iter()
+                .filter(|(_, h)| h.iter().any(|(k, _)| k == REPLICA_KEY_HEADER))
+            {
+                let mut call = Answer {
+                    request: headers
+                        .iter()
+                        .filter(|(n, _)| n == ":path" || n == REPLICA_KEY_HEADER)
+                        .cloned()
+                        .collect(),
+                    ..Answer::default()
+                };
+                call.request.push((":method".into(), "GET".into()));
+                for (name, value) in call.request.iter_mut() {
+                    if name == ":path" {
+                        *value = value.replace("&wait=200", "");
+                    }
+                }
+                a_listener.on_request_headers(1, &mut call);
+                assert_eq!(call.status, 200, "{}", String::from_utf8_lossy(&call.body));
+                let body = call.body.clone();
+                b.on_call_response(*token, Some("200"), body.len(), |_| body.clone());
+            }
+            b_host.0.borrow_mut().now += 30;
+            b.on_tick();
+            let store = b_host.0.borrow();
+            let table = store.table.as_ref().expect("a table");
+            let index = SnapshotIndex {
+                buckets: table.buckets,
+                fetch: |bucket| store.buckets.get(&bucket).cloned(),
+            };
+            assert_eq!(index.lookup(&chain).blocks(slot), 40, "round {round}");
+        }
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! Per peer address (from `replicas.peers`, or the members of
 //! `replicas.cluster` as Envoy knows them), one long-poll is kept pending,
-//! as for a pod's report: `?since=SEQ&epoch=REPLICA&wait=MS`, where
-//! REPLICA and SEQ are what the peer last answered ([`Peers::query`]).
+//! as for a pod's report: `?since=SEQ&epoch=REPLICA&loads=DIGEST&wait=MS`,
+//! where REPLICA, SEQ and the loads' DIGEST are what the peer last
+//! answered ([`Peers::query`]).
 //! An answer ([`Peers::accept`]):
 //! - naming this replica's own id is this replica (a peer list holds
 //!   every replica, this one included): the address is marked
@@ -28,7 +29,7 @@
 
 use std::collections::BTreeMap;
 
-use super::wire::{parse_answer, AnswerLimits, LoggedDecision, PodInflight};
+use super::wire::{loads_digest, parse_answer, AnswerLimits, LoggedDecision, PodInflight};
 
 /// Most peer addresses followed.
 pub const MAX_PEERS: usize = 64;
@@ -156,7 +157,11 @@ impl Peers {
     pub fn query(&self, address: &str, path: &str) -> Option<String> {
         let peer = self.peers.get(address)?;
         Some(match &peer.replica {
-            Some(replica) => format!("{path}?since={}&epoch={replica}", peer.seq),
+            Some(replica) => format!(
+                "{path}?since={}&epoch={replica}&loads={:x}",
+                peer.seq,
+                loads_digest(&peer.inflight)
+            ),
             None => format!("{path}?since=0"),
         })
     }
@@ -327,7 +332,15 @@ mod tests {
         );
         assert_eq!(
             peers.query("10.0.0.1:9902", "/log").as_deref(),
-            Some("/log?since=3&epoch=bbb")
+            Some(format!(
+                "/log?since=3&epoch=bbb&loads={:x}",
+                loads_digest(&[PodInflight {
+                    pod: "pod-a".into(),
+                    requests: 2,
+                    prefill_tokens: 300
+                }])
+            ))
+            .as_deref()
         );
         let got = peers
             .accept("10.0.0.1:9902", &answer("bbb", 3, 4, false), 600)
@@ -384,7 +397,15 @@ mod tests {
         );
         assert_eq!(
             peers.query("10.0.0.1:9902", "/log").as_deref(),
-            Some("/log?since=2&epoch=ccc")
+            Some(format!(
+                "/log?since=2&epoch=ccc&loads={:x}",
+                loads_digest(&[PodInflight {
+                    pod: "pod-a".into(),
+                    requests: 2,
+                    prefill_tokens: 300
+                }])
+            ))
+            .as_deref()
         );
     }
 

@@ -10,12 +10,15 @@ use super::secret_matches;
 pub const MAX_WAIT_MS: u64 = 60_000;
 
 /// A peer's pull: the log after `since` of `epoch`, held up to `wait_ms`
-/// while there is nothing new.
+/// while there is nothing new: no decision after `since`, and this
+/// replica's loads still those the peer holds (their digest `loads`,
+/// [`super::wire::loads_digest`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRequest {
     pub since: u64,
     pub epoch: Option<String>,
     pub wait_ms: u64,
+    pub loads: Option<u64>,
 }
 
 /// A call refused: its HTTP status and why.
@@ -63,6 +66,7 @@ pub fn parse_log_request(
         since: 0,
         epoch: None,
         wait_ms: 0,
+        loads: None,
     };
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -85,6 +89,11 @@ pub fn parse_log_request(
                     400,
                     format!("`epoch` {value:?} is not a replica id"),
                 ))
+            }
+            "loads" => {
+                let digest = u64::from_str_radix(value, 16)
+                    .map_err(|_| refuse(400, format!("`loads` {value:?} is not a hex digest")))?;
+                request.loads = Some(digest);
             }
             _ => {}
         }
@@ -113,7 +122,7 @@ mod tests {
         let request = parse_log_request(
             &config(),
             "GET",
-            "/kvroute/v1/replica?since=41&epoch=00000000000000ab&wait=200&extra=1",
+            "/kvroute/v1/replica?since=41&epoch=00000000000000ab&wait=200&loads=ff&extra=1",
             KEY,
         )
         .expect("a pull");
@@ -122,7 +131,8 @@ mod tests {
             LogRequest {
                 since: 41,
                 epoch: Some("00000000000000ab".into()),
-                wait_ms: 200
+                wait_ms: 200,
+                loads: Some(0xff),
             }
         );
         let first = parse_log_request(&config(), "GET", "/kvroute/v1/replica", KEY).expect("pull");
@@ -146,6 +156,7 @@ mod tests {
         assert_eq!(status("POST", "/kvroute/v1/replica", KEY), 405);
         assert_eq!(status("GET", "/kvroute/v1/replica?since=-1", KEY), 400);
         assert_eq!(status("GET", "/kvroute/v1/replica?epoch=a%20b", KEY), 400);
+        assert_eq!(status("GET", "/kvroute/v1/replica?loads=xyz", KEY), 400);
         let unauthorised =
             parse_log_request(&config(), "POST", "/kvroute/v1/replica", None).expect_err("refused");
         assert_eq!(unauthorised.status, 401, "the secret is checked first");

@@ -302,7 +302,10 @@ mod tests {
         assert_eq!(calls.len(), 1, "not itself");
         assert_eq!(
             calls[0].path,
-            "/kvroute/v1/replica?since=1&epoch=0000000000000001&wait=200"
+            format!(
+                "/kvroute/v1/replica?since=1&epoch=0000000000000001&loads={:x}&wait=200",
+                super::super::wire::loads_digest(&[])
+            )
         );
     }
 

@@ -116,6 +116,20 @@ struct WireAnswer<'a> {
     inflight: Vec<WireInflight<'a>>,
 }
 
+/// A digest of in-flight loads, as a pull names the loads its peer last
+/// sent (`loads=`): the peer answers a held pull as soon as its own loads
+/// differ from them, not only when it logs a decision.
+pub fn loads_digest(loads: &[PodInflight]) -> u64 {
+    let mut bytes = Vec::with_capacity(loads.len() * 24);
+    for load in loads {
+        bytes.extend_from_slice(load.pod.as_bytes());
+        bytes.push(0);
+        bytes.extend_from_slice(&load.requests.to_le_bytes());
+        bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
+    }
+    xxhash_rust::xxh64::xxh64(&bytes, 0)
+}
+
 /// The answer as JSON.
 pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
     let hex: Vec<Vec<String>> = answer

@@ -7,8 +7,9 @@
 //! A held pull is answered from the root's tick, as the routing filter
 //! answers its waiting requests (the effective-context rules are listed
 //! in [`super::filter`]): the tick runs every
-//! [`crate::gateway::replica::TICK_MS`] while pulls are held, and stops
-//! when none is, so an idle replica listener costs nothing.
+//! [`crate::gateway::replica::TICK_MS`] (a root's tick cannot be started
+//! from a request's callback, so it never stops; with nothing held it
+//! returns at once).
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -62,20 +63,6 @@ type SharedServer = Rc<RefCell<ReplicaServer<WasmReplica>>>;
 #[derive(Default)]
 pub struct ReplicaRoot {
     server: Option<SharedServer>,
-    ticking: bool,
-}
-
-impl ReplicaRoot {
-    /// Ticks while pulls are held, not otherwise.
-    fn set_ticking(&mut self, on: bool) {
-        if on != self.ticking {
-            let period = if on { TICK_MS } else { 0 };
-            match host::set_tick_period_ms(period) {
-                Ok(()) => self.ticking = on,
-                Err(status) => log::error!("kvroute replica: cannot set the tick: {status}"),
-            }
-        }
-    }
 }
 
 impl Context for ReplicaRoot {}
@@ -85,26 +72,21 @@ impl RootContext for ReplicaRoot {
         let Some(config) = load_config("replica") else {
             return false;
         };
+        if let Err(status) = host::set_tick_period_ms(TICK_MS) {
+            log::error!("kvroute replica: cannot start the tick: {status}");
+            return false;
+        }
         self.server = Some(Rc::new(RefCell::new(ReplicaServer::new(
             &config,
             WasmReplica::default(),
         ))));
-        // Held pulls are checked from the first request on.
-        self.ticking = false;
-        self.set_ticking(true);
         true
     }
 
     fn on_tick(&mut self) {
-        let held = match &self.server {
-            Some(server) => {
-                let mut server = server.borrow_mut();
-                server.on_tick();
-                server.has_work()
-            }
-            None => false,
-        };
-        self.set_ticking(held);
+        if let Some(server) = &self.server {
+            server.borrow_mut().on_tick();
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {

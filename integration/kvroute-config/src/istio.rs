@@ -150,6 +150,8 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
         pods: deployment.pods.clone(),
         envoy: deployment.envoy.clone(),
         istio: None,
+        replica_port: deployment.replica_port,
+        replica_dns: deployment.replica_dns.clone(),
     };
     // Istio's proxy does not enable dynamic modules: the wasm build.
     in_pod.envoy.module = crate::deployment::ModuleKind::Wasm;
