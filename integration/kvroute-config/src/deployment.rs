@@ -182,7 +182,17 @@ impl Deployment {
             }
         };
         let pods = pod_source(&file, &mut plugin, target, base).map_err(at)?;
-        let replicas = file.replicas.take().unwrap_or_default();
+        let mut replicas = file.replicas.take().unwrap_or_default();
+        if target == Target::Istio && plugin.get("replicas").is_some() {
+            let istio = file.istio.as_ref().ok_or_else(|| {
+                at("istio: the section is required for the Istio manifests".into())
+            })?;
+            if !replicas.dns.is_empty() {
+                return Err(at("replicas.dns: not on Istio: the replicas are the gateway's pods, found through the headless Service <gateway>-replicas".into()));
+            }
+            replicas.dns =
+                vec![istio.replicas_service(replicas.port.unwrap_or(DEFAULT_REPLICA_PORT))];
+        }
         set_replica_cluster(&mut plugin, &replicas).map_err(at)?;
         resolve_plugin_addresses(&mut plugin).map_err(at)?;
         let text = plugin.to_string();
@@ -253,7 +263,7 @@ fn set_replica_cluster(plugin: &mut Value, section: &ReplicasSection) -> Result<
         .and_then(Value::as_object_mut)
         .ok_or("replicas.dns: the plugin's `replicas` (with its `secret`) is required")?;
     if replicas.contains_key("peers") || replicas.contains_key("cluster") {
-        return Err("replicas.dns: the plugin's replicas.peers / replicas.cluster come from it; leave them out".into());
+        return Err("kvroute.replicas: its peers / cluster come from the deployment (replicas.dns, or the gateway's pods on Istio); leave them out".into());
     }
     replicas.insert("cluster".into(), "kvroute_replicas".into());
     Ok(())
