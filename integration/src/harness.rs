@@ -353,6 +353,8 @@ pub struct Envoy {
     pub listen: String,
     pub admin: String,
     pub log_path: PathBuf,
+    config_path: PathBuf,
+    workers: usize,
     process: Process,
 }
 
@@ -379,9 +381,25 @@ impl Envoy {
         let config_path = dir.join("envoy.yaml");
         fs::write(&config_path, config_yaml)?;
         let log_path = dir.join("envoy.log");
-        let child = Command::new(envoy_binary()?)
+        let child = Envoy::spawn(&config_path, &log_path, workers)?;
+        let envoy = Envoy {
+            listen: format!("127.0.0.1:{listen_port}"),
+            admin: format!("127.0.0.1:{admin_port}"),
+            log_path,
+            config_path,
+            workers,
+            process: Process {
+                child,
+                name: "envoy".into(),
+            },
+        };
+        envoy.until_ready()
+    }
+
+    fn spawn(config_path: &Path, log_path: &Path, workers: usize) -> io::Result<Child> {
+        Command::new(envoy_binary()?)
             .arg("-c")
-            .arg(&config_path)
+            .arg(config_path)
             .args(["--concurrency", &workers.to_string()])
             .args(["--disable-hot-restart", "-l", "warning"])
             .args(["--component-log-level", "wasm:info,dynamic_modules:info"])
@@ -390,19 +408,31 @@ impl Envoy {
             // Flush the log often: tests read it.
             .args(["--file-flush-interval-msec", "50"])
             .arg("--log-path")
-            .arg(&log_path)
+            .arg(log_path)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn()?;
-        let mut envoy = Envoy {
-            listen: format!("127.0.0.1:{listen_port}"),
-            admin: format!("127.0.0.1:{admin_port}"),
-            log_path,
-            process: Process {
-                child,
-                name: "envoy".into(),
-            },
-        };
+            .spawn()
+    }
+
+    /// Kills Envoy at once (SIGKILL: no drain, no cleanup), as a crashed
+    /// or evicted replica goes.
+    pub fn kill(&mut self) {
+        let _ = self.process.child.kill();
+        let _ = self.process.child.wait();
+    }
+
+    /// Starts Envoy again with the same configuration, ports and log (a
+    /// killed replica coming back), and waits for `/ready`.
+    pub fn restart(mut self) -> io::Result<Envoy> {
+        self.kill();
+        let mut envoy = self;
+        envoy.process.child = Envoy::spawn(&envoy.config_path, &envoy.log_path, envoy.workers)?;
+        envoy.until_ready()
+    }
+
+    /// Waits up to 30 s for `/ready`; on failure the error carries the log.
+    fn until_ready(self) -> io::Result<Envoy> {
+        let mut envoy = self;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = envoy.process.child.try_wait() {

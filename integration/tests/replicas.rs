@@ -272,3 +272,117 @@ fn a_hostile_peer_is_counted_and_ignored() {
         "the failure is logged"
     );
 }
+
+fn converged(envoy: &kvroute_integration::harness::Envoy) -> bool {
+    envoy.metric("epp_replica_converged", &[]) == Some(1.0)
+}
+
+#[test]
+fn a_killed_replica_leaves_the_others_routing_and_catches_up_when_restarted() {
+    let mut cluster = start(3, config());
+    poll(
+        "converged",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || cluster.replicas().all(converged).then_some(()),
+    );
+    // A conversation replica 0 opened before the kill.
+    let opening = text("opened before the kill", 8 * 1024);
+    let pod = post(&cluster.envoy.listen, &opening)
+        .header("x-kvroute-pod")
+        .expect("decision header")
+        .to_string();
+    let mut victim = cluster.other_replicas.remove(1);
+    let victim_label = cluster.replica_listeners[2].replace('.', "_");
+    victim.kill();
+    // The others route on: every request answered.
+    for i in 0..20 {
+        let listen = if i % 2 == 0 {
+            &cluster.envoy.listen
+        } else {
+            &cluster.other_replicas[0].listen
+        };
+        post(listen, &text(&format!("after the kill {i}"), 2048));
+    }
+    poll(
+        "the dead peer is failing",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            (cluster
+                .envoy
+                .metric("epp_replica_peer_state", &[("peer", &victim_label)])
+                == Some(2.0))
+            .then_some(())
+        },
+    );
+    // Back: converged within a second of being ready, with what it missed.
+    let victim = victim.restart().expect("the replica restarts");
+    let ready = Instant::now();
+    poll(
+        "the restarted replica converges",
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || converged(&victim).then_some(()),
+    );
+    let converged_in = ready.elapsed();
+    assert!(
+        converged_in < Duration::from_secs(1),
+        "converged in {converged_in:?}"
+    );
+    let next = post(&victim.listen, &format!("{opening} and the next turn"));
+    assert_eq!(
+        next.header("x-kvroute-pod"),
+        Some(pod.as_str()),
+        "caught up from its peers"
+    );
+    cluster.other_replicas.push(victim);
+}
+
+#[test]
+fn a_flood_of_unique_prompts_keeps_the_log_and_the_index_bounded() {
+    let mut config = config();
+    // The log holds at most maxIndexBlocks hashes: 32 prompts of 128.
+    config["maxIndexBlocks"] = json!(4096);
+    let cluster = start(2, config);
+    for i in 0..120 {
+        post(
+            &cluster.envoy.listen,
+            &text(&format!("unique prompt {i}"), 8 * 1024),
+        );
+    }
+    let key = secret(&cluster);
+    let log = pull(
+        &cluster.replica_listeners[0],
+        "/kvroute/v1/replica?since=0",
+        Some(&key),
+    );
+    let answer = parse_answer(
+        log.body.as_bytes(),
+        AnswerLimits {
+            max_chain: 2048,
+            max_pods: 64,
+        },
+    )
+    .expect("a valid answer");
+    let hashes: usize = answer.decisions.iter().map(|d| d.chain.len()).sum();
+    assert!(hashes <= 4096, "the log holds {hashes} hashes");
+    assert_eq!(answer.seq, 120, "every decision was logged");
+    assert!(
+        answer.decisions.first().is_some_and(|d| d.seq > 88),
+        "the oldest dropped first"
+    );
+    // The peer learnt them all, within its own index's bound.
+    let peer = &cluster.other_replicas[0];
+    poll(
+        "the peer received the flood",
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || (peer.metric("epp_replica_decisions_received_total", &[])? >= 120.0).then_some(()),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let nodes = peer
+        .metric("epp_prefix_tree_nodes", &[])
+        .expect("index size");
+    assert!(nodes <= 4096.0, "the peer's index holds {nodes} blocks");
+}

@@ -462,6 +462,9 @@ fn run_policy(
             "max": waited.last(),
         });
     }
+    if stack.envoys().len() > 1 {
+        row["replicaLagMs"] = replicas::lag(&stack.envoys());
+    }
     row["router"] = stack.router();
     row["routerCpuS"] = json!(cpu_s.map(|s| (s * 100.0).round() / 100.0));
     let completed = row["completed"].as_f64().unwrap_or(0.0).max(1.0);
