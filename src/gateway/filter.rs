@@ -542,6 +542,24 @@ impl RequestFilter {
         Action::Continue
     }
 
+    /// Whether [`RequestFilter::on_response_body`] has anything to do: the
+    /// first byte ends the queued prefill, and a sampled answer is read
+    /// until its `usage`. A host may skip the callback (and its costs)
+    /// for every other chunk of a streamed answer.
+    pub fn wants_response_body(&self) -> bool {
+        self.routed
+            .as_ref()
+            .is_some_and(|r| r.queued_prefill > 0 || self.watches_usage(r))
+    }
+
+    /// Whether this answer's chunks are read for `cached_tokens`.
+    fn watches_usage(&self, routed: &RoutedRequest) -> bool {
+        self.response_ok
+            && self.checks_prediction
+            && self.scanner.found().is_none()
+            && routed.predicted_cached_tokens > 0
+    }
+
     /// A response body chunk of `body_size` bytes (streamed: nothing is
     /// buffered).
     pub fn on_response_body<H: WorkerHost>(
@@ -560,13 +578,7 @@ impl RequestFilter {
         // Each chunk read is a host call and a copy: none for an answer
         // without `usage` (a stream the client did not ask usage for) or
         // outside the sample (`predictionCheckSample`).
-        let watching = self.response_ok
-            && self.checks_prediction
-            && self.scanner.found().is_none()
-            && self
-                .routed
-                .as_ref()
-                .is_some_and(|r| r.predicted_cached_tokens > 0);
+        let watching = self.routed.as_ref().is_some_and(|r| self.watches_usage(r));
         if watching {
             let chunk = stream.response_chunk(body_size);
             if let Some(actual) = self.scanner.feed(&chunk) {

@@ -267,6 +267,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     _end_of_stream: bool,
 ) -> u32 {
     guard("http_filter_response_body", abi::BODY_CONTINUE, || {
+        // Most chunks of a streamed answer need nothing: no worker is taken
+        // for them (SAFETY: Envoy's pointer for this live filter).
+        if !unsafe { filter_of(filter) }?.state.wants_response_body() {
+            return Some(abi::BODY_CONTINUE);
+        }
         // Continue keeps the response streaming: nothing is buffered.
         Filter::run(filter, envoy, true, |state, worker, stream| {
             state.on_response_body(worker, stream, usize::MAX)

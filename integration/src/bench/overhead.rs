@@ -1,14 +1,16 @@
 //! What kvroute costs in the proxy.
 //!
 //! - [`overhead`]: one simulated pod answering at once (`--time-scale 0`,
-//!   `max_tokens` 1), two Envoys in front of it — kvroute, and the same
-//!   Envoy with a plain STATIC cluster and no filter. Closed-loop
-//!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the two measured in
-//!   alternating phases (A B, B A, …) so drift hits both; the filter's own
-//!   time from the `latencyUs` of its `route` log lines. On two cores or
-//!   more the load generator and the sim run on CPU 0, the Envoys on CPU 1
-//!   (`taskset`), and the saturation phases report each Envoy's CPU
-//!   seconds per 1,000 requests (`/proc/<pid>/stat`).
+//!   `max_tokens` 1), four Envoys in front of it — kvroute's native
+//!   module, plain Envoy (a STATIC cluster, no filter), the floor filter
+//!   and kvroute.wasm. Closed-loop keep-alive clients ([`crate::http`]'s
+//!   pool) at fixed concurrency, the four measured in alternating phases
+//!   (forwards, then backwards) so drift hits all; the filter's own time
+//!   from the `latencyUs` of the kvroute builds' `route` log lines. On two
+//!   cores or more the load generator and the sim run on CPU 0, the Envoys
+//!   on CPU 1 (`taskset`), and the saturation phases report each Envoy's
+//!   CPU seconds per 1,000 requests (`/proc/<pid>/stat`). The same is
+//!   checked with an independent load generator, `wrk`.
 //! - [`scale`]: 64 pods preloaded with ~1M blocks in total; the service's
 //!   ingest time, index gauges, main-thread CPU per tick (from
 //!   `/proc/<envoy>/task/<main>/stat`), the filter's time at that index
@@ -34,8 +36,8 @@ use super::workload::words;
 use kvroute_config::Module;
 
 use crate::harness::{
-    floor_wasm_path, free_port, prometheus_value, render_envoy_config, wasm_path, Cluster,
-    ClusterSpec, Envoy,
+    floor_wasm_path, free_port, module_name, prometheus_value, render_envoy_config, wasm_path,
+    Cluster, ClusterSpec, Envoy,
 };
 use crate::http;
 use crate::model::{KvCache, PodLoad};
@@ -814,6 +816,8 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     // full reports, publication.
     let ingest_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0);
     let memory = metric(&cluster.envoy, "epp_index_memory_bytes");
+    // Envoy's resident memory with the whole index (2 workers).
+    let rss = rss_bytes(pid);
     let busy = service_busy(&cluster.envoy);
     eprintln!("scale: {nodes} nodes after {ingest_s:.1} s (cluster start {startup_s:.1} s)");
     let window = Duration::from_secs(if quick { 6 } else { 15 });
@@ -834,6 +838,8 @@ pub fn scale(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let ticks = window.as_secs_f64() * 1000.0 / interval_ms as f64;
     let nodes_after = metric(&cluster.envoy, "epp_prefix_tree_nodes");
     Ok(json!({
+        "module": module_name(),
+        "envoyRssBytes": rss,
         "pods": pods,
         "preloadedBlocks": per_pod * pods,
         "indexNodes": nodes,
@@ -892,6 +898,19 @@ fn churn(cluster: &Cluster, prompts: usize, bytes: usize, rate: f64, window: Dur
         }
     });
     n
+}
+
+/// The resident memory of process `pid` (`VmRSS`).
+fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// Folds the same preloaded caches into a native [`ClusterState`]: full
@@ -1025,6 +1044,7 @@ pub fn scale_markdown(s: &Value) -> String {
          | blocks preloaded (64 sims, `--preload-prompts`) | {} |\n\
          | `epp_prefix_tree_nodes` after ingest | {} |\n\
          | `epp_index_memory_bytes` | {} MB |\n\
+         | Envoy's resident memory after the ingest ({} build, 2 workers) | {} MB |\n\
          | sims + Envoy start until all blocks are indexed (full reports) | {} s wall; {} s Envoy main-thread CPU since its start |\n\
          | main-thread stall during that ingest: admin `/ready` latency p50 / p99 / max ({} probes, {} over 10 ms) | {} / {} / {} ms |\n\
          | of which Envoy's main thread on CPU (`schedstat`; the rest is waiting for a core) p50 / p99 / max ({} over 10 ms) | {} / {} / {} ms |\n\
@@ -1046,6 +1066,8 @@ pub fn scale_markdown(s: &Value) -> String {
             &json!(s["indexMemoryBytes"].as_f64().unwrap_or(0.0) / 1e6),
             1
         ),
+        s["module"].as_str().unwrap_or("?"),
+        f(&json!(s["envoyRssBytes"].as_f64().unwrap_or(0.0) / 1e6), 1),
         ((s["clusterStartS"].as_f64().unwrap_or(0.0) + s["ingestS"].as_f64().unwrap_or(0.0)) * 10.0).round() / 10.0,
         s["ingestMainThreadCpuS"],
         s["adminReadyDuringIngestMs"]["probes"],

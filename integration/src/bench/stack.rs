@@ -128,8 +128,9 @@ impl Stack {
             _ => json!({
                 "router": "envoy",
                 "version": ENVOY_VERSION,
-                "command": "envoy --concurrency 2 --disable-hot-restart -l warning --component-log-level wasm:info",
+                "command": "envoy --concurrency 2 --disable-hot-restart -l warning --component-log-level wasm:info,dynamic_modules:info",
                 "path": "client → Envoy → pods",
+                "kvrouteBuild": crate::harness::module_name(),
             }),
         }
     }
