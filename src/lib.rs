@@ -36,6 +36,7 @@ pub mod hashing;
 pub mod index;
 pub mod polling;
 pub mod queueing;
+pub mod replica;
 pub mod report;
 pub mod report_log;
 pub mod request;

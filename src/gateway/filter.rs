@@ -261,7 +261,10 @@ impl<H: WorkerHost> Worker<H> {
         if !routed.chain.is_empty() {
             push_decision(&mut self.decisions.0, routed.slot, &routed.chain);
             self.decisions.1 += 1;
-            if self.decisions.1 >= FLUSH_DECISIONS {
+            // Replicated: the peers learn a decision from the service's
+            // log, so it goes there at once (one queue message per
+            // request, about a µs), not with the next tick or batch.
+            if self.decisions.1 >= FLUSH_DECISIONS || self.config().replicas.is_some() {
                 self.send_decisions();
             }
         }

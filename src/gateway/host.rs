@@ -12,6 +12,7 @@ use std::ops::Deref;
 use crate::config::PassiveHealthConfig;
 use crate::ejection::Ejection;
 use crate::index::PrefixLookup;
+use crate::replica::{LogHead, PodInflight};
 use crate::snapshot::{PodTable, PublishedPod, SlotLoad};
 
 use super::metrics::MetricSink;
@@ -92,7 +93,8 @@ pub trait WorkerHost {
     fn routable_table(&mut self, now_ms: u64) -> Option<Self::Table>;
     /// The published index of `table`'s generation.
     fn index<'a>(&'a self, table: &'a PodTable) -> impl PrefixLookup + 'a;
-    /// In-flight load per pod slot over every worker, at least `slots`.
+    /// In-flight load per pod slot over every worker and every live peer
+    /// replica ([`ServiceHost::publish_peer_loads`]), at least `slots`.
     fn inflight(&mut self, slots: usize) -> Vec<SlotLoad>;
     /// Adds each `(slot, requests, prefill tokens)` change to this
     /// worker's in-flight loads.
@@ -139,4 +141,31 @@ pub trait ServiceHost {
     /// Requests in flight on pod `slot`, over every worker.
     fn inflight_of(&mut self, slot: usize) -> u32;
     fn metric_sink(&mut self) -> &mut dyn MetricSink;
+    /// Stores one value of this replica's decision log under `slot`, then
+    /// the log's `head`: what the replica listener serves peers
+    /// ([`crate::replica`]).
+    fn store_replica_log(&mut self, slot: u64, value: Vec<u8>, head: LogHead);
+    /// Publishes what the live peer replicas have in flight, per pod slot:
+    /// the filters add it to their own loads ([`WorkerHost::inflight`]).
+    fn publish_peer_loads(&mut self, loads: Vec<SlotLoad>);
+}
+
+/// The replica listener's host ([`super::replica`]): this replica's log
+/// as the service stored it, and its own loads in flight.
+pub trait ReplicaHost {
+    /// A held pull of this worker, to answer from the tick.
+    type Other<'a>: Stream
+    where
+        Self: 'a;
+
+    fn now_ms(&self) -> u64;
+    /// The log's head (`None` before the service started it).
+    fn replica_head(&self) -> Option<LogHead>;
+    /// The log value stored under `slot` ([`crate::replica::log::log_slot`]).
+    fn replica_log(&self, slot: u64) -> Option<Vec<u8>>;
+    /// This replica's own requests in flight per pod (every worker's, not
+    /// the peers'), see [`super::replica::loads_by_pod`].
+    fn own_inflight(&mut self) -> Vec<PodInflight>;
+    /// The held pull `id` of this worker (`None`: its peer hung up).
+    fn other(&mut self, id: u32) -> Option<Self::Other<'_>>;
 }

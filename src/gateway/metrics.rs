@@ -88,6 +88,12 @@ catalogue! {
     ScoringLatencyUs = ("epp_scoring_latency_us", Histogram, None),
     WaitTimeMs = ("epp_wait_time_ms", Histogram, None),
     ServiceBusyUs = ("epp_service_busy_us", Histogram, None),
+    ReplicaLagMs = ("epp_replica_lag_ms", Histogram, None),
+    ReplicaConverged = ("epp_replica_converged", Gauge, None),
+    ReplicaDecisionsLogged = ("epp_replica_decisions_logged_total", Counter, None),
+    ReplicaDecisionsReceived = ("epp_replica_decisions_received_total", Counter, None),
+    ReplicaPeerState = ("epp_replica_peer_state", Gauge, Some("peer")),
+    ReplicaPullFailures = ("epp_replica_pull_failures_total", Counter, Some("peer")),
 }
 
 /// Where a host writes metric updates. `label` is the label's value (""
@@ -200,6 +206,15 @@ pub fn export_from_zero(config: &Config, sink: &mut dyn MetricSink) {
     for pod in &config.pods {
         export_pod_from_zero(pod.id.as_str(), sink);
     }
+    for peer in config.replicas.iter().flat_map(|r| &r.peers) {
+        export_peer_from_zero(peer, sink);
+    }
+}
+
+/// A replica peer's series, defined at 0 (configured or discovered peers).
+pub fn export_peer_from_zero(peer: &str, sink: &mut dyn MetricSink) {
+    sink.define(Metric::ReplicaPeerState, peer);
+    sink.define(Metric::ReplicaPullFailures, peer);
 }
 
 /// A pod's series, defined at 0 (configured or discovered pods).

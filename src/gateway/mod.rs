@@ -10,6 +10,7 @@ pub mod events;
 pub mod filter;
 pub mod host;
 pub mod metrics;
+pub mod replica;
 pub mod service;
 pub mod waiting;
 

@@ -41,6 +41,7 @@
 //! gauges are set once per round.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -48,7 +49,7 @@ use serde_json::json;
 
 use super::events::event;
 use super::host::ServiceHost;
-use super::metrics::{export_pod_from_zero, percent, Metric, MetricBatch};
+use super::metrics::{export_peer_from_zero, export_pod_from_zero, percent, Metric, MetricBatch};
 use crate::cluster::{
     ClusterState, Failure, FoldStep, PullAnswer, PullKind, Transition, FOLD_STEP_BLOCKS,
     PUBLISH_BUCKETS,
@@ -56,6 +57,7 @@ use crate::cluster::{
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
+use crate::replica::{PeerState, ReplicaSync, REPLICA_KEY_HEADER};
 use crate::snapshot::{decode_decisions, PodTable};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
@@ -80,6 +82,10 @@ const PUBLISH_GAP_MS: u64 = 5;
 enum Pull {
     Pod(PullKind),
     Discovery,
+    /// A peer replica's log ([`crate::replica`]).
+    Peer,
+    /// The members of `replicas.cluster`, from Envoy's admin.
+    PeerDiscovery,
 }
 
 /// See the module documentation.
@@ -101,6 +107,8 @@ pub struct ReportService<H: ServiceHost> {
     folds_unpublished: bool,
     last_publish_ms: u64,
     metrics: MetricBatch,
+    /// Replicated gateways: this replica's log and its peers.
+    replicas: Option<ReplicaSync>,
 }
 
 /// The service's tick period for `config`.
@@ -122,6 +130,7 @@ impl<H: ServiceHost> ReportService<H> {
             folds_unpublished: false,
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
+            replicas: None,
         }
     }
 
@@ -135,6 +144,16 @@ impl<H: ServiceHost> ReportService<H> {
         let now = self.host.now_ms();
         self.state = Some(ClusterState::new(&config, now));
         self.polling = Some(ReportPolling::new(&config));
+        // A random id per replica process (and configuration): its log's
+        // epoch, how its peers tell a restart, and how it recognises its
+        // own address among the replicas.
+        let replica = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        self.replicas = ReplicaSync::new(&config, replica);
+        if let Some(sync) = &self.replicas {
+            self.host.store_replica_log(0, Vec::new(), sync.head());
+        }
         self.config = Some(Arc::new(config));
         self.next_round_ms = 0;
         true
@@ -169,6 +188,7 @@ impl<H: ServiceHost> ReportService<H> {
                 }
                 self.poll_reports(&config);
             }
+            self.pull_peers(&config);
             self.metrics.flush(self.host.metric_sink());
         }
         self.busy(started);
@@ -186,7 +206,12 @@ impl<H: ServiceHost> ReportService<H> {
                 match decode_decisions(&message) {
                     Some(decisions) => {
                         for (slot, chain) in decisions {
-                            state.record_decision(slot, &chain, now);
+                            let recorded = state.record_decision(slot, &chain, now);
+                            if let (Some(pod), Some(sync)) = (recorded, self.replicas.as_mut()) {
+                                let (seq, value) = sync.log_decision(pod, &chain, now);
+                                self.host.store_replica_log(seq, value, sync.head());
+                                self.metrics.increment(Metric::ReplicaDecisionsLogged);
+                            }
                         }
                     }
                     None => log::warn!(
@@ -228,6 +253,8 @@ impl<H: ServiceHost> ReportService<H> {
         };
         let kind = match pull {
             Pull::Discovery => return self.on_discovery_answer(status, body_size, read_body),
+            Pull::Peer => return self.on_peer_answer(&pod, status, body_size, read_body),
+            Pull::PeerDiscovery => return self.on_peer_discovery(status, body_size, read_body),
             Pull::Pod(kind) => kind,
         };
         let now = self.host.now_ms();
@@ -268,12 +295,16 @@ impl<H: ServiceHost> ReportService<H> {
         pull: Pull,
         timeout_ms: u64,
     ) {
-        let headers = [
+        let mut headers = vec![
             (":method", "GET"),
             (":path", path),
             (":authority", destination),
             ("x-envoy-original-dst-host", destination),
         ];
+        let secret = self.replicas.as_ref().map(|r| r.config().secret.clone());
+        if let (Pull::Peer, Some(secret)) = (pull, &secret) {
+            headers.push((REPLICA_KEY_HEADER, secret));
+        }
         match self.host.dispatch_call(cluster, &headers, timeout_ms) {
             Ok(token) => {
                 self.pending.insert(token, (pod.to_string(), pull));
@@ -291,15 +322,27 @@ impl<H: ServiceHost> ReportService<H> {
                         log_transition(state.record_failure(pod, kind, Failure::Unreachable));
                     }
                 }
+                if pull == Pull::Peer {
+                    self.peer_answer(pod, None, 0, |_| Vec::new());
+                }
             }
         }
     }
 
+    /// Requests in flight on `pod` over every worker and every live peer
+    /// replica, as the filters count them.
     fn inflight_of(&mut self, pod: &str) -> u32 {
-        match self.state.as_ref().and_then(|s| s.slot(pod)) {
-            Some(slot) => self.host.inflight_of(slot),
-            None => 0,
-        }
+        let Some(slot) = self.state.as_ref().and_then(|s| s.slot(pod)) else {
+            return 0;
+        };
+        let peers = match (&self.replicas, &self.state) {
+            (Some(sync), Some(state)) => sync
+                .loads(state, self.host.now_ms())
+                .get(slot)
+                .map_or(0, |l| l.requests),
+            _ => 0,
+        };
+        self.host.inflight_of(slot).saturating_add(peers)
     }
 
     /// Writes changed buckets while this tick's budget lasts, then a new
@@ -314,6 +357,18 @@ impl<H: ServiceHost> ReportService<H> {
         // Last: once it moves, the whole table above is visible.
         self.metrics
             .gauge(Metric::SnapshotGeneration, table.generation);
+        if let Some(sync) = self.replicas.as_mut() {
+            for lag in sync.take_lags(now) {
+                self.metrics.histogram(Metric::ReplicaLagMs, lag);
+            }
+            self.host.publish_peer_loads(sync.loads(state, now));
+            self.metrics
+                .gauge(Metric::ReplicaConverged, u64::from(sync.converged()));
+            for (peer, peer_state) in sync.peer_states() {
+                self.metrics
+                    .gauge_labelled(Metric::ReplicaPeerState, peer, peer_state.code());
+            }
+        }
         if log::log_enabled!(log::Level::Trace) {
             event(
                 log::Level::Trace,
@@ -463,6 +518,25 @@ impl<H: ServiceHost> ReportService<H> {
                 config.report_timeout_ms,
             );
         }
+        let peers_pending = self
+            .pending
+            .values()
+            .any(|(_, pull)| *pull == Pull::PeerDiscovery);
+        let replicas_cluster = config.replicas.as_ref().and_then(|r| {
+            r.cluster
+                .as_ref()
+                .map(|cluster| (cluster.clone(), r.admin_cluster.clone()))
+        });
+        if let (Some((cluster, admin)), false) = (replicas_cluster, peers_pending) {
+            self.call(
+                "replicas",
+                &admin,
+                &admin,
+                &discovery::membership_path(&cluster),
+                Pull::PeerDiscovery,
+                config.report_timeout_ms,
+            );
+        }
         if let (Some(membership), false) = (&config.membership, discovery_pending) {
             // Envoy's admin, through a cluster whose endpoint it is.
             self.call(
@@ -506,6 +580,123 @@ impl<H: ServiceHost> ReportService<H> {
                 pull,
                 *timeout,
             );
+        }
+    }
+
+    /// Sends the peer pulls [`ReplicaSync`] finds due.
+    fn pull_peers(&mut self, config: &Config) {
+        let now = self.host.now_ms();
+        let Some(sync) = self.replicas.as_mut() else {
+            return;
+        };
+        for call in sync.calls(now) {
+            self.call(
+                &call.address,
+                &config.report_cluster,
+                &call.address,
+                &call.path,
+                Pull::Peer,
+                call.timeout_ms,
+            );
+        }
+    }
+
+    fn on_peer_answer(
+        &mut self,
+        peer: &str,
+        status: Option<&str>,
+        body_size: usize,
+        read_body: impl FnOnce(usize) -> Vec<u8>,
+    ) {
+        self.peer_answer(peer, status, body_size, read_body);
+        let now = self.host.now_ms();
+        if self.folds_unpublished && now.saturating_sub(self.last_publish_ms) >= PUBLISH_GAP_MS {
+            self.publish();
+        }
+        if let Some(config) = self.config.clone() {
+            self.pull_peers(&config);
+        }
+    }
+
+    /// Takes a peer's answer (or its failure): its decisions recorded, its
+    /// loads replaced, a bad answer counted and logged once per change.
+    fn peer_answer(
+        &mut self,
+        peer: &str,
+        status: Option<&str>,
+        body_size: usize,
+        read_body: impl FnOnce(usize) -> Vec<u8>,
+    ) {
+        let now = self.host.now_ms();
+        let (Some(sync), Some(state)) = (self.replicas.as_mut(), self.state.as_mut()) else {
+            return;
+        };
+        let outcome = sync.answered(peer, status, body_size, read_body, state, now);
+        // The peer's loads count at once (one write), not with the next
+        // publication: they are what its answers are for between decisions.
+        self.host.publish_peer_loads(sync.loads(state, now));
+        if outcome.recorded > 0 {
+            self.metrics.add(
+                Metric::ReplicaDecisionsReceived,
+                "",
+                outcome.recorded as i64,
+            );
+            self.folds_unpublished = true;
+        }
+        if outcome.failure_kind.is_some() {
+            self.metrics
+                .increment_labelled(Metric::ReplicaPullFailures, peer);
+        }
+        if let Some(transition) = outcome.transition {
+            let level = match transition.to {
+                PeerState::Failing => log::Level::Warn,
+                _ => log::Level::Info,
+            };
+            event(
+                level,
+                "replica_peer",
+                json!({"peer": peer, "from": transition.from.name(), "state": transition.to.name(),
+                       "replica": transition.replica, "error": outcome.error}),
+            );
+            self.folds_unpublished = true;
+        }
+    }
+
+    /// The members of `replicas.cluster` as Envoy knows them: the peers.
+    fn on_peer_discovery(
+        &mut self,
+        status: Option<&str>,
+        body_size: usize,
+        read_body: impl FnOnce(usize) -> Vec<u8>,
+    ) {
+        let Some(config) = self.config.clone() else {
+            return;
+        };
+        let Some(cluster) = config.replicas.as_ref().and_then(|r| r.cluster.clone()) else {
+            return;
+        };
+        let outcome = match status {
+            Some("200") if body_size <= config.max_report_bytes => {
+                discovery::cluster_member_addresses(&read_body(body_size), &cluster)
+            }
+            Some("200") => Err(Failure::TooLarge {
+                size: body_size,
+                limit: config.max_report_bytes,
+            }
+            .to_string()),
+            Some(code) => Err(format!("answered HTTP {code}")),
+            None => Err(Failure::Unreachable.to_string()),
+        };
+        match (outcome, self.replicas.as_mut()) {
+            (Ok(addresses), Some(sync)) => {
+                let known: Vec<String> = sync.peer_states().map(|(a, _)| a.to_string()).collect();
+                sync.set_peers(&addresses);
+                for added in addresses.iter().filter(|a| !known.contains(a)) {
+                    export_peer_from_zero(added, self.host.metric_sink());
+                }
+            }
+            (Err(error), _) => log::warn!("kvroute service: replica discovery ignored: {error}"),
+            _ => {}
         }
     }
 
@@ -608,5 +799,230 @@ fn log_transition(transition: Option<Transition>) {
             json!({"pod": pod, "detail": "serves reports again: its blocks are the report's"}),
         ),
         None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gateway::host::{HostResult, ReplicaHost, Stream};
+    use crate::gateway::metrics::MetricSink;
+    use crate::gateway::replica::{loads_by_pod, ReplicaServer};
+    use crate::index::PrefixLookup;
+    use crate::replica::{LogHead, PodInflight};
+    use crate::snapshot::{push_decision, SlotLoad, SnapshotIndex};
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::rc::Rc;
+
+    #[derive(Clone, Default)]
+    struct NoMetrics;
+    impl MetricSink for NoMetrics {
+        fn define(&mut self, _: Metric, _: &str) {}
+        fn add(&mut self, _: Metric, _: &str, _: i64) {}
+        fn set(&mut self, _: Metric, _: &str, _: u64) {}
+        fn record(&mut self, _: Metric, _: u64) {}
+    }
+
+    /// One replica's shared state, as a host keeps it.
+    #[derive(Default)]
+    struct Store {
+        now: u64,
+        buckets: HashMap<u32, Vec<u8>>,
+        table: Option<PodTable>,
+        log: HashMap<u64, Vec<u8>>,
+        head: Option<LogHead>,
+        calls: Vec<(u64, Vec<(String, String)>)>,
+        next_token: u64,
+    }
+
+    #[derive(Clone, Default)]
+    struct FakeHost(Rc<RefCell<Store>>, NoMetrics);
+
+    impl ServiceHost for FakeHost {
+        fn now_ms(&self) -> u64 {
+            self.0.borrow().now
+        }
+        fn dispatch_call(&mut self, _: &str, headers: &[(&str, &str)], _: u64) -> HostResult<u64> {
+            let mut store = self.0.borrow_mut();
+            store.next_token += 1;
+            let token = store.next_token;
+            let headers = headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect();
+            store.calls.push((token, headers));
+            Ok(token)
+        }
+        fn write_bucket(&mut self, bucket: u32, value: Vec<u8>) {
+            self.0.borrow_mut().buckets.insert(bucket, value);
+        }
+        fn publish_table(&mut self, table: PodTable) {
+            self.0.borrow_mut().table = Some(table);
+        }
+        fn inflight_of(&mut self, _: usize) -> u32 {
+            0
+        }
+        fn metric_sink(&mut self) -> &mut dyn MetricSink {
+            &mut self.1
+        }
+        fn store_replica_log(&mut self, slot: u64, value: Vec<u8>, head: LogHead) {
+            let mut store = self.0.borrow_mut();
+            if !value.is_empty() {
+                store.log.insert(slot, value);
+            }
+            store.head = Some(head);
+        }
+        fn publish_peer_loads(&mut self, _: Vec<SlotLoad>) {}
+    }
+
+    impl ReplicaHost for FakeHost {
+        type Other<'a> = Answer;
+        fn now_ms(&self) -> u64 {
+            self.0.borrow().now
+        }
+        fn replica_head(&self) -> Option<LogHead> {
+            self.0.borrow().head
+        }
+        fn replica_log(&self, slot: u64) -> Option<Vec<u8>> {
+            self.0.borrow().log.get(&slot).cloned()
+        }
+        fn own_inflight(&mut self) -> Vec<PodInflight> {
+            let store = self.0.borrow();
+            store
+                .table
+                .as_ref()
+                .map(|t| loads_by_pod(t, &[]))
+                .unwrap_or_default()
+        }
+        fn other(&mut self, _: u32) -> Option<Answer> {
+            None
+        }
+    }
+
+    /// A call's request headers and its answer.
+    #[derive(Default)]
+    struct Answer {
+        request: Vec<(String, String)>,
+        status: u32,
+        body: Vec<u8>,
+    }
+
+    impl Stream for Answer {
+        fn request_header(&mut self, name: &str) -> HostResult<Option<Vec<u8>>> {
+            Ok(self
+                .request
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone().into_bytes()))
+        }
+        fn remove_request_header(&mut self, _: &str) -> HostResult<()> {
+            Ok(())
+        }
+        fn set_request_header(&mut self, _: &str, _: &str) -> HostResult<()> {
+            Ok(())
+        }
+        fn request_body(&mut self, _: usize) -> Vec<u8> {
+            Vec::new()
+        }
+        fn response_header(&mut self, _: &str) -> String {
+            String::new()
+        }
+        fn set_response_header(&mut self, _: &str, _: &str) -> HostResult<()> {
+            Ok(())
+        }
+        fn response_chunk(&mut self, _: usize) -> Vec<u8> {
+            Vec::new()
+        }
+        fn upstream_host(&mut self) -> Option<String> {
+            None
+        }
+        fn upstream_attempts(&mut self) -> Option<u64> {
+            None
+        }
+        fn response_flags(&mut self) -> Option<u64> {
+            None
+        }
+        fn send_response(
+            &mut self,
+            status: u32,
+            _: &[(&str, &str)],
+            body: &[u8],
+        ) -> HostResult<()> {
+            self.status = status;
+            self.body = body.to_vec();
+            Ok(())
+        }
+        fn resume(&mut self) -> HostResult<()> {
+            Ok(())
+        }
+        fn reactivate(&mut self) -> HostResult<()> {
+            Ok(())
+        }
+    }
+
+    fn config() -> Config {
+        Config::parse(br#"{"pods": [{"id": "pod-0", "address": "127.0.0.1:9001"},
+                                    {"id": "pod-1", "address": "127.0.0.1:9002"}],
+                            "mode": "approximate", "podReportIntervalMs": 200, "reportTimeoutMs": 400,
+                            "replicas": {"peers": ["127.0.0.1:9902", "127.0.0.1:9903"],
+                                         "secret": "0123456789abcdef0123456789abcdef"}}"#)
+        .expect("valid")
+    }
+
+    /// Replica a routes a chain; replica b's service pulls a's replica
+    /// listener and publishes the chain for the pod a chose.
+    #[test]
+    fn a_peer_decision_reaches_the_published_index() {
+        let (a_host, b_host) = (FakeHost::default(), FakeHost::default());
+        let mut a = ReportService::new(a_host.clone());
+        let mut b = ReportService::new(b_host.clone());
+        assert!(a.configure(config()) && b.configure(config()));
+        let mut a_listener = ReplicaServer::new(&config(), a_host.clone());
+        a.on_tick();
+        b.on_tick();
+        for round in 0..4u64 {
+            let chain: Vec<u64> = (1..=40).map(|h| h + 1000 * round).collect();
+            let slot = (round % 2) as usize;
+            let mut batch = Vec::new();
+            push_decision(&mut batch, slot, &chain);
+            a.on_decisions([batch]);
+            a_host.0.borrow_mut().now += 7;
+            // b's pulls: answered by a's listener (b's own address is a
+            // second peer id here).
+            let calls = std::mem::take(&mut b_host.0.borrow_mut().calls);
+            for (token, headers) in calls
+                .iter()
+                .filter(|(_, h)| h.iter().any(|(k, _)| k == REPLICA_KEY_HEADER))
+            {
+                let mut call = Answer {
+                    request: headers
+                        .iter()
+                        .filter(|(n, _)| n == ":path" || n == REPLICA_KEY_HEADER)
+                        .cloned()
+                        .collect(),
+                    ..Answer::default()
+                };
+                call.request.push((":method".into(), "GET".into()));
+                for (name, value) in call.request.iter_mut() {
+                    if name == ":path" {
+                        *value = value.replace("&wait=200", "");
+                    }
+                }
+                a_listener.on_request_headers(1, &mut call);
+                assert_eq!(call.status, 200, "{}", String::from_utf8_lossy(&call.body));
+                let body = call.body.clone();
+                b.on_call_response(*token, Some("200"), body.len(), |_| body.clone());
+            }
+            b_host.0.borrow_mut().now += 30;
+            b.on_tick();
+            let store = b_host.0.borrow();
+            let table = store.table.as_ref().expect("a table");
+            let index = SnapshotIndex {
+                buckets: table.buckets,
+                fetch: |bucket| store.buckets.get(&bucket).cloned(),
+            };
+            assert_eq!(index.lookup(&chain).blocks(slot), 40, "round {round}");
+        }
     }
 }

@@ -23,13 +23,14 @@ use std::time::{Duration, Instant};
 use super::abi::{self, FilterConfigEnvoy, ModuleBuffer, ModuleHeader, SchedulerPtr};
 use super::filter::{NativeWorker, EVENT_SERVICE_TICK, EVENT_TICK};
 use super::metrics::NativeMetrics;
-use super::shared::{DecisionInbox, Inflight, Shared, SharedEjections, Snapshot};
+use super::shared::{DecisionInbox, Inflight, ReplicaShare, Shared, SharedEjections, Snapshot};
 use crate::config::MAX_PODS;
 use crate::gateway::filter::{Worker, TICK_MS};
 use crate::gateway::host::{HostError, HostResult, ServiceHost};
 use crate::gateway::metrics::MetricSink;
 use crate::gateway::service::{tick_period_ms, ReportService};
-use crate::snapshot::PodTable;
+use crate::replica::LogHead;
+use crate::snapshot::{PodTable, SlotLoad};
 
 /// One Envoy worker's state.
 pub struct WorkerSlot {
@@ -115,6 +116,14 @@ impl ServiceHost for NativeService {
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         &mut self.metrics
     }
+
+    fn store_replica_log(&mut self, slot: u64, value: Vec<u8>, head: LogHead) {
+        self.shared.replica.store(slot, value, head);
+    }
+
+    fn publish_peer_loads(&mut self, loads: Vec<SlotLoad>) {
+        self.shared.replica.publish_peer_loads(loads);
+    }
 }
 
 /// The module's side of one HTTP filter configuration.
@@ -146,6 +155,7 @@ impl FilterConfig {
             inflight: Inflight::new(MAX_PODS),
             ejections: SharedEjections::default(),
             decisions: DecisionInbox::default(),
+            replica: ReplicaShare::default(),
         });
         let workers: Arc<[WorkerSlot]> = (0..workers)
             .map(|_| WorkerSlot {

@@ -440,7 +440,9 @@ impl WorkerHost for NativeWorker {
     }
 
     fn inflight(&mut self, slots: usize) -> Vec<SlotLoad> {
-        self.shared.inflight.loads(slots)
+        let mut loads = self.shared.inflight.loads(slots);
+        self.shared.replica.add_peer_loads(&mut loads);
+        loads
     }
 
     fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]) {

@@ -27,6 +27,8 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 
 use crate::config::PassiveHealthConfig;
 use crate::ejection::{Ejection, Ejections};
+use crate::replica::log::LOG_DECISIONS;
+use crate::replica::LogHead;
 use crate::snapshot::{PodTable, PublishedPod, SlotLoad};
 
 /// The published index buckets and pod table.
@@ -185,12 +187,70 @@ impl DecisionInbox {
     }
 }
 
+/// The replica channel's state ([`crate::replica`]): this replica's
+/// decision log as the service stores it (one value per log slot and the
+/// head) for the replica listener to serve, and what the live peers have
+/// in flight per pod slot, which every routing decision adds to its own.
+pub struct ReplicaShare {
+    head: ArcSwapOption<LogHead>,
+    log: Box<[ArcSwapOption<Vec<u8>>]>,
+    peer_loads: ArcSwap<Vec<SlotLoad>>,
+}
+
+impl Default for ReplicaShare {
+    fn default() -> ReplicaShare {
+        ReplicaShare {
+            head: ArcSwapOption::empty(),
+            log: (0..LOG_DECISIONS).map(|_| ArcSwapOption::empty()).collect(),
+            peer_loads: ArcSwap::new(Arc::new(Vec::new())),
+        }
+    }
+}
+
+impl ReplicaShare {
+    /// Stores a log value (none: only the head moves), then the head.
+    pub fn store(&self, slot: u64, value: Vec<u8>, head: LogHead) {
+        if !value.is_empty() {
+            if let Some(entry) = usize::try_from(slot).ok().and_then(|s| self.log.get(s)) {
+                entry.store(Some(Arc::new(value)));
+            }
+        }
+        self.head.store(Some(Arc::new(head)));
+    }
+
+    pub fn head(&self) -> Option<LogHead> {
+        self.head.load().as_deref().copied()
+    }
+
+    pub fn value(&self, slot: u64) -> Option<Vec<u8>> {
+        let entry = self.log.get(usize::try_from(slot).ok()?)?;
+        entry.load().as_deref().cloned()
+    }
+
+    pub fn publish_peer_loads(&self, loads: Vec<SlotLoad>) {
+        self.peer_loads.store(Arc::new(loads));
+    }
+
+    /// Adds the live peers' loads to `total` (grown as needed).
+    pub fn add_peer_loads(&self, total: &mut Vec<SlotLoad>) {
+        let peers = self.peer_loads.load();
+        if total.len() < peers.len() {
+            total.resize(peers.len(), SlotLoad::default());
+        }
+        for (sum, load) in total.iter_mut().zip(peers.iter()) {
+            sum.requests = sum.requests.saturating_add(load.requests);
+            sum.prefill_tokens = sum.prefill_tokens.saturating_add(load.prefill_tokens);
+        }
+    }
+}
+
 /// Everything the workers and the service share.
 pub struct Shared {
     pub snapshot: Snapshot,
     pub inflight: Inflight,
     pub ejections: SharedEjections,
     pub decisions: DecisionInbox,
+    pub replica: ReplicaShare,
 }
 
 #[cfg(test)]

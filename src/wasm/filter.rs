@@ -88,7 +88,7 @@ pub struct WasmStream {
 }
 
 impl WasmStream {
-    fn new(context_id: u32) -> WasmStream {
+    pub fn new(context_id: u32) -> WasmStream {
         WasmStream {
             context_id,
             headers: None,
@@ -202,7 +202,9 @@ impl WorkerHost for WasmWorker {
     }
 
     fn inflight(&mut self, slots: usize) -> Vec<SlotLoad> {
-        shared::inflight(slots)
+        let mut loads = shared::inflight(slots);
+        shared::add_peer_loads(&mut loads);
+        loads
     }
 
     fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]) {

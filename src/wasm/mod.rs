@@ -5,14 +5,17 @@
 //! (readable through `plugin_root_id` already while the root is created):
 //! - `service`: the singleton bootstrap service ([`service`]) pulling pod
 //!   reports and publishing the snapshot to shared data;
+//! - `replica`: the replica listener's filter ([`replica`]), serving this
+//!   replica's decision log to its peers;
 //! - anything else: the HTTP filter ([`filter`]) routing each request.
 //!
-//! Both must use the same `vm_id` so they share data and queues.
+//! All must use the same `vm_id` so they share data and queues.
 
 mod filter;
 mod host;
 mod logging;
 mod metrics;
+mod replica;
 mod service;
 mod shared;
 
@@ -30,10 +33,10 @@ fn root_id() -> String {
 pub fn start() {
     logging::install();
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        if root_id() == "service" {
-            Box::new(service::ServiceRoot::default())
-        } else {
-            Box::new(filter::FilterRoot::default())
+        match root_id().as_str() {
+            "service" => Box::new(service::ServiceRoot::default()),
+            "replica" => Box::new(replica::ReplicaRoot::default()),
+            _ => Box::new(filter::FilterRoot::default()),
         }
     });
 }

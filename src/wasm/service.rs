@@ -20,7 +20,8 @@ use crate::config::Config;
 use crate::gateway::host::{HostError, HostResult, ServiceHost};
 use crate::gateway::metrics::MetricSink;
 use crate::gateway::service::{tick_period_ms, ReportService};
-use crate::snapshot::{bucket_key, PodTable, DECISION_QUEUE};
+use crate::replica::LogHead;
+use crate::snapshot::{bucket_key, PodTable, SlotLoad, DECISION_QUEUE};
 
 /// Answers (body and parse) the heap is grown for up front.
 const RESERVED_BODIES: usize = 8;
@@ -69,6 +70,14 @@ impl ServiceHost for WasmService {
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         &mut self.metrics
+    }
+
+    fn store_replica_log(&mut self, slot: u64, value: Vec<u8>, head: LogHead) {
+        shared::store_replica_log(slot, &value, &head);
+    }
+
+    fn publish_peer_loads(&mut self, loads: Vec<SlotLoad>) {
+        shared::publish_peer_loads(&loads);
     }
 }
 

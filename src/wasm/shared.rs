@@ -36,6 +36,7 @@ use std::sync::Arc;
 use super::host::{self, Status};
 use crate::config::PassiveHealthConfig;
 use crate::ejection::{Ejection, Ejections, RoutableTable, EJECTIONS_KEY};
+use crate::replica::LogHead;
 use crate::snapshot::{
     add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, PodTable,
     PublishedPod, SlotLoad, GENERATION_KEY, POD_TABLE_KEY, WORKERS_KEY,
@@ -52,6 +53,46 @@ pub fn get(key: &str) -> (Option<Vec<u8>>, u32) {
 pub fn set(key: &str, value: &[u8]) {
     if let Err(status) = host::shared_set(key, value, 0) {
         log::warn!("kvroute: writing shared data {key} failed: {status}");
+    }
+}
+
+/// Shared-data keys of the replica channel ([`crate::replica`]): the log's
+/// head and its values (written by the service, read by the replica
+/// listener), and the live peers' loads per pod slot (written by the
+/// service in the in-flight encoding, added by every routing decision).
+const REPLICA_HEAD_KEY: &str = "kvroute/replica/head";
+const PEER_LOADS_KEY: &str = "kvroute/inflight/peers";
+
+fn replica_log_key(slot: u64) -> String {
+    format!("kvroute/replica/log/{slot}")
+}
+
+pub fn store_replica_log(slot: u64, value: &[u8], head: &LogHead) {
+    if !value.is_empty() {
+        set(&replica_log_key(slot), value);
+    }
+    set(REPLICA_HEAD_KEY, &head.encode());
+}
+
+pub fn replica_head() -> Option<LogHead> {
+    get(REPLICA_HEAD_KEY)
+        .0
+        .and_then(|bytes| LogHead::decode(&bytes))
+}
+
+pub fn replica_log(slot: u64) -> Option<Vec<u8>> {
+    get(&replica_log_key(slot)).0
+}
+
+pub fn publish_peer_loads(loads: &[SlotLoad]) {
+    set(PEER_LOADS_KEY, &encode_inflight(0, loads));
+}
+
+/// The live peer replicas' loads added to `total` (routing decisions only:
+/// the replica listener serves this replica's own).
+pub fn add_peer_loads(total: &mut Vec<SlotLoad>) {
+    if let Some(bytes) = get(PEER_LOADS_KEY).0 {
+        add_inflight(total, &bytes);
     }
 }
 

@@ -53,7 +53,15 @@ pub struct EnvoyBootstrap<'a> {
     /// the pods' cluster balances them (override-host without kvroute's
     /// header is its fallback policy).
     pub passthrough: &'a [String],
+    /// The replica listener's port (rendered with the plugin's `replicas`).
+    pub replica_port: u16,
+    /// `host:port` names of the replicas' `kvroute_replicas` cluster (a
+    /// headless Service's name), when the replicas are found by DNS.
+    pub replica_dns: &'a [String],
 }
+
+/// The replica listener's port when none is given.
+pub const DEFAULT_REPLICA_PORT: u16 = 9902;
 
 impl EnvoyBootstrap<'_> {
     pub fn render(&self) -> String {
@@ -74,8 +82,17 @@ impl EnvoyBootstrap<'_> {
         if eds_path.is_none() {
             sections.push("listedPods");
         }
-        if self.plugin.get("membership").is_some() {
-            sections.push("membership");
+        let replicas = self.plugin.get("replicas");
+        if self.plugin.get("membership").is_some()
+            || replicas.is_some_and(|r| r.get("cluster").is_some())
+        {
+            sections.push("adminCluster");
+        }
+        if replicas.is_some() {
+            sections.push("replicas");
+        }
+        if !self.replica_dns.is_empty() {
+            sections.push("replicaDns");
         }
         if !passthrough_to_pods {
             sections.push("passthrough");
@@ -106,6 +123,8 @@ impl EnvoyBootstrap<'_> {
                 },
             )
             .replace("{{passthrough_endpoints}}", &lb_endpoints(self.passthrough))
+            .replace("{{replica_port}}", &self.replica_port.to_string())
+            .replace("{{replica_endpoints}}", &lb_endpoints(self.replica_dns))
     }
 }
 

@@ -8,4 +8,4 @@ pub mod envoy;
 pub mod istio;
 
 pub use deployment::{Deployment, EnvoySettings, Error, ModuleKind, Target};
-pub use envoy::{EnvoyBootstrap, Module, PodEndpoints};
+pub use envoy::{EnvoyBootstrap, Module, PodEndpoints, DEFAULT_REPLICA_PORT};

@@ -697,7 +697,7 @@ fn stat_cpu_s(path: &str) -> Option<f64> {
 
 /// The series matching `name`, rendered alone: a full `/stats/prometheus`
 /// of 64 pods is itself a stall of the main thread the probe would measure.
-fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
+pub(super) fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
     crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}"))
         .map(|r| r.body)
         .unwrap_or_default()
