@@ -27,8 +27,9 @@ CARGO ?= cargo
 # module runs every suite): the request lifecycle and metrics (envoy),
 # what only proxy-wasm does differently — answering and resuming waiting
 # requests from other contexts (waiting), reading the upstream's attempts
-# and response flags (failover) — and the shipped configuration files.
-WASM_SUITES := --test envoy --test waiting --test failover --test config_files
+# and response flags (failover), the replica listener's role and shared
+# data (replicas) — and the shipped configuration files.
+WASM_SUITES := --test envoy --test waiting --test failover --test replicas --test config_files
 
 .PHONY: all setup envoy validate-istio peers prometheus wasm native wasm-floor wrk lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 

@@ -228,6 +228,12 @@ pub struct PodTable {
 }
 
 impl PodTable {
+    /// How many pod slots the table's pods span (the in-flight loads to
+    /// read).
+    pub fn slots(&self) -> usize {
+        self.pods.iter().map(|p| p.slot + 1).max().unwrap_or(0)
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         // Plain data (strings, numbers, maps with string keys) always serialises.
         serde_json::to_vec(self).unwrap_or_default()

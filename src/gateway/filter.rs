@@ -215,8 +215,7 @@ impl<H: WorkerHost> Worker<H> {
                 retry_after: Some(1),
             });
         };
-        let slots = table.pods.iter().map(|p| p.slot + 1).max().unwrap_or(0);
-        let inflight = self.host.inflight(slots);
+        let inflight = self.host.inflight(table.slots());
         self.recent
             .observe_inflight(inflight.iter().map(|load| load.requests));
         let outcome = {

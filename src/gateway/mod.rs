@@ -18,13 +18,16 @@ use crate::config::Config;
 use metrics::MetricSink;
 
 /// Parses and validates the plugin configuration; on success applies its
-/// `logLevel` and defines every metric series at 0, on failure logs the
-/// error (which names the field) so Envoy's refusal is explained.
-pub fn load_config(bytes: &[u8], role: &str, sink: &mut dyn MetricSink) -> Option<Config> {
+/// `logLevel` and defines every metric series at 0 in `sink` (a role that
+/// exports no metric gives none), on failure logs the error (which names
+/// the field) so Envoy's refusal is explained.
+pub fn load_config(bytes: &[u8], role: &str, sink: Option<&mut dyn MetricSink>) -> Option<Config> {
     match Config::parse(bytes) {
         Ok(config) => {
             log::set_max_level(events::level_filter(config.log_level));
-            metrics::export_from_zero(&config, sink);
+            if let Some(sink) = sink {
+                metrics::export_from_zero(&config, sink);
+            }
             Some(config)
         }
         Err(error) => {

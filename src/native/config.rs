@@ -11,19 +11,22 @@
 //! uncontended). A module thread, the ticker, only commits events: every
 //! [`crate::gateway::service::TICK_MS`] the service's tick to the main
 //! thread, and every [`TICK_MS`] a worker's tick to a live request of that
-//! worker (its filter scheduler) when the worker has waiting requests or
-//! batches to flush. The ticker is joined when Envoy destroys the config.
+//! worker (its filter scheduler, [`super::workers`]) when the worker has
+//! waiting requests or batches to flush. The ticker is joined when Envoy
+//! destroys the config. With `replicas`, the config attaches its state to
+//! the replica channel ([`super::replica`]) the replica listener of the
+//! same Envoy serves from.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::abi::{self, FilterConfigEnvoy, ModuleBuffer, ModuleHeader, SchedulerPtr};
-use super::filter::{NativeWorker, EVENT_SERVICE_TICK, EVENT_TICK};
+use super::filter::{FilterHandle, NativeWorker, EVENT_SERVICE_TICK, EVENT_TICK};
 use super::metrics::NativeMetrics;
+use super::replica::{self, ReplicaChannel};
 use super::shared::{DecisionInbox, Inflight, ReplicaShare, Shared, SharedEjections, Snapshot};
+use super::workers::{Ticker, WorkerState, Workers};
 use crate::config::MAX_PODS;
 use crate::gateway::filter::{Worker, TICK_MS};
 use crate::gateway::host::{HostError, HostResult, ServiceHost};
@@ -32,26 +35,13 @@ use crate::gateway::service::{tick_period_ms, ReportService};
 use crate::replica::LogHead;
 use crate::snapshot::{PodTable, SlotLoad};
 
-/// One Envoy worker's state.
-pub struct WorkerSlot {
-    pub worker: Mutex<Worker<NativeWorker>>,
-    /// The scheduler of a live request of this worker that receives the
-    /// worker's tick, and that request's id. Held while committing, so the
-    /// request cannot delete it meanwhile.
-    pub ticker: Mutex<Option<(u32, usize)>>,
-    /// The worker has waiting requests or batches (set after each hook).
-    pub has_work: AtomicBool,
-}
-
-impl WorkerSlot {
-    pub fn lock(&self) -> MutexGuard<'_, Worker<NativeWorker>> {
-        // A panic caught in a hook leaves the worker usable: each field is
-        // consistent on its own.
-        self.worker.lock().unwrap_or_else(|e| e.into_inner())
+impl WorkerState for Worker<NativeWorker> {
+    fn filters(&mut self) -> &mut HashMap<u32, FilterHandle> {
+        &mut self.host.filters
     }
 
-    pub fn ticker(&self) -> MutexGuard<'_, Option<(u32, usize)>> {
-        self.ticker.lock().unwrap_or_else(|e| e.into_inner())
+    fn has_work(&self) -> bool {
+        Worker::has_work(self)
     }
 }
 
@@ -129,12 +119,14 @@ impl ServiceHost for NativeService {
 /// The module's side of one HTTP filter configuration.
 pub struct FilterConfig {
     pub shared: Arc<Shared>,
-    pub workers: Arc<[WorkerSlot]>,
+    pub workers: Workers<Worker<NativeWorker>>,
     pub service: Mutex<ReportService<NativeService>>,
     /// Wakes the service on the main thread.
     scheduler: usize,
-    ticker: Mutex<Option<(Sender<()>, JoinHandle<()>)>>,
-    next_id: AtomicU32,
+    ticker: Mutex<Option<Ticker>>,
+    /// Where this Envoy's replica listener finds [`Self::shared`] (with
+    /// `replicas` configured).
+    channel: Option<Arc<ReplicaChannel>>,
 }
 
 impl FilterConfig {
@@ -142,11 +134,11 @@ impl FilterConfig {
     /// `None` when the plugin JSON is invalid (the error is logged).
     pub fn new(envoy: FilterConfigEnvoy, bytes: &[u8]) -> Option<FilterConfig> {
         let mut metrics = NativeMetrics::define_all(envoy);
-        let config = crate::gateway::load_config(bytes, "filter", &mut metrics)?;
+        let config = crate::gateway::load_config(bytes, "filter", Some(&mut metrics))?;
         // SAFETY: both on the main thread, during the config's creation.
-        let (workers, scheduler) = unsafe {
+        let (concurrency, scheduler) = unsafe {
             (
-                abi::envoy_dynamic_module_callback_get_concurrency().max(1),
+                abi::envoy_dynamic_module_callback_get_concurrency(),
                 abi::envoy_dynamic_module_callback_http_filter_config_scheduler_new(envoy),
             )
         };
@@ -157,17 +149,18 @@ impl FilterConfig {
             decisions: DecisionInbox::default(),
             replica: ReplicaShare::default(),
         });
-        let workers: Arc<[WorkerSlot]> = (0..workers)
-            .map(|_| WorkerSlot {
-                worker: Mutex::new(Worker::new(
-                    config.clone(),
-                    NativeWorker::new(shared.clone(), metrics.clone(), scheduler),
-                )),
-                ticker: Mutex::new(None),
-                has_work: AtomicBool::new(false),
-            })
-            .collect();
+        let workers = Workers::new(concurrency, || {
+            Worker::new(
+                config.clone(),
+                NativeWorker::new(shared.clone(), metrics.clone(), scheduler),
+            )
+        });
         let period = Duration::from_millis(tick_period_ms(&config).max(1));
+        let channel = config.replicas.as_ref().map(|replicas| {
+            let channel = replica::channel(replicas);
+            channel.attach(shared.clone());
+            channel
+        });
         let mut service = ReportService::new(NativeService {
             config: envoy as usize,
             shared: shared.clone(),
@@ -175,7 +168,28 @@ impl FilterConfig {
         });
         service.configure(config);
         let ticker = (!scheduler.is_null())
-            .then(|| start_ticker(workers.clone(), scheduler as usize, period))
+            .then(|| {
+                // The service's tick every `period`, the workers' every
+                // TICK_MS.
+                let service_scheduler = scheduler as usize;
+                let tick_workers = workers.ticks(EVENT_TICK);
+                let worker_period = Duration::from_millis(TICK_MS);
+                let mut last_worker_tick = Instant::now();
+                Ticker::start("kvroute-ticker", period, move || {
+                    // SAFETY: the config scheduler is deleted only after
+                    // the ticker is joined.
+                    unsafe {
+                        abi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+                            service_scheduler as SchedulerPtr,
+                            EVENT_SERVICE_TICK,
+                        );
+                    }
+                    if last_worker_tick.elapsed() >= worker_period {
+                        last_worker_tick = Instant::now();
+                        tick_workers();
+                    }
+                })
+            })
             .flatten();
         if ticker.is_none() {
             log::error!("kvroute: no ticker (scheduler or thread refused): waiting requests and reports stall");
@@ -186,31 +200,22 @@ impl FilterConfig {
             service: Mutex::new(service),
             scheduler: scheduler as usize,
             ticker: Mutex::new(ticker),
-            next_id: AtomicU32::new(1),
+            channel,
         })
-    }
-
-    /// The worker slot of Envoy worker `index` (the last one if Envoy
-    /// reports more workers than it said it had).
-    pub fn slot(&self, index: usize) -> Option<&WorkerSlot> {
-        self.workers.get(index).or_else(|| self.workers.last())
-    }
-
-    pub fn next_id(&self) -> u32 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
     pub fn service(&self) -> MutexGuard<'_, ReportService<NativeService>> {
         self.service.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Stops the ticker and the config scheduler (Envoy is destroying the
-    /// config, on the main thread).
+    /// Stops the ticker and the config scheduler, and leaves the replica
+    /// channel (Envoy is destroying the config, on the main thread).
     pub fn shut_down(&self) {
-        let ticker = self.ticker.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some((stop, thread)) = ticker {
-            drop(stop);
-            let _ = thread.join();
+        if let Some(channel) = &self.channel {
+            channel.detach(&self.shared);
+        }
+        if let Some(ticker) = self.ticker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            ticker.stop();
         }
         if self.scheduler != 0 {
             // SAFETY: the ticker, its only other user, has been joined.
@@ -221,56 +226,4 @@ impl FilterConfig {
             }
         }
     }
-}
-
-/// Starts the ticker thread (see the module documentation); it ends when
-/// the returned sender is dropped.
-fn start_ticker(
-    workers: Arc<[WorkerSlot]>,
-    service_scheduler: usize,
-    period: Duration,
-) -> Option<(Sender<()>, JoinHandle<()>)> {
-    let (stop, stopped) = mpsc::channel::<()>();
-    let worker_period = Duration::from_millis(TICK_MS);
-    let thread = std::thread::Builder::new()
-        .name("kvroute-ticker".into())
-        .spawn(move || {
-            let mut last_worker_tick = Instant::now();
-            loop {
-                match stopped.recv_timeout(period) {
-                    Err(RecvTimeoutError::Timeout) => {}
-                    _ => return,
-                }
-                // SAFETY: the config scheduler is deleted only after this
-                // thread is joined.
-                unsafe {
-                    abi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
-                        service_scheduler as SchedulerPtr,
-                        EVENT_SERVICE_TICK,
-                    );
-                }
-                if last_worker_tick.elapsed() < worker_period {
-                    continue;
-                }
-                last_worker_tick = Instant::now();
-                for slot in workers.iter() {
-                    if !slot.has_work.load(Ordering::Acquire) {
-                        continue;
-                    }
-                    let ticker = slot.ticker();
-                    if let Some((_, scheduler)) = *ticker {
-                        // SAFETY: the scheduler's request deletes it only
-                        // after clearing the ticker, under this lock.
-                        unsafe {
-                            abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(
-                                scheduler as SchedulerPtr,
-                                EVENT_TICK,
-                            );
-                        }
-                    }
-                }
-            }
-        })
-        .ok()?;
-    Some((stop, thread))
 }

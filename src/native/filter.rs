@@ -247,6 +247,18 @@ impl NativeStream<'_> {
         }
     }
 
+    /// The waiting request `id` among a worker's live `filters`: resumed
+    /// or answered through its own scheduler.
+    pub fn waiting(filters: &mut HashMap<u32, FilterHandle>, id: u32) -> Option<NativeStream<'_>> {
+        let handle = filters.get_mut(&id)?;
+        Some(NativeStream {
+            envoy: handle.envoy as FilterEnvoy,
+            in_body_hook: false,
+            waiting: Some(handle),
+            reply: None,
+        })
+    }
+
     /// The current request's local reply, to send once the worker is free.
     pub fn take_reply(&mut self) -> Option<Reply> {
         self.reply.take()
@@ -484,13 +496,7 @@ impl WorkerHost for NativeWorker {
     }
 
     fn other(&mut self, id: u32) -> Option<NativeStream<'_>> {
-        let handle = self.filters.get_mut(&id)?;
-        Some(NativeStream {
-            envoy: handle.envoy as FilterEnvoy,
-            in_body_hook: false,
-            waiting: Some(handle),
-            reply: None,
-        })
+        NativeStream::waiting(&mut self.filters, id)
     }
 
     fn answers_others_now(&self) -> bool {

@@ -1,30 +1,34 @@
 //! The event hooks Envoy calls (`envoy_dynamic_module_on_*`): each checks
 //! its pointers, catches any panic ([`guard`]) and hands the event to the
-//! core through [`super::config`] and [`super::filter`]. Hooks for
-//! features kvroute does not use (per-filter callouts and streams,
-//! watermarks, per-route config) exist because Envoy looks them up when it
-//! loads the filter; they do nothing.
+//! core through [`super::config`], [`super::replica`] and
+//! [`super::filter`]. One module serves two filters, by `filter_name`:
+//! `kvroute` routes requests, `kvroute-replica` is the replica listener's.
+//! Hooks for features kvroute does not use (per-filter callouts and
+//! streams, watermarks, per-route config) exist because Envoy looks them
+//! up when it loads the filter; they do nothing.
 
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::abi::{self, EnvoyBuffer, EnvoyHeader, FilterConfigEnvoy, FilterEnvoy};
 use super::config::FilterConfig;
 use super::filter::{
-    FilterHandle, NativeStream, Reply, EVENT_ANSWER, EVENT_DECISIONS, EVENT_RESUME,
-    EVENT_SERVICE_TICK, EVENT_TICK,
+    NativeStream, NativeWorker, EVENT_ANSWER, EVENT_DECISIONS, EVENT_RESUME, EVENT_SERVICE_TICK,
+    EVENT_TICK,
 };
 use super::logging;
+use super::replica::{ReplicaConfig, ReplicaWorker, REPLICA_FILTER_NAME};
+use super::workers::{WorkerSlot, WorkerState};
 use crate::gateway::filter::{RequestFilter, Worker};
 use crate::gateway::host::Action;
-
-use super::filter::NativeWorker;
 
 /// The ABI version this module was written against (Envoy 1.40's; a
 /// mismatch only makes Envoy log a warning).
 static ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+/// The routing filter's `filter_name`.
+const ROUTING_FILTER_NAME: &[u8] = b"kvroute";
 
 /// Runs a hook's body; a panic is logged and answered with `fallback`.
 fn guard<T>(hook: &str, fallback: T, body: impl FnOnce() -> Option<T>) -> T {
@@ -38,8 +42,20 @@ fn guard<T>(hook: &str, fallback: T, body: impl FnOnce() -> Option<T>) -> T {
     }
 }
 
+/// The filter config behind Envoy's module pointer.
+enum ModuleConfig {
+    Routing(Arc<FilterConfig>),
+    Replica(Arc<ReplicaConfig>),
+}
+
 /// One request's filter, as the module pointer Envoy hands back.
-struct Filter {
+enum Filter {
+    Routing(RoutingFilter),
+    Replica(ReplicaCall),
+}
+
+/// A request on a routing listener.
+struct RoutingFilter {
     config: Arc<FilterConfig>,
     worker: usize,
     id: u32,
@@ -48,13 +64,30 @@ struct Filter {
     ended: bool,
 }
 
-/// The filter config behind Envoy's module pointer.
-///
+/// A call on the replica listener.
+struct ReplicaCall {
+    config: Arc<ReplicaConfig>,
+    worker: usize,
+    id: u32,
+}
+
 /// # Safety
 /// `ptr` must be null or a pointer returned by the config hook and not yet
 /// destroyed.
-unsafe fn config_of<'a>(ptr: *const c_void) -> Option<&'a FilterConfig> {
-    (ptr as *const FilterConfig).as_ref()
+unsafe fn config_of<'a>(ptr: *const c_void) -> Option<&'a ModuleConfig> {
+    (ptr as *const ModuleConfig).as_ref()
+}
+
+/// The routing filter's config behind Envoy's module pointer (`None` for
+/// the replica listener's).
+///
+/// # Safety
+/// As [`config_of`].
+unsafe fn routing_config<'a>(ptr: *const c_void) -> Option<&'a FilterConfig> {
+    match config_of(ptr)? {
+        ModuleConfig::Routing(config) => Some(config),
+        ModuleConfig::Replica(_) => None,
+    }
 }
 
 /// # Safety
@@ -64,11 +97,48 @@ unsafe fn filter_of<'a>(ptr: *const c_void) -> Option<&'a mut Filter> {
     (ptr as *mut Filter).as_mut()
 }
 
-impl Filter {
-    /// Runs `callback` with this request's worker and stream, then sends
-    /// the local reply it left, once the worker is released.
+/// The routing filter behind Envoy's module pointer (`None` for a replica
+/// call, whose request is answered at its headers).
+///
+/// # Safety
+/// As [`filter_of`].
+unsafe fn routing_filter<'a>(ptr: *const c_void) -> Option<&'a mut RoutingFilter> {
+    match filter_of(ptr)? {
+        Filter::Routing(filter) => Some(filter),
+        Filter::Replica(_) => None,
+    }
+}
+
+/// Runs `callback` with the worker of `slot` and the current request of
+/// `envoy`, records whether the worker wants its tick, then sends the local
+/// reply the callback left, once the worker is released.
+fn run<W: WorkerState>(
+    slot: &WorkerSlot<W>,
+    envoy: FilterEnvoy,
+    in_body_hook: bool,
+    callback: impl FnOnce(&mut W, &mut NativeStream<'_>) -> Action,
+) -> Action {
+    let (action, reply) = {
+        let mut worker = slot.lock();
+        let mut stream = NativeStream::current(envoy, in_body_hook);
+        let action = callback(&mut worker, &mut stream);
+        slot.note_work(&worker);
+        (action, stream.take_reply())
+    };
+    if let Some(reply) = reply {
+        reply.send(envoy);
+    }
+    action
+}
+
+impl RoutingFilter {
+    fn slot(&self) -> Option<&WorkerSlot<Worker<NativeWorker>>> {
+        self.config.workers.slot(self.worker)
+    }
+
+    /// Runs `callback` with this request's state, worker and stream.
     fn run(
-        ptr: *const c_void,
+        &mut self,
         envoy: FilterEnvoy,
         in_body_hook: bool,
         callback: impl FnOnce(
@@ -80,20 +150,27 @@ impl Filter {
         if envoy.is_null() {
             return None;
         }
-        let (action, reply) = {
-            // SAFETY: Envoy's pointer for this live filter (see `filter_of`).
-            let filter = unsafe { filter_of(ptr) }?;
-            let slot = filter.config.slot(filter.worker)?;
-            let mut worker = slot.lock();
-            let mut stream = NativeStream::current(envoy, in_body_hook);
-            let action = callback(&mut filter.state, &mut worker, &mut stream);
-            slot.has_work.store(worker.has_work(), Ordering::Release);
-            (action, stream.take_reply())
-        };
-        if let Some(reply) = reply {
-            reply.send(envoy);
+        let slot = self.config.workers.slot(self.worker)?;
+        let state = &mut self.state;
+        Some(run(slot, envoy, in_body_hook, |worker, stream| {
+            callback(state, worker, stream)
+        }))
+    }
+
+    /// The stream's end: the core's stream-end work, once.
+    fn end(&mut self, envoy: FilterEnvoy) {
+        if !std::mem::replace(&mut self.ended, true) {
+            self.run(envoy, false, |state, worker, _| {
+                state.on_stream_end(worker);
+                Action::Continue
+            });
         }
-        Some(action)
+    }
+}
+
+impl ReplicaCall {
+    fn slot(&self) -> Option<&WorkerSlot<ReplicaWorker>> {
+        self.config.workers.slot(self.worker)
     }
 }
 
@@ -108,17 +185,34 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     envoy: FilterConfigEnvoy,
-    _name: EnvoyBuffer,
+    name: EnvoyBuffer,
     config: EnvoyBuffer,
 ) -> *const c_void {
     guard("http_filter_config_new", std::ptr::null(), || {
         if envoy.is_null() {
             return None;
         }
-        // SAFETY: Envoy's buffer for this call.
-        let bytes = unsafe { config.bytes() }.unwrap_or_default();
-        let config = FilterConfig::new(envoy, bytes)?;
-        Some(Arc::into_raw(Arc::new(config)) as *const c_void)
+        // SAFETY: Envoy's buffers for this call.
+        let (name, bytes) = unsafe { (name.bytes(), config.bytes()) };
+        let bytes = bytes.unwrap_or_default();
+        let config = match name.unwrap_or_default() {
+            ROUTING_FILTER_NAME => {
+                ModuleConfig::Routing(Arc::new(FilterConfig::new(envoy, bytes)?))
+            }
+            REPLICA_FILTER_NAME => {
+                // SAFETY: on the main thread, during the config's creation.
+                let concurrency = unsafe { abi::envoy_dynamic_module_callback_get_concurrency() };
+                ModuleConfig::Replica(Arc::new(ReplicaConfig::new(concurrency, bytes)?))
+            }
+            other => {
+                log::error!(
+                    "kvroute: unknown filter_name {:?}: `kvroute` routes requests, `kvroute-replica` serves the replica listener",
+                    String::from_utf8_lossy(other)
+                );
+                return None;
+            }
+        };
+        Some(Box::into_raw(Box::new(config)) as *const c_void)
     })
 }
 
@@ -129,8 +223,12 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *co
             return None;
         }
         // SAFETY: the pointer `config_new` made; Envoy destroys it once.
-        let config = unsafe { Arc::from_raw(config as *const FilterConfig) };
-        config.shut_down();
+        // Live filters keep their own count of what it points to.
+        let config = unsafe { Box::from_raw(config as *mut ModuleConfig) };
+        match *config {
+            ModuleConfig::Routing(config) => config.shut_down(),
+            ModuleConfig::Replica(config) => config.shut_down(),
+        }
         Some(())
     })
 }
@@ -141,38 +239,36 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     envoy: FilterEnvoy,
 ) -> *const c_void {
     guard("http_filter_new", std::ptr::null(), || {
-        if config.is_null() || envoy.is_null() {
+        if envoy.is_null() {
             return None;
         }
-        // SAFETY: a live config (Envoy keeps it while its filters live);
-        // the filter holds its own count of it.
-        let config = unsafe {
-            Arc::increment_strong_count(config as *const FilterConfig);
-            Arc::from_raw(config as *const FilterConfig)
-        };
+        // SAFETY: a live config (Envoy keeps it while it creates filters).
+        let config = unsafe { config_of(config) }?;
         // SAFETY: the live stream being created.
         let worker =
             unsafe { abi::envoy_dynamic_module_callback_http_filter_get_worker_index(envoy) }
                 as usize;
-        let id = config.next_id();
-        let slot = config.slot(worker)?;
-        let needs_ticker = slot.ticker().is_none();
-        let scheduler = {
-            let mut worker = slot.lock();
-            let mut handle = FilterHandle::new(envoy);
-            let scheduler = needs_ticker.then(|| handle.scheduler() as usize);
-            worker.host.filters.insert(id, handle);
-            scheduler
-        };
-        if let Some(scheduler) = scheduler.filter(|s| *s != 0) {
-            slot.ticker().get_or_insert((id, scheduler));
-        }
-        let filter = Filter {
-            config,
-            worker,
-            id,
-            state: RequestFilter::new(id),
-            ended: false,
+        let filter = match config {
+            ModuleConfig::Routing(config) => {
+                let id = config.workers.next_id();
+                config.workers.slot(worker)?.attach(id, envoy);
+                Filter::Routing(RoutingFilter {
+                    config: config.clone(),
+                    worker,
+                    id,
+                    state: RequestFilter::new(id),
+                    ended: false,
+                })
+            }
+            ModuleConfig::Replica(config) => {
+                let id = config.workers.next_id();
+                config.workers.slot(worker)?.attach(id, envoy);
+                Filter::Replica(ReplicaCall {
+                    config: config.clone(),
+                    worker,
+                    id,
+                })
+            }
         };
         Some(Box::into_raw(Box::new(filter)) as *const c_void)
     })
@@ -192,9 +288,19 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     guard("http_filter_request_headers", abi::HEADERS_CONTINUE, || {
-        let action = Filter::run(filter, envoy, false, |state, worker, stream| {
-            state.on_request_headers(worker, stream, end_of_stream)
-        });
+        // SAFETY: Envoy's pointer for this live filter.
+        let action = match unsafe { filter_of(filter) }? {
+            Filter::Routing(filter) => filter.run(envoy, false, |state, worker, stream| {
+                state.on_request_headers(worker, stream, end_of_stream)
+            }),
+            Filter::Replica(call) => {
+                let id = call.id;
+                let slot = call.slot().filter(|_| !envoy.is_null())?;
+                Some(run(slot, envoy, false, |server, stream| {
+                    server.on_request_headers(id, stream)
+                }))
+            }
+        };
         Some(request_status(
             action,
             abi::HEADERS_STOP_ITERATION,
@@ -210,9 +316,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     end_of_stream: bool,
 ) -> u32 {
     guard("http_filter_request_body", abi::BODY_CONTINUE, || {
-        let action = Filter::run(filter, envoy, true, |state, worker, stream| {
-            state.on_request_body(worker, stream, usize::MAX, end_of_stream)
-        });
+        // SAFETY: Envoy's pointer for this live filter.
+        let action =
+            unsafe { routing_filter(filter) }?.run(envoy, true, |state, worker, stream| {
+                state.on_request_body(worker, stream, usize::MAX, end_of_stream)
+            });
         Some(request_status(
             action,
             abi::BODY_STOP_ITERATION_AND_BUFFER,
@@ -230,9 +338,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
         "http_filter_request_trailers",
         abi::TRAILERS_CONTINUE,
         || {
-            let action = Filter::run(filter, envoy, false, |state, worker, stream| {
-                state.on_request_trailers(worker, stream)
-            });
+            // SAFETY: Envoy's pointer for this live filter.
+            let action =
+                unsafe { routing_filter(filter) }?.run(envoy, false, |state, worker, stream| {
+                    state.on_request_trailers(worker, stream)
+                });
             Some(request_status(
                 action,
                 abi::TRAILERS_STOP_ITERATION,
@@ -252,7 +362,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
         "http_filter_response_headers",
         abi::HEADERS_CONTINUE,
         || {
-            Filter::run(filter, envoy, false, |state, worker, stream| {
+            // SAFETY: Envoy's pointer for this live filter.
+            unsafe { routing_filter(filter) }?.run(envoy, false, |state, worker, stream| {
                 state.on_response_headers(worker, stream)
             });
             Some(abi::HEADERS_CONTINUE)
@@ -267,13 +378,15 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     _end_of_stream: bool,
 ) -> u32 {
     guard("http_filter_response_body", abi::BODY_CONTINUE, || {
+        // SAFETY: Envoy's pointer for this live filter.
+        let filter = unsafe { routing_filter(filter) }?;
         // Most chunks of a streamed answer need nothing: no worker is taken
-        // for them (SAFETY: Envoy's pointer for this live filter).
-        if !unsafe { filter_of(filter) }?.state.wants_response_body() {
+        // for them.
+        if !filter.state.wants_response_body() {
             return Some(abi::BODY_CONTINUE);
         }
         // Continue keeps the response streaming: nothing is buffered.
-        Filter::run(filter, envoy, true, |state, worker, stream| {
+        filter.run(envoy, true, |state, worker, stream| {
             state.on_response_body(worker, stream, usize::MAX)
         });
         Some(abi::BODY_CONTINUE)
@@ -288,26 +401,18 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     abi::TRAILERS_CONTINUE
 }
 
-/// The stream's end: the core's stream-end work, once.
-fn end_stream(ptr: *const c_void, envoy: FilterEnvoy) -> Option<()> {
-    // SAFETY: Envoy's pointer for this live filter.
-    let ended = unsafe { filter_of(ptr) }.map(|f| std::mem::replace(&mut f.ended, true))?;
-    if !ended {
-        Filter::run(ptr, envoy, false, |state, worker, _| {
-            state.on_stream_end(worker);
-            Action::Continue
-        });
-    }
-    Some(())
-}
-
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     envoy: FilterEnvoy,
     filter: *const c_void,
 ) {
     guard("http_filter_stream_complete", (), || {
-        end_stream(filter, envoy)
+        // SAFETY: Envoy's pointer for this live filter.
+        match unsafe { filter_of(filter) }? {
+            Filter::Routing(filter) => filter.end(envoy),
+            Filter::Replica(call) => call.slot()?.lock().on_stream_end(call.id),
+        }
+        Some(())
     });
 }
 
@@ -319,37 +424,28 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter: *const c_v
         }
         // SAFETY: the pointer `filter_new` made; Envoy destroys it once.
         let filter = unsafe { Box::from_raw(filter as *mut Filter) };
-        let slot = filter.config.slot(filter.worker)?;
-        let was_ticker = slot.ticker().is_some_and(|(id, _)| id == filter.id);
-        let (own, successor) = {
-            let mut worker = slot.lock();
-            if !filter.ended {
-                // Envoy ended the stream without its completion hook: the
-                // same cleanup, without its pointer (no host call needed).
-                let mut state = filter.state;
-                state.on_stream_end(&mut worker);
+        match *filter {
+            Filter::Routing(filter) => {
+                let RoutingFilter {
+                    config,
+                    worker,
+                    id,
+                    mut state,
+                    ended,
+                } = filter;
+                config.workers.slot(worker)?.detach(id, |worker| {
+                    // Envoy ended the stream without its completion hook:
+                    // the same cleanup, without its pointer (no host call
+                    // needed).
+                    if !ended {
+                        state.on_stream_end(worker);
+                    }
+                });
             }
-            let own = worker
-                .host
-                .filters
-                .remove(&filter.id)
-                .and_then(|mut handle| handle.take_scheduler());
-            let successor = was_ticker
-                .then(|| {
-                    let (id, handle) = worker.host.filters.iter_mut().next()?;
-                    Some((*id, handle.scheduler() as usize)).filter(|(_, s)| *s != 0)
-                })
-                .flatten();
-            slot.has_work.store(worker.has_work(), Ordering::Release);
-            (own, successor)
-        };
-        if was_ticker {
-            *slot.ticker() = successor;
-        }
-        if let Some(scheduler) = own {
-            // SAFETY: its filter is being destroyed and the ticker no
-            // longer names it.
-            unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler) };
+            Filter::Replica(call) => {
+                call.slot()?
+                    .detach(call.id, |server| server.on_stream_end(call.id));
+            }
         }
         Some(())
     })
@@ -365,33 +461,26 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
         if envoy.is_null() {
             return None;
         }
-        match event {
-            EVENT_TICK => {
-                Filter::run(filter, envoy, false, |_, worker, _| {
+        // SAFETY: Envoy's pointer for this live filter.
+        match (unsafe { filter_of(filter) }?, event) {
+            (Filter::Routing(filter), EVENT_TICK) => {
+                filter.run(envoy, false, |_, worker, _| {
                     worker.on_tick();
                     Action::Continue
-                })?;
+                });
             }
             // SAFETY: the live stream of this hook; no worker is held.
-            EVENT_RESUME => unsafe {
+            (Filter::Routing(_), EVENT_RESUME) => unsafe {
                 abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy)
             },
-            EVENT_ANSWER => {
-                let reply: Option<Reply> = {
-                    // SAFETY: Envoy's pointer for this live filter.
-                    let filter = unsafe { filter_of(filter) }?;
-                    let slot = filter.config.slot(filter.worker)?;
-                    let mut worker = slot.lock();
-                    worker
-                        .host
-                        .filters
-                        .get_mut(&filter.id)
-                        .and_then(FilterHandle::take_reply)
-                };
-                if let Some(reply) = reply {
-                    reply.send(envoy);
-                }
+            (Filter::Routing(filter), EVENT_ANSWER) => filter.slot()?.answer(filter.id, envoy),
+            (Filter::Replica(call), EVENT_TICK) => {
+                run(call.slot()?, envoy, false, |server, _| {
+                    server.on_tick();
+                    Action::Continue
+                });
             }
+            (Filter::Replica(call), EVENT_ANSWER) => call.slot()?.answer(call.id, envoy),
             _ => {}
         }
         Some(())
@@ -406,7 +495,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
 ) {
     guard("http_filter_config_scheduled", (), || {
         // SAFETY: a live config (the hook runs on Envoy's main thread).
-        let config = unsafe { config_of(config) }?;
+        let config = unsafe { routing_config(config) }?;
         match event {
             EVENT_SERVICE_TICK => config.service().on_tick(),
             EVENT_DECISIONS => {
@@ -434,7 +523,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
     guard("http_filter_config_http_callout_done", (), || {
         // SAFETY: a live config; Envoy's arrays for this call, of the
         // sizes it gives, when not null.
-        let config = unsafe { config_of(config) }?;
+        let config = unsafe { routing_config(config) }?;
         let headers: &[EnvoyHeader] = if headers.is_null() {
             &[]
         } else {

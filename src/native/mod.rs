@@ -27,4 +27,6 @@ mod filter;
 mod hooks;
 mod logging;
 mod metrics;
+mod replica;
 mod shared;
+mod workers;

@@ -47,5 +47,5 @@ fn load_config(role: &str) -> Option<crate::config::Config> {
         .ok()
         .flatten()
         .unwrap_or_default();
-    crate::gateway::load_config(&bytes, role, &mut metrics::WasmMetrics)
+    crate::gateway::load_config(&bytes, role, Some(&mut metrics::WasmMetrics))
 }

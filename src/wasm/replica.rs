@@ -47,8 +47,7 @@ impl ReplicaHost for WasmReplica {
         let Some(table) = self.tables.current() else {
             return Vec::new();
         };
-        let slots = table.pods.iter().map(|p| p.slot + 1).max().unwrap_or(0);
-        loads_by_pod(&table, &shared::inflight(slots))
+        loads_by_pod(&table, &shared::inflight(table.slots()))
     }
 
     fn other(&mut self, id: u32) -> Option<WasmStream> {
