@@ -31,7 +31,7 @@ CARGO ?= cargo
 # data (replicas) — and the shipped configuration files.
 WASM_SUITES := --test envoy --test waiting --test failover --test replicas --test config_files
 
-.PHONY: all setup envoy validate-istio peers prometheus wasm native wasm-floor wrk lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
+.PHONY: all setup envoy validate-istio peers prometheus wasm native native-floor wasm-floor wrk lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
 all: native wasm
 
@@ -98,6 +98,11 @@ native:
 ## wasm-floor: the overhead benchmark's reference filter (integration/floor-filter)
 wasm-floor: setup
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute-floor-filter
+
+## native-floor: its native reference, a dynamic module doing only what any
+## body-routing module must (integration/native-floor), into target/native
+native-floor:
+	$(CARGO) build --profile native -p kvroute-native-floor
 
 lint: setup
 	$(CARGO) fmt --all --check
@@ -189,7 +194,7 @@ fuzz-smoke: fuzz-build
 ## overhead, 1M-block scale (~65 min on 2 cores, ~30 of them the sweep;
 ## BENCH_ARGS=--quick for a shorter run) -> integration/results/ (the sweep
 ## in integration/results/load-sweep/); then the core's micro-benchmarks
-bench: native wasm wasm-floor wrk envoy bench-micro
+bench: native native-floor wasm wasm-floor wrk envoy bench-micro
 	-$(MAKE) peers
 	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench
 	target/release/kvroute-bench all $(BENCH_ARGS)

@@ -1,10 +1,11 @@
 //! What kvroute costs in the proxy.
 //!
 //! - [`overhead`]: one simulated pod answering at once (`--time-scale 0`,
-//!   `max_tokens` 1), four Envoys in front of it — kvroute's native
-//!   module, plain Envoy (a STATIC cluster, no filter), the floor filter
-//!   and kvroute.wasm. Closed-loop keep-alive clients ([`crate::http`]'s
-//!   pool) at fixed concurrency, the four measured in alternating phases
+//!   `max_tokens` 1), five Envoys in front of it — kvroute's native
+//!   module, plain Envoy (a STATIC cluster, no filter), the wasm floor
+//!   filter, kvroute.wasm and the native floor module. Closed-loop
+//!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the
+//!   five measured in alternating phases
 //!   (forwards, then backwards) so drift hits all; the filter's own time
 //!   from the `latencyUs` of the kvroute builds' `route` log lines. On two
 //!   cores or more the load generator and the sim run on CPU 0, the Envoys
@@ -36,8 +37,8 @@ use super::workload::words;
 use kvroute_config::Module;
 
 use crate::harness::{
-    floor_wasm_path, free_port, module_name, prometheus_value, render_envoy_config, wasm_path,
-    Cluster, ClusterSpec, Envoy,
+    floor_wasm_path, free_port, module_name, native_dir, prometheus_value, render_envoy_config,
+    wasm_path, Cluster, ClusterSpec, Envoy,
 };
 use crate::http;
 use crate::model::{KvCache, PodLoad};
@@ -176,20 +177,30 @@ fn pin(pid: u32, cpu: usize) -> bool {
 }
 
 /// The Envoys [`overhead`] compares, in this order: kvroute's native
-/// module, plain Envoy, the floor filter, kvroute.wasm.
-const TARGETS: [&str; 4] = ["native", "plain", "floor", "wasm"];
+/// module, plain Envoy, the (wasm) floor filter, kvroute.wasm, the native
+/// floor module.
+const TARGETS: [&str; 5] = ["native", "plain", "floor", "wasm", "nativeFloor"];
 /// The kvroute builds among [`TARGETS`] (their filter's own time is read
 /// from their `route` lines).
 const KVROUTE: [usize; 2] = [0, 3];
 
 /// The order of the [`TARGETS`] in round `round`: forwards, then
 /// backwards, so drift between rounds hits all alike.
-fn round_order(round: usize) -> [usize; 4] {
+fn round_order(round: usize) -> [usize; 5] {
     if round.is_multiple_of(2) {
-        [0, 1, 2, 3]
+        [0, 1, 2, 3, 4]
     } else {
-        [3, 2, 1, 0]
+        [4, 3, 2, 1, 0]
     }
+}
+
+/// The Envoy configuration `yaml` (kvroute's native rendering) with the
+/// native floor module (`integration/native-floor`) in kvroute's place.
+fn with_native_floor(yaml: String) -> String {
+    let kvroute = "dynamic_module_config:\n                name: kvroute ";
+    let floor = "dynamic_module_config:\n                name: kvroute_native_floor ";
+    debug_assert!(yaml.contains(kvroute), "the template names the module");
+    yaml.replace(kvroute, floor)
 }
 
 /// An Envoy of `yaml` in `dir` (under `cluster`'s directory).
@@ -264,16 +275,37 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             &pod,
         )
     })?;
+    // And the native floor module in kvroute's place: what any
+    // body-routing dynamic module costs.
+    let native_floor_so = native_dir().join("libkvroute_native_floor.so");
+    if !native_floor_so.exists() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "{} is missing (run `make native-floor`)",
+                native_floor_so.display()
+            ),
+        ));
+    }
+    let native_floor = start_envoy(&cluster, "native-floor", |listen, admin| {
+        with_native_floor(render_envoy_config(
+            Module::Native,
+            listen,
+            admin,
+            &cluster.config,
+            &pod,
+        ))
+    })?;
     std::thread::sleep(Duration::from_secs(2));
     // Every phase measures these, in `round_order`.
-    let targets = [&cluster.envoy, &plain, &floor, &wasm];
+    let targets = [&cluster.envoy, &plain, &floor, &wasm, &native_floor];
     let pinned = pinned && targets.iter().all(|e| pin(e.pid(), ENVOY_CPU));
     let (rounds, phase) = if quick {
         (2, Duration::from_secs(2))
     } else {
         (3, Duration::from_secs(3))
     };
-    let by_target = |values: [Value; 4]| -> Value {
+    let by_target = |values: [Value; 5]| -> Value {
         TARGETS
             .iter()
             .zip(values)
@@ -290,9 +322,9 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         for envoy in targets {
             closed_loop(&envoy.listen, &set, concurrency, Duration::from_millis(700));
         }
-        let mut latencies: [Vec<f64>; 4] = Default::default();
-        let mut errors = [0u64; 4];
-        let mut filter: [Vec<f64>; 4] = Default::default();
+        let mut latencies: [Vec<f64>; 5] = Default::default();
+        let mut errors = [0u64; 5];
+        let mut filter: [Vec<f64>; 5] = Default::default();
         for round in 0..rounds {
             for which in round_order(round) {
                 let envoy = targets[which];
@@ -323,7 +355,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "bodyBytes": size,
             "concurrency": concurrency,
             "us": by_target(us.clone()),
-            "addedUs": {"native": added(0), "floor": added(2), "wasm": added(3)},
+            "addedUs": {"native": added(0), "floor": added(2), "wasm": added(3), "nativeFloor": added(4)},
             "filterUs": {"native": stats(&mut filter[0]), "wasm": stats(&mut filter[3])},
             "errors": by_target(errors.map(|e| json!(e))),
         });
@@ -335,9 +367,9 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     for size in [1024usize, 16 * 1024] {
         let set = bodies(size, 32);
         // (requests, seconds, Envoy CPU seconds) per target.
-        let mut sums = [(0usize, 0.0f64, 0.0f64); 4];
+        let mut sums = [(0usize, 0.0f64, 0.0f64); 5];
         // The kvroute builds' main threads (the report service) on their own.
-        let mut main_thread_s = [0.0f64; 4];
+        let mut main_thread_s = [0.0f64; 5];
         for round in 0..rounds {
             for which in round_order(round) {
                 let pid = targets[which].pid();
@@ -354,7 +386,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         let rps = sums.map(|(n, t, _)| n as f64 / t);
         // CPU seconds per 1,000 requests, to 4 decimals.
         let per_1000 = |cpu: f64, n: usize| (cpu * 1000.0 / n.max(1) as f64 * 1e4).round() / 1e4;
-        let cpu = [0, 1, 2, 3].map(|i| json!(per_1000(sums[i].2, sums[i].0)));
+        let cpu = [0, 1, 2, 3, 4].map(|i| json!(per_1000(sums[i].2, sums[i].0)));
         let ratio = |which: usize| json!((rps[which] / rps[1] * 1000.0).round() / 1000.0);
         let cpu_ratio = |which: usize| {
             let (a, b) = (
@@ -367,9 +399,9 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
             "bodyBytes": size,
             "concurrency": sat_concurrency,
             "rps": by_target(rps.map(|r| json!(r.round()))),
-            "ratioToPlain": {"native": ratio(0), "floor": ratio(2), "wasm": ratio(3)},
+            "ratioToPlain": {"native": ratio(0), "floor": ratio(2), "wasm": ratio(3), "nativeFloor": ratio(4)},
             "envoyCpuSPer1000": by_target(cpu),
-            "cpuRatioToPlain": {"native": cpu_ratio(0), "floor": cpu_ratio(2), "wasm": cpu_ratio(3)},
+            "cpuRatioToPlain": {"native": cpu_ratio(0), "floor": cpu_ratio(2), "wasm": cpu_ratio(3), "nativeFloor": cpu_ratio(4)},
             "mainThreadCpuSPer1000": {"native": per_1000(main_thread_s[0], sums[0].0), "wasm": per_1000(main_thread_s[3], sums[3].0)},
         });
         eprintln!("overhead saturation: {entry}");
@@ -377,7 +409,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     }
     let wrk = wrk_check(&targets, pinned);
     Ok(json!({
-        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind four Envoy 1.40 (--concurrency 2): kvroute's native module, plain (STATIC cluster, no filter), floor (kvroute's Envoy with integration/floor-filter, a wasm filter, in kvroute's place: pause, buffer, read the body, set one header) and kvroute.wasm; closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute (or floor) − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
+        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind five Envoy 1.40 (--concurrency 2): kvroute's native module, plain (STATIC cluster, no filter), floor (kvroute's Envoy with integration/floor-filter, a wasm filter, in kvroute's place: pause, buffer, read the body, set one header), kvroute.wasm and nativeFloor (the same with integration/native-floor, a dynamic module doing the same); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute (or floor) − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
         "latency": latency,
         "saturation": saturation,
         "wrk": wrk,
@@ -389,7 +421,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
 /// Envoys run on theirs: one POST body repeated (1 and 16 KiB), 32
 /// connections for the rate and Envoy's CPU per request, one connection
 /// for the latency. `Null` without `wrk`.
-fn wrk_check(targets: &[&Envoy; 4], pinned: bool) -> Value {
+fn wrk_check(targets: &[&Envoy; 5], pinned: bool) -> Value {
     if std::process::Command::new("wrk")
         .arg("--version")
         .output()
@@ -592,22 +624,23 @@ pub fn filter_time_markdown(f: &Value) -> String {
 pub fn overhead_markdown(o: &Value) -> String {
     let mut out = String::from("## Overhead\n\n");
     out.push_str(&format!("{}.\n\n", o["method"].as_str().unwrap_or("")));
-    out.push_str("| body | concurrency | plain p50 / p99 µs | native added p50 / p99 µs | wasm added p50 / p99 µs | floor added p50 / p99 µs | filter's own time p50 / p99 µs, native / wasm (`latencyUs`) |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| body | concurrency | plain p50 / p99 µs | native added p50 / p99 µs | native floor added p50 / p99 µs | wasm added p50 / p99 µs | floor added p50 / p99 µs | filter's own time p50 / p99 µs, native / wasm (`latencyUs`) |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for l in o["latency"].as_array().into_iter().flatten() {
         let pair = |v: &Value| format!("{} / {}", v["p50"], v["p99"]);
         out.push_str(&format!(
-            "| {} KiB | {} | {} | {} | {} | {} | {} · {} |\n",
+            "| {} KiB | {} | {} | {} | {} | {} | {} | {} · {} |\n",
             l["bodyBytes"].as_u64().unwrap_or(0) / 1024,
             l["concurrency"],
             pair(&l["us"]["plain"]),
             pair(&l["addedUs"]["native"]),
+            pair(&l["addedUs"]["nativeFloor"]),
             pair(&l["addedUs"]["wasm"]),
             pair(&l["addedUs"]["floor"]),
             pair(&l["filterUs"]["native"]),
             pair(&l["filterUs"]["wasm"]),
         ));
     }
-    out.push_str("\n| body | concurrency | plain req/s | native req/s (ratio) | wasm req/s (ratio) | floor req/s (ratio) | Envoy CPU-s per 1,000 requests: plain / native / wasm / floor | CPU ratio to plain: native / wasm |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("\n| body | concurrency | plain req/s | native req/s (ratio) | native floor req/s (ratio) | wasm req/s (ratio) | floor req/s (ratio) | Envoy CPU-s per 1,000 requests: plain / native / native floor / wasm / floor | CPU ratio to plain: native / native floor / wasm / floor |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for s in o["saturation"].as_array().into_iter().flatten() {
         let with_ratio = |name: &str| {
             format!(
@@ -617,19 +650,23 @@ pub fn overhead_markdown(o: &Value) -> String {
             )
         };
         out.push_str(&format!(
-            "| {} KiB | {} | {} | {} | {} | {} | {} / {} / {} / {} | {}× / {}× |\n",
+            "| {} KiB | {} | {} | {} | {} | {} | {} | {} / {} / {} / {} / {} | {}× / {}× / {}× / {}× |\n",
             s["bodyBytes"].as_u64().unwrap_or(0) / 1024,
             s["concurrency"],
             s["rps"]["plain"],
             with_ratio("native"),
+            with_ratio("nativeFloor"),
             with_ratio("wasm"),
             with_ratio("floor"),
             s["envoyCpuSPer1000"]["plain"],
             s["envoyCpuSPer1000"]["native"],
+            s["envoyCpuSPer1000"]["nativeFloor"],
             s["envoyCpuSPer1000"]["wasm"],
             s["envoyCpuSPer1000"]["floor"],
             s["cpuRatioToPlain"]["native"],
+            s["cpuRatioToPlain"]["nativeFloor"],
             s["cpuRatioToPlain"]["wasm"],
+            s["cpuRatioToPlain"]["floor"],
         ));
     }
     if let Some(rows) = o["wrk"]["rows"].as_array() {
