@@ -17,6 +17,20 @@ pub fn event(level: log::Level, event: &str, mut fields: serde_json::Value) {
     log::log!(level, "{fields}");
 }
 
+/// Logs `record`, a struct whose `event` field names it, at `level`: the
+/// per-request lines, serialized as they are, without building a JSON
+/// value first (measured natively at 16 KiB: building and printing the
+/// `route` line's value cost about as much CPU as the request's lookups
+/// and scoring).
+pub fn record(level: log::Level, record: &impl serde::Serialize) {
+    if !log::log_enabled!(level) {
+        return;
+    }
+    if let Ok(line) = serde_json::to_string(record) {
+        log::log!(level, "{line}");
+    }
+}
+
 /// The `log` filter for the plugin's `logLevel`.
 pub fn level_filter(level: LogLevel) -> log::LevelFilter {
     match level {

@@ -33,9 +33,10 @@
 
 use std::time::Instant;
 
+use serde::Serialize;
 use serde_json::json;
 
-use super::events::event;
+use super::events::{self, event};
 use super::host::{Action, HostError, Stream, WorkerHost};
 use super::metrics::{percent, Metric, MetricBatch};
 use super::waiting::{self, Waiting};
@@ -363,13 +364,20 @@ pub(super) fn deliver(
         metrics.increment(Metric::FallbackRouting);
     }
     if log_route {
-        event(
+        events::record(
             log::Level::Info,
-            "route",
-            json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
-               "composite": (routed.composite * 1e4).round() / 1e4, "cacheMatch": (routed.cache_match * 1e4).round() / 1e4,
-               "matchedBlocks": routed.matched_blocks, "blocks": routed.chain.len(),
-               "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us}),
+            &RouteEvent {
+                event: "route",
+                request_id,
+                model: &routed.model,
+                pod: &routed.pod_id,
+                composite: (routed.composite * 1e4).round() / 1e4,
+                cache_match: (routed.cache_match * 1e4).round() / 1e4,
+                matched_blocks: routed.matched_blocks,
+                blocks: routed.chain.len(),
+                candidates: routed.decision.scored.len(),
+                latency_us: elapsed_us,
+            },
         );
     }
     Ok(RoutedRequest {
@@ -381,6 +389,22 @@ pub(super) fn deliver(
         predicted_cached_tokens: routed.predicted_cached_tokens,
         queued_prefill: routed.prefill_tokens,
     })
+}
+
+/// The `route` log line (one per request, or per `routeLogSample`).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct RouteEvent<'a> {
+    event: &'static str,
+    request_id: &'a str,
+    model: &'a str,
+    pod: &'a str,
+    composite: f64,
+    cache_match: f64,
+    matched_blocks: u32,
+    blocks: usize,
+    candidates: usize,
+    latency_us: u64,
 }
 
 impl RoutedRequest {

@@ -152,7 +152,12 @@ impl FilterConfig {
         let workers = Workers::new(concurrency, || {
             Worker::new(
                 config.clone(),
-                NativeWorker::new(shared.clone(), metrics.clone(), scheduler),
+                NativeWorker::new(
+                    shared.clone(),
+                    metrics.clone(),
+                    scheduler,
+                    config.replicas.is_some(),
+                ),
             )
         });
         let period = Duration::from_millis(tick_period_ms(&config).max(1));

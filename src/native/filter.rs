@@ -154,6 +154,9 @@ fn read_chunks(filter: FilterEnvoy, body_type: u32, max: usize, into: &mut Vec<u
         ) {
             return;
         }
+        // One allocation for the whole body, not one per doubling.
+        let size: usize = chunks.iter().map(|chunk| chunk.length).sum();
+        into.reserve(size.min(max.saturating_sub(into.len())));
         for chunk in chunks {
             let room = max.saturating_sub(into.len());
             if room == 0 {
@@ -406,13 +409,28 @@ pub struct NativeWorker {
     metrics: NativeMetrics,
     /// Wakes the service on the main thread (config scheduler).
     service_scheduler: usize,
+    /// Whether a decision batch wakes the service at once (see
+    /// [`NativeWorker::new`]).
+    wake_service: bool,
 }
 
 impl NativeWorker {
+    /// A worker over `shared`. Its decision batches reach the service on
+    /// the service's next tick (the ticker drains the inbox first), or at
+    /// once when `replicated` (the replica log feeds the peers, whose
+    /// convergence lag counts from here). Measured reason: with requests
+    /// shorter than a tick, an idle worker flushes after every request,
+    /// and waking Envoy's main thread for each batch cost ~35 µs of main
+    /// thread CPU per request (two thirds of it the wake-up itself) and
+    /// ~40-100 µs of latency per request at one client where the main
+    /// thread shares a core with the worker (`docs/native.md`); the
+    /// other workers see a decision at most one tick later instead, as
+    /// the core documents for every batch.
     pub fn new(
         shared: Arc<Shared>,
         metrics: NativeMetrics,
         service_scheduler: SchedulerPtr,
+        replicated: bool,
     ) -> NativeWorker {
         NativeWorker {
             shared,
@@ -421,6 +439,7 @@ impl NativeWorker {
             own_requests: 0,
             metrics,
             service_scheduler: service_scheduler as usize,
+            wake_service: replicated && !service_scheduler.is_null(),
         }
     }
 }
@@ -479,7 +498,7 @@ impl WorkerHost for NativeWorker {
     }
 
     fn send_decisions(&mut self, batch: &[u8]) {
-        if self.shared.decisions.push(batch) && self.service_scheduler != 0 {
+        if self.shared.decisions.push(batch) && self.wake_service {
             // SAFETY: the config scheduler lives as long as the config,
             // which outlives its workers; committing is thread-safe.
             unsafe {

@@ -497,7 +497,15 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
         // SAFETY: a live config (the hook runs on Envoy's main thread).
         let config = unsafe { routing_config(config) }?;
         match event {
-            EVENT_SERVICE_TICK => config.service().on_tick(),
+            EVENT_SERVICE_TICK => {
+                // The decisions the workers left for the tick first.
+                let batches = config.shared.decisions.take();
+                let mut service = config.service();
+                if !batches.is_empty() {
+                    service.on_decisions(batches);
+                }
+                service.on_tick();
+            }
             EVENT_DECISIONS => {
                 let batches = config.shared.decisions.take();
                 config.service().on_decisions(batches);
