@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 use kvroute::gateway::host::{HostError, HostResult, ServiceHost};
 use kvroute::gateway::metrics::{Metric, MetricSink};
 use kvroute::gateway::service::{ReportService, TICK_MS};
-use kvroute::snapshot::PodTable;
+use kvroute::replica::LogHead;
+use kvroute::snapshot::{PodTable, SlotLoad};
 use kvroute_integration::harness::{filler_text, free_port, Sim};
 use kvroute_integration::http;
 use serde_json::json;
@@ -196,6 +197,12 @@ impl ServiceHost for ThreadHost {
     fn inflight_of(&mut self, _slot: usize) -> u32 {
         0
     }
+
+    // The measurement configures no `replicas`: nothing is logged or
+    // received.
+    fn store_replica_log(&mut self, _slot: u64, _value: Vec<u8>, _head: LogHead) {}
+
+    fn publish_peer_loads(&mut self, _loads: Vec<SlotLoad>) {}
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         self

@@ -407,7 +407,7 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         eprintln!("overhead saturation: {entry}");
         saturation.push(entry);
     }
-    let wrk = wrk_check(&targets, pinned);
+    let wrk = wrk_check(&targets, pinned, if quick { 5 } else { 9 });
     Ok(json!({
         "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind five Envoy 1.40 (--concurrency 2): kvroute's native module, plain (STATIC cluster, no filter), floor (kvroute's Envoy with integration/floor-filter, a wasm filter, in kvroute's place: pause, buffer, read the body, set one header), kvroute.wasm and nativeFloor (the same with integration/native-floor, a dynamic module doing the same); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute (or floor) − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
         "latency": latency,
@@ -420,8 +420,12 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
 /// (Debian's package, `make wrk`), pinned to the load core while the
 /// Envoys run on theirs: one POST body repeated (1 and 16 KiB), 32
 /// connections for the rate and Envoy's CPU per request, one connection
-/// for the latency. `Null` without `wrk`.
-fn wrk_check(targets: &[&Envoy; 5], pinned: bool) -> Value {
+/// for the latency, `rounds` interleaved rounds ([`round_order`]). Each
+/// round's figures are also taken as ratios to plain Envoy's in the same
+/// round, and the medians of those ratios reported: on a shared machine
+/// a round's rate swings by tens of percent, for every Envoy alike.
+/// `Null` without `wrk`.
+fn wrk_check(targets: &[&Envoy; 5], pinned: bool, rounds: usize) -> Value {
     if std::process::Command::new("wrk")
         .arg("--version")
         .output()
@@ -433,7 +437,7 @@ fn wrk_check(targets: &[&Envoy; 5], pinned: bool) -> Value {
     if std::fs::create_dir_all(&dir).is_err() {
         return Value::Null;
     }
-    let seconds = 4;
+    let seconds = 2;
     let mut rows = Vec::new();
     for size in [1024usize, 16 * 1024] {
         let body = bodies(size, 1).pop().unwrap_or_default();
@@ -445,7 +449,8 @@ fn wrk_check(targets: &[&Envoy; 5], pinned: bool) -> Value {
         if std::fs::write(&script, lua).is_err() {
             continue;
         }
-        let run = |envoy: &Envoy, connections: usize| -> Option<(f64, f64, f64)> {
+        // (req/s, Envoy CPU ms per request, p50 µs, p99 µs)
+        let run = |envoy: &Envoy, connections: usize| -> Option<[f64; 4]> {
             let pid = envoy.pid();
             let cpu_before = process_cpu_s(pid)?;
             let mut command = std::process::Command::new("taskset");
@@ -470,29 +475,69 @@ fn wrk_check(targets: &[&Envoy; 5], pinned: bool) -> Value {
                 .trim()
                 .parse()
                 .ok()?;
-            let p50 = text
-                .lines()
-                .find_map(|l| l.trim().strip_prefix("50%"))
-                .and_then(|v| wrk_us(v.trim()))?;
-            Some((rps, cpu * 1000.0 / (rps * seconds as f64).max(1.0), p50))
+            let quantile = |q: &str| {
+                text.lines()
+                    .find_map(|l| l.trim().strip_prefix(q))
+                    .and_then(|v| wrk_us(v.trim()))
+            };
+            Some([
+                rps,
+                cpu * 1000.0 / (rps * seconds as f64).max(1.0),
+                quantile("50%")?,
+                quantile("99%")?,
+            ])
         };
+        for envoy in targets {
+            let _ = run(envoy, 32); // warm-up
+        }
+        // Per target, per round: the loaded run, then the one-client run.
+        let mut loaded: [Vec<Option<[f64; 4]>>; 5] = Default::default();
+        let mut single: [Vec<Option<[f64; 4]>>; 5] = Default::default();
+        for round in 0..rounds {
+            for which in round_order(round) {
+                loaded[which].push(run(targets[which], 32));
+                single[which].push(run(targets[which], 1));
+            }
+        }
+        let median = |values: Vec<f64>| {
+            let mut values = values;
+            values.sort_by(f64::total_cmp);
+            values.get(values.len() / 2).copied()
+        };
+        // The median over rounds of `f(target's round, plain's round)`.
+        let over_rounds = |runs: &[Vec<Option<[f64; 4]>>; 5],
+                           which: usize,
+                           f: &dyn Fn([f64; 4], [f64; 4]) -> f64| {
+            median(
+                runs[which]
+                    .iter()
+                    .zip(&runs[1])
+                    .filter_map(|(r, p)| Some(f((*r)?, (*p)?)))
+                    .collect(),
+            )
+        };
+        let round2 = |v: Option<f64>, scale: f64| v.map(|v| (v * scale).round() / scale);
         let mut row = serde_json::Map::new();
         row.insert("bodyBytes".into(), json!(size));
-        for (which, envoy) in targets.iter().enumerate() {
-            let _ = run(envoy, 32); // warm-up
-            let loaded = run(envoy, 32);
-            let single = run(envoy, 1);
+        for (which, name) in TARGETS.iter().enumerate() {
             row.insert(
-                TARGETS[which].to_string(),
-                json!({"rps": loaded.map(|r| r.0.round()), "cpuSPer1000": loaded.map(|r| (r.1 * 1e4).round() / 1e4),
-                       "p50UsOneClient": single.map(|r| r.2)}),
+                name.to_string(),
+                json!({
+                    "rps": round2(over_rounds(&loaded, which, &|r, _| r[0]), 1.0),
+                    "cpuSPer1000": round2(over_rounds(&loaded, which, &|r, _| r[1]), 1e4),
+                    "p50UsOneClient": over_rounds(&single, which, &|r, _| r[2]),
+                    "rpsRatioToPlain": round2(over_rounds(&loaded, which, &|r, p| r[0] / p[0]), 1e3),
+                    "cpuRatioToPlain": round2(over_rounds(&loaded, which, &|r, p| r[1] / p[1]), 100.0),
+                    "addedP50UsOneClient": over_rounds(&single, which, &|r, p| r[2] - p[2]),
+                    "addedP99UsOneClient": over_rounds(&single, which, &|r, p| r[3] - p[3]),
+                }),
             );
         }
         eprintln!("overhead wrk: {}", Value::Object(row.clone()));
         rows.push(Value::Object(row));
     }
     let _ = std::fs::remove_dir_all(&dir);
-    json!({"method": format!("wrk -t1 -c32 -d{seconds}s (rate, Envoy CPU per request) and -c1 (p50) per Envoy in turn, {}", if pinned { format!("wrk on CPU {LOAD_CPU}, the Envoys on CPU {ENVOY_CPU}") } else { "unpinned".into() }), "rows": rows})
+    json!({"method": format!("wrk -t1 -c32 -d{seconds}s (rate, Envoy CPU per request) and -c1 (latency) per Envoy, {rounds} interleaved rounds, medians over rounds (ratios and added latency: of each round's figure against plain's in the same round), {}", if pinned { format!("wrk on CPU {LOAD_CPU}, the Envoys on CPU {ENVOY_CPU}") } else { "unpinned".into() }), "rows": rows})
 }
 
 /// A wrk latency (`612.00us`, `1.20ms`) in µs.
@@ -670,16 +715,20 @@ pub fn overhead_markdown(o: &Value) -> String {
         ));
     }
     if let Some(rows) = o["wrk"]["rows"].as_array() {
-        out.push_str(&format!("\nIndependent check: {}.\n\n| body | Envoy | req/s (c32) | Envoy CPU-s per 1,000 | p50 µs (c1) |\n|---:|---|---:|---:|---:|\n", o["wrk"]["method"].as_str().unwrap_or("")));
+        out.push_str(&format!("\nIndependent check: {}.\n\n| body | Envoy | req/s (c32) | ratio to plain | Envoy CPU-s per 1,000 | CPU ratio to plain | p50 µs (c1) | added p50 / p99 µs (c1) |\n|---:|---|---:|---:|---:|---:|---:|---:|\n", o["wrk"]["method"].as_str().unwrap_or("")));
         for row in rows {
             for name in TARGETS {
                 let r = &row[name];
                 out.push_str(&format!(
-                    "| {} KiB | {name} | {} | {} | {} |\n",
+                    "| {} KiB | {name} | {} | {} | {} | {}× | {} | {} / {} |\n",
                     row["bodyBytes"].as_u64().unwrap_or(0) / 1024,
                     r["rps"],
+                    r["rpsRatioToPlain"],
                     r["cpuSPer1000"],
+                    r["cpuRatioToPlain"],
                     r["p50UsOneClient"],
+                    r["addedP50UsOneClient"],
+                    r["addedP99UsOneClient"],
                 ));
             }
         }
