@@ -250,8 +250,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
                 as usize;
         let filter = match config {
             ModuleConfig::Routing(config) => {
-                let id = config.workers.next_id();
-                config.workers.slot(worker)?.attach(id, envoy);
+                let id = config.workers.attach(worker, envoy)?;
                 Filter::Routing(RoutingFilter {
                     config: config.clone(),
                     worker,
@@ -261,8 +260,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
                 })
             }
             ModuleConfig::Replica(config) => {
-                let id = config.workers.next_id();
-                config.workers.slot(worker)?.attach(id, envoy);
+                let id = config.workers.attach(worker, envoy)?;
                 Filter::Replica(ReplicaCall {
                     config: config.clone(),
                     worker,

@@ -57,9 +57,9 @@ impl<W: WorkerState> WorkerSlot<W> {
         self.has_work.store(worker.has_work(), Ordering::Release);
     }
 
-    /// A request of this worker starts: registered, and made the tick
-    /// target if there is none.
-    pub fn attach(&self, id: u32, envoy: FilterEnvoy) {
+    /// A request of this worker starts: registered as `id`, and made the
+    /// tick target if there is none.
+    fn attach(&self, id: u32, envoy: FilterEnvoy) {
         let needs_ticker = self.ticker().is_none();
         let scheduler = {
             let mut worker = self.lock();
@@ -165,8 +165,12 @@ impl<W: WorkerState> Workers<W> {
         self.slots.get(index).or_else(|| self.slots.last())
     }
 
-    pub fn next_id(&self) -> u32 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+    /// A request starts on Envoy worker `index`: its id, once registered
+    /// with the worker ([`WorkerSlot::attach`]).
+    pub fn attach(&self, index: usize, envoy: FilterEnvoy) -> Option<u32> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.slot(index)?.attach(id, envoy);
+        Some(id)
     }
 }
 

@@ -525,11 +525,11 @@ fn wrk_check(targets: &[&Envoy; 5], pinned: bool, rounds: usize) -> Value {
                 json!({
                     "rps": round2(over_rounds(&loaded, which, &|r, _| r[0]), 1.0),
                     "cpuSPer1000": round2(over_rounds(&loaded, which, &|r, _| r[1]), 1e4),
-                    "p50UsOneClient": over_rounds(&single, which, &|r, _| r[2]),
+                    "p50UsOneClient": round2(over_rounds(&single, which, &|r, _| r[2]), 1.0),
                     "rpsRatioToPlain": round2(over_rounds(&loaded, which, &|r, p| r[0] / p[0]), 1e3),
                     "cpuRatioToPlain": round2(over_rounds(&loaded, which, &|r, p| r[1] / p[1]), 100.0),
-                    "addedP50UsOneClient": over_rounds(&single, which, &|r, p| r[2] - p[2]),
-                    "addedP99UsOneClient": over_rounds(&single, which, &|r, p| r[3] - p[3]),
+                    "addedP50UsOneClient": round2(over_rounds(&single, which, &|r, p| r[2] - p[2]), 1.0),
+                    "addedP99UsOneClient": round2(over_rounds(&single, which, &|r, p| r[3] - p[3]), 1.0),
                 }),
             );
         }
