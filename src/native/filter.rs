@@ -416,16 +416,17 @@ pub struct NativeWorker {
 
 impl NativeWorker {
     /// A worker over `shared`. Its decision batches reach the service on
-    /// the service's next tick (the ticker drains the inbox first), or at
+    /// the service's next tick (the tick takes the inbox first), or at
     /// once when `replicated` (the replica log feeds the peers, whose
     /// convergence lag counts from here). Measured reason: with requests
     /// shorter than a tick, an idle worker flushes after every request,
-    /// and waking Envoy's main thread for each batch cost ~35 µs of main
-    /// thread CPU per request (two thirds of it the wake-up itself) and
-    /// ~40-100 µs of latency per request at one client where the main
-    /// thread shares a core with the worker (`docs/native.md`); the
-    /// other workers see a decision at most one tick later instead, as
-    /// the core documents for every batch.
+    /// and waking Envoy's main thread for each batch cost 23–28 µs of
+    /// main-thread CPU per request at one client (two thirds of it in the
+    /// kernel, the wake-up itself), 7 µs without — latency too where the
+    /// main thread shares the worker's core
+    /// (`integration/results/native/README.md`). The other workers see a
+    /// decision at most one tick later instead, as the core documents for
+    /// every batch.
     pub fn new(
         shared: Arc<Shared>,
         metrics: NativeMetrics,
