@@ -437,7 +437,11 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
             "support-billing": {"baseModel": "sim-model", "adapter": "billing-lora"}
         }
     });
-    let cluster = Cluster::start(SIM.as_ref(), ClusterSpec::new(4, config)).expect("cluster");
+    // Two replicas of the gateway sharing their decisions: Prometheus
+    // scrapes the first, the second routes a few requests of its own.
+    let mut spec = ClusterSpec::new(4, config);
+    spec.replicas = 2;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster");
     let prometheus = Prometheus::start(&promtool, &cluster.envoy.admin);
     prometheus.wait_for(
         &format!("up{{job=\"{JOB}\"}}"),
@@ -446,6 +450,27 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
     );
 
     let work = workload(&cluster);
+    // The replica panels: decisions made on the other replica, learnt here.
+    let peer = &cluster.other_replicas[0];
+    for i in 0..3 {
+        let body = json!({"model": "sim-model", "prompt": text(&format!("on the other replica {i}"), 2048), "max_tokens": 2});
+        let answer =
+            http::post_json(&peer.listen, "/v1/completions", &body.to_string()).expect("post");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cluster
+        .envoy
+        .metric("epp_replica_decisions_received_total", &[])
+        .unwrap_or(0.0)
+        < 3.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the scraped replica learnt the other's decisions"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Histograms reach /stats/prometheus on Envoy's 1 s flush, then the 1 s
     // scrape: wait until Prometheus has what Envoy has.
     let decisions = cluster
@@ -528,6 +553,8 @@ fn check_dashboard(prometheus: &Prometheus, cluster: &Cluster, work: &Workload) 
             "Scoring latency p50 / p99",
             "Pod health overview",
             "Adapter load events by adapter",
+            "Replica convergence lag p50 / p99",
+            "Replica peers",
         ]
     );
     let pods: BTreeSet<String> = cluster.sims.iter().map(|s| s.id.clone()).collect();
@@ -627,6 +654,20 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
             let green = first.iter().filter(|s| s.value > 90.0).count();
             assert!(green >= 2, "{title}: healthy pods are 100: {first:?}");
         }
+        "Replica convergence lag p50 / p99" => {
+            let (p50, p99) = (results[0][0].value, results[1][0].value);
+            assert!(p50 > 0.0 && p99 >= p50, "{title}: p50 {p50} p99 {p99}");
+            assert!(p99 < 1000.0, "{title}: within a second: {p99}");
+        }
+        "Replica peers" => {
+            let mut states: Vec<f64> = first.iter().map(|s| s.value).collect();
+            states.sort_by(f64::total_cmp);
+            assert_eq!(
+                states,
+                vec![1.0, 3.0],
+                "{title}: the other live, itself: {first:?}"
+            );
+        }
         "Adapter load events by adapter" => {
             let loads = value_of(first, "adapter", "billing-lora");
             assert!(loads.unwrap_or(0.0) > 0.0, "{title}: {first:?}");
@@ -642,7 +683,7 @@ fn check_alerts(prometheus: &Prometheus, work: &Workload) {
         .filter_map(|l| l.trim().strip_prefix("- alert:"))
         .map(|name| name.trim().to_string())
         .collect();
-    assert_eq!(declared.len(), 7, "{declared:?}");
+    assert_eq!(declared.len(), 9, "{declared:?}");
 
     // Prometheus loaded them and evaluates them without error.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -711,6 +752,14 @@ fn check_alerts(prometheus: &Prometheus, work: &Workload) {
                     firing.iter().any(|s| s.label("pod") == work.sick),
                     "{name}: the sick pod is below 30: {firing:?}"
                 );
+            }
+            "KvrouteReplicaPeerFailing" => {
+                assert_eq!(samples.len(), 2, "{name}: the peer and itself: {samples:?}");
+                assert!(firing.is_empty(), "{name}: {firing:?}");
+            }
+            "KvrouteReplicaLagHigh" => {
+                assert_eq!(samples.len(), 1, "{name}: one router: {samples:?}");
+                assert!(samples[0].value > 0.0, "{name}: {samples:?}");
             }
             "KvrouteReportFailuresPersisting" => {
                 assert!(
