@@ -24,7 +24,12 @@
 //!    of the prompt it would save ([`Router::hold_bound_ms`]) in all; the
 //!    wait queue then offers the room to the next waiting request
 //!    ([`crate::queueing`]). A request leaving the wait queue
-//!    ([`Attempt::Waiting`]) is scored without the balance guard.
+//!    ([`Attempt::Waiting`]) is scored without balance.
+//!
+//! Every candidate carries its predicted TTFT ([`TtftModel`], from the
+//! view): balance ([`crate::scoring::balance`]) takes the cache term from
+//! a pod another clearly beats, and the routed request carries the winner's
+//! and the runner-up's predictions for the explain and route logs.
 //!
 //! A snapshot the service stopped refreshing ([`Staleness`]) is not
 //! trusted for cache: the request is routed by load, with each pod's health
@@ -34,6 +39,7 @@ use crate::chat_template::PromptRenderer;
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
+use crate::scoring::ttft::TtftModel;
 use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
@@ -44,12 +50,8 @@ pub struct ClusterView<'a> {
     pub index: &'a dyn PrefixLookup,
     /// In-flight requests and their queued prefill per pod slot.
     pub inflight: &'a [SlotLoad],
-    /// This worker's recent decisions per pod slot
-    /// ([`crate::scoring::balance::RecentShare`]).
-    pub recent_decisions: &'a [u32],
-    /// Per pod slot, its requests in flight averaged over this worker's
-    /// latest decisions ([`crate::scoring::balance::RecentShare::busy_average`]).
-    pub busy_average: &'a [f64],
+    /// The predicted-TTFT model this router learned ([`TtftModel`]).
+    pub ttft: &'a TtftModel,
     /// Now, on the clock of `table.published_at_ms`.
     pub now_ms: u64,
 }
@@ -85,6 +87,14 @@ pub struct Routed {
     /// counted in the pod's [`SlotLoad::prefill_tokens`] until the first
     /// response byte.
     pub prefill_tokens: u32,
+    /// Prefill ahead of its first token there: the pod's queued prefill
+    /// plus `prefill_tokens` (what [`TtftModel::observe`] learns from).
+    pub work_tokens: u64,
+    /// Predicted TTFT on the chosen pod and on the runner-up (if any).
+    pub predicted_ttft_ms: f64,
+    pub runner_up_ttft_ms: Option<f64>,
+    /// The answer is streamed ([`RoutingRequest::streamed`]).
+    pub streamed: bool,
     /// Why cache-aware routing was skipped, for a bad or unknown request.
     pub degraded: Option<String>,
     /// Sent to `fallbackPod` because every pod was excluded.
@@ -219,6 +229,10 @@ pub struct RoutingRequest {
     /// The answer carries `usage`, so the prediction can be checked
     /// against its `cached_tokens` (see [`crate::request::ParsedRequest`]).
     pub answer_reports_usage: bool,
+    /// The answer is streamed: its first byte is its first token, so its
+    /// TTFT teaches the [`TtftModel`] (an unstreamed answer's first byte
+    /// comes after its last token).
+    pub streamed: bool,
 }
 
 impl RoutingRequest {
@@ -232,6 +246,7 @@ impl RoutingRequest {
             degraded: Some(degraded),
             // Routed by load, nothing is predicted.
             answer_reports_usage: false,
+            streamed: false,
         }
     }
 }
@@ -310,6 +325,7 @@ impl Router {
             coverage,
             degraded: request_degraded,
             answer_reports_usage,
+            streamed,
         } = request;
         // A request that waits is routed again later, as it came.
         let waiting = |chain: Vec<u64>, rejected: Rejected, holding_out: Option<HoldOut>| {
@@ -321,6 +337,7 @@ impl Router {
                     coverage,
                     degraded: request_degraded.clone(),
                     answer_reports_usage,
+                    streamed,
                 },
                 rejected,
                 holding_out,
@@ -350,16 +367,21 @@ impl Router {
                 let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
                 let inflight = load.requests;
                 let cached_tokens = coverage.tokens(matched);
+                let uncached_tokens = coverage.prompt_tokens().saturating_sub(cached_tokens);
+                let queued_prefill = u64::from(load.prefill_tokens);
+                let line = view.ttft.line(pod.slot);
                 Candidate {
                     slot: pod.slot,
                     id: &pod.id,
                     cache_match: coverage.fraction(matched),
                     cached_tokens,
-                    uncached_tokens: coverage.prompt_tokens().saturating_sub(cached_tokens),
+                    uncached_tokens,
                     inflight,
-                    queued_prefill: u64::from(load.prefill_tokens),
-                    recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
-                    busy_average: view.busy_average.get(pod.slot).copied().unwrap_or(0.0),
+                    queued_prefill,
+                    predicted_ttft_ms: line
+                        .predict(queued_prefill.saturating_add(uncached_tokens) as f64),
+                    prefill_ms_per_token: line.ms_per_token,
+                    busy: view.ttft.busy(pod.slot),
                     health: if stale_snapshot {
                         let age = view.now_ms.saturating_sub(pod.last_report_ms);
                         pod.reported_health * self.staleness.health_factor(age)
@@ -379,10 +401,10 @@ impl Router {
         // pod has drained below `maxQueue`, one request per freed place:
         // the queue balances the pods already, and the guard would only
         // trade its cache hit for a miss on another pod that has room.
-        let balance_guard = attempt == Attempt::Arrival;
+        let balance_error = (attempt == Attempt::Arrival).then(|| view.ttft.error());
         let decision =
             self.policy
-                .decide(&candidates, adapter.is_some(), tie_breaker, balance_guard);
+                .decide(&candidates, adapter.is_some(), tie_breaker, balance_error);
         let (pod, fallback) = match decision.chosen {
             Some(index) => (index, false),
             None => match self.fallback_index(view.table) {
@@ -447,6 +469,12 @@ impl Router {
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
+            work_tokens: candidate
+                .queued_prefill
+                .saturating_add(candidate.uncached_tokens),
+            predicted_ttft_ms: candidate.predicted_ttft_ms,
+            runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
+            streamed,
             degraded,
             fallback,
             stale_snapshot,
@@ -581,6 +609,7 @@ impl Router {
                 model: request.model,
                 degraded: None,
                 answer_reports_usage: request.answer_reports_usage,
+                streamed: request.stream,
             }),
             None if self.config.on_unknown_model == BadRequestPolicy::Reject => Err(Rejected {
                 status: 404,
@@ -595,8 +624,9 @@ impl Router {
         }
     }
 
-    /// A JSON explanation of a decision: every candidate's factors and
-    /// composite, and the excluded pods with the reason.
+    /// A JSON explanation of a decision: every candidate's factors,
+    /// composite, predicted TTFT and whether it lost its cache term to a
+    /// clearly faster pod, and the excluded pods with the reason.
     pub fn explain(&self, table: &PodTable, decision: &Decision) -> String {
         let names = self.policy.scorer_names();
         let candidates: Vec<serde_json::Value> = decision
@@ -608,7 +638,8 @@ impl Router {
                     .zip(&s.factors)
                     .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
                     .collect();
-                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite)})
+                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite),
+                                   "predictedTtftMs": round4(s.predicted_ttft_ms), "cacheWithheld": s.cache_withheld})
             })
             .collect();
         let excluded: Vec<serde_json::Value> = decision
@@ -679,12 +710,12 @@ mod tests {
         let mut tree = PrefixTree::new(1000);
         tree.insert_chain(0, None, &chain);
         let inflight = [SlotLoad::default(); 2];
+        let ttft = TtftModel::new(64);
         let view = |now_ms| ClusterView {
             table: &published,
             index: &tree,
             inflight: &inflight,
-            recent_decisions: &[],
-            busy_average: &[],
+            ttft: &ttft,
             now_ms,
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
@@ -770,17 +801,17 @@ mod tests {
             }
         }
 
+        /// `inflight` requests per pod, each with 1,000 tokens to prefill.
         fn route(&self, inflight: [u32; 2], attempt: Attempt) -> Outcome {
             let inflight = inflight.map(|requests| SlotLoad {
                 requests,
-                prefill_tokens: 0,
+                prefill_tokens: requests * 1000,
             });
             let view = ClusterView {
                 table: &self.table,
                 index: &self.tree,
                 inflight: &inflight,
-                recent_decisions: &[],
-                busy_average: &[],
+                ttft: &TtftModel::new(64),
                 now_ms: 1000,
             };
             self.router
@@ -860,9 +891,10 @@ mod tests {
     }
 
     #[test]
-    fn the_balance_guard_spares_requests_leaving_the_wait_queue() {
-        // `a` caches the prompt and has room, but runs 10 requests more
-        // than `b`: an arrival goes to `b`, a waiting request to `a`.
+    fn balance_spares_requests_leaving_the_wait_queue() {
+        // `a` caches the 160-token prompt and has room, but 10,000 tokens
+        // to prefill before it (even uncalibrated, far past the prior
+        // error): an arrival goes to idle `b`, a waiting request to `a`.
         let case = HoldOutCase::new(config(), 0, 10);
         assert_eq!(routed_to(case.route([10, 0], Attempt::Arrival)), "b");
         let waiting = Attempt::Waiting { holding_ms: 0 };

@@ -59,6 +59,7 @@ use crate::queueing::{Priority, PRIORITY_HEADER};
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
+use crate::scoring::ttft::TtftModel;
 use crate::snapshot::{push_decision, SnapshotIndex, DECISION_QUEUE};
 use crate::usage::CachedTokensScanner;
 
@@ -97,6 +98,9 @@ struct Worker {
     usage_answers: Sample,
     /// Requests waiting for a pod ([`waiting`]).
     waiting: waiting::Waiting,
+    /// The predicted-TTFT model, learned from this worker's streamed
+    /// answers ([`RoutedRequest::first_byte`]).
+    ttft: TtftModel,
 }
 
 #[derive(Default)]
@@ -127,6 +131,7 @@ impl RootContext for FilterRoot {
         self.worker = Some(Rc::new(RefCell::new(Worker {
             recent: RecentDecisions::new(&config),
             waiting: waiting::Waiting::new(&config),
+            ttft: TtftModel::new(config.balance.learning_window),
             router: Router::new(config),
             tables: shared::TableCache::default(),
             decision_queue: None,
@@ -178,6 +183,11 @@ struct RoutedRequest {
     /// Prompt tokens counted as queued prefill on `slot` until the first
     /// response byte (0 after it).
     queued_prefill: u32,
+    /// What the TTFT model learns from at the first byte, while it is
+    /// still to come: when it was sent and the prefill work ahead of it.
+    /// `None` for an answer that does not stream (its
+    /// first byte is its last token) or after a failover.
+    ttft: Option<(Instant, u64)>,
 }
 
 impl RoutedRequest {
@@ -289,9 +299,16 @@ impl HttpContext for RequestContext {
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
         // The first byte of the answer: the pod has prefilled the prompt.
-        if let Some(routed) = self.routed.as_mut().filter(|r| r.queued_prefill > 0) {
-            shared::adjust_inflight(&[(routed.slot, 0, -i64::from(routed.queued_prefill))]);
-            routed.queued_prefill = 0;
+        if let Some(routed) = self.routed.as_mut() {
+            if routed.queued_prefill > 0 {
+                shared::adjust_inflight(&[(routed.slot, 0, -i64::from(routed.queued_prefill))]);
+                routed.queued_prefill = 0;
+            }
+            if let (Some(sent), Some(worker)) = (routed.ttft.take(), &self.worker) {
+                if self.response_ok {
+                    first_byte(&mut worker.borrow_mut(), routed, sent, &self.request_id);
+                }
+            }
         }
         // Returning Continue keeps the response streaming: `body_size` is
         // this chunk only and nothing is buffered. Each chunk read is a
@@ -508,8 +525,9 @@ impl RequestContext {
         shared::adjust_inflight(&[routed.release(), (server.slot, 1, queued)]);
         routed.slot = server.slot;
         routed.pod_id = server.id.clone();
-        // The cache prediction was for the chosen pod.
+        // The cache and TTFT predictions were for the chosen pod.
         routed.predicted_cached_tokens = 0;
+        routed.ttft = None;
     }
 
     /// Takes over the routing of a request the wait queue dispatched.
@@ -625,14 +643,16 @@ impl Worker {
             buckets: table.buckets,
             fetch: shared::bucket,
         };
-        self.recent
-            .observe_inflight(inflight.iter().map(|load| load.requests));
+        // Arrivals see time averages: how often each pod has prefill queued.
+        if attempt == Attempt::Arrival {
+            self.ttft
+                .observe_queues(inflight.iter().map(|load| u64::from(load.prefill_tokens)));
+        }
         let view = ClusterView {
             table: &table,
             index: &Merged(&snapshot, &self.recent),
             inflight: &inflight,
-            recent_decisions: self.recent.decisions_per_slot(),
-            busy_average: self.recent.busy_average(),
+            ttft: &self.ttft,
             now_ms,
         };
         let outcome = self
@@ -761,7 +781,9 @@ fn deliver(
             json!({"requestId": request_id, "model": routed.model, "pod": routed.pod_id,
                "composite": (routed.composite * 1e4).round() / 1e4, "cacheMatch": (routed.cache_match * 1e4).round() / 1e4,
                "matchedBlocks": routed.matched_blocks, "blocks": routed.chain.len(),
-               "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us}),
+               "candidates": routed.decision.scored.len(), "latencyUs": elapsed_us,
+               "predictedTtftMs": round_ms(routed.predicted_ttft_ms),
+               "runnerUpTtftMs": routed.runner_up_ttft_ms.map(round_ms)}),
         );
     }
     Ok(RoutedRequest {
@@ -772,5 +794,41 @@ fn deliver(
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
         queued_prefill: routed.prefill_tokens,
+        ttft: routed
+            .streamed
+            .then(|| (Instant::now(), routed.work_tokens)),
     })
+}
+
+/// A streamed answer's first byte: the TTFT model learns from it, and its
+/// error goes to `epp_ttft_prediction_error_percent` (and the DEBUG event
+/// `ttft_prediction`). All the glue of the model is here and in `deliver`;
+/// the learning is the core's ([`TtftModel::observe`]).
+fn first_byte(
+    worker: &mut Worker,
+    routed: &RoutedRequest,
+    (sent, work_tokens): (Instant, u64),
+    request_id: &str,
+) {
+    let ttft_ms = sent.elapsed().as_secs_f64() * 1000.0;
+    let Some(seen) = worker.ttft.observe(routed.slot, work_tokens, ttft_ms) else {
+        return;
+    };
+    metrics::histogram(
+        "epp_ttft_prediction_error_percent",
+        (seen.relative_error * 100.0).round() as u64,
+    );
+    if log::log_enabled!(log::Level::Debug) {
+        event(
+            log::Level::Debug,
+            "ttft_prediction",
+            json!({"requestId": request_id, "pod": routed.pod_id, "workTokens": work_tokens,
+                   "predictedTtftMs": round_ms(seen.predicted_ms), "ttftMs": round_ms(seen.actual_ms)}),
+        );
+    }
+}
+
+/// Milliseconds to 0.01 ms, for logs.
+fn round_ms(ms: f64) -> f64 {
+    (ms * 100.0).round() / 100.0
 }

@@ -160,6 +160,7 @@ pub fn export_from_zero(config: &Config) {
         "epp_scoring_latency_us",
         "epp_wait_time_ms",
         "epp_service_busy_us",
+        "epp_ttft_prediction_error_percent",
     ] {
         let _ = id(MetricKind::Histogram, name);
     }

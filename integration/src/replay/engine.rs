@@ -54,6 +54,7 @@ use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
 use kvroute::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
+use kvroute::scoring::ttft::TtftModel;
 use kvroute::snapshot::{PodTable, SlotLoad, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
@@ -68,7 +69,7 @@ const SERVICE_TICK_US: u64 = 50_000;
 /// something to say (build, send, Envoy, fold): a few ms on loopback.
 pub const REPORT_LATENCY_US: u64 = 2_000;
 
-/// The simulated pods (all identical).
+/// The simulated pods: alike but for their prefill speed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PodSpec {
     pub count: usize,
@@ -78,6 +79,21 @@ pub struct PodSpec {
     /// token).
     pub max_batch: usize,
     pub cost: CostModel,
+    /// Per pod, its prefill speed as a multiple of `cost`'s (a mixed pool:
+    /// `[1, 1, 0.5, 0.5]`); pods past the list, or all when it is empty,
+    /// run at 1.
+    pub prefill_speeds: Vec<f64>,
+}
+
+impl PodSpec {
+    /// The cost model of pod `pod` ([`PodSpec::prefill_speeds`]).
+    pub fn cost_of(&self, pod: usize) -> CostModel {
+        let speed = self.prefill_speeds.get(pod).copied().unwrap_or(1.0);
+        CostModel {
+            prefill_s_per_token: self.cost.prefill_s_per_token / speed,
+            ..self.cost.clone()
+        }
+    }
 }
 
 /// Who picks the pod.
@@ -138,6 +154,12 @@ pub struct RequestOutcome {
     /// 503 retries (0 for the cache-blind policies, which never hold a
     /// request: their queueing is on the pods, inside TTFT).
     pub wait_us: u64,
+    /// Prompt tokens its pod prefilled for it.
+    pub prefilled_tokens: u64,
+    /// kvroute: the TTFT model's prediction for it (from being sent to
+    /// its first token), made as its first token arrived and before the
+    /// model learned from it ([`kvroute::scoring::ttft::Observation`]).
+    pub predicted_ttft_us: Option<u64>,
 }
 
 /// The numbers of one run.
@@ -158,6 +180,11 @@ pub struct Summary {
     /// [`RequestOutcome::wait_us`] percentiles.
     pub wait_p50_ms: f64,
     pub wait_p99_ms: f64,
+    /// Per pod, its share of the prompt tokens prefilled.
+    pub prefill_shares: Vec<f64>,
+    /// Median of `|predicted − actual| / actual` TTFT (from being sent),
+    /// over the requests kvroute predicted.
+    pub prediction_error_p50: Option<f64>,
 }
 
 impl Summary {
@@ -177,6 +204,20 @@ impl Summary {
             counts[o.pod] += 1;
         }
         let pod_shares: Vec<f64> = counts.iter().map(|&c| c as f64 / n.max(1) as f64).collect();
+        let mut prefilled = vec![0u64; pods];
+        for o in outcomes {
+            prefilled[o.pod] += o.prefilled_tokens;
+        }
+        let all_prefilled = prefilled.iter().sum::<u64>().max(1) as f64;
+        let mut errors: Vec<f64> = outcomes
+            .iter()
+            .filter_map(|o| {
+                let actual = o.ttft_us.saturating_sub(o.wait_us).max(1) as f64;
+                o.predicted_ttft_us
+                    .map(|p| (p as f64 - actual).abs() / actual)
+            })
+            .collect();
+        errors.sort_by(f64::total_cmp);
         Summary {
             requests: n,
             hit_rate: if prompt == 0 {
@@ -193,6 +234,11 @@ impl Summary {
             rejections: outcomes.iter().map(|o| u64::from(o.rejections)).sum(),
             wait_p50_ms: percentile(&wait, 0.50) as f64 / 1000.0,
             wait_p99_ms: percentile(&wait, 0.99) as f64 / 1000.0,
+            prefill_shares: prefilled
+                .iter()
+                .map(|&t| t as f64 / all_prefilled)
+                .collect(),
+            prediction_error_p50: errors.get(errors.len() / 2).copied(),
         }
     }
 }
@@ -250,6 +296,9 @@ pub fn sim_pods(count: usize) -> Vec<PodConfig> {
 enum Kind {
     /// A pod finished a prefill: blocks enter its cache.
     PrefillDone,
+    /// A request's first token reaches the router: its queued prefill is
+    /// released, and kvroute's TTFT model learns from it.
+    FirstToken,
     /// A pod's prefill engine starts a request's prefill.
     PrefillStart,
     /// A request's last token: its slot frees.
@@ -372,6 +421,9 @@ struct Simulation<'a> {
     /// Per request, the prefill tokens counted on its pod until its first
     /// token.
     queued_prefill: Vec<u32>,
+    /// Per request routed by kvroute: when it was sent and the prefill
+    /// work ahead of it (what the TTFT model learns from).
+    sent: Vec<Option<(u64, u64)>>,
 }
 
 enum Chooser<'a> {
@@ -412,6 +464,8 @@ impl<'a> Simulation<'a> {
                 cached_tokens: 0,
                 rejections: 0,
                 wait_us: 0,
+                prefilled_tokens: 0,
+                predicted_ttft_us: None,
             })
             .collect();
         let mut sim = Simulation {
@@ -431,6 +485,7 @@ impl<'a> Simulation<'a> {
             gateway: (policy == Policy::Kvroute && config.on_no_eligible_pod == NoPodPolicy::Wait)
                 .then(|| WaitQueue::new(WaitPolicy::from_config(config))),
             queued_prefill: vec![0; workload.requests.len()],
+            sent: vec![None; workload.requests.len()],
         };
         for (i, r) in workload.requests.iter().enumerate() {
             sim.push(r.arrival_us, Kind::Arrival, i, 0);
@@ -463,12 +518,24 @@ impl<'a> Simulation<'a> {
                     let pod = &mut self.pods[event.pod];
                     pod.engine.finish(chain);
                     pod.cache.insert_chain(chain);
-                    pod.queued_prefill -= std::mem::take(&mut self.queued_prefill[event.request]);
                     // A held long-poll answers now that there is an event.
                     if let Some(call) = pod.report_call.as_mut().filter(|c| c.waiting) {
                         call.waiting = false;
                         let id = call.id;
                         self.push(now + REPORT_LATENCY_US, Kind::ReportAnswer, id, event.pod);
+                    }
+                }
+                Kind::FirstToken => {
+                    let pod = &mut self.pods[event.pod];
+                    pod.queued_prefill -= std::mem::take(&mut self.queued_prefill[event.request]);
+                    if let (Some((sent, work)), Chooser::Kvroute(view)) =
+                        (self.sent[event.request], &mut self.chooser)
+                    {
+                        let ttft_ms = (now - sent) as f64 / 1000.0;
+                        if let Some(seen) = view.ttft.observe(event.pod, work, ttft_ms) {
+                            self.outcomes[event.request].predicted_ttft_us =
+                                Some((seen.predicted_ms * 1000.0) as u64);
+                        }
                     }
                 }
                 Kind::PrefillStart => {
@@ -637,8 +704,9 @@ impl<'a> Simulation<'a> {
             Chooser::Kvroute(view) => {
                 let loads: Vec<SlotLoad> = self.pods.iter().map(Pod::slot_load).collect();
                 match view.choose(request, &loads, now / 1000, attempt) {
-                    Ok((pod, prefill)) => {
+                    Ok((pod, prefill, work)) => {
                         prefill_tokens = prefill;
+                        self.sent[index] = Some((now, work));
                         pod
                     }
                     Err(placement) => return placement,
@@ -685,7 +753,7 @@ impl<'a> Simulation<'a> {
         let cached = request
             .coverage
             .tokens(state.engine.cached_prefix(&state.cache, &request.chain) as u32);
-        let cost = &self.spec.cost;
+        let cost = &self.spec.cost_of(pod);
         let slot = state.engine.schedule(
             cost,
             Duration::from_micros(now),
@@ -697,9 +765,11 @@ impl<'a> Simulation<'a> {
         let decode = micros(cost.generation_after_first(request.output_tokens));
         let outcome = &mut self.outcomes[index];
         outcome.cached_tokens = cached;
+        outcome.prefilled_tokens = request.prompt_tokens - cached;
         outcome.ttft_us = first_token - outcome.arrival_us;
         self.push(micros(slot.start), Kind::PrefillStart, index, pod);
         self.push(micros(slot.end), Kind::PrefillDone, index, pod);
+        self.push(first_token, Kind::FirstToken, index, pod);
         self.push(first_token + decode, Kind::Finish, index, pod);
     }
 }
@@ -753,6 +823,8 @@ struct KvrouteView<'a> {
     polling: ReportPolling,
     pod_ids: Vec<String>,
     requests: u64,
+    /// The filter's predicted-TTFT model, learned from first tokens.
+    ttft: TtftModel,
 }
 
 impl<'a> KvrouteView<'a> {
@@ -768,6 +840,7 @@ impl<'a> KvrouteView<'a> {
             polling: ReportPolling::new(config),
             pod_ids: config.pods.iter().map(|p| p.id.clone()).collect(),
             requests: 0,
+            ttft: TtftModel::new(config.balance.learning_window),
         }
     }
 
@@ -800,16 +873,17 @@ impl<'a> KvrouteView<'a> {
     }
 
     /// The filter's decision for `request` (the core's own
-    /// [`Router::route_prepared`] on the published view): the pod, or why
-    /// it is not routed ([`Placement::Wait`]: no pod can take it, a 503
-    /// under `"reject"`).
+    /// [`Router::route_prepared`] on the published view): the pod, its
+    /// prefill tokens and the prefill work ahead of its first token, or
+    /// why it is not routed ([`Placement::Wait`]: no pod can take it, a
+    /// 503 under `"reject"`).
     fn choose(
         &mut self,
         request: &Request,
         inflight: &[SlotLoad],
         now_ms: u64,
         attempt: Attempt,
-    ) -> Result<(usize, u32), Placement> {
+    ) -> Result<(usize, u32, u64), Placement> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return Err(Placement::Wait); // nothing published yet
@@ -824,6 +898,7 @@ impl<'a> KvrouteView<'a> {
                 coverage: request.coverage,
                 degraded: None,
                 answer_reports_usage: true,
+                streamed: true,
             }
         } else {
             RoutingRequest::by_load(String::new(), "request body exceeds maxBodyBytes".into())
@@ -832,14 +907,16 @@ impl<'a> KvrouteView<'a> {
             buckets: self.table.buckets,
             fetch: |b| self.buckets.get(&b).cloned(),
         };
-        self.recent
-            .observe_inflight(inflight.iter().map(|load| load.requests));
+        // Arrivals see time averages: how often each pod has prefill queued.
+        if attempt == Attempt::Arrival {
+            self.ttft
+                .observe_queues(inflight.iter().map(|load| u64::from(load.prefill_tokens)));
+        }
         let view = ClusterView {
             table: &self.table,
             index: &Merged(&snapshot, &self.recent),
             inflight,
-            recent_decisions: self.recent.decisions_per_slot(),
-            busy_average: self.recent.busy_average(),
+            ttft: &self.ttft,
             // The simulated service publishes every interval and never
             // freezes, so its snapshot is never stale.
             now_ms: self.table.published_at_ms,
@@ -860,7 +937,7 @@ impl<'a> KvrouteView<'a> {
         self.cluster
             .record_decision(routed.slot, &routed.chain, now_ms);
         self.publish_buckets(now_ms);
-        Ok((routed.slot, routed.prefill_tokens))
+        Ok((routed.slot, routed.prefill_tokens, routed.work_tokens))
     }
 
     /// The service writes the buckets its pending decisions changed
@@ -941,15 +1018,11 @@ mod tests {
                         buckets: view.table.buckets,
                         fetch: |b| view.buckets.get(&b).cloned(),
                     };
-                    // What the view folds in before it decides.
-                    let mut recent = view.recent.clone();
-                    recent.observe_inflight(inflight.iter().map(|load| load.requests));
                     let cluster = ClusterView {
                         table: &view.table,
-                        index: &Merged(&snapshot, &recent),
+                        index: &Merged(&snapshot, &view.recent),
                         inflight: &inflight,
-                        recent_decisions: recent.decisions_per_slot(),
-                        busy_average: recent.busy_average(),
+                        ttft: &view.ttft,
                         now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
@@ -963,7 +1036,7 @@ mod tests {
                 let chosen = view
                     .choose(r, &inflight, i as u64 * 1000, Attempt::Arrival)
                     .ok()
-                    .map(|(pod, _)| pod);
+                    .map(|(pod, _, _)| pod);
                 assert_eq!(chosen, expected, "{mode:?} request {i}");
                 let pod = chosen.unwrap();
                 pods[pod].cache.insert_chain(&r.chain);
@@ -1035,6 +1108,7 @@ mod tests {
             kv_blocks: 1000,
             max_batch: 8,
             cost: CostModel::gpu_8b(1.0),
+            prefill_speeds: Vec::new(),
         };
         let run = simulate(&workload, &spec, Policy::Kvroute, &config, 1);
         run.outcomes
@@ -1076,6 +1150,7 @@ mod tests {
                 kv_blocks: 64,
                 max_batch: 1,
                 cost: CostModel::gpu_8b(1.0),
+                prefill_speeds: Vec::new(),
             };
             let result = simulate(&workload, &spec, Policy::Kvroute, &config, 1);
             assert!(
