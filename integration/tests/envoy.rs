@@ -367,20 +367,23 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
         new_session, holder,
         "the new session waits behind the holder's prefills"
     );
-    // With the guard off it follows its head.
+    // With balance off it follows its head.
     let mut off = base_config();
-    off["balance"] = json!({"prefillSlackTokens": null});
+    off["balance"] = json!({"enabled": false});
     let (new_session, holder) = new_session_while_the_holder_prefills(off);
     assert_eq!(
         new_session, holder,
-        "without the prefill guard the head's holder keeps it"
+        "without balance the head's holder keeps it"
     );
 }
 
 #[test]
 fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     // Slow pods (time scale 0.5, 4 concurrent) so 50 requests are all in
-    // flight at once; maxQueue 20.
+    // flight at once; maxQueue 20. Each asks a 1,024-token question of a
+    // 2,048-token document: the prefill queued on the document's holder
+    // grows by a question per request, until a pod prefilling the whole
+    // prompt is clearly sooner (balance: predicted TTFT).
     let cluster = start(
         4,
         base_config(),
@@ -398,7 +401,8 @@ fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     let handles: Vec<_> = (0..50)
         .map(|i| {
             let listen = listen.clone();
-            let body = completion(&format!("{prefix} question {i}"), 48).to_string();
+            let question = text(&format!("question {i}"), 4 * 1024);
+            let body = completion(&format!("{prefix} {question}"), 48).to_string();
             std::thread::spawn(move || {
                 http::post_json(&listen, "/v1/completions", &body).expect("response")
             })
@@ -417,8 +421,8 @@ fn thundering_herd_spreads_and_never_queues_past_max_queue() {
         max_queue_seen <= 20,
         "hot pod queued {max_queue_seen} > maxQueue"
     );
-    // Affinity yields to balance (the balance guard): the holder keeps a
-    // share, and no pod takes much more than a fair 12.5 of the 50.
+    // Affinity yields to balance: the holder keeps a share, and no pod
+    // takes much more than a fair 12.5 of the 50.
     assert!(
         per_pod[hot_index] >= 5,
         "hot pod took only {} of 50: {per_pod:?}",

@@ -136,7 +136,7 @@ mod tests {
         // A short queue: the cache pod is the fastest.
         let short = [pod(0, 9_000, 2_000, 1.0), pod(1, 0, 0, 0.0)];
         assert_eq!(balance.withhold(&short, 0.1), [false, false]);
-        // An uncalibrated model (error 1) trusts no difference.
+        // A model whose error is 100 % trusts no difference.
         assert_eq!(balance.withhold(&idle_pool, 1.0), [false, false]);
         assert!(balance.withhold(&[], 0.1).is_empty());
     }

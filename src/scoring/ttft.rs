@@ -31,7 +31,7 @@
 //! relative error `|predicted − actual| / actual` is averaged over the same
 //! window, starting from a prior of [`PRIOR_ERROR`] worth
 //! [`PRIOR_ERROR_SAMPLES`] answers (an uncalibrated model is trusted only
-//! for large differences). Two predictions are told apart only when their
+//! for a factor of two). Two predictions are told apart only when their
 //! error bands do not overlap, `fast × (1 + e) < slow × (1 − e)`
 //! ([`TtftModel::clearly_faster`]): so the cache is moved off a pod only
 //! when another pod is faster by more than the model's own error.
@@ -40,8 +40,11 @@
 //! them: per pod the queued tokens (already shared by every worker), the
 //! five sums of its fit and its busy share ([`TtftModel::busy`]).
 
-/// Relative error assumed before the model has answers to measure it on.
-pub const PRIOR_ERROR: f64 = 0.5;
+/// Relative error assumed before the model has answers to measure it on:
+/// a third, so that an uncalibrated model tells two pods apart only when
+/// one has twice the other's work, `(1 + ⅓) / (1 − ⅓) = 2` (what the
+/// prefill guard's ratio of 2 was measured to need, see docs/design.md).
+pub const PRIOR_ERROR: f64 = 1.0 / 3.0;
 
 /// How many answers the prior error weighs.
 pub const PRIOR_ERROR_SAMPLES: f64 = 4.0;

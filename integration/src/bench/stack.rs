@@ -171,6 +171,9 @@ pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Sta
         let approximate = policy == "kvroute-approx";
         let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, approximate));
         spec.sim_args = pod_args;
+        spec.per_pod_args = (0..workload.pods)
+            .map(|i| speed_args(workload, i))
+            .collect();
         if !workload.stock_vllm || approximate {
             let cluster = Box::new(Cluster::start(sim_binary, spec)?);
             return Ok(Stack::Kvroute {
@@ -180,7 +183,9 @@ pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Sta
         }
         // Stock vLLM: reports come from one bridge per pod.
         let ports: Vec<BridgePorts> = (0..workload.pods).map(|_| BridgePorts::free()).collect();
-        spec.per_pod_args = ports.iter().map(BridgePorts::sim_args).collect();
+        for (args, ports) in spec.per_pod_args.iter_mut().zip(&ports) {
+            args.extend(ports.sim_args());
+        }
         spec.report_addresses = ports.iter().map(|p| Some(p.listen.clone())).collect();
         let cluster = Box::new(Cluster::start(sim_binary, spec)?);
         let bridges = start_bridges(workload, &cluster, &ports, sim_binary)?;
@@ -299,8 +304,21 @@ fn start_pods(
     ports
         .iter()
         .enumerate()
-        .map(|(i, port)| Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, args))
+        .map(|(i, port)| {
+            let mut args = args.to_vec();
+            args.extend(speed_args(workload, i));
+            Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)
+        })
         .collect()
+}
+
+/// Pod `pod`'s `--prefill-speed`, in a mixed pool ([`Workload::prefill_speeds`]).
+fn speed_args(workload: &Workload, pod: usize) -> Vec<String> {
+    workload
+        .prefill_speeds
+        .get(pod)
+        .map(|speed| vec!["--prefill-speed".into(), speed.to_string()])
+        .unwrap_or_default()
 }
 
 /// Envoy's `lb_policy` for a baseline policy name.

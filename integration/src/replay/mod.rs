@@ -453,6 +453,7 @@ fn run_bench_workload(
         trace_offset: None,
         plugin_extra: json!({}),
         stock_vllm: false,
+        prefill_speeds: args.prefill_speeds.clone(),
     };
     let bench = crate::bench::workload::build(name, &options)?;
     let mut plugin = bench.plugin.clone();
