@@ -100,6 +100,28 @@ pub struct BalanceConfig {
     pub enabled: bool,
     /// Answers per pod the TTFT model remembers (exponential forgetting).
     pub learning_window: u32,
+    /// SLO mode ([`crate::scoring::slo`]): a TTFT target in ms, for every
+    /// model (a number) or per client-facing model name (an object);
+    /// `x-kvroute-ttft-target-ms` sets it per request. `None`: off.
+    pub ttft_target_ms: Option<TtftTarget>,
+}
+
+/// `balance.ttftTargetMs`: one target, or one per model.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum TtftTarget {
+    All(f64),
+    PerModel(BTreeMap<String, f64>),
+}
+
+impl TtftTarget {
+    /// The target of requests for `model`, if it has one.
+    pub fn of(&self, model: &str) -> Option<f64> {
+        match self {
+            TtftTarget::All(ms) => Some(*ms),
+            TtftTarget::PerModel(models) => models.get(model).copied(),
+        }
+    }
 }
 
 impl Default for BalanceConfig {
@@ -107,6 +129,7 @@ impl Default for BalanceConfig {
         BalanceConfig {
             enabled: true,
             learning_window: crate::scoring::ttft::DEFAULT_LEARNING_WINDOW,
+            ttft_target_ms: None,
         }
     }
 }
@@ -526,6 +549,22 @@ impl Config {
         }
         if self.max_queue < 1 {
             return Err(invalid("maxQueue", "must be >= 1"));
+        }
+        let targets: Vec<(String, f64)> = match &self.balance.ttft_target_ms {
+            None => Vec::new(),
+            Some(TtftTarget::All(ms)) => vec![("balance.ttftTargetMs".into(), *ms)],
+            Some(TtftTarget::PerModel(models)) => models
+                .iter()
+                .map(|(model, ms)| (format!("balance.ttftTargetMs.{model}"), *ms))
+                .collect(),
+        };
+        for (field, ms) in targets {
+            if !(ms.is_finite() && ms > 0.0) {
+                return Err(invalid(
+                    field,
+                    format!("must be a positive number of ms (got {ms})"),
+                ));
+            }
         }
         let window = self.balance.learning_window;
         if !(1..=MAX_LEARNING_WINDOW).contains(&window) {

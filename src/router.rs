@@ -29,7 +29,10 @@
 //! Every candidate carries its predicted TTFT ([`TtftModel`], from the
 //! view): balance ([`crate::scoring::balance`]) takes the cache term from
 //! a pod another clearly beats, and the routed request carries the winner's
-//! and the runner-up's predictions for the explain and route logs.
+//! and the runner-up's predictions for the explain and route logs. With a
+//! TTFT target (SLO mode, [`crate::scoring::slo`]) the cheapest pod in time
+//! wins, and a request no pod serves in time holds out in the wait queue
+//! while waiting can still help.
 //!
 //! A snapshot the service stopped refreshing ([`Staleness`]) is not
 //! trusted for cache: the request is routed by load, with each pod's health
@@ -39,6 +42,7 @@ use crate::chat_template::PromptRenderer;
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
+use crate::scoring::slo::{self, SloChoice};
 use crate::scoring::ttft::TtftModel;
 use crate::scoring::{Candidate, Decision, Exclusion, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
@@ -233,6 +237,8 @@ pub struct RoutingRequest {
     /// TTFT teaches the [`TtftModel`] (an unstreamed answer's first byte
     /// comes after its last token).
     pub streamed: bool,
+    /// SLO mode's target ([`crate::scoring::slo`]), if any.
+    pub ttft_target_ms: Option<f64>,
 }
 
 impl RoutingRequest {
@@ -247,6 +253,7 @@ impl RoutingRequest {
             // Routed by load, nothing is predicted.
             answer_reports_usage: false,
             streamed: false,
+            ttft_target_ms: None,
         }
     }
 }
@@ -326,6 +333,7 @@ impl Router {
             degraded: request_degraded,
             answer_reports_usage,
             streamed,
+            ttft_target_ms,
         } = request;
         // A request that waits is routed again later, as it came.
         let waiting = |chain: Vec<u64>, rejected: Rejected, holding_out: Option<HoldOut>| {
@@ -338,6 +346,7 @@ impl Router {
                     degraded: request_degraded.clone(),
                     answer_reports_usage,
                     streamed,
+                    ttft_target_ms,
                 },
                 rejected,
                 holding_out,
@@ -402,9 +411,37 @@ impl Router {
         // the queue balances the pods already, and the guard would only
         // trade its cache hit for a miss on another pod that has room.
         let balance_error = (attempt == Attempt::Arrival).then(|| view.ttft.error());
-        let decision =
+        let mut decision =
             self.policy
                 .decide(&candidates, adapter.is_some(), tie_breaker, balance_error);
+        let target = ttft_target_ms.filter(|_| view.ttft.calibrated());
+        let waited_ms = attempt.holding_ms() as f64;
+        match target.and_then(|t| slo::place(&decision, &candidates, t, waited_ms)) {
+            Some(SloChoice::Route(index)) => decision.chosen = Some(index),
+            Some(SloChoice::Wait(soonest))
+                if self.config.on_no_eligible_pod == NoPodPolicy::Wait =>
+            {
+                let soonest = candidates.get(soonest);
+                let hold = HoldOut {
+                    pod_id: soonest.map_or_else(String::new, |c| c.id.to_string()),
+                    held_blocks: soonest.map_or(0, |c| matches.blocks(c.slot)),
+                    offered_blocks: 0,
+                };
+                let rejected = Rejected {
+                    status: 503,
+                    kind: "ServiceUnavailableError",
+                    message: format!(
+                        "no inference pod is predicted to answer within the TTFT target of {} ms",
+                        target.unwrap_or_default()
+                    ),
+                    retry_after: Some(self.config.retry_after_seconds),
+                };
+                return waiting(chain, rejected, Some(hold));
+            }
+            // Without gateway waiting, the soonest pod.
+            Some(SloChoice::Wait(soonest)) => decision.chosen = Some(soonest),
+            None => {}
+        }
         let (pod, fallback) = match decision.chosen {
             Some(index) => (index, false),
             None => match self.fallback_index(view.table) {
@@ -606,6 +643,12 @@ impl Router {
                     .chain(&target, &request.prompt, request.cache_salt.as_deref()),
                 coverage: self.hasher.coverage(&request.prompt),
                 adapter: target.adapter,
+                ttft_target_ms: self
+                    .config
+                    .balance
+                    .ttft_target_ms
+                    .as_ref()
+                    .and_then(|t| t.of(&request.model)),
                 model: request.model,
                 degraded: None,
                 answer_reports_usage: request.answer_reports_usage,
@@ -803,6 +846,10 @@ mod tests {
 
         /// `inflight` requests per pod, each with 1,000 tokens to prefill.
         fn route(&self, inflight: [u32; 2], attempt: Attempt) -> Outcome {
+            self.route_with(inflight, attempt, &TtftModel::new(64))
+        }
+
+        fn route_with(&self, inflight: [u32; 2], attempt: Attempt, ttft: &TtftModel) -> Outcome {
             let inflight = inflight.map(|requests| SlotLoad {
                 requests,
                 prefill_tokens: requests * 1000,
@@ -811,7 +858,7 @@ mod tests {
                 table: &self.table,
                 index: &self.tree,
                 inflight: &inflight,
-                ttft: &TtftModel::new(64),
+                ttft,
                 now_ms: 1000,
             };
             self.router
@@ -899,6 +946,47 @@ mod tests {
         assert_eq!(routed_to(case.route([10, 0], Attempt::Arrival)), "b");
         let waiting = Attempt::Waiting { holding_ms: 0 };
         assert_eq!(routed_to(case.route([10, 0], waiting)), "a");
+    }
+
+    #[test]
+    fn slo_mode_takes_the_cheapest_pod_in_time_and_holds_out_for_one() {
+        // Both pods answer in 10 ms + 0.1 ms a token of prefill work.
+        let mut ttft = TtftModel::new(64);
+        for i in 0..32u64 {
+            let work = 100 + (i % 4) * 1000;
+            ttft.observe(0, work, 10.0 + 0.1 * work as f64);
+            ttft.observe(1, work, 10.0 + 0.1 * work as f64);
+        }
+        let target = |ms: f64| Config {
+            balance: crate::config::BalanceConfig {
+                ttft_target_ms: Some(crate::config::TtftTarget::All(ms)),
+                ..Default::default()
+            },
+            ..config()
+        };
+        // `a` caches the 160-token prompt with 2,000 tokens queued (210 ms);
+        // `b` is idle and caches nothing (26 ms). Within 250 ms both are
+        // in time and `a`, which prefills nothing, is the cheapest.
+        let case = HoldOutCase::new(target(250.0), 0, 10);
+        assert_eq!(
+            routed_to(case.route_with([2, 0], Attempt::Arrival, &ttft)),
+            "a"
+        );
+        // Within 100 ms only `b` is.
+        let case = HoldOutCase::new(target(100.0), 0, 10);
+        assert_eq!(
+            routed_to(case.route_with([2, 0], Attempt::Arrival, &ttft)),
+            "b"
+        );
+        // Within 20 ms neither, but an idle `a` would be (10 ms): it holds
+        // out, until waiting cannot help any more.
+        let case = HoldOutCase::new(target(20.0), 0, 10);
+        let hold = held_out(case.route_with([2, 1], Attempt::Arrival, &ttft));
+        assert_eq!(hold.pod_id, "b");
+        let waited = Attempt::Waiting { holding_ms: 11 };
+        assert_eq!(routed_to(case.route_with([2, 1], waited, &ttft)), "b");
+        // An uncalibrated model predicts in tokens: no target applies.
+        assert_eq!(routed_to(case.route([2, 1], Attempt::Arrival)), "a");
     }
 
     #[test]

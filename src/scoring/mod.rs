@@ -24,6 +24,7 @@
 pub mod attribute;
 pub mod balance;
 pub mod factors;
+pub mod slo;
 pub mod ttft;
 
 use std::collections::BTreeMap;

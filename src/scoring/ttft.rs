@@ -248,6 +248,12 @@ impl TtftModel {
         self.busy.get(slot).copied().unwrap_or(0.0)
     }
 
+    /// Whether any answer taught the model: before, its predictions are in
+    /// tokens, not ms.
+    pub fn calibrated(&self) -> bool {
+        self.pool.weight > 0.0
+    }
+
     /// The model's relative error, averaged over its recent answers.
     pub fn error(&self) -> f64 {
         self.error.0 / self.error.1.max(f64::MIN_POSITIVE)

@@ -65,6 +65,12 @@ use crate::usage::CachedTokensScanner;
 
 mod waiting;
 
+/// A request's own TTFT target in ms (SLO mode, [`crate::scoring::slo`]):
+/// the client's claim, as the priority header is; set or strip it at the
+/// edge when clients are not trusted. Not a number, or not positive:
+/// ignored.
+const TTFT_TARGET_HEADER: &str = "x-kvroute-ttft-target-ms";
+
 /// Where an ORIGINAL_DST cluster connects (`upstreamMode` `originalDst`).
 const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// The override-host policy's source in `envoy/envoy.template.yaml`, the
@@ -163,6 +169,7 @@ impl RootContext for FilterRoot {
             chat: None,
             request_id: String::new(),
             priority: String::new(),
+            ttft_target_ms: None,
             checks_prediction: false,
             routed: None,
             scanner: CachedTokensScanner::default(),
@@ -207,6 +214,8 @@ struct RequestContext {
     request_id: String,
     /// The priority header (`PRIORITY_HEADER`), read with the others.
     priority: String,
+    /// SLO mode's per-request target (`TTFT_TARGET_HEADER`), if valid.
+    ttft_target_ms: Option<f64>,
     /// The answer carries `usage` and is in the sample: its
     /// `cached_tokens` checks the prediction.
     checks_prediction: bool,
@@ -247,6 +256,11 @@ impl HttpContext for RequestContext {
         }
         self.request_id = headers.text("x-request-id");
         self.priority = headers.text(PRIORITY_HEADER);
+        self.ttft_target_ms = headers
+            .text(TTFT_TARGET_HEADER)
+            .parse::<f64>()
+            .ok()
+            .filter(|ms| ms.is_finite() && *ms > 0.0);
         self.chat = Some(chat);
         if end_of_stream {
             self.route(&[])
@@ -406,7 +420,10 @@ impl RequestContext {
             }
         }
         let priority = self.priority.clone();
-        let prepared = worker.router.prepare(body, chat);
+        let mut prepared = worker.router.prepare(body, chat);
+        if let (Ok(request), Some(ms)) = (&mut prepared, self.ttft_target_ms) {
+            request.ttft_target_ms = Some(ms);
+        }
         if let Ok(request) = &prepared {
             self.checks_prediction =
                 request.answer_reports_usage && worker.sample_prediction_check();

@@ -899,6 +899,12 @@ impl<'a> KvrouteView<'a> {
                 degraded: None,
                 answer_reports_usage: true,
                 streamed: true,
+                ttft_target_ms: self
+                    .config
+                    .balance
+                    .ttft_target_ms
+                    .as_ref()
+                    .and_then(|t| t.of(super::workload::DEFAULT_MODEL)),
             }
         } else {
             RoutingRequest::by_load(String::new(), "request body exceeds maxBodyBytes".into())
