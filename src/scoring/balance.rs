@@ -16,35 +16,38 @@
 //! [`FastestWithinError`] (the default) compares, per candidate,
 //!
 //! ```text
-//! cost(pod) = ttft(pod) + busy(pod) × copy(pod) × time_per_token(pod)
+//! cost(pod) = ttft(pod) + ρ/(1 − ρ) × copy(pod) × time_per_token(pod)
 //! copy(pod) = uncached(pod) − min over the candidates of uncached
+//! ρ         = busy(pod), the share of decisions that found prefill queued there
 //! ```
 //!
 //! the request's own predicted TTFT plus what the prompt's copy costs the
 //! requests after it: its extra prefill (the tokens the best-cached pod
-//! would not prefill) delays whoever arrives at the pod while it runs,
-//! which a request does with the pod's busy share, the share of decisions
-//! that found prefill queued there (arrivals see time averages). An idle
-//! pool copies freely, a busy one keeps its caches. A pod loses its cache
-//! term when another pod's cost is lower by more than the model's own
-//! error ([`TtftModel::clearly_faster`]). A pod that keeps it is never
-//! clearly worse than the best, so the cache decides among pods that
-//! answer alike, and load decides where the cache would only make the
-//! request wait. What each earlier guard did falls out of the one test:
-//! a burst on a pod that cached a shared prompt leaves it once that pod's
-//! queued prefill outgrows a copy of the prompt (the in-flight lead); a
-//! long history, whose copy is long, stays where it is (the share guard's
+//! would not prefill) delays every request in the pod's system while it
+//! runs, `ρ/(1 − ρ)` of them on average (an M/M/1 queue's mean number in
+//! the system; arrivals see time averages, so the decisions' share is the
+//! pod's busy share). An idle pool copies freely, a busy pod keeps its
+//! caches, a saturated one never takes a copy. A pod loses its cache term
+//! when another pod's cost is lower by more than the model's own error
+//! ([`TtftModel::clearly_faster`]). A pod that keeps it is never clearly
+//! worse than the best, so the cache decides among pods that answer alike,
+//! and load decides where the cache would only make the request wait.
+//! What each earlier guard did falls out of the one test: a burst on a pod
+//! that cached a shared prompt leaves it once that pod's queued prefill
+//! outgrows a copy of the prompt (the in-flight lead); a long history,
+//! whose copy is long, stays where it is (the share guard's
 //! `spillTokens`); a new long session leaves a pod busy prefilling others'
-//! long turns (the prefill guard). No threshold: the margin is the
-//! measured error, the rate and the busy share are learned. O(pods).
+//! long turns (the prefill guard). No threshold: the margin is the measured
+//! error, the rate and the busy share are learned. O(pods).
 //!
-//! Measured with `kvroute-replay` (integration/results/costmodel.md), on
-//! the Azure conversation trace at half its physical limit: counting the
-//! copy in full (busy share 1) kept 95 % of the pooled bound, not counting
-//! it 90 %, the busy share 94 % (TTFT p90 1.4 s, 2.8 s, 1.4 s); on the
-//! benchmark's multi-turn shape, where an idle pool gains by copying the
-//! shared system prompt, 87 %, 96 % and 96 % (max pod share 2.32×, 1.65×,
-//! 1.57× fair).
+//! How the copy is counted, measured with `kvroute-replay` side by side
+//! (integration/results/costmodel.md): on the Azure conversation trace at
+//! half its physical limit, not counting it kept 90 % of the pooled bound
+//! (TTFT p90 2.8 s), counting it in full 95 % (1.4 s), weighted by `ρ`
+//! 94 % (1.4 s), by `ρ/(1 − ρ)` 97 % (0.91 s, p99 2.6 s, against ring
+//! hash's 1.8 s and 7.0 s); on the benchmark's multi-turn shape, where an
+//! idle pool gains by copying the shared system prompt, 87 % with the
+//! full copy, 96 % with either weight.
 //!
 //! Requests leaving the gateway's wait queue are not balanced (see
 //! [`crate::router::Attempt`]): they take a pod only once it drained below
@@ -52,6 +55,15 @@
 
 use super::ttft::TtftModel;
 use super::Candidate;
+
+/// How many requests a unit of prefill added to a pod delays, on average,
+/// when a share `busy` of arrivals finds it prefilling: an M/M/1 queue's
+/// mean number in the system, `ρ / (1 − ρ)` (each of them waits for the
+/// added work; a saturated pod, `ρ → 1`, delays without bound).
+fn requests_delayed(busy: f64) -> f64 {
+    let busy = busy.clamp(0.0, 1.0);
+    busy / (1.0 - busy).max(1e-3)
+}
 
 /// Which candidates lose their cache term for a decision.
 pub trait Balance: std::fmt::Debug + Send + Sync {
@@ -79,7 +91,7 @@ impl Balance for FastestWithinError {
             .unwrap_or(0);
         let cost = |c: &Candidate<'_>| {
             let copy = c.uncached_tokens.saturating_sub(least_uncached) as f64;
-            c.predicted_ttft_ms + c.busy * copy * c.prefill_ms_per_token
+            c.predicted_ttft_ms + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
         };
         let cheapest = candidates.iter().map(cost).fold(f64::INFINITY, f64::min);
         candidates
@@ -124,15 +136,19 @@ mod tests {
     fn the_cache_yields_only_to_a_clearly_cheaper_pod() {
         let balance = FastestWithinError;
         // Cached pod: 10 + 0.1 × (20,000 + 1,000) = 2,110 ms; idle pod:
-        // 10 + 1,000 = 1,010 ms plus its copy (9,000 tokens, 900 ms) × busy.
+        // 10 + 1,000 = 1,010 ms plus its copy (9,000 tokens, 900 ms) for
+        // each request it delays, ρ/(1 − ρ): none when idle.
         let idle_pool = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 0.0)];
         assert_eq!(balance.withhold(&idle_pool, 0.1), [true, false]);
-        // Busy all the time, the copy counts in full: 1,910 against 2,110
+        // Busy half the time, one request delayed: 1,910 against 2,110
         // is within a 10 % error, and the cache stays.
-        let busy_pool = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 1.0)];
+        let busy_pool = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 0.5)];
         assert_eq!(balance.withhold(&busy_pool, 0.1), [false, false]);
-        // With no error the busy pool moves it too.
+        // With no error it moves.
         assert_eq!(balance.withhold(&busy_pool, 0.0), [true, false]);
+        // A saturated pod never takes the copy.
+        let saturated = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 1.0)];
+        assert_eq!(balance.withhold(&saturated, 0.0), [false, false]);
         // A short queue: the cache pod is the fastest.
         let short = [pod(0, 9_000, 2_000, 1.0), pod(1, 0, 0, 0.0)];
         assert_eq!(balance.withhold(&short, 0.1), [false, false]);
