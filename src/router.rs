@@ -408,7 +408,7 @@ impl Router {
             .collect();
         // A request leaving the wait queue goes to a pod only once that
         // pod has drained below `maxQueue`, one request per freed place:
-        // the queue balances the pods already, and the guard would only
+        // the queue balances the pods already, and balance would only
         // trade its cache hit for a miss on another pod that has room.
         let balance_error = (attempt == Attempt::Arrival).then(|| view.ttft.error());
         let mut decision =
@@ -524,7 +524,7 @@ impl Router {
     /// it should hold out for: the one excluded at `maxQueue` caching the
     /// most blocks, if more than offered. Only a full pod: room there
     /// comes back as its queue drains, while a pod the router passed over
-    /// with room (the balance guard, a lower composite) or for its health
+    /// with room (balance, a lower composite) or for its health
     /// was passed over on purpose.
     fn hold_out(
         &self,

@@ -177,8 +177,8 @@ fn follow_up_before_any_report_finds_its_predecessors_pod() {
 fn multi_turn_conversations_stick_to_their_pod() {
     // Pods 10× slower than the harness default, so the 16 openings are all
     // in flight together: at time scale 0.02 a request finishes in ~10 ms,
-    // about as long as a loaded machine takes to send all 16, and in-flight
-    // counts never reach the balance guard.
+    // about as long as a loaded machine takes to send all 16, and their
+    // prefill queues together on the pods.
     let cluster = start(4, base_config(), &["--time-scale", "0.2"], vec![]);
     let system = text("system prompt", 2048);
     let conversations = 16;
@@ -243,16 +243,18 @@ fn multi_turn_conversations_stick_to_their_pod() {
         share >= 0.9,
         "only {stuck}/{later_turns} later turns on the turn-1 pod"
     );
-    // Opened together, they spread (the balance guard) instead of all
-    // following the pod that cached the system prompt first.
+    // Opened together, they spread (balance) instead of all following the
+    // pod that cached the system prompt first.
     let distinct: std::collections::HashSet<_> = first_pod.iter().collect();
     assert!(
         distinct.len() >= 3,
         "conversations collapsed onto {distinct:?}"
     );
-    // All 16 are in flight together, so the in-flight guard (default
-    // absThreshold 6) gives no pod an opening once it runs 7 more than the
-    // least busy one: 9 / 3 / 2 / 2 is within it, 10 / 2 / 2 / 2 is not.
+    // All 16 are in flight together: each opening's 256 uncached tokens
+    // queue on its pod, and before any streamed answer (the model's prior
+    // error, a factor of two) a pod that must prefill a whole opening
+    // (768 tokens) takes the next one once the holder's queue is twice
+    // that: at most a few more openings than the least busy pod.
     let openings = |pod: &str| first_pod.iter().filter(|p| *p == pod).count();
     let per_pod: Vec<usize> = (0..4).map(|i| openings(&format!("pod-{i}"))).collect();
     let busiest = per_pod.iter().copied().max().unwrap_or(0);
