@@ -4,9 +4,10 @@
 //! fresh pods for comparison, then serving until Ctrl-C.
 //!
 //! The conversations run concurrently, each user sending a turn when the
-//! last answer arrived and a short read: a closed loop that keeps every
-//! pod's prefill engine busy, so that where a request goes decides how long
-//! it waits. One request at a time would put every turn on the pod caching
+//! last answer arrived and a short read, each turn adding a 2,048-token
+//! document: a closed loop that keeps the pods' prefill engines about 60 %
+//! busy when spread evenly and overloads any two of them, so that where a
+//! request goes decides how long it waits. One request at a time would put every turn on the pod caching
 //! the system prompt, which no pod's queue would ever argue against.
 
 use std::path::{Path, PathBuf};
@@ -56,7 +57,7 @@ fn workload(send: impl Fn(&Value) -> Value + Sync) {
                     let body = json!({"model": "sim-model", "messages": history, "max_tokens": 32});
                     let answer = send(&body)["choices"][0]["message"]["content"].clone();
                     history.push(json!({"role": "assistant", "content": answer}));
-                    history.push(json!({"role": "user", "content": filler_text(&format!("customer {user} follow-up {turn}"), 2048)}));
+                    history.push(json!({"role": "user", "content": filler_text(&format!("customer {user} follow-up {turn}"), 8192)}));
                     std::thread::sleep(std::time::Duration::from_millis(READ_MS));
                 }
             });
