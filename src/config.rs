@@ -347,6 +347,36 @@ fn default_admin_cluster() -> String {
     "kvroute_admin".into()
 }
 
+/// Replicated gateways ([`crate::replica`]): every kvroute Envoy in front of
+/// the same pods serves its decision log on its replica listener and pulls
+/// the others'. The replicas are `peers` (each one's replica listener,
+/// `IP:port`, this replica's own included), or the members of `cluster`
+/// as Envoy knows them (a headless Service by DNS, EDS), read from
+/// Envoy's admin through `adminCluster` as `membership` reads pods. Pulls
+/// go through `reportCluster`. Every call carries `secret`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ReplicasConfig {
+    #[serde(default)]
+    pub peers: Vec<String>,
+    #[serde(default)]
+    pub cluster: Option<String>,
+    #[serde(default = "default_admin_cluster")]
+    pub admin_cluster: String,
+    /// The shared secret: at least [`MIN_REPLICA_SECRET_BYTES`] bytes.
+    pub secret: String,
+    /// Where each replica serves its log on its replica listener.
+    #[serde(default = "default_replica_path")]
+    pub path: String,
+}
+
+fn default_replica_path() -> String {
+    "/kvroute/v1/replica".into()
+}
+
+/// Shortest replica secret accepted (128 bits of hex).
+pub const MIN_REPLICA_SECRET_BYTES: usize = 32;
+
 /// The whole plugin configuration.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
@@ -438,6 +468,7 @@ pub struct Config {
     pub metrics_path: Option<String>,
     pub discovery: Option<DiscoveryConfig>,
     pub membership: Option<MembershipConfig>,
+    pub replicas: Option<ReplicasConfig>,
 }
 
 impl Default for Config {
@@ -488,6 +519,7 @@ impl Default for Config {
             metrics_path: None,
             discovery: None,
             membership: None,
+            replicas: None,
         }
     }
 }
@@ -698,6 +730,9 @@ impl Config {
                 return Err(invalid("metricsPath", "must start with '/'"));
             }
         }
+        if let Some(replicas) = &self.replicas {
+            validate_replicas(replicas)?;
+        }
         Ok(())
     }
 
@@ -854,6 +889,58 @@ fn validate_membership(membership: &MembershipConfig) -> Result<(), ConfigError>
         if port == Some(0) {
             return Err(invalid(field, "must be a port 1-65535"));
         }
+    }
+    Ok(())
+}
+
+fn validate_replicas(replicas: &ReplicasConfig) -> Result<(), ConfigError> {
+    match (replicas.peers.is_empty(), &replicas.cluster) {
+        (true, None) => {
+            return Err(invalid(
+                "replicas",
+                "must list `peers` or name a `cluster` of the replicas",
+            ))
+        }
+        (false, Some(_)) => {
+            return Err(invalid(
+                "replicas.cluster",
+                "cannot be combined with `peers`: choose one source of replicas",
+            ))
+        }
+        (_, Some(cluster)) if cluster.is_empty() => {
+            return Err(invalid("replicas.cluster", "must be non-empty"))
+        }
+        _ => {}
+    }
+    if replicas.peers.len() > crate::replica::peers::MAX_PEERS {
+        return Err(invalid(
+            "replicas.peers",
+            format!(
+                "must list at most {} replicas (got {})",
+                crate::replica::peers::MAX_PEERS,
+                replicas.peers.len()
+            ),
+        ));
+    }
+    for (i, peer) in replicas.peers.iter().enumerate() {
+        validate_original_dst_address(peer)
+            .map_err(|rule| invalid(format!("replicas.peers[{i}]"), rule))?;
+    }
+    if replicas.admin_cluster.is_empty() {
+        return Err(invalid("replicas.adminCluster", "must be non-empty"));
+    }
+    if replicas.secret.len() < MIN_REPLICA_SECRET_BYTES
+        || !replicas.secret.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(invalid(
+            "replicas.secret",
+            format!(
+                "must be at least {MIN_REPLICA_SECRET_BYTES} printable characters without spaces (e.g. `openssl rand -hex 16`)"
+            ),
+        ));
+    }
+    if !replicas.path.starts_with('/') {
+        return Err(invalid("replicas.path", "must start with '/'"));
     }
     Ok(())
 }

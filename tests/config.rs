@@ -680,6 +680,65 @@ fn membership_names_the_serving_cluster_and_stands_alone() {
 }
 
 #[test]
+fn replicas_name_their_peers_and_a_long_secret() {
+    const SECRET: &str = "0123456789abcdef0123456789abcdef";
+    let config = parse(&with_pods(&format!(
+        r#""replicas": {{"peers": ["10.0.0.1:9902", "10.0.0.2:9902"], "secret": "{SECRET}"}}"#
+    )))
+    .expect("static peers");
+    let replicas = config.replicas.expect("replicas");
+    assert_eq!(replicas.path, "/kvroute/v1/replica");
+    assert_eq!(replicas.admin_cluster, "kvroute_admin");
+    let config = parse(&with_pods(&format!(
+        r#""replicas": {{"cluster": "kvroute_replicas", "secret": "{SECRET}"}}"#
+    )))
+    .expect("a cluster of replicas");
+    assert_eq!(
+        config.replicas.and_then(|r| r.cluster).as_deref(),
+        Some("kvroute_replicas")
+    );
+    rejects(
+        &with_pods(&format!(r#""replicas": {{"secret": "{SECRET}"}}"#)),
+        "replicas",
+    );
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": ["10.0.0.1:9902"], "cluster": "r", "secret": "{SECRET}"}}"#
+        )),
+        "replicas.cluster",
+    );
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": ["gateway-0:9902"], "secret": "{SECRET}"}}"#
+        )),
+        "replicas.peers[0]",
+    );
+    let short = rejects(
+        &with_pods(r#""replicas": {"peers": ["10.0.0.1:9902"], "secret": "short"}"#),
+        "replicas.secret",
+    );
+    assert!(short.contains("at least 32"), "{short}");
+    rejects(
+        &with_pods(r#""replicas": {"peers": ["10.0.0.1:9902"]}"#),
+        "replicas.secret",
+    );
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": ["10.0.0.1:9902"], "secret": "{SECRET}", "path": "log"}}"#
+        )),
+        "replicas.path",
+    );
+    let many: Vec<String> = (0..65).map(|i| format!("\"10.0.1.{i}:9902\"")).collect();
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": [{}], "secret": "{SECRET}"}}"#,
+            many.join(",")
+        )),
+        "replicas.peers",
+    );
+}
+
+#[test]
 fn a_metrics_address_is_an_ip_and_port() {
     let config = parse(
         r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "metricsAddress": "10.0.0.1:9090"}]}"#,

@@ -10,7 +10,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    filler_text as text, free_port, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
+    filler_text as text, free_port, kvroute_module, render_envoy_config, Cluster, ClusterSpec,
+    Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -690,7 +691,7 @@ fn refused(config: Value) -> String {
     std::fs::create_dir_all(&dir).unwrap();
     let (listen, admin) = (free_port(), free_port());
     let yaml = render_envoy_config(
-        &wasm_path(),
+        kvroute_module(),
         listen,
         admin,
         &config,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_config::{Deployment, Target};
 use kvroute_integration::harness::{
-    filler_text as text, free_port, poll, wasm_path, write_eds, Envoy, Sim,
+    filler_text as text, free_port, module_name, poll, wasm_path, write_eds, Envoy, Sim,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -64,7 +64,7 @@ impl Membership {
                 "models": {"sim-model": {"baseModel": "sim-model"}}
             },
             "cluster": {"eds": {"path": eds}},
-            "envoy": {"wasm": wasm_path(), "listenAddress": "127.0.0.1", "listenPort": listen, "adminPort": admin},
+            "envoy": {"module": module_name(), "wasm": wasm_path(), "listenAddress": "127.0.0.1", "listenPort": listen, "adminPort": admin},
         });
         fs::write(&deployment_file, deployment.to_string()).unwrap();
         let mut deployment =

@@ -34,7 +34,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    filler_text as text, free_port, repo_root, Cluster, ClusterSpec, Process,
+    filler_text as text, free_port, log_component, log_event, repo_root, Cluster, ClusterSpec,
+    Process,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -433,8 +434,9 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
     let config = json!({
         "podReportIntervalMs": 200,
         "reportTimeoutMs": 400,
-        // Debug events are produced, and shown once Envoy's wasm logger is
-        // raised (the Troubleshooting steps).
+        // Debug events are produced, and shown once Envoy's logger of the
+        // module (wasm or dynamic_modules) is raised (the Troubleshooting
+        // steps).
         "logLevel": "debug",
         // Every answer's cached tokens checked: the stale panel's events.
         "predictionCheckSample": 1,
@@ -767,8 +769,9 @@ fn check_logs(cluster: &Cluster) {
     ] {
         assert!(log.contains(needle), "no {needle} in Envoy's log");
     }
-    // A client-chosen x-request-id is the events' requestId; the JSON after
-    // `wasm log <plugin> <root> <vm>: ` carries the documented fields.
+    // A client-chosen x-request-id is the events' requestId; the JSON in
+    // the line (after `wasm log <plugin> <root> <vm>: `, or the native
+    // module's `[dynamic_modules] [:] `) carries the documented fields.
     let r = http::request(
         &cluster.envoy.listen,
         "POST",
@@ -789,9 +792,7 @@ fn check_logs(cluster: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(5);
     let route = loop {
         let found = cluster.envoy.log().lines().find_map(|line| {
-            let (_, rest) = line.split_once("wasm log ")?;
-            let (_, json) = rest.split_once(": ")?;
-            let event: Value = serde_json::from_str(json).ok()?;
+            let event = log_event(line)?;
             (event["event"] == "route" && event["requestId"] == "conv-42-turn-3").then_some(event)
         });
         if let Some(event) = found {
@@ -821,13 +822,13 @@ fn check_logs(cluster: &Cluster) {
     }
     assert_eq!(route["pod"].as_str(), r.header("x-kvroute-pod"));
 
-    // `candidates` is a debug event: hidden at Envoy's wasm:info, shown after
-    // `POST /logging?wasm=debug` on the admin port.
+    // `candidates` is a debug event: hidden at the module's component level
+    // info, shown after `POST /logging?<component>=debug` on the admin port.
     assert!(!log.contains("\"event\":\"candidates\""));
     let raised = http::request(
         &cluster.envoy.admin,
         "POST",
-        "/logging?wasm=debug",
+        &format!("/logging?{}=debug", log_component()),
         &[],
         None,
         http::DEFAULT_TIMEOUT,

@@ -75,6 +75,8 @@ pub struct PodSpec {
     pub count: usize,
     /// KV cache capacity per pod, in blocks.
     pub kv_blocks: usize,
+    /// CPU-tier blocks per pod (0: none; see [`KvCache::with_cpu_tier`]).
+    pub cpu_kv_blocks: usize,
     /// Sequence slots per pod (requests admitted at once, prefill to last
     /// token).
     pub max_batch: usize,
@@ -148,6 +150,8 @@ pub struct RequestOutcome {
     pub ttft_us: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Of `cached_tokens`, those reloaded from the CPU tier.
+    pub reload_tokens: u64,
     /// 503s the router answered before routing it.
     pub rejections: u32,
     /// Arrival (first try) to being sent to its pod: gateway waiting and
@@ -168,6 +172,8 @@ pub struct Summary {
     pub requests: usize,
     /// Σ cached prompt tokens / Σ prompt tokens.
     pub hit_rate: f64,
+    /// Of `hit_rate`, the share reloaded from the CPU tier.
+    pub cpu_hit_rate: f64,
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
@@ -192,6 +198,8 @@ impl Summary {
         let n = outcomes.len();
         let prompt: u64 = outcomes.iter().map(|o| o.prompt_tokens).sum();
         let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
+        let reloaded: u64 = outcomes.iter().map(|o| o.reload_tokens).sum();
+        let share = |tokens: u64| tokens as f64 / prompt.max(1) as f64;
         let sorted = |value: fn(&RequestOutcome) -> u64| {
             let mut values: Vec<u64> = outcomes.iter().map(value).collect();
             values.sort_unstable();
@@ -220,11 +228,8 @@ impl Summary {
         errors.sort_by(f64::total_cmp);
         Summary {
             requests: n,
-            hit_rate: if prompt == 0 {
-                0.0
-            } else {
-                cached as f64 / prompt as f64
-            },
+            hit_rate: share(cached),
+            cpu_hit_rate: share(reloaded),
             ttft_p50_ms: percentile(&ttft, 0.50) as f64 / 1000.0,
             ttft_p90_ms: percentile(&ttft, 0.90) as f64 / 1000.0,
             ttft_p99_ms: percentile(&ttft, 0.99) as f64 / 1000.0,
@@ -347,9 +352,9 @@ struct HeldCall {
 }
 
 impl Pod {
-    fn new(kv_blocks: usize, log_events: usize) -> Pod {
+    fn new(kv_blocks: usize, cpu_kv_blocks: usize, log_events: usize) -> Pod {
         Pod {
-            cache: KvCache::new(kv_blocks, log_events),
+            cache: KvCache::new(kv_blocks, log_events).with_cpu_tier(cpu_kv_blocks),
             engine: PrefillEngine::new(),
             slots_used: 0,
             waiting: VecDeque::new(),
@@ -443,7 +448,7 @@ impl<'a> Simulation<'a> {
         seed: u64,
     ) -> Simulation<'a> {
         let pods = (0..spec.count)
-            .map(|_| Pod::new(spec.kv_blocks, DEFAULT_LOG_EVENTS))
+            .map(|_| Pod::new(spec.kv_blocks, spec.cpu_kv_blocks, DEFAULT_LOG_EVENTS))
             .collect();
         let chooser = match policy {
             Policy::Kvroute => Chooser::Kvroute(Box::new(KvrouteView::new(config, spec.count))),
@@ -462,6 +467,7 @@ impl<'a> Simulation<'a> {
                 ttft_us: 0,
                 prompt_tokens: r.prompt_tokens,
                 cached_tokens: 0,
+                reload_tokens: 0,
                 rejections: 0,
                 wait_us: 0,
                 prefilled_tokens: 0,
@@ -750,22 +756,26 @@ impl<'a> Simulation<'a> {
         let state = &mut self.pods[pod];
         state.slots_used += 1;
         state.prefill_queued += 1;
-        let cached = request
-            .coverage
-            .tokens(state.engine.cached_prefix(&state.cache, &request.chain) as u32);
+        let cached = state
+            .engine
+            .cached(&state.cache, &request.chain, &request.coverage);
         let cost = &self.spec.cost_of(pod);
+        let ready = state
+            .engine
+            .reload(cost, Duration::from_micros(now), cached.reload_tokens);
         let slot = state.engine.schedule(
             cost,
-            Duration::from_micros(now),
-            request.prompt_tokens - cached,
+            ready,
+            request.prompt_tokens - cached.tokens,
             &request.chain,
         );
         let micros = |d: Duration| d.as_micros() as u64;
         let first_token = micros(slot.first_token);
         let decode = micros(cost.generation_after_first(request.output_tokens));
         let outcome = &mut self.outcomes[index];
-        outcome.cached_tokens = cached;
-        outcome.prefilled_tokens = request.prompt_tokens - cached;
+        outcome.cached_tokens = cached.tokens;
+        outcome.reload_tokens = cached.reload_tokens;
+        outcome.prefilled_tokens = request.prompt_tokens - cached.tokens;
         outcome.ttft_us = first_token - outcome.arrival_us;
         self.push(micros(slot.start), Kind::PrefillStart, index, pod);
         self.push(micros(slot.end), Kind::PrefillDone, index, pod);
@@ -1006,7 +1016,7 @@ mod tests {
             let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
             let router = Router::new(config.clone());
             let mut view = KvrouteView::new(&config, 3);
-            let mut pods: Vec<Pod> = (0..3).map(|_| Pod::new(12, 1000)).collect();
+            let mut pods: Vec<Pod> = (0..3).map(|_| Pod::new(12, 0, 1000)).collect();
             for (i, (r, t)) in workload.requests.iter().zip(&requests).enumerate() {
                 if i % 4 == 0 {
                     let now = i as u64 * 1_000_000;
@@ -1083,6 +1093,44 @@ mod tests {
         assert!(!model.cache.is_empty());
     }
 
+    /// The CPU tier in the replay, through the pod model's code: one pod
+    /// whose GPU holds one request (5 blocks), three prefix families in
+    /// turn. Without a CPU tier every request misses; with 16 blocks of it
+    /// the families' prefixes come back from host memory: hits reloaded,
+    /// at a fraction of the prefill.
+    #[test]
+    fn a_cpu_tier_turns_gpu_misses_into_reloads() {
+        let config = config(IndexMode::Precise);
+        let mut requests = trace(30);
+        // One at a time: no prefill shares a pending one's blocks.
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.timestamp_ms = i as f64 * 2000.0;
+        }
+        let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
+        let run = |cpu_kv_blocks| {
+            let spec = PodSpec {
+                count: 1,
+                kv_blocks: 5,
+                cpu_kv_blocks,
+                max_batch: 8,
+                cost: CostModel::gpu_8b(1.0),
+                prefill_speeds: Vec::new(),
+            };
+            simulate(&workload, &spec, Policy::RoundRobin, &config, 1).summary
+        };
+        let (gpu_only, tiered) = (run(0), run(16));
+        assert_eq!((gpu_only.hit_rate, gpu_only.cpu_hit_rate), (0.0, 0.0));
+        // From the fourth request on, 4 of 5 blocks (2,048 of 2,460 tokens).
+        assert!(tiered.hit_rate > 0.7, "{tiered:?}");
+        assert_eq!(
+            tiered.cpu_hit_rate, tiered.hit_rate,
+            "all from the CPU tier"
+        );
+        // 2,048 tokens reloaded (10.7 ms) instead of prefilled (450 ms).
+        let saved = gpu_only.ttft_p50_ms - tiered.ttft_p50_ms;
+        assert!((400.0..460.0).contains(&saved), "{saved} ms");
+    }
+
     /// Follow-ups sent 0.2 s after their predecessor (a fresh 4-block
     /// prefix) finished that found the prefix cached, with `long_poll` or
     /// 2 s interval reports. No report round falls between a prefill and
@@ -1112,6 +1160,7 @@ mod tests {
         let spec = PodSpec {
             count: 3,
             kv_blocks: 1000,
+            cpu_kv_blocks: 0,
             max_batch: 8,
             cost: CostModel::gpu_8b(1.0),
             prefill_speeds: Vec::new(),
@@ -1154,6 +1203,7 @@ mod tests {
             let spec = PodSpec {
                 count: 3,
                 kv_blocks: 64,
+                cpu_kv_blocks: 0,
                 max_batch: 1,
                 cost: CostModel::gpu_8b(1.0),
                 prefill_speeds: Vec::new(),
@@ -1182,6 +1232,7 @@ mod tests {
         let spec = PodSpec {
             count: 4,
             kv_blocks: 64,
+            cpu_kv_blocks: 0,
             max_batch: 8,
             cost: CostModel::gpu_8b(1.0),
             prefill_speeds: vec![1.0, 1.0, 0.5, 0.5],

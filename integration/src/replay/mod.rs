@@ -69,6 +69,12 @@ pub struct ReplayArgs {
     /// Sequence slots per pod (vLLM's `max_num_seqs`; the rest queue, FIFO).
     #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
+    /// CPU-tier blocks per pod, as `kvroute-sim --cpu-kv-blocks` (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_kv_blocks: usize,
+    /// GB/s of CPU-tier reloads, as `kvroute-sim --cpu-reload-gbps`.
+    #[arg(long, default_value_t = crate::model::PCIE_GBPS)]
+    pub cpu_reload_gbps: f64,
     /// Divides every trace timestamp.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -313,11 +319,15 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
     }
     config.pod_capacity_blocks = kv_blocks;
     config.validate().map_err(|e| e.to_string())?;
+    if !(args.cpu_reload_gbps.is_finite() && args.cpu_reload_gbps > 0.0) {
+        return Err("--cpu-reload-gbps must be a positive number".into());
+    }
     let pods = PodSpec {
         count: args.pods,
         kv_blocks,
+        cpu_kv_blocks: args.cpu_kv_blocks,
         max_batch: args.max_batch,
-        cost: CostModel::gpu_8b(args.time_scale),
+        cost: CostModel::gpu_8b(args.time_scale).with_reload_gbps(args.cpu_reload_gbps),
         prefill_speeds: args.prefill_speeds.clone(),
     };
     let pooled_bound = cache_bound(&workload, Some(kv_blocks * args.pods));
@@ -502,6 +512,7 @@ fn run_bench_workload(
     let pods = PodSpec {
         count: bench.pods,
         kv_blocks: bench.kv_blocks,
+        cpu_kv_blocks: 0,
         max_batch: bench.max_batch,
         cost: CostModel::gpu_8b(bench.time_scale),
         prefill_speeds: args.prefill_speeds.clone(),
@@ -770,6 +781,7 @@ fn summary_json(m: &Summary) -> Value {
     json!({
         "requests": m.requests,
         "hitRate": m.hit_rate,
+        "cpuHitRate": m.cpu_hit_rate,
         "ttftP50Ms": m.ttft_p50_ms,
         "ttftP90Ms": m.ttft_p90_ms,
         "ttftP99Ms": m.ttft_p99_ms,
