@@ -208,8 +208,9 @@ fn candidates<'a>(pods: &'a PodState, matched: &PrefixMatch, blocks: usize) -> V
             uncached_tokens: 0,
             inflight: 0,
             queued_prefill: 0,
-            recent_decisions: 0,
-            busy_average: 0.0,
+            predicted_ttft_ms: 0.0,
+            prefill_ms_per_token: 0.0,
+            busy: 0.0,
             load: pods.load[slot],
             queue: pods.queue[slot],
             health: pods.health[slot],
@@ -223,7 +224,7 @@ fn end_to_end(f: &Fixture, index: &impl PrefixLookup, tie_breaker: u64) -> Decis
     let chain = f.hasher.chain(&f.target, black_box(&f.prompt), None);
     let matched = index.lookup(&chain);
     let cands = candidates(&f.pods, &matched, chain.len());
-    f.policy.decide(&cands, false, tie_breaker, true)
+    f.policy.decide(&cands, false, tie_breaker, Some(0.1))
 }
 
 fn routing(c: &mut Criterion) {
@@ -262,7 +263,7 @@ fn routing(c: &mut Criterion) {
     group.bench_function("decide_64_candidates", |b| {
         b.iter(|| {
             tie += 1;
-            f.policy.decide(black_box(&cands), false, tie, true)
+            f.policy.decide(black_box(&cands), false, tie, Some(0.1))
         })
     });
     group.bench_function("hash_16KiB", |b| {

@@ -809,3 +809,77 @@ fn chat_templates_belong_to_a_base_model_and_compile() {
     );
     assert!(message.contains("parts"), "{message}");
 }
+
+#[test]
+fn balance_is_the_ttft_model_with_three_parameters() {
+    let config = parse(&with_pods("")).unwrap();
+    assert!(config.balance.enabled);
+    assert_eq!(config.balance.learning_window, 64);
+    let set = parse(&with_pods(
+        r#""balance": {"enabled": false, "learningWindow": 16}"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        (set.balance.enabled, set.balance.learning_window),
+        (false, 16)
+    );
+    rejects(
+        &with_pods(r#""balance": {"learningWindow": 0}"#),
+        "balance.learningWindow",
+    );
+    rejects(
+        &with_pods(r#""balance": {"learningWindow": 65537}"#),
+        "balance.learningWindow",
+    );
+    // SLO mode: one target, or one per model.
+    assert_eq!(config.balance.ttft_target_ms, None);
+    let all = parse(&with_pods(r#""balance": {"ttftTargetMs": 500}"#)).unwrap();
+    let all = all.balance.ttft_target_ms.unwrap();
+    assert_eq!(
+        (all.of("chat"), all.of("other")),
+        (Some(500.0), Some(500.0))
+    );
+    let per_model = parse(&with_pods(
+        r#""balance": {"ttftTargetMs": {"chat": 300, "batch": 5000}}"#,
+    ))
+    .unwrap();
+    let per_model = per_model.balance.ttft_target_ms.unwrap();
+    assert_eq!(
+        (per_model.of("chat"), per_model.of("other")),
+        (Some(300.0), None)
+    );
+    rejects(
+        &with_pods(r#""balance": {"ttftTargetMs": 0}"#),
+        "balance.ttftTargetMs",
+    );
+    rejects(
+        &with_pods(r#""balance": {"ttftTargetMs": {"chat": -1}}"#),
+        "balance.ttftTargetMs.chat",
+    );
+}
+
+#[test]
+fn every_removed_balance_key_is_refused_naming_its_replacement() {
+    for key in [
+        "absThreshold",
+        "relThreshold",
+        "shareWindow",
+        "maxShare",
+        "spillTokens",
+        "busyAverageDecisions",
+        "prefillSlackTokens",
+        "prefillRatio",
+    ] {
+        let message = rejects(
+            &with_pods(&format!(r#""balance": {{"{key}": 1}}"#)),
+            &format!("balance.{key}"),
+        );
+        assert!(message.contains("was removed"), "{message}");
+        assert!(message.contains("balance.enabled"), "{message}");
+    }
+    // Even `null`, which turned the prefill guard off.
+    rejects(
+        &with_pods(r#""balance": {"prefillSlackTokens": null}"#),
+        "balance.prefillSlackTokens",
+    );
+}

@@ -79,6 +79,7 @@ struct FakeWorker {
     waiting: HashMap<u32, FakeStream>,
     decisions: Vec<Vec<u8>>,
     metrics: Vec<(Metric, String, i64)>,
+    samples: Vec<(Metric, u64)>,
 }
 
 impl MetricSink for FakeWorker {
@@ -87,7 +88,9 @@ impl MetricSink for FakeWorker {
         self.metrics.push((metric, label.into(), delta));
     }
     fn set(&mut self, _: Metric, _: &str, _: u64) {}
-    fn record(&mut self, _: Metric, _: u64) {}
+    fn record(&mut self, metric: Metric, value: u64) {
+        self.samples.push((metric, value));
+    }
 }
 
 impl WorkerHost for FakeWorker {
@@ -315,4 +318,51 @@ fn a_waiting_request_is_resumed_through_its_host_when_a_pod_frees() {
     assert!(waited.resumed, "resumed through WorkerHost::other");
     assert!(waited.headers[OVERRIDE_HOST_HEADER].starts_with("10.0.0."));
     assert!(waited.replies.is_empty());
+}
+
+#[test]
+fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
+    let host = FakeWorker {
+        table: Some(table(0)),
+        ..FakeWorker::default()
+    };
+    let mut worker = Worker::new(config(), host);
+    let serve = |worker: &mut Worker<FakeWorker>, id: u32, stream_answer: bool| {
+        let mut stream = request(&format!("request {id} ").repeat(40));
+        if stream_answer {
+            stream.body = format!(
+                r#"{{"model": "m", "stream": true, "prompt": "{}"}}"#,
+                format!("request {id} ").repeat(40)
+            )
+            .into_bytes();
+        }
+        let mut filter = RequestFilter::new(id);
+        filter.on_request_headers(worker, &mut stream, false);
+        filter.on_request_body(worker, &mut stream, usize::MAX, true);
+        filter.on_response_headers(worker, &mut stream);
+        assert!(
+            filter.wants_response_body(),
+            "the first byte is wanted (queued prefill, TTFT)"
+        );
+        filter.on_response_body(worker, &mut stream, 16);
+        assert!(!filter.wants_response_body(), "nothing past the first byte");
+        filter.on_response_body(worker, &mut stream, 16);
+        filter.on_stream_end(worker);
+    };
+    let errors = |worker: &Worker<FakeWorker>| {
+        worker
+            .host
+            .samples
+            .iter()
+            .filter(|(m, _)| *m == Metric::TtftPredictionErrorPercent)
+            .count()
+    };
+    // An unstreamed answer's first byte comes after its last token.
+    serve(&mut worker, 1, false);
+    assert_eq!(errors(&worker), 0);
+    // A streamed one's first byte is its first token: one error sample
+    // per answer, at its first byte only.
+    serve(&mut worker, 2, true);
+    serve(&mut worker, 3, true);
+    assert_eq!(errors(&worker), 2);
 }

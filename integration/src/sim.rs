@@ -105,6 +105,10 @@ pub struct SimOptions {
     /// Multiplies every simulated duration.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// Prefill speed as a multiple of the cost model's (0.5: a GPU half as
+    /// fast at prefill), for mixed pools.
+    #[arg(long, default_value_t = 1.0)]
+    pub prefill_speed: f64,
     /// LoRA adapter slots.
     #[arg(long, default_value_t = 4)]
     pub max_loras: usize,
@@ -564,7 +568,8 @@ pub fn app(
         .pod_id
         .clone()
         .unwrap_or_else(|| format!("sim-{}", addr.port()));
-    let cost = CostModel::gpu_8b(options.time_scale).with_reload_gbps(options.cpu_reload_gbps);
+    let mut cost = CostModel::gpu_8b(options.time_scale).with_reload_gbps(options.cpu_reload_gbps);
+    cost.prefill_s_per_token /= options.prefill_speed.max(f64::MIN_POSITIVE);
     let ranks: HashMap<String, u32> = options.adapter_rank.iter().cloned().collect();
     let mut adapters = AdapterSlots::new(options.max_loras, ranks);
     for name in options.preload_adapters.iter().filter(|n| !n.is_empty()) {

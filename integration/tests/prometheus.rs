@@ -407,6 +407,14 @@ fn workload(cluster: &Cluster) -> Workload {
         }
         cluster.wait_reports(1);
     }
+    // Streamed answers: the TTFT model learns from their first bytes.
+    for i in 0..8 {
+        let body = json!({"model": "sim-model", "prompt": text(&format!("streamed {i}"), 1024),
+                          "max_tokens": 4, "stream": true});
+        let r = http::post_sse(&cluster.envoy.listen, "/v1/completions", &body.to_string())
+            .expect("a streamed request through envoy");
+        assert_eq!(r.status, 200, "streamed request {i}");
+    }
     Workload {
         sick,
         failing,
@@ -555,6 +563,7 @@ fn check_dashboard(prometheus: &Prometheus, cluster: &Cluster, work: &Workload) 
             "Adapter load events by adapter",
             "Replica convergence lag p50 / p99",
             "Replica peers",
+            "TTFT model error p50 / p90",
         ]
     );
     let pods: BTreeSet<String> = cluster.sims.iter().map(|s| s.id.clone()).collect();
@@ -639,6 +648,10 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
                 first[0].value > 0.0 && first[0].value < 1.0,
                 "{title}: {first:?}"
             );
+        }
+        "TTFT model error p50 / p90" => {
+            let (p50, p90) = (results[0][0].value, results[1][0].value);
+            assert!(p50 >= 0.0 && p90 >= p50, "{title}: p50 {p50} p90 {p90}");
         }
         "Scoring latency p50 / p99" => {
             let (p50, p99) = (results[0][0].value, results[1][0].value);

@@ -15,8 +15,10 @@
 //!    (ejected for every worker, [`crate::ejection`]) and which pod serves
 //!    (after a failover it takes over the in-flight count), and add the
 //!    decision headers when asked.
-//! 4. Response body: the first byte ends the queued-prefill count; a
-//!    sampled answer's `usage.cached_tokens` checks the cache prediction.
+//! 4. Response body: the first byte ends the queued-prefill count and, for
+//!    a streamed answer, teaches the worker's TTFT model
+//!    ([`crate::scoring::ttft`]); a sampled answer's `usage.cached_tokens`
+//!    checks the cache prediction.
 //! 5. Stream end: the in-flight count is released, waiting requests get a
 //!    dispatch round, and an idle worker flushes its batches.
 //!
@@ -47,6 +49,7 @@ use crate::queueing::{Priority, PRIORITY_HEADER};
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
+use crate::scoring::ttft::TtftModel;
 use crate::snapshot::push_decision;
 use crate::usage::CachedTokensScanner;
 
@@ -55,6 +58,11 @@ pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// The override-host policy's source in `envoy/envoy.template.yaml`, the
 /// Gateway API Inference Extension's header (`upstreamMode` `overrideHost`).
 pub const OVERRIDE_HOST_HEADER: &str = "x-gateway-destination-endpoint";
+/// A request's own TTFT target in ms (SLO mode, [`crate::scoring::slo`]):
+/// the client's claim, as the priority header is; set or strip it at the
+/// edge when clients are not trusted. Not a number, or not positive:
+/// ignored.
+pub const TTFT_TARGET_HEADER: &str = "x-kvroute-ttft-target-ms";
 
 /// Period of a worker's tick: the flush of the batched decisions and
 /// metrics ([`Worker::flush`]), and the wait queue's deadlines, owed
@@ -94,6 +102,11 @@ pub struct Worker<H: WorkerHost> {
     /// Requests waiting for a pod ([`super::waiting`]).
     pub(super) waiting: Waiting,
     pub(super) metrics: MetricBatch,
+    /// The predicted-TTFT model, learned from this worker's streamed
+    /// answers ([`RequestFilter::on_response_body`]). Local to the worker
+    /// (and the replica): what it learns from, the prefill queued per pod,
+    /// is every worker's and every replica's ([`WorkerHost::inflight`]).
+    ttft: TtftModel,
 }
 
 /// A routed request, as its filter keeps it.
@@ -109,6 +122,11 @@ pub struct RoutedRequest {
     /// Prompt tokens counted as queued prefill on `slot` until the first
     /// response byte (0 after it).
     queued_prefill: u32,
+    /// What the TTFT model learns from at the first byte, while it is
+    /// still to come: when the request was sent and the prefill work ahead
+    /// of its first token. `None` for an answer that does not stream (its
+    /// first byte comes after its last token) or after a failover.
+    ttft: Option<(Instant, u64)>,
 }
 
 impl RoutedRequest {
@@ -124,6 +142,7 @@ impl<H: WorkerHost> Worker<H> {
             host,
             recent: RecentDecisions::new(&config),
             waiting: Waiting::new(&config),
+            ttft: TtftModel::new(config.balance.learning_window),
             router: Router::new(config),
             decisions: (Vec::new(), 0),
             requests: 0,
@@ -217,16 +236,18 @@ impl<H: WorkerHost> Worker<H> {
             });
         };
         let inflight = self.host.inflight(table.slots());
-        self.recent
-            .observe_inflight(inflight.iter().map(|load| load.requests));
+        // Arrivals see time averages: how often each pod has prefill queued.
+        if attempt == Attempt::Arrival {
+            self.ttft
+                .observe_queues(inflight.iter().map(|load| u64::from(load.prefill_tokens)));
+        }
         let outcome = {
             let index = self.host.index(&table);
             let view = ClusterView {
                 table: &table,
                 index: &Merged(&index, &self.recent),
                 inflight: &inflight,
-                recent_decisions: self.recent.decisions_per_slot(),
-                busy_average: self.recent.busy_average(),
+                ttft: &self.ttft,
                 now_ms,
             };
             self.router
@@ -281,6 +302,40 @@ impl<H: WorkerHost> Worker<H> {
         self.decisions.0.clear();
         self.decisions.1 = 0;
     }
+
+    /// A streamed answer's first byte, `ttft` after the request was sent
+    /// with `work_tokens` of prefill ahead of its first token: the TTFT
+    /// model learns from it ([`TtftModel::observe`]), its error goes to
+    /// `epp_ttft_prediction_error_percent` (and the DEBUG event
+    /// `ttft_prediction`).
+    fn first_byte(
+        &mut self,
+        routed: &RoutedRequest,
+        (sent, work_tokens): (Instant, u64),
+        request_id: &str,
+    ) {
+        let ttft_ms = sent.elapsed().as_secs_f64() * 1000.0;
+        let Some(seen) = self.ttft.observe(routed.slot, work_tokens, ttft_ms) else {
+            return;
+        };
+        self.metrics.histogram(
+            Metric::TtftPredictionErrorPercent,
+            (seen.relative_error * 100.0).round() as u64,
+        );
+        if log::log_enabled!(log::Level::Debug) {
+            event(
+                log::Level::Debug,
+                "ttft_prediction",
+                json!({"requestId": request_id, "pod": routed.pod_id, "workTokens": work_tokens,
+                       "predictedTtftMs": round_ms(seen.predicted_ms), "ttftMs": round_ms(seen.actual_ms)}),
+            );
+        }
+    }
+}
+
+/// Milliseconds to 0.01 ms, for logs.
+fn round_ms(ms: f64) -> f64 {
+    (ms * 100.0).round() / 100.0
 }
 
 /// The answer when the host cannot do what kvroute needs.
@@ -377,6 +432,8 @@ pub(super) fn deliver(
                 blocks: routed.chain.len(),
                 candidates: routed.decision.scored.len(),
                 latency_us: elapsed_us,
+                predicted_ttft_ms: round_ms(routed.predicted_ttft_ms),
+                runner_up_ttft_ms: routed.runner_up_ttft_ms.map(round_ms),
             },
         );
     }
@@ -388,6 +445,9 @@ pub(super) fn deliver(
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
         queued_prefill: routed.prefill_tokens,
+        ttft: routed
+            .streamed
+            .then(|| (Instant::now(), routed.work_tokens)),
     })
 }
 
@@ -405,6 +465,8 @@ struct RouteEvent<'a> {
     blocks: usize,
     candidates: usize,
     latency_us: u64,
+    predicted_ttft_ms: f64,
+    runner_up_ttft_ms: Option<f64>,
 }
 
 impl RoutedRequest {
@@ -423,6 +485,8 @@ pub struct RequestFilter {
     request_id: String,
     /// The priority header (`PRIORITY_HEADER`), read with the others.
     priority: String,
+    /// SLO mode's per-request target (`TTFT_TARGET_HEADER`), if valid.
+    ttft_target_ms: Option<f64>,
     /// The answer carries `usage` and is in the sample: its
     /// `cached_tokens` checks the prediction.
     checks_prediction: bool,
@@ -447,6 +511,7 @@ impl RequestFilter {
             chat: None,
             request_id: String::new(),
             priority: String::new(),
+            ttft_target_ms: None,
             checks_prediction: false,
             routed: None,
             scanner: CachedTokensScanner::default(),
@@ -500,6 +565,10 @@ impl RequestFilter {
         }
         self.request_id = text(stream.request_header("x-request-id"));
         self.priority = text(stream.request_header(PRIORITY_HEADER));
+        self.ttft_target_ms = text(stream.request_header(TTFT_TARGET_HEADER))
+            .parse::<f64>()
+            .ok()
+            .filter(|ms| ms.is_finite() && *ms > 0.0);
         self.chat = Some(chat);
         if end_of_stream {
             self.route(worker, stream, &[])
@@ -566,13 +635,13 @@ impl RequestFilter {
     }
 
     /// Whether [`RequestFilter::on_response_body`] has anything to do: the
-    /// first byte ends the queued prefill, and a sampled answer is read
-    /// until its `usage`. A host may skip the callback (and its costs)
-    /// for every other chunk of a streamed answer.
+    /// first byte ends the queued prefill and teaches the TTFT model, and a
+    /// sampled answer is read until its `usage`. A host may skip the
+    /// callback (and its costs) for every other chunk of a streamed answer.
     pub fn wants_response_body(&self) -> bool {
         self.routed
             .as_ref()
-            .is_some_and(|r| r.queued_prefill > 0 || self.watches_usage(r))
+            .is_some_and(|r| r.queued_prefill > 0 || r.ttft.is_some() || self.watches_usage(r))
     }
 
     /// Whether this answer's chunks are read for `cached_tokens`.
@@ -592,11 +661,16 @@ impl RequestFilter {
         body_size: usize,
     ) -> Action {
         // The first byte of the answer: the pod has prefilled the prompt.
-        if let Some(routed) = self.routed.as_mut().filter(|r| r.queued_prefill > 0) {
-            worker
-                .host
-                .adjust_inflight(&[(routed.slot, 0, -i64::from(routed.queued_prefill))]);
-            routed.queued_prefill = 0;
+        if let Some(routed) = self.routed.as_mut() {
+            if routed.queued_prefill > 0 {
+                worker
+                    .host
+                    .adjust_inflight(&[(routed.slot, 0, -i64::from(routed.queued_prefill))]);
+                routed.queued_prefill = 0;
+            }
+            if let Some(sent) = routed.ttft.take().filter(|_| self.response_ok) {
+                worker.first_byte(routed, sent, &self.request_id);
+            }
         }
         // Each chunk read is a host call and a copy: none for an answer
         // without `usage` (a stream the client did not ask usage for) or
@@ -661,7 +735,10 @@ impl RequestFilter {
             }
         }
         let priority = Priority::from_header(&self.priority);
-        let prepared = worker.router.prepare(body, chat);
+        let mut prepared = worker.router.prepare(body, chat);
+        if let (Ok(request), Some(ms)) = (&mut prepared, self.ttft_target_ms) {
+            request.ttft_target_ms = Some(ms);
+        }
         if let Ok(request) = &prepared {
             self.checks_prediction =
                 request.answer_reports_usage && worker.sample_prediction_check();
@@ -776,8 +853,9 @@ impl RequestFilter {
             .adjust_inflight(&[routed.release(), (server.slot, 1, queued)]);
         routed.slot = server.slot;
         routed.pod_id = server.id.clone();
-        // The cache prediction was for the chosen pod.
+        // The cache and TTFT predictions were for the chosen pod.
         routed.predicted_cached_tokens = 0;
+        routed.ttft = None;
     }
 
     /// Takes over the routing of a request the wait queue dispatched.

@@ -88,6 +88,7 @@ catalogue! {
     ScoringLatencyUs = ("epp_scoring_latency_us", Histogram, None),
     WaitTimeMs = ("epp_wait_time_ms", Histogram, None),
     ServiceBusyUs = ("epp_service_busy_us", Histogram, None),
+    TtftPredictionErrorPercent = ("epp_ttft_prediction_error_percent", Histogram, None),
     ReplicaLagMs = ("epp_replica_lag_ms", Histogram, None),
     ReplicaConverged = ("epp_replica_converged", Gauge, None),
     ReplicaDecisionsLogged = ("epp_replica_decisions_logged_total", Counter, None),

@@ -34,6 +34,7 @@ fn idle_workload() -> Workload {
         agents: None,
         bounds: Bounds::default(),
         stock_vllm: false,
+        prefill_speeds: Vec::new(),
     }
 }
 

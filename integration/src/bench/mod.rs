@@ -118,6 +118,12 @@ pub struct BenchArgs {
     /// template. Results go to DIR/stock-vllm/ (see --out).
     #[arg(long)]
     pub stock_vllm: bool,
+    /// Per pod, its prefill speed as a multiple of the cost model's (e.g.
+    /// `1,1,0.5,0.5`: two fast and two half-speed pods); pods past the
+    /// list run at 1. The offered load stays a share of full-speed pods'
+    /// capacity (two half-speed pods of four: 0.75 of it).
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_speeds: Vec<f64>,
     /// `replicas`: the numbers of kvroute Envoys to compare behind one
     /// round-robin Envoy (default 1,3).
     #[arg(long, value_delimiter = ',')]
@@ -239,6 +245,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
             None => json!({}),
         },
         stock_vllm: args.stock_vllm,
+        prefill_speeds: args.prefill_speeds.clone(),
     };
     let command = std::iter::once("kvroute-bench".to_string())
         .chain(std::env::args().skip(1))

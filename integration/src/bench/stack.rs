@@ -205,13 +205,18 @@ pub fn start(
         let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, approximate));
         spec.sim_args = pod_args;
         spec.replicas = replicas.unwrap_or(1);
+        spec.per_pod_args = (0..workload.pods)
+            .map(|i| speed_args(workload, i))
+            .collect();
         let mut bridges = Vec::new();
         let cluster = if !workload.stock_vllm || approximate {
             Box::new(Cluster::start(sim_binary, spec)?)
         } else {
             // Stock vLLM: reports come from one bridge per pod.
             let ports: Vec<BridgePorts> = (0..workload.pods).map(|_| BridgePorts::free()).collect();
-            spec.per_pod_args = ports.iter().map(BridgePorts::sim_args).collect();
+            for (args, ports) in spec.per_pod_args.iter_mut().zip(&ports) {
+                args.extend(ports.sim_args());
+            }
             spec.report_addresses = ports.iter().map(|p| Some(p.listen.clone())).collect();
             let cluster = Box::new(Cluster::start(sim_binary, spec)?);
             bridges = start_bridges(workload, &cluster, &ports, sim_binary)?;
@@ -359,8 +364,21 @@ fn start_pods(
     ports
         .iter()
         .enumerate()
-        .map(|(i, port)| Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, args))
+        .map(|(i, port)| {
+            let mut args = args.to_vec();
+            args.extend(speed_args(workload, i));
+            Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)
+        })
         .collect()
+}
+
+/// Pod `pod`'s `--prefill-speed`, in a mixed pool ([`Workload::prefill_speeds`]).
+fn speed_args(workload: &Workload, pod: usize) -> Vec<String> {
+    workload
+        .prefill_speeds
+        .get(pod)
+        .map(|speed| vec!["--prefill-speed".into(), speed.to_string()])
+        .unwrap_or_default()
 }
 
 /// Envoy's `lb_policy` for a baseline policy name.
