@@ -1,6 +1,7 @@
 # kvroute — `make test` sets up everything it needs on a fresh machine
 # (wasm32-wasip1 target, Envoy 1.40 in a project-local virtualenv) and runs
-# lint, the host tests, the core's tests as wasm, and the real-Envoy suite.
+# lint, the host tests, the core's tests as wasm, and the real-Envoy suites
+# against the native module (all of them) and kvroute.wasm (a subset).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -20,11 +21,19 @@ KUBERNETES_VALIDATE_STAMP := $(VENV)/.kubernetes-validate-$(KUBERNETES_VALIDATE_
 ISTIO_VALIDATE := envoy/istio/validate
 KUBERNETES_SCHEMA_VERSION := 1.33.0
 WASM := target/wasm32-wasip1/release/kvroute.wasm
+NATIVE := target/native/libkvroute.so
 CARGO ?= cargo
+# The real-Envoy suites kvroute.wasm also runs in `make test` (the native
+# module runs every suite): the request lifecycle and metrics (envoy),
+# what only proxy-wasm does differently — answering and resuming waiting
+# requests from other contexts (waiting), reading the upstream's attempts
+# and response flags (failover), the replica listener's role and shared
+# data (replicas) — and the shipped configuration files.
+WASM_SUITES := --test envoy --test waiting --test failover --test replicas --test config_files
 
-.PHONY: all setup envoy validate-istio peers prometheus wasm wasm-floor lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
+.PHONY: all setup envoy validate-istio peers prometheus wasm native native-floor wasm-floor wrk lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
-all: wasm
+all: native wasm
 
 ## setup: the Rust target kvroute.wasm is built for
 setup:
@@ -72,18 +81,33 @@ prometheus:
 	fi
 	@promtool --version | head -1
 
-## wasm: the filter + service module Envoy loads
+## wasm: the proxy-wasm build (filter + service module), for Istio and any
+## Envoy with V8
 wasm: setup
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute --lib
 	@ls -l $(WASM)
+
+## native: the Envoy dynamic module target/native/libkvroute.so (the
+## default build for a plain Envoy; profile `native`: release, opt-level 3,
+## panic = "unwind" so every ABI hook catches panics). Envoy loads it from
+## ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native.
+native:
+	$(CARGO) build --profile native -p kvroute --lib --features native
+	@ls -l $(NATIVE)
 
 ## wasm-floor: the overhead benchmark's reference filter (integration/floor-filter)
 wasm-floor: setup
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute-floor-filter
 
+## native-floor: its native reference, a dynamic module doing only what any
+## body-routing module must (integration/native-floor), into target/native
+native-floor:
+	$(CARGO) build --profile native -p kvroute-native-floor
+
 lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p kvroute --features native --lib --tests -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --lib -- -D warnings
 	$(CARGO) clippy -p kvroute-floor-filter --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 --no-default-features --lib --tests -- -D warnings
@@ -100,15 +124,18 @@ test-host:
 test-wasm: setup
 	$(CARGO) test -p kvroute --target wasm32-wasip1 --no-default-features --lib --tests
 
-## test-integration: simulator tests and the real-Envoy suite (serial: each
-## test starts its own Envoy and pods on a 2-core machine)
-test-integration: wasm envoy prometheus validate-istio
+## test-integration: simulator tests and the real-Envoy suites (serial:
+## each test starts its own Envoy and pods on a 2-core machine), every
+## suite against the native module, then WASM_SUITES against kvroute.wasm
+test-integration: native wasm envoy prometheus validate-istio
+	$(CARGO) test -p kvroute --features native --lib native::
 	$(CARGO) test -p kvroute-integration -p kvroute-config -- --test-threads=1
+	KVROUTE_MODULE=wasm $(CARGO) test -p kvroute-integration $(WASM_SUITES) -- --test-threads=1
 
 ## observability: alert rules checked and unit-tested by promtool, then every
 ## dashboard panel and alert evaluated by a real Prometheus scraping Envoy
 ## (also part of test-integration)
-observability: prometheus wasm envoy
+observability: prometheus native envoy
 	promtool check rules envoy/observability/alerts.yaml
 	cd envoy/observability && promtool test rules alerts.test.yaml
 	$(CARGO) test -p kvroute-integration --test prometheus -- --nocapture
@@ -167,7 +194,7 @@ fuzz-smoke: fuzz-build
 ## overhead, 1M-block scale (~65 min on 2 cores, ~30 of them the sweep;
 ## BENCH_ARGS=--quick for a shorter run) -> integration/results/ (the sweep
 ## in integration/results/load-sweep/); then the core's micro-benchmarks
-bench: wasm wasm-floor envoy bench-micro
+bench: native native-floor wasm wasm-floor wrk envoy bench-micro
 	-$(MAKE) peers
 	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench
 	target/release/kvroute-bench all $(BENCH_ARGS)
@@ -176,7 +203,14 @@ bench: wasm wasm-floor envoy bench-micro
 bench-micro:
 	$(CARGO) bench -p kvroute --bench routing
 
-run: wasm envoy
+## wrk: the independent load generator of the overhead benchmark (Debian's
+## package), installed only when missing
+wrk:
+	@if ! command -v wrk >/dev/null; then \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends wrk; \
+	fi
+
+run: native envoy
 	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-demo
 	target/release/kvroute-demo
 

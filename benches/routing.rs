@@ -46,6 +46,7 @@ use kvroute::hashing::BlockHasher;
 use kvroute::index::{PrefixLookup, PrefixMatch, PrefixTree};
 use kvroute::request::Prompt;
 use kvroute::router::{ClusterView, Outcome, Router};
+use kvroute::scoring::ttft::TtftModel;
 use kvroute::scoring::{Candidate, ScoringPolicy};
 use kvroute::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex, SnapshotPublisher};
 
@@ -112,6 +113,8 @@ struct Fixture {
     attributes: BTreeMap<String, f64>,
     policy: ScoringPolicy,
     router: Router,
+    /// Uncalibrated, as before any answer: predictions in tokens.
+    ttft: TtftModel,
 }
 
 fn build(pods: usize) -> Fixture {
@@ -241,6 +244,7 @@ fn build(pods: usize) -> Fixture {
         attributes: BTreeMap::new(),
         policy,
         router,
+        ttft: TtftModel::new(64),
     }
 }
 
@@ -257,8 +261,9 @@ fn candidates<'a>(f: &'a Fixture, matched: &PrefixMatch, blocks: usize) -> Vec<C
             uncached_tokens: 0,
             inflight: 0,
             queued_prefill: 0,
-            recent_decisions: 0,
-            busy_average: 0.0,
+            predicted_ttft_ms: 0.0,
+            prefill_ms_per_token: 0.0,
+            busy: 0.0,
             load: pod.load,
             queue: pod.queue,
             health: pod.health,
@@ -274,8 +279,7 @@ fn route(f: &Fixture, index: &dyn PrefixLookup, tie_breaker: u64) -> Outcome {
         table: &f.table,
         index,
         inflight: &f.inflight,
-        recent_decisions: &[],
-        busy_average: &[],
+        ttft: &f.ttft,
         now_ms: 0,
     };
     f.router
@@ -321,7 +325,7 @@ fn routing(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("decide", pods), &cands, |b, cands| {
             b.iter(|| {
                 tie += 1;
-                f.policy.decide(black_box(cands), false, tie, true)
+                f.policy.decide(black_box(cands), false, tie, Some(0.1))
             })
         });
         group.bench_with_input(BenchmarkId::new("route", pods), f, |b, f| {

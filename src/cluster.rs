@@ -9,7 +9,11 @@
 //! [`ClusterState::publish_some`] publishes a bounded part of what changed.
 //! Folding rules:
 //! - a full report replaces the pod's blocks; a delta applies `stored` then
-//!   `removed`; a delta that does not continue the last `seq` of the same
+//!   `removed`. Each stored segment carries its blocks' tier (protocol v1's
+//!   `tier`: GPU, CPU or disk); the index does not keep tiers yet, so a
+//!   block in any tier is held, as before tiers were reported, and a block
+//!   whose tier changed comes again in `stored` (a no-op for the index);
+//!   a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
 //!   a full resync next tick;
 //! - a report is folded in steps ([`FOLD_STEP_BLOCKS`] blocks stored,
@@ -43,8 +47,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::config::{Config, ConfigError, IndexMode, PodConfig};
 use crate::index::{holders, DecisionRecorder, PrefixTree};
+use crate::replica::Peers;
 use crate::report::{parse_report, parse_vllm_metrics, PodReport};
-use crate::snapshot::{PodTable, PublishedPod, SnapshotPublisher};
+use crate::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotPublisher};
 use crate::staleness::Staleness;
 
 /// Most blocks held by pending decisions (precise mode), all pods together.
@@ -764,6 +769,8 @@ impl ClusterState {
                         None => stored.parent,
                         Some(last) => stored.hashes.get(last).copied(),
                     };
+                    // Tier hand-off: `stored.tier` is every block's tier in
+                    // `part`; held in any tier until the index keeps it.
                     let outcome = tree.insert_chain(fold.slot, parent, part);
                     fold.summary.stored += outcome.stored;
                     fold.summary.orphaned += outcome.orphaned;
@@ -908,22 +915,49 @@ impl ClusterState {
     /// (a pod's reported blocks are prefix-closed), one lookup instead of
     /// one per block, which is most of what the service does for a cache
     /// hit.
-    pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) {
-        let Some(record) = self
-            .pods
-            .binary_search_by_key(&slot, |r| r.slot)
-            .ok()
-            .and_then(|i| self.pods.get(i))
-        else {
-            return;
-        };
+    ///
+    /// Returns the pod's id when the decision was recorded (what a replica
+    /// logs for its peers, [`crate::replica`]).
+    pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) -> Option<&str> {
+        let i = self.pods.binary_search_by_key(&slot, |r| r.slot).ok()?;
+        let record = self.pods.get(i)?;
         let without_reports = record.without_reports;
         match &mut self.pending {
-            Some(_) if !without_reports && self.index.tree().holds(slot, chain) => {}
+            Some(_) if !without_reports && self.index.tree().holds(slot, chain) => return None,
             Some(pending) if !without_reports => pending.record_at(slot, chain, now_ms),
             // Approximate mode, or a pod in report fallback.
             _ => self.index.record(slot, chain),
         }
+        Some(&record.config.id)
+    }
+
+    /// A peer replica routed `chain` to pod `pod_id` at local time
+    /// `at_ms`: recorded as this replica's own decisions are. A pod this
+    /// replica does not know (yet) is skipped: `false`.
+    pub fn record_peer_decision(&mut self, pod_id: &str, chain: &[u64], at_ms: u64) -> bool {
+        match self.slot(pod_id) {
+            Some(slot) => {
+                self.record_decision(slot, chain, at_ms);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The live peers' requests in flight, by pod slot.
+    pub fn peer_loads(&self, peers: &Peers, now_ms: u64) -> Vec<SlotLoad> {
+        let mut loads =
+            vec![SlotLoad::default(); self.pods.iter().map(|r| r.slot + 1).max().unwrap_or(0)];
+        for inflight in peers.loads(now_ms) {
+            if let Some(load) = self
+                .slot(&inflight.pod)
+                .and_then(|slot| loads.get_mut(slot))
+            {
+                load.requests = load.requests.saturating_add(inflight.requests);
+                load.prefill_tokens = load.prefill_tokens.saturating_add(inflight.prefill_tokens);
+            }
+        }
+        loads
     }
 
     pub fn index(&self) -> &PrefixTree {

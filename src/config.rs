@@ -89,43 +89,48 @@ impl Default for Weights {
     }
 }
 
-/// The balance guards ([`crate::scoring::balance`]): a pod this far ahead
-/// of the least busy one in in-flight requests, or holding more than
-/// `maxShare` × its fair share of a worker's last `shareWindow` decisions,
-/// loses its cache affinity (the share guard only for a request that moving
-/// costs at most `spillTokens` of cache), as does a pod whose queued
-/// prefill would keep the request waiting `prefillSlackTokens` longer than
-/// another pod would.
+/// Balance ([`crate::scoring::balance`]): a pod loses its cache term when
+/// another is predicted to answer clearly sooner ([`crate::scoring::ttft`]:
+/// queued and own uncached prefill over the pod's learned rate, plus
+/// overhead, told apart beyond the model's own measured error). Nothing to
+/// tune: the rate, the overhead and the margin are learned.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
 pub struct BalanceConfig {
-    pub abs_threshold: u32,
-    pub rel_threshold: f64,
-    /// Decisions per worker the share guard looks back over; 0 turns it off.
-    pub share_window: u32,
-    pub max_share: f64,
-    pub spill_tokens: u64,
-    /// Decisions the share guard averages in-flight counts over, to act on
-    /// an imbalance that persists before its window shows it; 0 turns this
-    /// off.
-    pub busy_average_decisions: u32,
-    /// The prefill guard's slack in tokens; `None` (JSON `null`) turns it off.
-    pub prefill_slack_tokens: Option<u64>,
-    /// The prefill guard's ratio to the soonest pod's wait (≥ 1).
-    pub prefill_ratio: f64,
+    /// `false`: the five-factor score alone (the cache term always counts).
+    pub enabled: bool,
+    /// Answers per pod the TTFT model remembers (exponential forgetting).
+    pub learning_window: u32,
+    /// SLO mode ([`crate::scoring::slo`]): a TTFT target in ms, for every
+    /// model (a number) or per client-facing model name (an object);
+    /// `x-kvroute-ttft-target-ms` sets it per request. `None`: off.
+    pub ttft_target_ms: Option<TtftTarget>,
+}
+
+/// `balance.ttftTargetMs`: one target, or one per model.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum TtftTarget {
+    All(f64),
+    PerModel(BTreeMap<String, f64>),
+}
+
+impl TtftTarget {
+    /// The target of requests for `model`, if it has one.
+    pub fn of(&self, model: &str) -> Option<f64> {
+        match self {
+            TtftTarget::All(ms) => Some(*ms),
+            TtftTarget::PerModel(models) => models.get(model).copied(),
+        }
+    }
 }
 
 impl Default for BalanceConfig {
     fn default() -> Self {
         BalanceConfig {
-            abs_threshold: 6,
-            rel_threshold: 1.3,
-            share_window: 64,
-            max_share: 1.25,
-            spill_tokens: 8192,
-            busy_average_decisions: 16,
-            prefill_slack_tokens: Some(DEFAULT_PREFILL_SLACK_TOKENS),
-            prefill_ratio: 2.0,
+            enabled: true,
+            learning_window: crate::scoring::ttft::DEFAULT_LEARNING_WINDOW,
+            ttft_target_ms: None,
         }
     }
 }
@@ -153,11 +158,21 @@ impl Default for CandidatesConfig {
     }
 }
 
-/// Default `balance.prefillSlackTokens` ([`crate::scoring::balance`]).
-pub const DEFAULT_PREFILL_SLACK_TOKENS: u64 = 4096;
+/// Longest `balance.learningWindow`.
+pub const MAX_LEARNING_WINDOW: u32 = 65_536;
 
-/// Longest `balance.shareWindow`: the window is kept per worker.
-pub const MAX_SHARE_WINDOW: u32 = 65_536;
+/// Keys of earlier releases that the predicted-TTFT model replaced, and
+/// what replaces them: refused with an error naming it, never ignored.
+const REMOVED_KEYS: [(&str, &str); 8] = [
+    ("balance.absThreshold", "the predicted-TTFT balance (`balance.enabled`), which moves a request off a pod only when another answers clearly sooner"),
+    ("balance.relThreshold", "the predicted-TTFT balance (`balance.enabled`), which moves a request off a pod only when another answers clearly sooner"),
+    ("balance.shareWindow", "the predicted-TTFT balance (`balance.enabled`); the model remembers `balance.learningWindow` answers per pod"),
+    ("balance.maxShare", "the predicted-TTFT balance (`balance.enabled`), whose margin is the model's own measured error"),
+    ("balance.spillTokens", "the predicted-TTFT balance (`balance.enabled`), which counts a move's re-prefill in the TTFT it predicts"),
+    ("balance.busyAverageDecisions", "the predicted-TTFT balance (`balance.enabled`); the model remembers `balance.learningWindow` answers per pod"),
+    ("balance.prefillSlackTokens", "the predicted-TTFT balance (`balance.enabled`), whose margin is the model's own measured error"),
+    ("balance.prefillRatio", "the predicted-TTFT balance (`balance.enabled`), whose margin is the model's own measured error"),
+];
 
 /// Which way a numeric pod attribute is preferred.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -356,6 +371,36 @@ fn default_admin_cluster() -> String {
     "kvroute_admin".into()
 }
 
+/// Replicated gateways ([`crate::replica`]): every kvroute Envoy in front of
+/// the same pods serves its decision log on its replica listener and pulls
+/// the others'. The replicas are `peers` (each one's replica listener,
+/// `IP:port`, this replica's own included), or the members of `cluster`
+/// as Envoy knows them (a headless Service by DNS, EDS), read from
+/// Envoy's admin through `adminCluster` as `membership` reads pods. Pulls
+/// go through `reportCluster`. Every call carries `secret`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ReplicasConfig {
+    #[serde(default)]
+    pub peers: Vec<String>,
+    #[serde(default)]
+    pub cluster: Option<String>,
+    #[serde(default = "default_admin_cluster")]
+    pub admin_cluster: String,
+    /// The shared secret: at least [`MIN_REPLICA_SECRET_BYTES`] bytes.
+    pub secret: String,
+    /// Where each replica serves its log on its replica listener.
+    #[serde(default = "default_replica_path")]
+    pub path: String,
+}
+
+fn default_replica_path() -> String {
+    "/kvroute/v1/replica".into()
+}
+
+/// Shortest replica secret accepted (128 bits of hex).
+pub const MIN_REPLICA_SECRET_BYTES: usize = 32;
+
 /// The whole plugin configuration.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
@@ -455,6 +500,7 @@ pub struct Config {
     pub metrics_path: Option<String>,
     pub discovery: Option<DiscoveryConfig>,
     pub membership: Option<MembershipConfig>,
+    pub replicas: Option<ReplicasConfig>,
 }
 
 impl Default for Config {
@@ -507,6 +553,7 @@ impl Default for Config {
             metrics_path: None,
             discovery: None,
             membership: None,
+            replicas: None,
         }
     }
 }
@@ -522,6 +569,7 @@ impl Config {
         } else if !text.trim_start().starts_with('{') {
             return Err(invalid("<configuration>", "must be a JSON object"));
         } else {
+            refuse_removed_keys(text)?;
             let mut deserializer = serde_json::Deserializer::from_str(text);
             serde_path_to_error::deserialize(&mut deserializer).map_err(|e| serde_error(&e))?
         };
@@ -568,25 +616,27 @@ impl Config {
         if self.max_queue < 1 {
             return Err(invalid("maxQueue", "must be >= 1"));
         }
-        for (field, value) in [
-            ("balance.relThreshold", self.balance.rel_threshold),
-            ("balance.maxShare", self.balance.max_share),
-            ("balance.prefillRatio", self.balance.prefill_ratio),
-        ] {
-            if !(value.is_finite() && value >= 1.0) {
+        let targets: Vec<(String, f64)> = match &self.balance.ttft_target_ms {
+            None => Vec::new(),
+            Some(TtftTarget::All(ms)) => vec![("balance.ttftTargetMs".into(), *ms)],
+            Some(TtftTarget::PerModel(models)) => models
+                .iter()
+                .map(|(model, ms)| (format!("balance.ttftTargetMs.{model}"), *ms))
+                .collect(),
+        };
+        for (field, ms) in targets {
+            if !(ms.is_finite() && ms > 0.0) {
                 return Err(invalid(
                     field,
-                    format!("must be a number >= 1 (got {value})"),
+                    format!("must be a positive number of ms (got {ms})"),
                 ));
             }
         }
-        if self.balance.share_window > MAX_SHARE_WINDOW {
+        let window = self.balance.learning_window;
+        if !(1..=MAX_LEARNING_WINDOW).contains(&window) {
             return Err(invalid(
-                "balance.shareWindow",
-                format!(
-                    "must be at most {MAX_SHARE_WINDOW} decisions (got {})",
-                    self.balance.share_window
-                ),
+                "balance.learningWindow",
+                format!("must be 1 to {MAX_LEARNING_WINDOW} answers (got {window})"),
             ));
         }
         positive("candidates.holders", self.candidates.holders as u64)?;
@@ -731,6 +781,9 @@ impl Config {
                 return Err(invalid("metricsPath", "must start with '/'"));
             }
         }
+        if let Some(replicas) = &self.replicas {
+            validate_replicas(replicas)?;
+        }
         Ok(())
     }
 
@@ -838,6 +891,29 @@ impl Config {
     }
 }
 
+/// Refuses the keys the predicted-TTFT model replaced ([`REMOVED_KEYS`]),
+/// naming the replacement. Text that is not JSON is left to the parser.
+fn refuse_removed_keys(text: &str) -> Result<(), ConfigError> {
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Ok(());
+    };
+    for (path, replacement) in REMOVED_KEYS {
+        let (parent, key) = path.split_once('.').unwrap_or(("", path));
+        let holder = if parent.is_empty() {
+            Some(&value)
+        } else {
+            value.get(parent)
+        };
+        if holder.and_then(|h| h.get(key)).is_some() {
+            return Err(invalid(
+                path,
+                format!("was removed; its replacement is {replacement}: delete the key"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn check_unit(field: &str, value: f64) -> Result<(), ConfigError> {
     if value.is_finite() && (0.0..=1.0).contains(&value) {
         Ok(())
@@ -868,6 +944,58 @@ fn validate_membership(membership: &MembershipConfig) -> Result<(), ConfigError>
         if port == Some(0) {
             return Err(invalid(field, "must be a port 1-65535"));
         }
+    }
+    Ok(())
+}
+
+fn validate_replicas(replicas: &ReplicasConfig) -> Result<(), ConfigError> {
+    match (replicas.peers.is_empty(), &replicas.cluster) {
+        (true, None) => {
+            return Err(invalid(
+                "replicas",
+                "must list `peers` or name a `cluster` of the replicas",
+            ))
+        }
+        (false, Some(_)) => {
+            return Err(invalid(
+                "replicas.cluster",
+                "cannot be combined with `peers`: choose one source of replicas",
+            ))
+        }
+        (_, Some(cluster)) if cluster.is_empty() => {
+            return Err(invalid("replicas.cluster", "must be non-empty"))
+        }
+        _ => {}
+    }
+    if replicas.peers.len() > crate::replica::peers::MAX_PEERS {
+        return Err(invalid(
+            "replicas.peers",
+            format!(
+                "must list at most {} replicas (got {})",
+                crate::replica::peers::MAX_PEERS,
+                replicas.peers.len()
+            ),
+        ));
+    }
+    for (i, peer) in replicas.peers.iter().enumerate() {
+        validate_original_dst_address(peer)
+            .map_err(|rule| invalid(format!("replicas.peers[{i}]"), rule))?;
+    }
+    if replicas.admin_cluster.is_empty() {
+        return Err(invalid("replicas.adminCluster", "must be non-empty"));
+    }
+    if replicas.secret.len() < MIN_REPLICA_SECRET_BYTES
+        || !replicas.secret.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(invalid(
+            "replicas.secret",
+            format!(
+                "must be at least {MIN_REPLICA_SECRET_BYTES} printable characters without spaces (e.g. `openssl rand -hex 16`)"
+            ),
+        ));
+    }
+    if !replicas.path.starts_with('/') {
+        return Err(invalid("replicas.path", "must start with '/'"));
     }
     Ok(())
 }

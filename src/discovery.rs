@@ -120,16 +120,44 @@ pub fn parse_cluster_members(
     body: &[u8],
     membership: &MembershipConfig,
 ) -> Result<Vec<PodConfig>, String> {
+    Ok(cluster_members(body, &membership.cluster)?
+        .into_iter()
+        .map(|ip_port| {
+            let at = |port: u16| SocketAddr::new(ip_port.ip(), port).to_string();
+            let address = ip_port.to_string();
+            PodConfig {
+                id: address.clone(),
+                address,
+                report_address: membership.report_port.map(at),
+                metrics_address: membership.metrics_port.map(at),
+                attributes: Default::default(),
+            }
+        })
+        .collect())
+}
+
+/// The members of `cluster` as `IP:port` addresses, as Envoy prints them
+/// (the replicas of `replicas.cluster`).
+pub fn cluster_member_addresses(body: &[u8], cluster: &str) -> Result<Vec<String>, String> {
+    Ok(cluster_members(body, cluster)?
+        .iter()
+        .map(SocketAddr::to_string)
+        .collect())
+}
+
+/// `cluster`'s members in Envoy's admin `/clusters` answer, each once.
+fn cluster_members(body: &[u8], cluster: &str) -> Result<Vec<SocketAddr>, String> {
     let clusters: AdminClusters = serde_json::from_slice(body)
         .map_err(|e| format!("malformed admin /clusters answer: {e}"))?;
-    let cluster = clusters
+    let status = clusters
         .cluster_statuses
         .into_iter()
-        .find(|c| c.name == membership.cluster)
-        .ok_or_else(|| format!("Envoy has no cluster {:?}", membership.cluster))?;
-    let mut pods: Vec<PodConfig> = Vec::new();
+        .find(|c| c.name == cluster)
+        .ok_or_else(|| format!("Envoy has no cluster {cluster:?}"))?;
+    let mut members: Vec<SocketAddr> = Vec::new();
+    // O(members): a cluster of 1,024 endpoints is read every round.
     let mut seen = HashSet::new();
-    for host in cluster.host_statuses {
+    for host in status.host_statuses {
         if !host.health_status.member() {
             continue;
         }
@@ -138,24 +166,16 @@ pub fn parse_cluster_members(
         };
         let ip: IpAddr = socket.address.parse().map_err(|_| {
             format!(
-                "member address {:?} of {:?} is not an IP",
-                socket.address, membership.cluster
+                "member address {:?} of {cluster:?} is not an IP",
+                socket.address
             )
         })?;
-        let at = |port: u16| SocketAddr::new(ip, port).to_string();
-        let address = at(socket.port_value);
-        if !seen.insert(address.clone()) {
-            continue;
+        let member = SocketAddr::new(ip, socket.port_value);
+        if seen.insert(member) {
+            members.push(member);
         }
-        pods.push(PodConfig {
-            id: address.clone(),
-            address,
-            report_address: membership.report_port.map(at),
-            metrics_address: membership.metrics_port.map(at),
-            attributes: Default::default(),
-        });
     }
-    Ok(pods)
+    Ok(members)
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@
 //! attempt. Circuit-breaker overflows (`UO`) and timeouts are not the pod's
 //! death and eject nothing.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::config::PassiveHealthConfig;
@@ -151,6 +153,37 @@ pub fn without_pods(table: &PodTable, slots: &[usize]) -> PodTable {
         pod.reported_health = 0.0;
     }
     table
+}
+
+/// The published table as routing sees it ([`without_pods`] of the pods
+/// ejected now), rebuilt only when the ejected set or the table's
+/// generation changes.
+#[derive(Debug, Default)]
+pub struct RoutableTable {
+    cached: Option<(Vec<usize>, Arc<PodTable>)>,
+}
+
+impl RoutableTable {
+    /// `table` with the pods `ejections` hold out at `now_ms` at health 0.
+    pub fn of(
+        &mut self,
+        table: &Arc<PodTable>,
+        ejections: &Ejections,
+        now_ms: u64,
+    ) -> Arc<PodTable> {
+        let slots = ejections.ejected_slots(table, now_ms);
+        if slots.is_empty() {
+            return table.clone();
+        }
+        if let Some((cached_slots, routable)) = &self.cached {
+            if *cached_slots == slots && routable.generation == table.generation {
+                return routable.clone();
+            }
+        }
+        let routable = Arc::new(without_pods(table, &slots));
+        self.cached = Some((slots, routable.clone()));
+        routable
+    }
 }
 
 /// What the filter learns of a routed request's upstream attempts when the

@@ -120,6 +120,7 @@ pub struct ReportPolling {
     long_poll: bool,
     interval_ms: u64,
     timeout_ms: u64,
+    min_gap_ms: u64,
     pods: HashMap<String, PodPolling>,
 }
 
@@ -129,7 +130,19 @@ impl ReportPolling {
             long_poll: config.report_long_poll,
             interval_ms: config.pod_report_interval_ms,
             timeout_ms: config.report_timeout_ms,
+            min_gap_ms: MIN_CALL_GAP_MS,
             pods: HashMap::new(),
+        }
+    }
+
+    /// Long-polls with `min_gap_ms` between two calls to one peer instead
+    /// of [`MIN_CALL_GAP_MS`] (the replica channel, [`crate::replica`]: a
+    /// peer's decisions should be seen within milliseconds).
+    pub fn long_polls(config: &Config, min_gap_ms: u64) -> ReportPolling {
+        ReportPolling {
+            long_poll: true,
+            min_gap_ms,
+            ..ReportPolling::new(config)
         }
     }
 
@@ -195,7 +208,7 @@ impl ReportPolling {
     /// `pod`'s answer was folded; `changed` says whether it stored or
     /// removed blocks or resynced. Returns the cadence change, if any.
     pub fn folded(&mut self, pod: &str, now_ms: u64, changed: bool) -> Option<CadenceChange> {
-        let (interval, wait) = (self.interval_ms, self.wait_ms());
+        let (interval, wait, min_gap) = (self.interval_ms, self.wait_ms(), self.min_gap_ms);
         let state = self.pods.get_mut(pod)?;
         let call = state.outstanding.take()?;
         let answered = call.answered_ms.unwrap_or(now_ms);
@@ -215,7 +228,7 @@ impl ReportPolling {
             };
         }
         state.next_ms = match state.cadence {
-            Cadence::LongPoll => call.sent_ms.saturating_add(MIN_CALL_GAP_MS),
+            Cadence::LongPoll => call.sent_ms.saturating_add(min_gap),
             Cadence::Interval => {
                 if call.waited {
                     state.probe_at_ms = now_ms.saturating_add(LONG_POLL_RECHECK_MS);

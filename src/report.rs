@@ -5,7 +5,8 @@
 //!
 //! ```json
 //! {"version": 1, "podId": "pod-a", "epoch": "3f9c...", "seq": 42, "since": 40, "full": false,
-//!  "stored":  [{"parent": "9a1b2c3d4e5f6071" | null, "hashes": ["0123456789abcdef", ...]}],
+//!  "stored":  [{"parent": "9a1b2c3d4e5f6071" | null, "hashes": ["0123456789abcdef", ...],
+//!              "tier": "cpu"}],
 //!  "removed": ["fedcba9876543210", ...],
 //!  "queueDepth": 3, "running": 4, "gpuUtilization": 0.55, "health": 1.0,
 //!  "adapters": ["billing-lora"]}
@@ -20,6 +21,13 @@
 //!   `full: true`: all blocks they hold, as chains in parent-first order.
 //! - `stored` segments are chains: each hash's parent is the previous hash,
 //!   the first one's is `parent` (null: the prompt's first block).
+//! - `tier` (optional, per segment): where the pod keeps those blocks, the
+//!   fastest medium it holds each in: `gpu` (absent: a pod that sends none
+//!   is all-GPU), `cpu` (host memory: vLLM's CPU offloading, LMCache) or
+//!   `disk` (local or shared storage). A block whose best tier changes (its
+//!   GPU copy evicted while a CPU copy stays, or reloaded to the GPU) comes
+//!   again in `stored` with its new tier; `removed` means no copy is left.
+//!   Routers that do not know tiers treat every tier as cached.
 //! - `queueDepth` (waiting requests) and `health` in [0, 1] are required;
 //!   `gpuUtilization` in [0, 1], `running` and `adapters` are optional.
 //! - Unknown fields are ignored, so pods may add their own.
@@ -34,11 +42,49 @@
 
 use serde::Deserialize;
 
-/// One chain segment of stored blocks.
+/// Where a pod keeps a block: the fastest medium it holds it in. Ordered
+/// fastest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Tier {
+    /// GPU memory: a prefix hit costs nothing.
+    #[default]
+    Gpu,
+    /// Host memory: a hit costs a reload over PCIe.
+    Cpu,
+    /// Local or shared storage: a slower reload.
+    Disk,
+}
+
+impl Tier {
+    /// Every tier, fastest first.
+    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Disk];
+
+    /// The protocol's name (`gpu`, `cpu`, `disk`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Gpu => "gpu",
+            Tier::Cpu => "cpu",
+            Tier::Disk => "disk",
+        }
+    }
+
+    /// The tier named `name` in a report.
+    pub fn parse(name: &str) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|tier| tier.name() == name)
+    }
+
+    /// Position in [`Tier::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One chain segment of stored blocks, all in one tier.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredChain {
     pub parent: Option<u64>,
     pub hashes: Vec<u64>,
+    pub tier: Tier,
 }
 
 /// A validated pod report.
@@ -69,6 +115,8 @@ struct WireChain<'a> {
     parent: Option<&'a str>,
     #[serde(borrow)]
     hashes: Vec<&'a str>,
+    #[serde(default, borrow)]
+    tier: Option<&'a str>,
 }
 
 #[derive(Deserialize)]
@@ -139,6 +187,12 @@ pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
                     .iter()
                     .map(|h| parse_hash(h, "stored.hashes"))
                     .collect::<Result<_, _>>()?,
+                tier: match chain.tier {
+                    None => Tier::Gpu,
+                    Some(name) => Tier::parse(name).ok_or_else(|| {
+                        format!("`stored.tier` {name:?} is not one of gpu, cpu, disk")
+                    })?,
+                },
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -280,6 +334,36 @@ mod tests {
         assert_eq!(r.removed, vec![16]);
         assert_eq!((r.seq, r.since, r.queue_depth), (42, 40, 3));
         assert_eq!(r.adapters, vec!["billing".to_string()]);
+    }
+
+    #[test]
+    fn stored_segments_carry_their_tier_gpu_when_absent() {
+        let body =
+            br#"{"version":1,"podId":"p","epoch":"e","seq":3,"full":true,"queueDepth":0,"health":1,
+            "stored":[{"parent":null,"hashes":["0000000000000001"]},
+                      {"parent":"0000000000000001","hashes":["0000000000000002"],"tier":"cpu"},
+                      {"parent":"0000000000000002","hashes":["0000000000000003"],"tier":"disk"},
+                      {"parent":null,"hashes":["0000000000000004"],"tier":"gpu"}]}"#;
+        let tiers: Vec<Tier> = parse_report(body)
+            .unwrap()
+            .stored
+            .iter()
+            .map(|c| c.tier)
+            .collect();
+        assert_eq!(tiers, [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Gpu]);
+        let bad = r#"{"version":1,"podId":"p","epoch":"e","seq":1,"full":true,"queueDepth":0,"health":1,
+            "stored":[{"parent":null,"hashes":["0000000000000001"],"tier":TIER}]}"#;
+        let error = parse_report(bad.replace("TIER", "\"ssd\"").as_bytes()).unwrap_err();
+        assert_eq!(error, "`stored.tier` \"ssd\" is not one of gpu, cpu, disk");
+        // Names are lowercase, as reports write them.
+        assert!(parse_report(bad.replace("TIER", "\"GPU\"").as_bytes())
+            .unwrap_err()
+            .contains("`stored.tier` \"GPU\""));
+        let error = parse_report(bad.replace("TIER", "2").as_bytes()).unwrap_err();
+        assert!(
+            error.contains("malformed report") && error.contains("string"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -1,7 +1,11 @@
 //! The pod side of report protocol v1 (see [`crate::report`]): a bounded
 //! log of block events with sequence numbers, from which a pod builds the
 //! report body: coalesced deltas after `since`, or a full resync of the
-//! blocks it holds when the log no longer reaches back to `since`.
+//! blocks it holds when the log no longer reaches back to `since`. A block
+//! that changes tier is logged as stored again, in its new tier: the last
+//! event of a hash wins, so a delta carries each block once, in its
+//! current tier. Segments are written with `tier` only when it is not
+//! `gpu`, so a pod without tiers sends exactly what it sent before.
 //!
 //! Shared by everything that serves reports (kvroute-sim and its offline
 //! replay, and kvroute-vllm-bridge), so they answer `since`/`epoch` the same
@@ -11,7 +15,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use serde_json::{json, Map, Value};
 
-use crate::report::{hash_to_hex, StoredChain};
+use crate::report::{hash_to_hex, StoredChain, Tier};
 
 /// Random 64 bits from the process's hash keys, the clock and the pid: a
 /// restarted pod never repeats its epoch (the simulator seeds with it too).
@@ -34,12 +38,15 @@ pub fn new_epoch() -> String {
     format!("{:016x}", random_u64())
 }
 
-/// One logged change: `hash` (child of `parent`) stored or removed.
+/// One logged change: `hash` (child of `parent`) stored (or moved) in
+/// `tier`, or removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockEvent {
     pub hash: u64,
     pub parent: Option<u64>,
     pub stored: bool,
+    /// The tier it is held in now (stored events).
+    pub tier: Tier,
 }
 
 /// Changes after some sequence number, coalesced: each hash at most once
@@ -81,13 +88,28 @@ impl ReportLog {
         self.floor
     }
 
-    /// Logs that `hash` (child of `parent`) was stored (`true`) or removed.
-    pub fn push(&mut self, hash: u64, parent: Option<u64>, stored: bool) {
-        self.log.push_back(BlockEvent {
+    /// Logs that `hash` (child of `parent`) is now held in `tier`.
+    pub fn stored(&mut self, hash: u64, parent: Option<u64>, tier: Tier) {
+        self.push(BlockEvent {
             hash,
             parent,
-            stored,
+            stored: true,
+            tier,
         });
+    }
+
+    /// Logs that `hash` (child of `parent`) is no longer held at all.
+    pub fn removed(&mut self, hash: u64, parent: Option<u64>) {
+        self.push(BlockEvent {
+            hash,
+            parent,
+            stored: false,
+            tier: Tier::Gpu,
+        });
+    }
+
+    fn push(&mut self, event: BlockEvent) {
+        self.log.push_back(event);
         self.seq += 1;
         while self.log.len() > self.max_log {
             self.log.pop_front();
@@ -122,7 +144,7 @@ impl ReportLog {
                 continue;
             }
             if event.stored {
-                stored.push((event.hash, event.parent));
+                stored.push((event.hash, event.parent, event.tier));
             } else {
                 removed.push(event.hash);
             }
@@ -159,10 +181,14 @@ impl ReportLog {
         let stored: Vec<Value> = stored
             .iter()
             .map(|s| {
-                json!({
-                    "parent": s.parent.map(hash_to_hex),
-                    "hashes": s.hashes.iter().map(|&h| hash_to_hex(h)).collect::<Vec<_>>(),
-                })
+                let mut segment = Map::new();
+                segment.insert("parent".into(), json!(s.parent.map(hash_to_hex)));
+                let hashes: Vec<String> = s.hashes.iter().map(|&h| hash_to_hex(h)).collect();
+                segment.insert("hashes".into(), json!(hashes));
+                if s.tier != Tier::Gpu {
+                    segment.insert("tier".into(), json!(s.tier.name()));
+                }
+                Value::Object(segment)
             })
             .collect();
         let mut body = Map::new();
@@ -181,16 +207,16 @@ impl ReportLog {
     }
 }
 
-/// Groups `(hash, parent)` nodes into parent-first chains: a depth-first
-/// walk from the nodes whose parent is not among them, a chain running on
-/// while each node continues the previous one.
-pub fn chain_segments(nodes: &[(u64, Option<u64>)]) -> Vec<StoredChain> {
+/// Groups `(hash, parent, tier)` nodes into parent-first chains: a
+/// depth-first walk from the nodes whose parent is not among them, a chain
+/// running on while each node continues the previous one in its tier.
+pub fn chain_segments(nodes: &[(u64, Option<u64>, Tier)]) -> Vec<StoredChain> {
     let present: HashSet<u64> = nodes.iter().map(|n| n.0).collect();
     let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
-    let mut parent_of: HashMap<u64, Option<u64>> = HashMap::new();
+    let mut parent_of: HashMap<u64, (Option<u64>, Tier)> = HashMap::new();
     let mut roots = Vec::new();
-    for &(hash, parent) in nodes {
-        parent_of.insert(hash, parent);
+    for &(hash, parent, tier) in nodes {
+        parent_of.insert(hash, (parent, tier));
         match parent {
             Some(p) if present.contains(&p) && p != hash => {
                 children.entry(p).or_default().push(hash)
@@ -206,14 +232,19 @@ pub fn chain_segments(nodes: &[(u64, Option<u64>)]) -> Vec<StoredChain> {
             if !visited.insert(hash) {
                 continue;
             }
-            let parent = parent_of.get(&hash).copied().flatten();
+            let (parent, tier) = parent_of.get(&hash).copied().unwrap_or_default();
             match out.last_mut() {
-                Some(chain) if parent.is_some() && chain.hashes.last().copied() == parent => {
+                Some(chain)
+                    if parent.is_some()
+                        && chain.hashes.last().copied() == parent
+                        && chain.tier == tier =>
+                {
                     chain.hashes.push(hash)
                 }
                 _ => out.push(StoredChain {
                     parent,
                     hashes: vec![hash],
+                    tier,
                 }),
             }
             if let Some(kids) = children.get(&hash) {
@@ -232,19 +263,20 @@ mod tests {
     #[test]
     fn delta_coalesces_and_full_resyncs_past_the_floor() {
         let mut log = ReportLog::new(3);
-        log.push(1, None, true);
-        log.push(2, Some(1), true);
-        log.push(2, Some(1), false);
+        log.stored(1, None, Tier::Gpu);
+        log.stored(2, Some(1), Tier::Gpu);
+        log.removed(2, Some(1));
         let delta = log.delta(0).expect("retained");
         assert_eq!(
             delta.stored,
             vec![StoredChain {
                 parent: None,
-                hashes: vec![1]
+                hashes: vec![1],
+                tier: Tier::Gpu,
             }]
         );
         assert_eq!(delta.removed, vec![2]);
-        log.push(3, Some(1), true);
+        log.stored(3, Some(1), Tier::Gpu);
         assert_eq!(log.oldest_since(), 1);
         assert!(log.delta(0).is_none());
         let body = log.report_body("p", "E", Some(0), Some("E"), Vec::new);
@@ -254,5 +286,53 @@ mod tests {
         assert_eq!(body.get("seq"), Some(&json!(4)));
         let body = log.report_body("p", "E", Some(2), Some("other"), Vec::new);
         assert_eq!(body.get("full"), Some(&json!(true)));
+    }
+
+    #[test]
+    fn a_tier_change_is_a_store_in_the_new_tier_and_segments_split_by_tier() {
+        let mut log = ReportLog::new(100);
+        for (hash, parent) in [(1, None), (2, Some(1)), (3, Some(2)), (4, Some(3))] {
+            log.stored(hash, parent, Tier::Gpu);
+        }
+        let since = log.seq();
+        // The tail moves to host memory (GPU copies evicted), then 4 goes.
+        log.stored(4, Some(3), Tier::Cpu);
+        log.stored(3, Some(2), Tier::Cpu);
+        log.removed(4, Some(3));
+        let delta = log.delta(since).expect("retained");
+        assert_eq!(
+            delta.stored,
+            vec![StoredChain {
+                parent: Some(2),
+                hashes: vec![3],
+                tier: Tier::Cpu,
+            }]
+        );
+        assert_eq!(delta.removed, vec![4]);
+        let nodes = [
+            (1, None, Tier::Gpu),
+            (2, Some(1), Tier::Gpu),
+            (3, Some(2), Tier::Cpu),
+            (5, Some(3), Tier::Cpu),
+            (6, Some(2), Tier::Gpu),
+        ];
+        let segment = |parent, hashes: &[u64], tier| StoredChain {
+            parent,
+            hashes: hashes.to_vec(),
+            tier,
+        };
+        assert_eq!(
+            chain_segments(&nodes),
+            [
+                segment(None, &[1, 2], Tier::Gpu),
+                segment(Some(2), &[3, 5], Tier::Cpu),
+                segment(Some(2), &[6], Tier::Gpu),
+            ]
+        );
+        // On the wire, `tier` only when not gpu.
+        let body = log.report_body("p", "E", Some(since), Some("E"), Vec::new);
+        assert_eq!(body["stored"][0]["tier"], json!("cpu"));
+        let full = log.report_body("p", "E", None, None, || chain_segments(&nodes[..2]));
+        assert!(full["stored"][0].get("tier").is_none(), "{full:?}");
     }
 }

@@ -24,7 +24,15 @@
 //!    of the prompt it would save ([`Router::hold_bound_ms`]) in all; the
 //!    wait queue then offers the room to the next waiting request
 //!    ([`crate::queueing`]). A request leaving the wait queue
-//!    ([`Attempt::Waiting`]) is scored without the balance guard.
+//!    ([`Attempt::Waiting`]) is scored without balance.
+//!
+//! Every candidate carries its predicted TTFT ([`TtftModel`], from the
+//! view): balance ([`crate::scoring::balance`]) takes the cache term from
+//! a pod another clearly beats, and the routed request carries the winner's
+//! and the runner-up's predictions for the explain and route logs. With a
+//! TTFT target (SLO mode, [`crate::scoring::slo`]) the cheapest pod in time
+//! wins, and a request no pod serves in time holds out in the wait queue
+//! while waiting can still help.
 //!
 //! A snapshot the service stopped refreshing ([`Staleness`]) is not
 //! trusted for cache: the request is routed by load, with each pod's health
@@ -34,6 +42,8 @@ use crate::chat_template::PromptRenderer;
 use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch};
+use crate::scoring::slo::{self, SloChoice};
+use crate::scoring::ttft::TtftModel;
 use crate::scoring::{Candidate, Decision, Exclusion, Pool, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
@@ -44,12 +54,8 @@ pub struct ClusterView<'a> {
     pub index: &'a dyn PrefixLookup,
     /// In-flight requests and their queued prefill per pod slot.
     pub inflight: &'a [SlotLoad],
-    /// This worker's recent decisions per pod slot
-    /// ([`crate::scoring::balance::RecentShare`]).
-    pub recent_decisions: &'a [u32],
-    /// Per pod slot, its requests in flight averaged over this worker's
-    /// latest decisions ([`crate::scoring::balance::RecentShare::busy_average`]).
-    pub busy_average: &'a [f64],
+    /// The predicted-TTFT model this router learned ([`TtftModel`]).
+    pub ttft: &'a TtftModel,
     /// Now, on the clock of `table.published_at_ms`.
     pub now_ms: u64,
 }
@@ -85,6 +91,14 @@ pub struct Routed {
     /// counted in the pod's [`SlotLoad::prefill_tokens`] until the first
     /// response byte.
     pub prefill_tokens: u32,
+    /// Prefill ahead of its first token there: the pod's queued prefill
+    /// plus `prefill_tokens` (what [`TtftModel::observe`] learns from).
+    pub work_tokens: u64,
+    /// Predicted TTFT on the chosen pod and on the runner-up (if any).
+    pub predicted_ttft_ms: f64,
+    pub runner_up_ttft_ms: Option<f64>,
+    /// The answer is streamed ([`RoutingRequest::streamed`]).
+    pub streamed: bool,
     /// Why cache-aware routing was skipped, for a bad or unknown request.
     pub degraded: Option<String>,
     /// Sent to `fallbackPod` because every pod was excluded.
@@ -222,16 +236,20 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
         let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
         let inflight = load.requests;
         let cached_tokens = self.coverage.tokens(matched);
+        let uncached_tokens = self.coverage.prompt_tokens().saturating_sub(cached_tokens);
+        let queued_prefill = u64::from(load.prefill_tokens);
+        let line = view.ttft.line(pod.slot);
         Candidate {
             slot: pod.slot,
             id: &pod.id,
             cache_match: self.coverage.fraction(matched),
             cached_tokens,
-            uncached_tokens: self.coverage.prompt_tokens().saturating_sub(cached_tokens),
+            uncached_tokens,
             inflight,
-            queued_prefill: u64::from(load.prefill_tokens),
-            recent_decisions: view.recent_decisions.get(pod.slot).copied().unwrap_or(0),
-            busy_average: view.busy_average.get(pod.slot).copied().unwrap_or(0.0),
+            queued_prefill,
+            predicted_ttft_ms: line.predict(queued_prefill.saturating_add(uncached_tokens) as f64),
+            prefill_ms_per_token: line.ms_per_token,
+            busy: view.ttft.busy(pod.slot),
             health: if self.stale_snapshot {
                 let age = view.now_ms.saturating_sub(pod.last_report_ms);
                 pod.reported_health * self.staleness.health_factor(age)
@@ -297,6 +315,12 @@ pub struct RoutingRequest {
     /// The answer carries `usage`, so the prediction can be checked
     /// against its `cached_tokens` (see [`crate::request::ParsedRequest`]).
     pub answer_reports_usage: bool,
+    /// The answer is streamed: its first byte is its first token, so its
+    /// TTFT teaches the [`TtftModel`] (an unstreamed answer's first byte
+    /// comes after its last token).
+    pub streamed: bool,
+    /// SLO mode's target ([`crate::scoring::slo`]), if any.
+    pub ttft_target_ms: Option<f64>,
 }
 
 impl RoutingRequest {
@@ -310,6 +334,8 @@ impl RoutingRequest {
             degraded: Some(degraded),
             // Routed by load, nothing is predicted.
             answer_reports_usage: false,
+            streamed: false,
+            ttft_target_ms: None,
         }
     }
 }
@@ -388,6 +414,8 @@ impl Router {
             coverage,
             degraded: request_degraded,
             answer_reports_usage,
+            streamed,
+            ttft_target_ms,
         } = request;
         // A request that waits is routed again later, as it came.
         let waiting = |chain: Vec<u64>, rejected: Rejected, holding_out: Option<HoldOut>| {
@@ -399,6 +427,8 @@ impl Router {
                     coverage,
                     degraded: request_degraded.clone(),
                     answer_reports_usage,
+                    streamed,
+                    ttft_target_ms,
                 },
                 rejected,
                 holding_out,
@@ -429,12 +459,40 @@ impl Router {
         };
         // A request leaving the wait queue goes to a pod only once that
         // pod has drained below `maxQueue`, one request per freed place:
-        // the queue balances the pods already, and the guard would only
+        // the queue balances the pods already, and balance would only
         // trade its cache hit for a miss on another pod that has room.
-        let balance_guard = attempt == Attempt::Arrival;
-        let decision = self
+        let balance_error = (attempt == Attempt::Arrival).then(|| view.ttft.error());
+        let mut decision = self
             .policy
-            .decide(&pool, adapter.is_some(), tie_breaker, balance_guard);
+            .decide(&pool, adapter.is_some(), tie_breaker, balance_error);
+        let target = ttft_target_ms.filter(|_| view.ttft.calibrated());
+        let waited_ms = attempt.holding_ms() as f64;
+        match target.and_then(|t| slo::place(&decision, &pool, t, waited_ms)) {
+            Some(SloChoice::Route(index)) => decision.chosen = Some(index),
+            Some(SloChoice::Wait(soonest))
+                if self.config.on_no_eligible_pod == NoPodPolicy::Wait =>
+            {
+                let soonest = view.table.pods.get(soonest);
+                let hold = HoldOut {
+                    pod_id: soonest.map_or_else(String::new, |p| p.id.clone()),
+                    held_blocks: soonest.map_or(0, |p| matches.blocks(p.slot)),
+                    offered_blocks: 0,
+                };
+                let rejected = Rejected {
+                    status: 503,
+                    kind: "ServiceUnavailableError",
+                    message: format!(
+                        "no inference pod is predicted to answer within the TTFT target of {} ms",
+                        target.unwrap_or_default()
+                    ),
+                    retry_after: Some(self.config.retry_after_seconds),
+                };
+                return waiting(chain, rejected, Some(hold));
+            }
+            // Without gateway waiting, the soonest pod.
+            Some(SloChoice::Wait(soonest)) => decision.chosen = Some(soonest),
+            None => {}
+        }
         let (pod, fallback) = match decision.chosen {
             Some(index) => (index, false),
             None => match self.fallback_index(view.table) {
@@ -498,6 +556,12 @@ impl Router {
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
+            work_tokens: candidate
+                .queued_prefill
+                .saturating_add(candidate.uncached_tokens),
+            predicted_ttft_ms: candidate.predicted_ttft_ms,
+            runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
+            streamed,
             degraded,
             fallback,
             stale_snapshot,
@@ -510,7 +574,7 @@ impl Router {
     /// it should hold out for: the one excluded at `maxQueue` caching the
     /// most blocks, if more than offered. Only a full pod: room there
     /// comes back as its queue drains, while a pod the router passed over
-    /// with room (the balance guard, a lower composite) or for its health
+    /// with room (balance, a lower composite) or for its health
     /// was passed over on purpose.
     fn hold_out(
         &self,
@@ -634,9 +698,16 @@ impl Router {
                     .chain(&target, &request.prompt, request.cache_salt.as_deref()),
                 coverage: self.hasher.coverage(&request.prompt),
                 adapter: target.adapter,
+                ttft_target_ms: self
+                    .config
+                    .balance
+                    .ttft_target_ms
+                    .as_ref()
+                    .and_then(|t| t.of(&request.model)),
                 model: request.model,
                 degraded: None,
                 answer_reports_usage: request.answer_reports_usage,
+                streamed: request.stream,
             }),
             None if self.config.on_unknown_model == BadRequestPolicy::Reject => Err(Rejected {
                 status: 404,
@@ -651,8 +722,9 @@ impl Router {
         }
     }
 
-    /// A JSON explanation of a decision: every candidate's factors and
-    /// composite, and the excluded pods with the reason.
+    /// A JSON explanation of a decision: every candidate's factors,
+    /// composite, predicted TTFT and whether it lost its cache term to a
+    /// clearly faster pod, and the excluded pods with the reason.
     pub fn explain(&self, table: &PodTable, decision: &Decision) -> String {
         let names = self.policy.scorer_names();
         let candidates: Vec<serde_json::Value> = decision
@@ -664,7 +736,8 @@ impl Router {
                     .zip(&s.factors)
                     .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
                     .collect();
-                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite)})
+                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite),
+                                   "predictedTtftMs": round4(s.predicted_ttft_ms), "cacheWithheld": s.cache_withheld})
             })
             .collect();
         let excluded: Vec<serde_json::Value> = decision
@@ -735,12 +808,12 @@ mod tests {
         let mut tree = PrefixTree::new(1000);
         tree.insert_chain(0, None, &chain);
         let inflight = [SlotLoad::default(); 2];
+        let ttft = TtftModel::new(64);
         let view = |now_ms| ClusterView {
             table: &published,
             index: &tree,
             inflight: &inflight,
-            recent_decisions: &[],
-            busy_average: &[],
+            ttft: &ttft,
             now_ms,
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
@@ -826,17 +899,21 @@ mod tests {
             }
         }
 
+        /// `inflight` requests per pod, each with 1,000 tokens to prefill.
         fn route(&self, inflight: [u32; 2], attempt: Attempt) -> Outcome {
+            self.route_with(inflight, attempt, &TtftModel::new(64))
+        }
+
+        fn route_with(&self, inflight: [u32; 2], attempt: Attempt, ttft: &TtftModel) -> Outcome {
             let inflight = inflight.map(|requests| SlotLoad {
                 requests,
-                prefill_tokens: 0,
+                prefill_tokens: requests * 1000,
             });
             let view = ClusterView {
                 table: &self.table,
                 index: &self.tree,
                 inflight: &inflight,
-                recent_decisions: &[],
-                busy_average: &[],
+                ttft,
                 now_ms: 1000,
             };
             self.router
@@ -916,13 +993,55 @@ mod tests {
     }
 
     #[test]
-    fn the_balance_guard_spares_requests_leaving_the_wait_queue() {
-        // `a` caches the prompt and has room, but runs 10 requests more
-        // than `b`: an arrival goes to `b`, a waiting request to `a`.
+    fn balance_spares_requests_leaving_the_wait_queue() {
+        // `a` caches the 160-token prompt and has room, but 10,000 tokens
+        // to prefill before it (even uncalibrated, far past the prior
+        // error): an arrival goes to idle `b`, a waiting request to `a`.
         let case = HoldOutCase::new(config(), 0, 10);
         assert_eq!(routed_to(case.route([10, 0], Attempt::Arrival)), "b");
         let waiting = Attempt::Waiting { holding_ms: 0 };
         assert_eq!(routed_to(case.route([10, 0], waiting)), "a");
+    }
+
+    #[test]
+    fn slo_mode_takes_the_cheapest_pod_in_time_and_holds_out_for_one() {
+        // Both pods answer in 10 ms + 0.1 ms a token of prefill work.
+        let mut ttft = TtftModel::new(64);
+        for i in 0..32u64 {
+            let work = 100 + (i % 4) * 1000;
+            ttft.observe(0, work, 10.0 + 0.1 * work as f64);
+            ttft.observe(1, work, 10.0 + 0.1 * work as f64);
+        }
+        let target = |ms: f64| Config {
+            balance: crate::config::BalanceConfig {
+                ttft_target_ms: Some(crate::config::TtftTarget::All(ms)),
+                ..Default::default()
+            },
+            ..config()
+        };
+        // `a` caches the 160-token prompt with 2,000 tokens queued (210 ms);
+        // `b` is idle and caches nothing (26 ms). Within 250 ms both are
+        // in time and `a`, which prefills nothing, is the cheapest.
+        let case = HoldOutCase::new(target(250.0), 0, 10);
+        assert_eq!(
+            routed_to(case.route_with([2, 0], Attempt::Arrival, &ttft)),
+            "a"
+        );
+        // Within 100 ms only `b` is.
+        let case = HoldOutCase::new(target(100.0), 0, 10);
+        assert_eq!(
+            routed_to(case.route_with([2, 0], Attempt::Arrival, &ttft)),
+            "b"
+        );
+        // Within 20 ms neither, but an idle `a` would be (10 ms): it holds
+        // out, until waiting cannot help any more.
+        let case = HoldOutCase::new(target(20.0), 0, 10);
+        let hold = held_out(case.route_with([2, 1], Attempt::Arrival, &ttft));
+        assert_eq!(hold.pod_id, "b");
+        let waited = Attempt::Waiting { holding_ms: 11 };
+        assert_eq!(routed_to(case.route_with([2, 1], waited, &ttft)), "b");
+        // An uncalibrated model predicts in tokens: no target applies.
+        assert_eq!(routed_to(case.route([2, 1], Attempt::Arrival)), "a");
     }
 
     #[test]

@@ -161,20 +161,27 @@ fn le_u16(bytes: &[u8], at: usize) -> Option<u16> {
 }
 
 /// The filter's view of the published index: bucket values fetched on demand
-/// through `fetch` (a shared-data read in Envoy, a map in tests).
-pub struct SnapshotIndex<F: Fn(u32) -> Option<Vec<u8>>> {
+/// through `fetch` (a copy out of Envoy shared data under proxy-wasm, a
+/// reference into the in-process snapshot in the native module, a map in
+/// tests).
+pub struct SnapshotIndex<F> {
     pub buckets: u32,
     pub fetch: F,
 }
 
-impl<F: Fn(u32) -> Option<Vec<u8>>> PrefixLookup for SnapshotIndex<F> {
+impl<F, B> PrefixLookup for SnapshotIndex<F>
+where
+    F: Fn(u32) -> Option<B>,
+    B: std::ops::Deref,
+    B::Target: AsRef<[u8]>,
+{
     fn lookup(&self, chain: &[u64]) -> PrefixMatch {
         match_by_bisection(chain.len(), |i| {
             let Some(&hash) = chain.get(i) else {
                 return Vec::new();
             };
             (self.fetch)(bucket_of(hash, self.buckets))
-                .and_then(|bytes| bucket_lookup(&bytes, hash))
+                .and_then(|bytes| bucket_lookup((*bytes).as_ref(), hash))
                 .unwrap_or_default()
         })
     }
@@ -340,6 +347,12 @@ pub struct PodTable {
 }
 
 impl PodTable {
+    /// How many pod slots the table's pods span (the in-flight loads to
+    /// read): pods are ordered by slot.
+    pub fn slots(&self) -> usize {
+        self.pods.last().map_or(0, |p| p.slot + 1)
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         // Plain data (strings, numbers, maps with string keys) always serialises.
         serde_json::to_vec(self).unwrap_or_default()

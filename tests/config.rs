@@ -723,6 +723,65 @@ fn membership_names_the_serving_cluster_and_stands_alone() {
 }
 
 #[test]
+fn replicas_name_their_peers_and_a_long_secret() {
+    const SECRET: &str = "0123456789abcdef0123456789abcdef";
+    let config = parse(&with_pods(&format!(
+        r#""replicas": {{"peers": ["10.0.0.1:9902", "10.0.0.2:9902"], "secret": "{SECRET}"}}"#
+    )))
+    .expect("static peers");
+    let replicas = config.replicas.expect("replicas");
+    assert_eq!(replicas.path, "/kvroute/v1/replica");
+    assert_eq!(replicas.admin_cluster, "kvroute_admin");
+    let config = parse(&with_pods(&format!(
+        r#""replicas": {{"cluster": "kvroute_replicas", "secret": "{SECRET}"}}"#
+    )))
+    .expect("a cluster of replicas");
+    assert_eq!(
+        config.replicas.and_then(|r| r.cluster).as_deref(),
+        Some("kvroute_replicas")
+    );
+    rejects(
+        &with_pods(&format!(r#""replicas": {{"secret": "{SECRET}"}}"#)),
+        "replicas",
+    );
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": ["10.0.0.1:9902"], "cluster": "r", "secret": "{SECRET}"}}"#
+        )),
+        "replicas.cluster",
+    );
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": ["gateway-0:9902"], "secret": "{SECRET}"}}"#
+        )),
+        "replicas.peers[0]",
+    );
+    let short = rejects(
+        &with_pods(r#""replicas": {"peers": ["10.0.0.1:9902"], "secret": "short"}"#),
+        "replicas.secret",
+    );
+    assert!(short.contains("at least 32"), "{short}");
+    rejects(
+        &with_pods(r#""replicas": {"peers": ["10.0.0.1:9902"]}"#),
+        "replicas.secret",
+    );
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": ["10.0.0.1:9902"], "secret": "{SECRET}", "path": "log"}}"#
+        )),
+        "replicas.path",
+    );
+    let many: Vec<String> = (0..65).map(|i| format!("\"10.0.1.{i}:9902\"")).collect();
+    rejects(
+        &with_pods(&format!(
+            r#""replicas": {{"peers": [{}], "secret": "{SECRET}"}}"#,
+            many.join(",")
+        )),
+        "replicas.peers",
+    );
+}
+
+#[test]
 fn a_metrics_address_is_an_ip_and_port() {
     let config = parse(
         r#"{"pods": [{"id": "a", "address": "10.0.0.1:8000", "metricsAddress": "10.0.0.1:9090"}]}"#,
@@ -792,4 +851,78 @@ fn chat_templates_belong_to_a_base_model_and_compile() {
         "chatTemplates.m.contentFormat",
     );
     assert!(message.contains("parts"), "{message}");
+}
+
+#[test]
+fn balance_is_the_ttft_model_with_three_parameters() {
+    let config = parse(&with_pods("")).unwrap();
+    assert!(config.balance.enabled);
+    assert_eq!(config.balance.learning_window, 64);
+    let set = parse(&with_pods(
+        r#""balance": {"enabled": false, "learningWindow": 16}"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        (set.balance.enabled, set.balance.learning_window),
+        (false, 16)
+    );
+    rejects(
+        &with_pods(r#""balance": {"learningWindow": 0}"#),
+        "balance.learningWindow",
+    );
+    rejects(
+        &with_pods(r#""balance": {"learningWindow": 65537}"#),
+        "balance.learningWindow",
+    );
+    // SLO mode: one target, or one per model.
+    assert_eq!(config.balance.ttft_target_ms, None);
+    let all = parse(&with_pods(r#""balance": {"ttftTargetMs": 500}"#)).unwrap();
+    let all = all.balance.ttft_target_ms.unwrap();
+    assert_eq!(
+        (all.of("chat"), all.of("other")),
+        (Some(500.0), Some(500.0))
+    );
+    let per_model = parse(&with_pods(
+        r#""balance": {"ttftTargetMs": {"chat": 300, "batch": 5000}}"#,
+    ))
+    .unwrap();
+    let per_model = per_model.balance.ttft_target_ms.unwrap();
+    assert_eq!(
+        (per_model.of("chat"), per_model.of("other")),
+        (Some(300.0), None)
+    );
+    rejects(
+        &with_pods(r#""balance": {"ttftTargetMs": 0}"#),
+        "balance.ttftTargetMs",
+    );
+    rejects(
+        &with_pods(r#""balance": {"ttftTargetMs": {"chat": -1}}"#),
+        "balance.ttftTargetMs.chat",
+    );
+}
+
+#[test]
+fn every_removed_balance_key_is_refused_naming_its_replacement() {
+    for key in [
+        "absThreshold",
+        "relThreshold",
+        "shareWindow",
+        "maxShare",
+        "spillTokens",
+        "busyAverageDecisions",
+        "prefillSlackTokens",
+        "prefillRatio",
+    ] {
+        let message = rejects(
+            &with_pods(&format!(r#""balance": {{"{key}": 1}}"#)),
+            &format!("balance.{key}"),
+        );
+        assert!(message.contains("was removed"), "{message}");
+        assert!(message.contains("balance.enabled"), "{message}");
+    }
+    // Even `null`, which turned the prefill guard off.
+    rejects(
+        &with_pods(r#""balance": {"prefillSlackTokens": null}"#),
+        "balance.prefillSlackTokens",
+    );
 }

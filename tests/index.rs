@@ -354,7 +354,7 @@ fn snapshot_buckets_absent_from_the_store_read_as_empty() {
     assert_eq!(snapshot.lookup(&[11, 12, 13]).blocks(5), 3);
     let empty = SnapshotIndex {
         buckets: 4,
-        fetch: |_| None,
+        fetch: |_| None::<Vec<u8>>,
     };
     assert_eq!(empty.lookup(&[11, 12, 13]), PrefixMatch::default());
 }
@@ -1404,4 +1404,94 @@ fn membership_pods_accept_a_report_under_any_pod_name() {
     let body = report("vllm-0", "e", 1, 0, true, &[(None, &[1])], &[], 1.0);
     let folded = report_answer(&mut configured, "a", "200", body, 0);
     assert!(matches!(folded.result, Err(Failure::Malformed(why)) if why.contains("podId")));
+}
+
+#[test]
+fn a_peer_replicas_decisions_count_as_this_replicas_own() {
+    use kvroute::replica::{
+        encode_answer, AnswerLimits, LoggedDecision, PodInflight, ReplicaAnswer,
+    };
+    let mut cluster = ClusterState::new(&cluster_config(), 0);
+    let (a, b) = (cluster.slot("a").unwrap(), cluster.slot("b").unwrap());
+    // This replica's own decisions: logged when recorded, not when a's
+    // report already holds the chain.
+    assert_eq!(cluster.record_decision(a, &[1, 2], 0), Some("a"));
+    let report_body = report("a", "e1", 1, 0, true, &[(None, &[7, 8])], &[], 1.0);
+    assert!(report_answer(&mut cluster, "a", "200", report_body, 0)
+        .result
+        .is_ok());
+    assert_eq!(cluster.record_decision(a, &[7, 8], 0), None);
+
+    let mut peers = kvroute::replica::Peers::new(
+        "0000000000000001".into(),
+        cluster_config().pending_decision_ttl_ms(),
+        AnswerLimits {
+            max_chain: 2048,
+            max_pods: 64,
+        },
+    );
+    peers.set_addresses(&["10.0.0.9:9902".into()]);
+    let answer = ReplicaAnswer {
+        replica: "0000000000000002".into(),
+        seq: 2,
+        since: 0,
+        full: true,
+        sent_at_ms: 50_000,
+        decisions: vec![
+            LoggedDecision {
+                seq: 1,
+                pod: "b".into(),
+                at_ms: 49_000,
+                chain: vec![30, 31, 32],
+            },
+            LoggedDecision {
+                seq: 2,
+                pod: "a pod this replica does not know".into(),
+                at_ms: 50_000,
+                chain: vec![40],
+            },
+        ],
+        inflight: vec![
+            PodInflight {
+                pod: "b".into(),
+                requests: 3,
+                prefill_tokens: 900,
+            },
+            PodInflight {
+                pod: "gone".into(),
+                requests: 5,
+                prefill_tokens: 5,
+            },
+        ],
+    };
+    let now = 10_000;
+    let received = peers
+        .accept("10.0.0.9:9902", &encode_answer(&answer), now)
+        .expect("good answer");
+    let recorded: Vec<bool> = received
+        .decisions
+        .iter()
+        .map(|(d, at)| cluster.record_peer_decision(&d.pod, &d.chain, *at))
+        .collect();
+    assert_eq!(recorded, vec![true, false]);
+    // Pending on b, made 1 s before it was sent: it expires 1 s early.
+    let ttl = cluster_config().pending_decision_ttl_ms();
+    cluster.publish(now);
+    assert_eq!(
+        cluster.pending().unwrap().lookup(&[30, 31, 32]).blocks(b),
+        3
+    );
+    cluster.publish(now + ttl - 1000 + 1);
+    assert_eq!(
+        cluster.pending().unwrap().lookup(&[30, 31, 32]).blocks(b),
+        0
+    );
+    // The peer's loads count by slot while it answers.
+    let loads = cluster.peer_loads(&peers, now);
+    assert_eq!((loads[b].requests, loads[b].prefill_tokens), (3, 900));
+    assert_eq!(loads[a].requests, 0);
+    assert!(cluster
+        .peer_loads(&peers, now + ttl + 1)
+        .iter()
+        .all(|l| l.requests == 0));
 }

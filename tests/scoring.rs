@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use kvroute::config::{Config, Weights};
+use kvroute::config::{BalanceConfig, Config, Weights};
+use kvroute::scoring::ttft::TtftModel;
 use kvroute::scoring::{
     Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy,
 };
@@ -55,8 +56,9 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             uncached_tokens: 0,
             inflight: 0,
             queued_prefill: 0,
-            recent_decisions: 0,
-            busy_average: 0.0,
+            predicted_ttft_ms: 0.0,
+            prefill_ms_per_token: 0.0,
+            busy: 0.0,
             load: p.load,
             queue: p.queue,
             health: p.health,
@@ -71,7 +73,7 @@ fn default_policy() -> ScoringPolicy {
 }
 
 fn decide(policy: &ScoringPolicy, pods: &[Pod], needs_adapter: bool) -> Decision {
-    policy.decide(&candidates(pods), needs_adapter, 0, true)
+    policy.decide(&candidates(pods), needs_adapter, 0, Some(0.0))
 }
 
 /// The scored entry of candidate `index` (panics if it was excluded).
@@ -464,14 +466,14 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
         ..IDLE
     };
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&[a, b]), false, tie_breaker, true);
+        let d = policy.decide(&candidates(&[a, b]), false, tie_breaker, Some(0.0));
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
         assert_eq!(
             d.chosen,
             Some(1),
             "tie → higher load score (tie breaker {tie_breaker})"
         );
-        let d = policy.decide(&candidates(&[b, a]), false, tie_breaker, true);
+        let d = policy.decide(&candidates(&[b, a]), false, tie_breaker, Some(0.0));
         assert_eq!(d.chosen, Some(0), "order does not matter");
     }
     // 0.1·(1−1/20) + 0.05·1 = 0.145 = 0.1·1 + 0.05·0.9: same composite and
@@ -482,7 +484,7 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
         ..IDLE
     };
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&[c, d_pod]), false, tie_breaker, true);
+        let d = policy.decide(&candidates(&[c, d_pod]), false, tie_breaker, Some(0.0));
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
         assert_eq!(
             d.chosen,
@@ -508,7 +510,7 @@ fn identical_pods_share_traffic_evenly_through_the_tie_breaker() {
         let rounds = 40 * n_pods as u64;
         let mut counts = vec![0u64; n_pods];
         for tie_breaker in 0..rounds {
-            let d = policy.decide(&cands, false, tie_breaker, true);
+            let d = policy.decide(&cands, false, tie_breaker, Some(0.0));
             counts[d.chosen.expect("eligible")] += 1;
         }
         assert!(counts.iter().all(|&c| c == 40), "{n_pods} pods: {counts:?}");
@@ -519,7 +521,7 @@ fn identical_pods_share_traffic_evenly_through_the_tie_breaker() {
     let mut counts = [0u32; 3];
     for tie_breaker in 0..100 {
         counts[policy
-            .decide(&cands, false, tie_breaker, true)
+            .decide(&cands, false, tie_breaker, Some(0.0))
             .chosen
             .unwrap()] += 1;
     }
@@ -532,7 +534,7 @@ fn cold_start_goes_to_the_least_loaded_pod() {
     let loads = [0.7, 0.35, 0.9, 0.1, 0.5];
     let pods: Vec<Pod> = loads.iter().map(|&load| Pod { load, ..IDLE }).collect();
     for tie_breaker in 0..5 {
-        let d = policy.decide(&candidates(&pods), false, tie_breaker, true);
+        let d = policy.decide(&candidates(&pods), false, tie_breaker, Some(0.0));
         assert_eq!(d.chosen, Some(3), "no cache anywhere: least loaded wins");
         let ci = factor_index(&policy, "cache");
         assert!(d.scored.iter().all(|s| s.factors[ci] == 0.0));
@@ -549,7 +551,7 @@ fn adapter_affinity() {
     };
     let pods = [IDLE, IDLE, with, IDLE];
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&pods), true, tie_breaker, true);
+        let d = policy.decide(&candidates(&pods), true, tie_breaker, Some(0.0));
         assert_eq!(d.chosen, Some(2), "the pod with the adapter loaded wins");
         assert!(close(composite(&d, 2) - composite(&d, 0), 0.05));
         assert_eq!(scored(&d, 0).factors[ai], 0.0);
@@ -593,8 +595,9 @@ fn cost_candidates<'a>(
             uncached_tokens: 0,
             inflight: 0,
             queued_prefill: 0,
-            recent_decisions: 0,
-            busy_average: 0.0,
+            predicted_ttft_ms: 0.0,
+            prefill_ms_per_token: 0.0,
+            busy: 0.0,
             load: 0.3,
             queue: 1,
             health: 1.0,
@@ -616,7 +619,7 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
 
     // Cheap pod 0.15 behind the best: within the window, cheaper → it wins.
     // cheap 0.5·0.85 + 0.1·1 = 0.525 > pricey 0.5·1.0 + 0.1·0 = 0.5.
-    let d = policy.decide(&cost_candidates(&config, 0.85, 1.0), false, 0, true);
+    let d = policy.decide(&cost_candidates(&config, 0.85, 1.0), false, 0, Some(0.0));
     assert_eq!(scored(&d, 0).factors[cost], 1.0);
     assert_eq!(scored(&d, 1).factors[cost], 0.0);
     assert!(close(composite(&d, 0) - composite(&d, 1), 0.025), "{d:?}");
@@ -628,7 +631,7 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
 
     // Cheap pod 0.3 behind: outside the window it earns no cost score, and
     // the pricey pod, alone in the window, earns the full 0.1.
-    let d = policy.decide(&cost_candidates(&config, 0.7, 1.0), false, 0, true);
+    let d = policy.decide(&cost_candidates(&config, 0.7, 1.0), false, 0, Some(0.0));
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(scored(&d, 1).factors[cost], 1.0);
     assert_eq!(
@@ -638,13 +641,13 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
     );
 
     // Both cold: both in the window, cheap wins on cost alone.
-    let d = policy.decide(&cost_candidates(&config, 0.0, 0.0), false, 0, true);
+    let d = policy.decide(&cost_candidates(&config, 0.0, 0.0), false, 0, Some(0.0));
     assert_eq!(d.chosen, Some(0));
 
     // A pod without the attribute scores 0 on it.
     let mut no_attr = cost_candidates(&config, 0.9, 0.9);
     no_attr[0].attributes = &NO_ATTRIBUTES;
-    let d = policy.decide(&no_attr, false, 0, true);
+    let d = policy.decide(&no_attr, false, 0, Some(0.0));
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(
         scored(&d, 1).factors[cost],
@@ -822,7 +825,7 @@ proptest! {
         let config = config_with(weights.clone(), max_queue);
         prop_assert!(config.validate().is_ok(), "normalised weights are valid: {:?}", config.validate());
         let policy = ScoringPolicy::from_config(&config);
-        let d = policy.decide(&candidates(&pods), needs_adapter, tie_breaker, true);
+        let d = policy.decide(&candidates(&pods), needs_adapter, tie_breaker, Some(0.0));
         prop_assert_eq!(d.scored.len() + d.excluded.len(), pods.len());
         let w = [weights.cache, weights.load, weights.queue, weights.health, weights.adapter];
         for s in &d.scored {
@@ -860,7 +863,7 @@ proptest! {
             .collect();
         let at = position.index(pods.len() + 1);
         pods.insert(at, hot);
-        let d = default_policy().decide(&candidates(&pods), needs_adapter, tie_breaker, true);
+        let d = default_policy().decide(&candidates(&pods), needs_adapter, tie_breaker, Some(0.0));
         prop_assert_eq!(d.chosen, Some(at), "{:?}", d);
     }
 
@@ -875,7 +878,7 @@ proptest! {
     ) {
         let policy = ScoringPolicy::from_config(&config_with(weights, 20));
         let i = which.index(pods.len());
-        let before = policy.decide(&candidates(&pods), needs_adapter, 0, true);
+        let before = policy.decide(&candidates(&pods), needs_adapter, 0, Some(0.0));
         let mut better = pods.clone();
         let p = &mut better[i];
         match factor {
@@ -885,7 +888,7 @@ proptest! {
             3 => p.health += (1.0 - p.health) * amount,
             _ => p.adapter = true,
         }
-        let after = policy.decide(&candidates(&better), needs_adapter, 0, true);
+        let after = policy.decide(&candidates(&better), needs_adapter, 0, Some(0.0));
         prop_assert!(
             composite(&after, i) + 1e-12 >= composite(&before, i),
             "factor {} raised on pod {}: {} → {}", factor, i, composite(&before, i), composite(&after, i)
@@ -936,163 +939,174 @@ proptest! {
     }
 }
 
-#[test]
-fn a_pod_far_ahead_in_flight_loses_its_cache_affinity() {
-    let config = Config {
-        max_queue: 100,
-        ..Config::default()
-    };
-    let policy = ScoringPolicy::from_config(&config);
-    let attributes = BTreeMap::new();
-    let pod = |slot: usize, id: &'static str, cache_match: f64, inflight: u32| Candidate {
+/// A model that learned pods answering in `overhead + 0.1 ms × work`
+/// (pod 1 at `slow` × that per token), exactly: its error is about 0.
+fn learned_model(slow: f64) -> TtftModel {
+    let mut model = TtftModel::new(64);
+    for i in 0..64u64 {
+        let work = 1_000 + (i % 8) * 2_000;
+        model.observe(0, work, 10.0 + 0.1 * work as f64);
+        model.observe(1, work, 10.0 + 0.1 * slow * work as f64);
+    }
+    model
+}
+
+/// Pod `slot` for a `prompt`-token request of which it caches `cached`,
+/// with `queued` tokens of prefill ahead, as the router builds it from
+/// `model`.
+fn ttft_pod(
+    model: &TtftModel,
+    slot: usize,
+    prompt: u64,
+    cached: u64,
+    queued: u64,
+) -> Candidate<'static> {
+    let line = model.line(slot);
+    let uncached = prompt - cached;
+    Candidate {
         slot,
-        id,
-        cache_match,
-        cached_tokens: 0,
-        uncached_tokens: 0,
-        inflight,
-        queued_prefill: 0,
-        recent_decisions: 0,
-        busy_average: 0.0,
+        id: IDS[slot],
+        cache_match: cached as f64 / prompt as f64,
+        cached_tokens: cached,
+        uncached_tokens: uncached,
+        inflight: 0,
+        queued_prefill: queued,
+        predicted_ttft_ms: line.predict((queued + uncached) as f64),
+        prefill_ms_per_token: line.ms_per_token,
+        busy: model.busy(slot),
         load: 0.3,
-        // As the router counts it: reported 0 plus those routed since.
-        queue: inflight,
+        // Requests waiting there, as the prefill queued suggests.
+        queue: if queued > 0 { 2 } else { 0 },
         health: 1.0,
         adapter_loaded: false,
-        attributes: &attributes,
-    };
-    // The holder runs 6 more than the idle pod: affinity holds.
-    let close = [pod(0, "holder", 0.9, 6), pod(1, "idle", 0.0, 0)];
-    assert_eq!(policy.decide(&close, false, 0, true).chosen, Some(0));
-    // 7 more (and above 1.3 × 0): the idle pod gets it and will cache it.
-    let ahead = [pod(0, "holder", 0.9, 7), pod(1, "idle", 0.0, 0)];
-    let decision = policy.decide(&ahead, false, 0, true);
-    assert_eq!(decision.chosen, Some(1));
-    assert_eq!(
-        decision.scored[0].factors[0], 0.0,
-        "the holder's cache term is dropped"
-    );
-    // At high load 8 more is within 30 % of 30: affinity holds.
-    let busy = [pod(0, "holder", 0.9, 38), pod(1, "other", 0.0, 30)];
-    assert_eq!(policy.decide(&busy, false, 0, true).chosen, Some(0));
-}
-
-#[test]
-fn a_pod_over_its_share_of_recent_decisions_loses_affinity_for_cheap_moves() {
-    let policy = ScoringPolicy::from_config(&Config::default());
-    let attributes = BTreeMap::new();
-    // The pod with more recent decisions is a little busier now; on average
-    // the pods are even, so only the window can show the imbalance.
-    let pod = |slot: usize, cached_tokens: u64, recent_decisions: u32| Candidate {
-        slot,
-        id: "pod",
-        cache_match: cached_tokens as f64 / 10_000.0,
-        cached_tokens,
-        uncached_tokens: 10_000 - cached_tokens,
-        inflight: recent_decisions / 40,
-        queued_prefill: 0,
-        recent_decisions,
-        busy_average: 1.0,
-        load: f64::from(recent_decisions) / 200.0,
-        queue: 1,
-        health: 1.0,
-        adapter_loaded: false,
-        attributes: &attributes,
-    };
-    // A full window (128 decisions ≥ 64) over 2 pods: fair 64, limit 80.
-    let within = [pod(0, 1500, 80), pod(1, 0, 48)];
-    assert_eq!(policy.decide(&within, false, 0, true).chosen, Some(0));
-    // 81: the hot pod's 1,500 cached tokens are cheap to copy elsewhere.
-    let over = [pod(0, 1500, 81), pod(1, 0, 47)];
-    assert_eq!(policy.decide(&over, false, 0, true).chosen, Some(1));
-    // A long history (9,000 tokens beyond the other pod's, past
-    // spillTokens' 8,192) stays put.
-    let costly = [pod(0, 9500, 81), pod(1, 500, 47)];
-    assert_eq!(policy.decide(&costly, false, 0, true).chosen, Some(0));
-    // A request leaving the wait queue is spared, as by the in-flight guard.
-    assert_eq!(policy.decide(&over, false, 0, false).chosen, Some(0));
-}
-
-#[test]
-fn sessions_settled_unevenly_move_before_the_share_window_fills() {
-    let policy = ScoringPolicy::from_config(&Config::default());
-    let attributes = BTreeMap::new();
-    // A closed loop's agents: 8 / 4 in flight now and on average, a few
-    // decisions into the window. An opening whose 2,000-token system
-    // prompt only pod 0 caches.
-    let pod = |slot: usize, prompt: u64, cached_tokens: u64, busy: u32, average: f64| Candidate {
-        slot,
-        id: "pod",
-        cache_match: cached_tokens as f64 / prompt as f64,
-        cached_tokens,
-        uncached_tokens: prompt - cached_tokens,
-        inflight: busy,
-        queued_prefill: 0,
-        recent_decisions: 3,
-        busy_average: average,
-        load: f64::from(busy) / 64.0,
-        queue: busy,
-        health: 1.0,
-        adapter_loaded: false,
-        attributes: &attributes,
-    };
-    let settled = [pod(0, 2_200, 2_000, 8, 8.0), pod(1, 2_200, 0, 4, 4.0)];
-    assert_eq!(policy.decide(&settled, false, 0, true).chosen, Some(1));
-    // The same counts as a burst the average does not show keep affinity.
-    let burst = [pod(0, 2_200, 2_000, 8, 6.0), pod(1, 2_200, 0, 4, 6.0)];
-    assert_eq!(policy.decide(&burst, false, 0, true).chosen, Some(0));
-    // A history costing more than spillTokens / 2 (4,096) stays put.
-    let grown = [pod(0, 6_000, 5_000, 8, 8.0), pod(1, 6_000, 0, 4, 4.0)];
-    assert_eq!(policy.decide(&grown, false, 0, true).chosen, Some(0));
+        attributes: &NO_ATTRIBUTES,
+    }
 }
 
 #[test]
 fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
-    let policy = ScoringPolicy::from_config(&Config::default());
-    let attributes = BTreeMap::new();
-    // An 8,500-token first turn whose 8,000-token head one pod caches; the
-    // holder runs two requests (in-flight guard: within its threshold).
-    let pod = |slot: usize, cached_tokens: u64, queued_prefill: u64| Candidate {
-        slot,
-        id: "pod",
-        cache_match: cached_tokens as f64 / 8_500.0,
-        cached_tokens,
-        uncached_tokens: 8_500 - cached_tokens,
-        inflight: if queued_prefill > 0 { 2 } else { 0 },
-        queued_prefill,
-        recent_decisions: 0,
-        busy_average: 0.0,
-        load: 0.3,
-        queue: if queued_prefill > 0 { 2 } else { 0 },
-        health: 1.0,
-        adapter_loaded: false,
-        attributes: &attributes,
-    };
-    // 12,000 tokens queued behind 500: 12,500 against 8,500 elsewhere,
-    // within the 4,096-token slack: the head's holder keeps it.
-    let close = [pod(0, 8_000, 12_000), pod(1, 0, 0)];
-    assert_eq!(policy.decide(&close, false, 0, true).chosen, Some(0));
-    // Two long tool outputs queued (18,000 tokens): prefilling the head
-    // again elsewhere is sooner.
-    let behind = [pod(0, 8_000, 18_000), pod(1, 0, 0)];
-    let decision = policy.decide(&behind, false, 0, true);
+    let policy = default_policy();
+    let model = learned_model(1.0);
+    assert!(model.error() < 0.05, "{}", model.error());
+    // An 8,500-token first turn whose 8,000-token head pod 0 caches. With
+    // 2,000 tokens queued there it answers in 260 ms against 860 ms on the
+    // idle pod: affinity holds.
+    let close = [
+        ttft_pod(&model, 0, 8_500, 8_000, 2_000),
+        ttft_pod(&model, 1, 8_500, 0, 0),
+    ];
+    let decision = policy.decide(&close, false, 0, Some(model.error()));
+    assert_eq!(decision.chosen, Some(0));
+    assert!((decision.scored[0].predicted_ttft_ms - 260.0).abs() < 1.0);
+    // Two long tool outputs queued (18,000 tokens): 1,860 ms against
+    // 860 ms (the copy is free: no decision found the idle pod busy).
+    let behind = [
+        ttft_pod(&model, 0, 8_500, 8_000, 18_000),
+        ttft_pod(&model, 1, 8_500, 0, 0),
+    ];
+    let decision = policy.decide(&behind, false, 0, Some(model.error()));
     assert_eq!(decision.chosen, Some(1));
     assert_eq!(
         decision.scored[0].factors[0], 0.0,
         "the holder's cache term is dropped"
     );
-    // Off with `prefillSlackTokens: null`.
+    assert!(decision.scored[0].cache_withheld && !decision.scored[1].cache_withheld);
+    // Not for a request leaving the wait queue, nor with balance off.
+    assert_eq!(policy.decide(&behind, false, 0, None).chosen, Some(0));
     let off = ScoringPolicy::from_config(&Config {
-        balance: kvroute::config::BalanceConfig {
-            prefill_slack_tokens: None,
-            ..Default::default()
+        balance: BalanceConfig {
+            enabled: false,
+            ..BalanceConfig::default()
         },
         ..Config::default()
     });
-    assert_eq!(off.decide(&behind, false, 0, true).chosen, Some(0));
+    assert_eq!(
+        off.decide(&behind, false, 0, Some(model.error())).chosen,
+        Some(0)
+    );
 }
 
-/// A pool of `health`, `queue` and cache matches per pod, as candidates.
+#[test]
+fn a_busy_pool_counts_the_copy_it_would_make() {
+    let policy = default_policy();
+    let mut model = learned_model(1.0);
+    // Every other decision found prefill queued on both pods.
+    for i in 0..256u64 {
+        model.observe_queues([100 * (i % 2), 100 * (i % 2)].into_iter());
+    }
+    assert!((model.busy(1) - 0.5).abs() < 0.02, "{}", model.busy(1));
+    // 1,560 ms on the holder against 860 ms + the 8,000-token copy's
+    // 800 ms, which the ρ/(1 − ρ) = 1 request on the pod would wait too:
+    // the cache stays (idle, the pool would have moved it).
+    let behind = [
+        ttft_pod(&model, 0, 8_500, 8_000, 15_000),
+        ttft_pod(&model, 1, 8_500, 0, 0),
+    ];
+    assert_eq!(
+        policy.decide(&behind, false, 0, Some(model.error())).chosen,
+        Some(0)
+    );
+    // Twice the queue: 3,660 ms, the copy is worth it.
+    let longer = [
+        ttft_pod(&model, 0, 8_500, 8_000, 36_000),
+        ttft_pod(&model, 1, 8_500, 0, 0),
+    ];
+    assert_eq!(
+        policy.decide(&longer, false, 0, Some(model.error())).chosen,
+        Some(1)
+    );
+}
+
+#[test]
+fn a_slow_pod_is_predicted_slow() {
+    let policy = default_policy();
+    // Pod 1 prefills at half pod 0's speed: the same 4,000 tokens queued
+    // are 410 ms there against 210 ms, so an opening cached nowhere goes
+    // to the fast pod, and one cached on the slow pod stays there only
+    // while the slow pod is not clearly later.
+    let model = learned_model(2.0);
+    assert!((model.line(1).ms_per_token - 0.2).abs() < 1e-6);
+    let cold = [
+        ttft_pod(&model, 0, 2_000, 0, 2_000),
+        ttft_pod(&model, 1, 2_000, 0, 2_000),
+    ];
+    let decision = policy.decide(&cold, false, 0, Some(model.error()));
+    assert!(decision.scored[1].predicted_ttft_ms > 1.9 * decision.scored[0].predicted_ttft_ms);
+    let cached_on_slow = [
+        ttft_pod(&model, 0, 2_000, 0, 0),
+        ttft_pod(&model, 1, 2_000, 1_800, 6_000),
+    ];
+    let decision = policy.decide(&cached_on_slow, false, 0, Some(model.error()));
+    assert_eq!(decision.chosen, Some(0), "1,250 ms against 210 ms");
+}
+
+#[test]
+fn an_uncalibrated_model_moves_only_for_large_differences() {
+    let policy = default_policy();
+    let model = TtftModel::new(64);
+    assert_eq!(model.error(), kvroute::scoring::ttft::PRIOR_ERROR);
+    // In tokens: 10,500 against 8,500 is within the prior's error.
+    let close = [
+        ttft_pod(&model, 0, 8_500, 8_000, 10_000),
+        ttft_pod(&model, 1, 8_500, 0, 0),
+    ];
+    assert_eq!(
+        policy.decide(&close, false, 0, Some(model.error())).chosen,
+        Some(0)
+    );
+    // 40,500 against 8,500 is not.
+    let far = [
+        ttft_pod(&model, 0, 8_500, 8_000, 40_000),
+        ttft_pod(&model, 1, 8_500, 0, 0),
+    ];
+    assert_eq!(
+        policy.decide(&far, false, 0, Some(model.error())).chosen,
+        Some(1)
+    );
+}
+
+/// A pool of `health`, `queue` and cache matches per pod, as candidates
+/// (each predicted by the same line: balance applies).
 fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
     pods.iter()
         .enumerate()
@@ -1104,8 +1118,10 @@ fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
             uncached_tokens: ((1.0 - cache) * 4096.0) as u64,
             inflight: queue,
             queued_prefill: 0,
-            recent_decisions: 0,
-            busy_average: 0.0,
+            // 0.1 ms a token of the prompt to prefill and of the queue's.
+            predicted_ttft_ms: 10.0 + 0.1 * ((1.0 - cache) * 4096.0 + f64::from(queue) * 512.0),
+            prefill_ms_per_token: 0.1,
+            busy: 0.5,
             load: f64::from(queue % 10) / 10.0,
             queue,
             health,
@@ -1141,8 +1157,8 @@ proptest! {
             candidates: kvroute::config::CandidatesConfig { exact_up_to: 1024, ..Default::default() },
             ..Config::default()
         });
-        let d = set.decide(&pool, needs_adapter, tie_breaker, true);
-        let e = exact.decide(&pool, needs_adapter, tie_breaker, true);
+        let d = set.decide(&pool, needs_adapter, tie_breaker, Some(0.1));
+        let e = exact.decide(&pool, needs_adapter, tie_breaker, Some(0.1));
         prop_assert_eq!(e.scored.len() + e.excluded.len(), pods.len());
         prop_assert_eq!(d.chosen.is_none(), e.chosen.is_none(), "refused iff every pod is excluded");
         if let Some(chosen) = d.chosen {

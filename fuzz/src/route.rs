@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 use kvroute::cluster::ClusterState;
 use kvroute::index::PrefixLookup;
 use kvroute::router::{ClusterView, Outcome, Router};
+use kvroute::scoring::ttft::TtftModel;
 use kvroute::snapshot::SlotLoad;
 
 use crate::{fixture_config, pod_id, Report, SharedData};
@@ -61,8 +62,7 @@ struct Scenario {
     state: ClusterState,
     shared: SharedData,
     inflight: Vec<SlotLoad>,
-    recent_decisions: Vec<u32>,
-    busy_average: Vec<f64>,
+    ttft: TtftModel,
 }
 
 impl Scenario {
@@ -111,11 +111,18 @@ impl Scenario {
                     prefill_tokens,
                 })
                 .to_vec(),
-            // Past a full share window, so the share guard is reached.
-            recent_decisions: vec![100, 20, 8],
-            // Pod 1 ahead on average too, so the share guard's averaged
-            // test is reached.
-            busy_average: vec![0.0, 3.0, 1.0],
+            // Calibrated (pod 1 twice as slow) and pods busy, so balance
+            // compares learned costs with a measured error.
+            ttft: {
+                let mut model = TtftModel::new(64);
+                for i in 0..64u64 {
+                    let work = 1_000 + (i % 8) * 2_000;
+                    model.observe(0, work, 10.0 + 0.1 * work as f64);
+                    model.observe(1, work, 10.0 + 0.2 * work as f64 + (i % 3) as f64);
+                    model.observe_queues([0u64, 40_000, 500].into_iter());
+                }
+                model
+            },
         }
     }
 }
@@ -164,8 +171,7 @@ pub fn run(data: &[u8]) {
         table,
         index: &index,
         inflight: &scenario.inflight,
-        recent_decisions: &scenario.recent_decisions,
-        busy_average: &scenario.busy_average,
+        ttft: &scenario.ttft,
         now_ms: table.published_at_ms + tie_breaker * 1000,
     };
     match scenario

@@ -8,6 +8,7 @@
 //! ([`render_envoy_config`]).
 
 use std::fs;
+use std::hash::{BuildHasher, Hasher};
 use std::io::{self, BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -15,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvroute_config::{EnvoyBootstrap, PodEndpoints};
+use kvroute_config::{EnvoyBootstrap, Module, PodEndpoints, DEFAULT_REPLICA_PORT};
 use serde_json::{json, Value};
 
 use crate::http;
@@ -32,6 +33,45 @@ pub fn repo_root() -> PathBuf {
 /// The release kvroute.wasm (built by `make wasm`).
 pub fn wasm_path() -> PathBuf {
     repo_root().join("target/wasm32-wasip1/release/kvroute.wasm")
+}
+
+/// The directory of the native module `libkvroute.so` (built by `make
+/// native`), which Envoy finds through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`.
+pub fn native_dir() -> PathBuf {
+    repo_root().join("target/native")
+}
+
+/// The kvroute build the real-Envoy suites run: the native module, or
+/// kvroute.wasm when `KVROUTE_MODULE=wasm` (`make test` runs both).
+pub fn kvroute_module() -> Module<'static> {
+    static WASM: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    match std::env::var("KVROUTE_MODULE").as_deref() {
+        Ok("wasm") => Module::Wasm(WASM.get_or_init(wasm_path)),
+        _ => Module::Native,
+    }
+}
+
+/// The module under test as a deployment file's `envoy.module`.
+pub fn module_name() -> &'static str {
+    match kvroute_module() {
+        Module::Native => "native",
+        Module::Wasm(_) => "wasm",
+    }
+}
+
+/// Envoy's log component of the module under test (`--component-log-level`,
+/// the admin's `/logging?<component>=debug`).
+pub fn log_component() -> &'static str {
+    match kvroute_module() {
+        Module::Native => "dynamic_modules",
+        Module::Wasm(_) => "wasm",
+    }
+}
+
+/// kvroute's JSON object in one of Envoy's log lines (`None`: not one).
+pub fn log_event(line: &str) -> Option<Value> {
+    let json = line.find("{\"").and_then(|at| line.get(at..))?;
+    serde_json::from_str(json).ok()
 }
 
 /// The floor filter (`integration/floor-filter`, `make wasm-floor`), the
@@ -97,6 +137,7 @@ pub fn poll<T>(
 pub fn validate_envoy_config(config: &Path) -> (bool, String) {
     let output = envoy_binary().and_then(|envoy| {
         Command::new(envoy)
+            .env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir())
             .args([
                 "--mode",
                 "validate",
@@ -251,20 +292,38 @@ pub fn start_sims(
 /// rendered by kvroute-config's renderer; see [`EnvoyBootstrap`] for the
 /// arguments.
 pub fn render_envoy_config(
-    wasm: &Path,
+    module: Module<'_>,
     listen_port: u16,
     admin_port: u16,
     plugin_config: &Value,
     passthrough: &[String],
 ) -> String {
+    render_replica_config(
+        module,
+        (listen_port, admin_port, DEFAULT_REPLICA_PORT),
+        plugin_config,
+        passthrough,
+    )
+}
+
+/// [`render_envoy_config`] for one replica of a replicated gateway, its
+/// replica listener on the third port.
+pub fn render_replica_config(
+    module: Module<'_>,
+    (listen_port, admin_port, replica_port): (u16, u16, u16),
+    plugin_config: &Value,
+    passthrough: &[String],
+) -> String {
     EnvoyBootstrap {
-        wasm,
+        module,
         listen_address: "127.0.0.1",
         listen_port,
         admin_port,
         plugin: plugin_config,
         pods: &PodEndpoints::Plugin,
         passthrough,
+        replica_port,
+        replica_dns: &[],
     }
     .render()
 }
@@ -395,6 +454,8 @@ pub struct Envoy {
     pub listen: String,
     pub admin: String,
     pub log_path: PathBuf,
+    config_path: PathBuf,
+    workers: usize,
     process: Process,
 }
 
@@ -421,28 +482,58 @@ impl Envoy {
         let config_path = dir.join("envoy.yaml");
         fs::write(&config_path, config_yaml)?;
         let log_path = dir.join("envoy.log");
-        let child = Command::new(envoy_binary()?)
-            .arg("-c")
-            .arg(&config_path)
-            .args(["--concurrency", &workers.to_string()])
-            .args(["--disable-hot-restart", "-l", "warning"])
-            .args(["--component-log-level", "wasm:info"])
-            // Flush the log often: tests read it.
-            .args(["--file-flush-interval-msec", "50"])
-            .arg("--log-path")
-            .arg(&log_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let mut envoy = Envoy {
+        let child = Envoy::spawn(&config_path, &log_path, workers)?;
+        let envoy = Envoy {
             listen: format!("127.0.0.1:{listen_port}"),
             admin: format!("127.0.0.1:{admin_port}"),
             log_path,
+            config_path,
+            workers,
             process: Process {
                 child,
                 name: "envoy".into(),
             },
         };
+        envoy.until_ready()
+    }
+
+    fn spawn(config_path: &Path, log_path: &Path, workers: usize) -> io::Result<Child> {
+        Command::new(envoy_binary()?)
+            .arg("-c")
+            .arg(config_path)
+            .args(["--concurrency", &workers.to_string()])
+            .args(["--disable-hot-restart", "-l", "warning"])
+            .args(["--component-log-level", "wasm:info,dynamic_modules:info"])
+            // Where a native module is found (`libkvroute.so`).
+            .env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", native_dir())
+            // Flush the log often: tests read it.
+            .args(["--file-flush-interval-msec", "50"])
+            .arg("--log-path")
+            .arg(log_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+    }
+
+    /// Kills Envoy at once (SIGKILL: no drain, no cleanup), as a crashed
+    /// or evicted replica goes.
+    pub fn kill(&mut self) {
+        let _ = self.process.child.kill();
+        let _ = self.process.child.wait();
+    }
+
+    /// Starts Envoy again with the same configuration, ports and log (a
+    /// killed replica coming back), and waits for `/ready`.
+    pub fn restart(mut self) -> io::Result<Envoy> {
+        self.kill();
+        let mut envoy = self;
+        envoy.process.child = Envoy::spawn(&envoy.config_path, &envoy.log_path, envoy.workers)?;
+        envoy.until_ready()
+    }
+
+    /// Waits up to 30 s for `/ready`; on failure the error carries the log.
+    fn until_ready(self) -> io::Result<Envoy> {
+        let mut envoy = self;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = envoy.process.child.try_wait() {
@@ -544,6 +635,14 @@ pub struct ClusterSpec {
     /// more for pools of hundreds of pods (one listener per pod, one
     /// runtime per process).
     pub pods_per_process: usize,
+    /// kvroute Envoys in front of the same pods (replicated gateways; 1 by
+    /// default): the first is [`Cluster::envoy`], the others
+    /// [`Cluster::other_replicas`], each on ports of its own.
+    pub replicas: usize,
+    /// With more than one replica: the replicas share their decisions
+    /// (kvroute's `replicas`, every replica listed as a peer, a fresh
+    /// secret); `false` runs them unaware of each other.
+    pub replica_sync: bool,
 }
 
 impl ClusterSpec {
@@ -559,6 +658,8 @@ impl ClusterSpec {
             admin_port: None,
             envoy_workers: 2,
             pods_per_process: 1,
+            replicas: 1,
+            replica_sync: true,
         }
     }
 }
@@ -567,6 +668,12 @@ impl ClusterSpec {
 pub struct Cluster {
     pub sims: Vec<Sim>,
     pub envoy: Envoy,
+    /// The other kvroute Envoys of a replicated gateway
+    /// ([`ClusterSpec::replicas`]).
+    pub other_replicas: Vec<Envoy>,
+    /// Each replica's replica listener, in replica order (when they share
+    /// their decisions).
+    pub replica_listeners: Vec<String>,
     pub config: Value,
     pub dir: PathBuf,
     /// Processes serving several pods each.
@@ -649,21 +756,70 @@ impl Cluster {
                 sims.extend(pods);
             }
         }
-        let listen_port = spec.listen_port.unwrap_or_else(free_port);
-        let admin_port = spec.admin_port.unwrap_or_else(free_port);
         let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
-        let yaml = render_envoy_config(&wasm_path(), listen_port, admin_port, &config, &addresses);
-        let envoy =
-            Envoy::start_with_workers(&dir, &yaml, listen_port, admin_port, spec.envoy_workers)?;
+        let count = spec.replicas.max(1);
+        let ports: Vec<(u16, u16, u16)> = (0..count)
+            .map(|replica| match replica {
+                0 => (
+                    spec.listen_port.unwrap_or_else(free_port),
+                    spec.admin_port.unwrap_or_else(free_port),
+                    free_port(),
+                ),
+                _ => (free_port(), free_port(), free_port()),
+            })
+            .collect();
+        let replica_listeners: Vec<String> = if count > 1 && spec.replica_sync {
+            ports
+                .iter()
+                .map(|(_, _, replica)| format!("127.0.0.1:{replica}"))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if !replica_listeners.is_empty() && config.get("replicas").is_none() {
+            config["replicas"] = json!({
+                "peers": replica_listeners,
+                "secret": format!("{:032x}", std::collections::hash_map::RandomState::new().build_hasher().finish()),
+            });
+            fs::write(&config_file, config.to_string())?;
+        }
+        let mut replicas = Vec::new();
+        for (replica, &(listen_port, admin_port, replica_port)) in ports.iter().enumerate() {
+            let yaml = render_replica_config(
+                kvroute_module(),
+                (listen_port, admin_port, replica_port),
+                &config,
+                &addresses,
+            );
+            let replica_dir = dir.join(format!("replica-{replica}"));
+            fs::create_dir_all(&replica_dir)?;
+            replicas.push(Envoy::start_with_workers(
+                &replica_dir,
+                &yaml,
+                listen_port,
+                admin_port,
+                spec.envoy_workers,
+            )?);
+        }
+        let envoy = replicas.remove(0);
         let cluster = Cluster {
             sims,
             envoy,
+            other_replicas: replicas,
+            replica_listeners,
             config,
             dir,
             sim_processes,
         };
-        cluster.wait_published(Duration::from_secs(20 + spec.pods as u64 / 32))?;
+        for envoy in cluster.replicas() {
+            cluster.wait_published_by(envoy, Duration::from_secs(20 + spec.pods as u64 / 32))?;
+        }
         Ok(cluster)
+    }
+
+    /// Every kvroute Envoy: [`Cluster::envoy`], then the other replicas.
+    pub fn replicas(&self) -> impl Iterator<Item = &Envoy> {
+        std::iter::once(&self.envoy).chain(&self.other_replicas)
     }
 
     /// Restarts every sim with `args`: SIGKILL, then the same pods on the
@@ -700,9 +856,13 @@ impl Cluster {
     /// Waits until the service has published a snapshot with every pod
     /// (gauges are defined at 0 from startup, so the generation tells).
     pub fn wait_published(&self, timeout: Duration) -> io::Result<()> {
+        self.wait_published_by(&self.envoy, timeout)
+    }
+
+    fn wait_published_by(&self, envoy: &Envoy, timeout: Duration) -> io::Result<()> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            let text = self.envoy.prometheus();
+            let text = envoy.prometheus();
             let published = prometheus_value(&text, "epp_snapshot_generation", &[])
                 .is_some_and(|generation| generation > 0.0);
             // One pass over the page (a pool has up to 1,024 pods).
@@ -718,7 +878,7 @@ impl Cluster {
         }
         Err(io::Error::other(format!(
             "pods not published in {timeout:?}; envoy log:\n{}",
-            self.envoy.log()
+            envoy.log()
         )))
     }
 

@@ -6,7 +6,10 @@
 //!
 //! Each cache change becomes one batch: the cache's logged events since
 //! the last batch, stored blocks grouped into chains as vLLM groups a
-//! request's new blocks. The sim's coarse blocks (past `coarseAfterBlocks`)
+//! request's new blocks. With a CPU tier (`--cpu-kv-blocks`) a block the
+//! GPU evicts to it is published as vLLM's offloading connector publishes
+//! it by default (a `CPU` store per vLLM block, named by hash only), then
+//! its `GPU` removal; a reload as a `GPU` store, then its `CPU` removal. The sim's coarse blocks (past `coarseAfterBlocks`)
 //! are published as the vLLM blocks they span, removed tail first. Token-ID
 //! prompts are published, and with `--tokenizer` text and chat prompts too,
 //! as the tokens of the text vLLM would tokenize ([`crate::tokenizer`]);
@@ -17,7 +20,10 @@
 //! token IDs as it must with vLLM.
 //!
 //! Faults for the bridge's tests: batches left off the PUB socket (still
-//! buffered for replay: a gap), garbage frames, and `AllBlocksCleared`.
+//! buffered for replay: a gap, or past `buffer_steps` an overrun), batches
+//! numbered but neither sent nor buffered (a hole: vLLM's publisher loses a
+//! batch so when its send raises, after taking its number), garbage
+//! frames, and `AllBlocksCleared`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -25,6 +31,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvroute::hashing::BlockLayout;
+use kvroute::report::Tier;
+use kvroute::report_log::BlockEvent;
 use kvroute_vllm_bridge::wire::{encode_batch, KvEvent, Shape};
 use rmpv::Value as Msgpack;
 use tokio::sync::mpsc;
@@ -43,6 +51,9 @@ pub struct PublisherOptions {
     /// Batches kept for replay (vLLM's `buffer_steps`).
     pub buffer_steps: usize,
     pub shape: Shape,
+    /// Publish `extra_keys` in the typed form proposed upstream (tagged
+    /// structs, in `shape`) instead of vLLM's raw tuples.
+    pub typed_extra_keys: bool,
     /// The sim's token layout (uncapped): its blocks of `block_size`
     /// tokens (vLLM's) and, past `coarse_after`, its coarse ones, each
     /// published as the `coarse_factor` vLLM blocks it spans.
@@ -51,29 +62,45 @@ pub struct PublisherOptions {
 
 /// A block's tokens (one vLLM block's, or a coarse block's several),
 /// adapter and (a prompt's first block only) `cache_salt`, kept from its
-/// admission until its removal is published.
+/// admission until its removal is published, and the tier it is published
+/// in (`None`: not yet).
 struct BlockTokens {
     tokens: Vec<u32>,
     lora_name: Option<String>,
     salt: Option<String>,
+    tier: Option<Tier>,
+}
+
+/// vLLM's `medium` of a tier (`MEDIUM_GPU`, `MEDIUM_CPU`, `MEDIUM_STORAGE`).
+fn medium(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Gpu => "GPU",
+        Tier::Cpu => "CPU",
+        Tier::Disk => "STORAGE",
+    }
 }
 
 impl BlockTokens {
     /// vLLM's `extra_keys` of each of the `vllm_blocks` this block spans:
-    /// the adapter's name in every one, the salt in the first; `None` for
-    /// a block with neither.
-    fn extra_keys(&self, vllm_blocks: usize) -> Vec<Option<Vec<Msgpack>>> {
+    /// the adapter's name in every one, the salt in the first; nil for a
+    /// block with neither. `typed`: each key as the tagged struct of the
+    /// typed form proposed upstream (`LoRAKey`, `CacheSaltKey`) instead.
+    fn extra_keys(&self, vllm_blocks: usize, typed: Option<Shape>) -> Vec<Option<Msgpack>> {
+        let key = |tag: &str, field: &str, value: &str| match typed {
+            None => Msgpack::from(value),
+            Some(Shape::Map) => Msgpack::Map(vec![
+                ("type".into(), tag.into()),
+                (field.into(), value.into()),
+            ]),
+            Some(Shape::Positional) => Msgpack::Array(vec![tag.into(), value.into()]),
+        };
         (0..vllm_blocks)
             .map(|i| {
+                let adapter = self.lora_name.as_deref().map(|n| key("LoRAKey", "name", n));
                 let salt = self.salt.as_deref().filter(|_| i == 0);
-                let keys: Vec<Msgpack> = self
-                    .lora_name
-                    .as_deref()
-                    .into_iter()
-                    .chain(salt)
-                    .map(Msgpack::from)
-                    .collect();
-                (!keys.is_empty()).then_some(keys)
+                let salt = salt.map(|s| key("CacheSaltKey", "salt", s));
+                let keys: Vec<Msgpack> = adapter.into_iter().chain(salt).collect();
+                (!keys.is_empty()).then_some(Msgpack::Array(keys))
             })
             .collect()
     }
@@ -87,6 +114,8 @@ struct State {
     buffer: VecDeque<(i64, Bytes)>,
     /// Batches still to leave off the PUB socket.
     drop_next: u64,
+    /// Batches still to lose (numbered, never buffered nor sent).
+    lose_next: u64,
 }
 
 /// The pod's publisher (see the module documentation).
@@ -137,6 +166,7 @@ impl Publisher {
                 next_seq: 0,
                 buffer: VecDeque::new(),
                 drop_next: 0,
+                lose_next: 0,
             }),
             outgoing,
         });
@@ -209,6 +239,7 @@ impl Publisher {
                 tokens: block.to_vec(),
                 lora_name: lora_name.map(str::to_string),
                 salt: salt.filter(|_| i == 0).map(str::to_string),
+                tier: None,
             });
         }
     }
@@ -232,57 +263,29 @@ impl Publisher {
                     continue;
                 };
                 removed_any = true;
-                if cleared {
-                    continue;
-                }
-                // Tail first, as vLLM frees a request's blocks.
-                let hashes = (0..self.vllm_blocks(&block)).map(|i| vllm_hash(event.hash, i));
-                match batch.last_mut() {
-                    Some(KvEvent::Removed { block_hashes, .. }) => block_hashes.extend(hashes),
-                    _ => batch.push(KvEvent::Removed {
-                        block_hashes: hashes.collect(),
-                        medium: Some("GPU".into()),
-                    }),
+                if let (Some(tier), false) = (block.tier, cleared) {
+                    self.push_removed(&mut batch, event.hash, &block, tier);
                 }
                 continue;
             }
-            let Some(block) = state.blocks.get(&event.hash) else {
+            let Some(block) = state.blocks.get_mut(&event.hash) else {
                 continue;
             };
-            let parent = event.parent.map(|parent| vllm_hash(parent, 0));
-            let vllm_blocks = self.vllm_blocks(block);
-            let hashes: Vec<u64> = (0..vllm_blocks)
-                .rev()
-                .map(|i| vllm_hash(event.hash, i))
-                .collect();
-            let extra = block.extra_keys(vllm_blocks);
-            // A block continuing the previous stored chain joins it (a
-            // salted one opens a chain: it never continues one).
-            if let Some(KvEvent::Stored {
-                block_hashes,
-                token_ids,
-                lora_name,
-                extra_keys,
-                ..
-            }) = batch.last_mut()
-            {
-                if block_hashes.last().copied() == parent && *lora_name == block.lora_name {
-                    block_hashes.extend(hashes);
-                    token_ids.extend_from_slice(&block.tokens);
-                    extra_keys.extend(extra);
-                    continue;
+            let before = block.tier.replace(event.tier);
+            let block = &state.blocks[&event.hash];
+            match before {
+                Some(tier) if tier == event.tier => {}
+                // A move: the copy in the new tier, then the old one goes.
+                Some(old) => {
+                    if event.tier == Tier::Gpu {
+                        self.push_stored(&mut batch, event, block);
+                    } else {
+                        self.push_copies(&mut batch, event.hash, block, event.tier);
+                    }
+                    self.push_removed(&mut batch, event.hash, block, old);
                 }
+                None => self.push_stored(&mut batch, event, block),
             }
-            batch.push(KvEvent::Stored {
-                block_hashes: hashes,
-                parent_block_hash: parent,
-                token_ids: block.tokens.clone(),
-                block_size: self.options.layout.block_size,
-                lora_id: block.lora_name.as_ref().map(|_| 1),
-                medium: Some("GPU".into()),
-                lora_name: block.lora_name.clone(),
-                extra_keys: extra,
-            });
         }
         state.published = cache.seq();
         if cleared && removed_any {
@@ -304,6 +307,84 @@ impl Publisher {
         self.send(&mut state, Bytes::from(payload));
     }
 
+    /// Adds `block`'s store (`event`) to the batch, with its token ids:
+    /// joining the previous stored chain when it continues it (a salted
+    /// block opens a chain: it never continues one).
+    fn push_stored(&self, batch: &mut Vec<KvEvent>, event: &BlockEvent, block: &BlockTokens) {
+        let parent = event.parent.map(|parent| vllm_hash(parent, 0));
+        let vllm_blocks = self.vllm_blocks(block);
+        let hashes: Vec<u64> = (0..vllm_blocks)
+            .rev()
+            .map(|i| vllm_hash(event.hash, i))
+            .collect();
+        let typed = self.options.typed_extra_keys.then_some(self.options.shape);
+        let extra = block.extra_keys(vllm_blocks, typed);
+        let medium = Some(medium(event.tier).to_string());
+        if let Some(KvEvent::Stored {
+            block_hashes,
+            token_ids,
+            lora_name,
+            extra_keys,
+            medium: last_medium,
+            ..
+        }) = batch.last_mut()
+        {
+            let continues = block_hashes.last().copied() == parent && !token_ids.is_empty();
+            if continues && *lora_name == block.lora_name && *last_medium == medium {
+                block_hashes.extend(hashes);
+                token_ids.extend_from_slice(&block.tokens);
+                extra_keys.extend(extra);
+                return;
+            }
+        }
+        batch.push(KvEvent::Stored {
+            block_hashes: hashes,
+            parent_block_hash: parent,
+            token_ids: block.tokens.clone(),
+            block_size: self.options.layout.block_size,
+            lora_id: block.lora_name.as_ref().map(|_| 1),
+            medium,
+            lora_name: block.lora_name.clone(),
+            extra_keys: extra,
+        });
+    }
+
+    /// Adds copies in `tier` of the vLLM blocks of kvroute block `hash`, as
+    /// vLLM's offloading connector publishes them by default: one store per
+    /// block, named by hash only (no token ids, no parent, `block_size` 0).
+    fn push_copies(&self, batch: &mut Vec<KvEvent>, hash: u64, block: &BlockTokens, tier: Tier) {
+        for i in (0..self.vllm_blocks(block)).rev() {
+            batch.push(KvEvent::Stored {
+                block_hashes: vec![vllm_hash(hash, i)],
+                parent_block_hash: None,
+                token_ids: Vec::new(),
+                block_size: 0,
+                lora_id: None,
+                medium: Some(medium(tier).to_string()),
+                lora_name: None,
+                extra_keys: Vec::new(),
+            });
+        }
+    }
+
+    /// Adds the removal from `tier` of kvroute block `hash`'s vLLM blocks,
+    /// tail first as vLLM frees a request's blocks, joining the previous
+    /// removal from the same medium.
+    fn push_removed(&self, batch: &mut Vec<KvEvent>, hash: u64, block: &BlockTokens, tier: Tier) {
+        let hashes = (0..self.vllm_blocks(block)).map(|i| vllm_hash(hash, i));
+        let medium = Some(medium(tier).to_string());
+        match batch.last_mut() {
+            Some(KvEvent::Removed {
+                block_hashes,
+                medium: last,
+            }) if *last == medium => block_hashes.extend(hashes),
+            _ => batch.push(KvEvent::Removed {
+                block_hashes: hashes.collect(),
+                medium,
+            }),
+        }
+    }
+
     /// The vLLM blocks `block` spans.
     fn vllm_blocks(&self, block: &BlockTokens) -> usize {
         block.tokens.len() / self.options.layout.block_size.max(1)
@@ -313,6 +394,10 @@ impl Publisher {
     fn send(&self, state: &mut State, payload: Bytes) {
         let seq = state.next_seq;
         state.next_seq += 1;
+        if state.lose_next > 0 {
+            state.lose_next -= 1;
+            return;
+        }
         state.buffer.push_back((seq, payload.clone()));
         while state.buffer.len() > self.options.buffer_steps.max(1) {
             state.buffer.pop_front();
@@ -331,6 +416,12 @@ impl Publisher {
     /// Leaves the next `batches` off the PUB socket (still replayable).
     pub fn drop_next(&self, batches: u64) {
         self.lock().drop_next += batches;
+    }
+
+    /// Loses the next `batches`: their numbers are taken, but they are
+    /// neither buffered nor sent (a hole no replay fills).
+    pub fn lose_next(&self, batches: u64) {
+        self.lock().lose_next += batches;
     }
 
     /// Sends garbage: a one-part message, a short seq frame, and a batch

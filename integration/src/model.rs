@@ -4,13 +4,24 @@
 //! caller picks), so the live `kvroute-sim` server and the offline replay
 //! simulator share exactly the same cache, costs and prefill queueing.
 //!
-//! KV cache: block hash → parent hash, bounded to `capacity` blocks with
+//! KV cache: block hash → parent hash, bounded to `capacity` GPU blocks with
 //! least-recently-used eviction. A request's chain is touched leaf-first
 //! (reverse order), so every block is more recent than all its
 //! continuations, and eviction always takes a leaf: a block is only present
 //! while its parent is. Every insertion and eviction is an event in a
 //! bounded log with sequence numbers, from which protocol v1 reports (see
 //! `kvroute::report`) are built: coalesced deltas, or full resyncs.
+//!
+//! CPU tier (optional, [`KvCache::with_cpu_tier`]): a block evicted from the
+//! GPU moves to a bounded pool in host memory instead of going, as KV
+//! offloading (vLLM's offloading connector, LMCache) keeps it, and the
+//! pool evicts least recently offloaded first (leaves first again, as they
+//! leave the GPU first). A later request whose prefix reaches it reloads it
+//! to the GPU: a hit that saves the prefill but costs a transfer. The pool
+//! holds only what the GPU dropped (a victim cache: vLLM's connector also
+//! copies blocks the GPU still holds, which adds nothing a request could
+//! use). Moves between tiers are logged as stores in the new tier
+//! (protocol v1's `tier`).
 //!
 //! Latency (defaults: an 8B-class model on one GPU, all × `time_scale`),
 //! vLLM-like: prefill is compute-bound and shares the GPU, decode is cheap
@@ -28,8 +39,14 @@
 //!   latency, not engine time: it overlaps with other requests' prefills and
 //!   is added after the request's own prefill. A full cache hit on an idle
 //!   pod thus costs 45 ms and keeps the engine free.
-//! - `TTFT = slot wait + adapter load + prefill-engine wait + own prefill
-//!   (uncached tokens × 0.9 s / 4096) + 45 ms`; then one more token every
+//! - A cached prefix on the CPU tier is reloaded first, at PCIe speed:
+//!   [`KV_BYTES_PER_TOKEN`] (an 8B model's K and V, 128 KiB a token) over
+//!   [`PCIE_GBPS`] (25 GB/s, PCIe 4.0 x16 as DMA achieves it), 5.2 µs a
+//!   token against prefill's 220 µs: 2.4 % of recomputing it. A reload is
+//!   a transfer, not GPU compute: it delays its own request only, and a
+//!   pod's reloads share its link, one after another.
+//! - `TTFT = slot wait + adapter load + reload + prefill-engine wait + own
+//!   prefill (uncached tokens × 0.9 s / 4096) + 45 ms`; then one more token every
 //!   20 ms, concurrently with everything else (decode never contends). The
 //!   first output token is produced by prefill, so a request of `n` output
 //!   tokens ends `(n - 1) × decode` after its first token.
@@ -41,13 +58,23 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use kvroute::config::{Config, ModelTarget};
-use kvroute::hashing::{BlockHasher, BYTES_PER_TOKEN};
+use kvroute::hashing::{BlockHasher, Coverage, BYTES_PER_TOKEN};
+use kvroute::report::Tier;
 use kvroute::report_log::{chain_segments, BlockEvent, ReportLog};
 use kvroute::request::Prompt;
 use serde_json::{json, Value};
 
 /// Default bound of the report event log (block events).
 pub const DEFAULT_LOG_EVENTS: usize = 100_000;
+
+/// KV bytes a token occupies in an 8B-class model (Llama 3.1 8B: 32 layers
+/// × 8 KV heads × 128 dims × K and V × 2 bytes): what a CPU-tier reload
+/// moves per token.
+pub const KV_BYTES_PER_TOKEN: f64 = 131_072.0;
+
+/// GB/s a reload from host memory reaches: PCIe 4.0 x16 as DMA achieves it
+/// (32 GB/s raw; vLLM's offloading connector moves 0.5-2 MB blocks by DMA).
+pub const PCIE_GBPS: f64 = 25.0;
 
 /// Prompt tokens as the simulated tokenizer counts them: bytes / 4 for
 /// text, the token count for token IDs.
@@ -73,6 +100,8 @@ pub struct CostModel {
     /// beyond, at least 10 ms).
     pub adapter_load_rank16_s: f64,
     pub adapter_load_rank64_s: f64,
+    /// Seconds to reload one cached token from the CPU tier.
+    pub reload_s_per_token: f64,
     /// Multiplies every duration (tests use e.g. 0.05).
     pub time_scale: f64,
 }
@@ -86,7 +115,7 @@ impl Default for CostModel {
 impl CostModel {
     /// An 8B-class model on one GPU: 0.9 s per 4096 prefill tokens, 45 ms
     /// overhead, 20 ms per decoded token, LoRA loads of 200 ms (rank 16) and
-    /// 800 ms (rank 64).
+    /// 800 ms (rank 64), CPU-tier reloads at [`PCIE_GBPS`].
     pub fn gpu_8b(time_scale: f64) -> CostModel {
         CostModel {
             prefill_s_per_token: 0.9 / 4096.0,
@@ -94,8 +123,22 @@ impl CostModel {
             decode_s_per_token: 0.020,
             adapter_load_rank16_s: 0.2,
             adapter_load_rank64_s: 0.8,
+            reload_s_per_token: KV_BYTES_PER_TOKEN / (PCIE_GBPS * 1e9),
             time_scale,
         }
+    }
+
+    /// This model with CPU-tier reloads at `gbps` GB/s.
+    pub fn with_reload_gbps(self, gbps: f64) -> CostModel {
+        CostModel {
+            reload_s_per_token: KV_BYTES_PER_TOKEN / (gbps.max(1e-3) * 1e9),
+            ..self
+        }
+    }
+
+    /// Time to reload `tokens` cached tokens from the CPU tier.
+    pub fn reload(&self, tokens: u64) -> Duration {
+        self.scaled(tokens as f64 * self.reload_s_per_token)
     }
 
     fn scaled(&self, seconds: f64) -> Duration {
@@ -168,8 +211,12 @@ pub type Segment = kvroute::report::StoredChain;
 pub struct InsertOutcome {
     /// Blocks that were not cached before.
     pub inserted: usize,
-    /// Blocks evicted to make room.
+    /// Blocks evicted to make room (from the last tier: gone).
     pub evicted: usize,
+    /// Blocks the GPU evicted to the CPU tier.
+    pub offloaded: usize,
+    /// Blocks of the chain moved back from the CPU tier to the GPU.
+    pub reloaded: usize,
 }
 
 /// Cache changes after some sequence number, coalesced: each hash at most
@@ -179,16 +226,23 @@ pub type CacheDelta = kvroute::report_log::LogDelta;
 #[derive(Debug, Clone, Copy)]
 struct Block {
     parent: Option<u64>,
+    /// Its key in `order` (GPU) or `cpu_order` (CPU); 0: not yet in either.
     tick: u64,
+    tier: Tier,
 }
 
 /// The pod's KV cache (see the module documentation).
 #[derive(Debug, Clone)]
 pub struct KvCache {
+    /// GPU blocks.
     capacity: usize,
+    /// Blocks the CPU tier keeps (0: no CPU tier).
+    cpu_capacity: usize,
     blocks: HashMap<u64, Block>,
-    /// Recency tick → hash; the first entry is the least recently used.
+    /// GPU blocks: recency tick → hash; the first is the least recently used.
     order: BTreeMap<u64, u64>,
+    /// CPU blocks: offload tick → hash; the first is the longest offloaded.
+    cpu_order: BTreeMap<u64, u64>,
     tick: u64,
     log: ReportLog,
     /// Evictions not yet logged (silent eviction storm).
@@ -200,34 +254,59 @@ impl KvCache {
     pub fn new(capacity: usize, max_log: usize) -> KvCache {
         KvCache {
             capacity: capacity.max(1),
+            cpu_capacity: 0,
             blocks: HashMap::new(),
             order: BTreeMap::new(),
+            cpu_order: BTreeMap::new(),
             tick: 0,
             log: ReportLog::new(max_log),
             silent: Vec::new(),
         }
     }
 
+    /// This cache with a CPU tier of `blocks` (0: none).
+    pub fn with_cpu_tier(mut self, blocks: usize) -> KvCache {
+        self.cpu_capacity = blocks;
+        self
+    }
+
+    /// GPU blocks it keeps.
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
-    /// Blocks held.
+    /// CPU-tier blocks it keeps (0: no CPU tier).
+    pub fn cpu_capacity(&self) -> usize {
+        self.cpu_capacity
+    }
+
+    /// Blocks held, both tiers.
     pub fn len(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Blocks held on the CPU tier (of [`KvCache::len`]).
+    pub fn cpu_len(&self) -> usize {
+        self.cpu_order.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
 
-    /// Fraction of capacity in use.
+    /// Fraction of the GPU capacity in use.
     pub fn usage(&self) -> f64 {
-        self.blocks.len() as f64 / self.capacity as f64
+        self.order.len() as f64 / self.capacity as f64
     }
 
+    /// Whether `hash` is held, in either tier.
     pub fn contains(&self, hash: u64) -> bool {
         self.blocks.contains_key(&hash)
+    }
+
+    /// The tier `hash` is held in.
+    pub fn tier(&self, hash: u64) -> Option<Tier> {
+        self.blocks.get(&hash).map(|block| block.tier)
     }
 
     /// The last event's sequence number (0: none yet).
@@ -245,7 +324,7 @@ impl KvCache {
         self.log.events_after(since)
     }
 
-    /// Leading blocks of `chain` present (no recency change).
+    /// Leading blocks of `chain` present, in either tier (no recency change).
     pub fn cached_prefix(&self, chain: &[u64]) -> usize {
         chain
             .iter()
@@ -253,35 +332,72 @@ impl KvCache {
             .count()
     }
 
-    /// Stores (or refreshes) every block of `chain`, leaf-first, then evicts
-    /// least-recently-used blocks down to capacity. New blocks and evictions
-    /// are logged.
+    /// Stores (or refreshes) every block of `chain` on the GPU, leaf-first
+    /// (blocks on the CPU tier are reloaded), then evicts least-recently-used
+    /// GPU blocks down to capacity: to the CPU tier if there is one, which
+    /// evicts its longest offloaded beyond its own. New blocks, moves and
+    /// evictions are logged.
     pub fn insert_chain(&mut self, chain: &[u64]) -> InsertOutcome {
         let mut outcome = InsertOutcome::default();
-        let first_new = chain.iter().position(|h| !self.blocks.contains_key(h));
-        if let Some(first) = first_new {
-            for i in first..chain.len() {
-                if self.blocks.contains_key(&chain[i]) {
-                    continue;
+        for (i, &hash) in chain.iter().enumerate() {
+            let parent = i.checked_sub(1).map(|p| chain[p]);
+            match self.blocks.get_mut(&hash) {
+                None => {
+                    let block = Block {
+                        parent,
+                        tick: 0,
+                        tier: Tier::Gpu,
+                    };
+                    self.blocks.insert(hash, block);
+                    self.log.stored(hash, parent, Tier::Gpu);
+                    outcome.inserted += 1;
                 }
-                let parent = if i == 0 { None } else { Some(chain[i - 1]) };
-                self.blocks.insert(chain[i], Block { parent, tick: 0 });
-                self.log.push(chain[i], parent, true);
-                outcome.inserted += 1;
+                Some(block) if block.tier == Tier::Cpu => {
+                    self.cpu_order.remove(&block.tick);
+                    block.tick = 0;
+                    block.tier = Tier::Gpu;
+                    self.log.stored(hash, block.parent, Tier::Gpu);
+                    outcome.reloaded += 1;
+                }
+                Some(_) => {}
             }
         }
         for &hash in chain.iter().rev() {
             self.touch(hash);
         }
-        while self.blocks.len() > self.capacity {
-            let (_, hash) = self.order.pop_first().expect("order tracks every block");
-            let block = self.blocks.remove(&hash).expect("order tracks every block");
-            self.log.push(hash, block.parent, false);
-            outcome.evicted += 1;
+        while self.order.len() > self.capacity {
+            let (_, hash) = self
+                .order
+                .pop_first()
+                .expect("the GPU holds more than none");
+            if self.cpu_capacity == 0 {
+                self.drop_block(hash);
+                outcome.evicted += 1;
+                continue;
+            }
+            self.tick += 1;
+            let block = self.blocks.get_mut(&hash).expect("order tracks GPU blocks");
+            block.tier = Tier::Cpu;
+            block.tick = self.tick;
+            self.cpu_order.insert(self.tick, hash);
+            self.log.stored(hash, block.parent, Tier::Cpu);
+            outcome.offloaded += 1;
+            while self.cpu_order.len() > self.cpu_capacity {
+                let (_, hash) = self.cpu_order.pop_first().expect("the CPU holds more");
+                self.drop_block(hash);
+                outcome.evicted += 1;
+            }
         }
         outcome
     }
 
+    /// Forgets `hash` (no longer in its tier's order), logging its removal.
+    fn drop_block(&mut self, hash: u64) {
+        let block = self.blocks.remove(&hash).expect("orders track blocks");
+        self.log.removed(hash, block.parent);
+    }
+
+    /// Makes a GPU block the most recently used.
     fn touch(&mut self, hash: u64) {
         self.tick += 1;
         let tick = self.tick;
@@ -299,9 +415,12 @@ impl KvCache {
     /// goes on believing the blocks are there). Returns the blocks dropped.
     pub fn evict_all(&mut self, silent: bool) -> usize {
         let mut dropped: Vec<(u64, Option<u64>)> = Vec::with_capacity(self.blocks.len());
-        // Leaves first (oldest first), as an engine frees them.
-        while let Some((_, hash)) = self.order.pop_first() {
-            let block = self.blocks.remove(&hash).expect("order tracks every block");
+        // Leaves first (oldest first), as an engine frees them: the CPU
+        // tier's (the GPU dropped them before the rest), then the GPU's.
+        let cpu = std::mem::take(&mut self.cpu_order);
+        let gpu = std::mem::take(&mut self.order);
+        for hash in cpu.into_values().chain(gpu.into_values()) {
+            let block = self.blocks.remove(&hash).expect("orders track every block");
             dropped.push((hash, block.parent));
         }
         let count = dropped.len();
@@ -309,7 +428,7 @@ impl KvCache {
             self.silent.extend(dropped);
         } else {
             for (hash, parent) in dropped {
-                self.log.push(hash, parent, false);
+                self.log.removed(hash, parent);
             }
         }
         count
@@ -325,7 +444,7 @@ impl KvCache {
             if self.blocks.contains_key(&hash) || !seen.insert(hash) {
                 continue;
             }
-            self.log.push(hash, parent, false);
+            self.log.removed(hash, parent);
             logged += 1;
         }
         logged
@@ -343,13 +462,17 @@ impl KvCache {
         self.log.delta(since)
     }
 
-    /// Every block held, as parent-first chain segments.
+    /// Every block held, as parent-first chain segments of one tier each.
     pub fn full(&self) -> Vec<Segment> {
-        let nodes: Vec<(u64, Option<u64>)> = self
+        let nodes: Vec<(u64, Option<u64>, Tier)> = self
             .order
             .values()
             .rev()
-            .map(|&hash| (hash, self.blocks[&hash].parent))
+            .chain(self.cpu_order.values().rev())
+            .map(|&hash| {
+                let block = &self.blocks[&hash];
+                (hash, block.parent, block.tier)
+            })
             .collect();
         chain_segments(&nodes)
     }
@@ -497,6 +620,18 @@ pub struct PrefillSlot {
 pub struct PrefillEngine {
     busy_until: Duration,
     pending: VecDeque<Vec<u64>>,
+    /// When the pod's link is done with the reloads scheduled.
+    reloads_until: Duration,
+}
+
+/// What a prefill scheduled now finds cached of its chain
+/// ([`PrefillEngine::cached`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CachedPrefix {
+    pub blocks: usize,
+    pub tokens: u64,
+    /// Of `tokens`, those on the CPU tier: reloaded before the prefill.
+    pub reload_tokens: u64,
 }
 
 impl PrefillEngine {
@@ -519,11 +654,44 @@ impl PrefillEngine {
     /// (Chained hashes: a shared block means a shared prefix, so this is the
     /// longest of the two.)
     pub fn cached_prefix(&self, cache: &KvCache, chain: &[u64]) -> usize {
-        let held = cache.cached_prefix(chain);
+        cache.cached_prefix(chain).max(self.pending_prefix(chain))
+    }
+
+    /// Leading blocks of `chain` a prefill scheduled before computes.
+    fn pending_prefix(&self, chain: &[u64]) -> usize {
         self.pending
             .iter()
             .map(|p| p.iter().zip(chain).take_while(|(a, b)| a == b).count())
-            .fold(held, usize::max)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// [`PrefillEngine::cached_prefix`] in tokens of the prompt `coverage`
+    /// describes, with the tokens to reload: cached blocks on the CPU tier
+    /// that no prefill scheduled before computes (those will be on the GPU).
+    pub fn cached(&self, cache: &KvCache, chain: &[u64], coverage: &Coverage) -> CachedPrefix {
+        let blocks = self.cached_prefix(cache, chain);
+        let block_tokens = |i: usize| coverage.tokens(i as u32 + 1) - coverage.tokens(i as u32);
+        let reload_tokens = (self.pending_prefix(chain)..blocks)
+            .filter(|&i| cache.tier(chain[i]) == Some(Tier::Cpu))
+            .map(block_tokens)
+            .sum();
+        CachedPrefix {
+            blocks,
+            tokens: coverage.tokens(blocks as u32),
+            reload_tokens,
+        }
+    }
+
+    /// Reloads `tokens` cached tokens from the CPU tier, from `ready` on
+    /// (after the pod's link is done with the reloads before): when they
+    /// are on the GPU. `ready` itself when there is nothing to reload.
+    pub fn reload(&mut self, cost: &CostModel, ready: Duration, tokens: u64) -> Duration {
+        if tokens == 0 {
+            return ready;
+        }
+        self.reloads_until = ready.max(self.reloads_until) + cost.reload(tokens);
+        self.reloads_until
     }
 
     /// Schedules a prefill of `uncached_tokens` tokens that can start at
@@ -566,6 +734,8 @@ pub struct Admission {
     pub prompt_tokens: u64,
     pub cached_blocks: usize,
     pub cached_tokens: u64,
+    /// Of `cached_tokens`, those reloaded from the CPU tier.
+    pub reload_tokens: u64,
     /// Adapter load time (zero when loaded already or no adapter).
     pub adapter_load: Duration,
     /// Uncontended prefill latency of the uncached tokens, overhead included
@@ -624,25 +794,32 @@ impl PodModel {
             None => Duration::ZERO,
         };
         let chain = self.hasher.chain(target, prompt, salt);
-        let cached_blocks = self.engine.cached_prefix(&self.cache, &chain);
+        let cached = self
+            .engine
+            .cached(&self.cache, &chain, &self.hasher.coverage(prompt));
         let tokens = prompt_tokens(prompt);
-        let cached_tokens = self.hasher.coverage(prompt).tokens(cached_blocks as u32);
         Admission {
-            prefill: self.cost.prefill(tokens - cached_tokens),
+            prefill: self.cost.prefill(tokens - cached.tokens),
             chain,
             prompt_tokens: tokens,
-            cached_blocks,
-            cached_tokens,
+            cached_blocks: cached.blocks,
+            cached_tokens: cached.tokens,
+            reload_tokens: cached.reload_tokens,
             adapter_load,
         }
     }
 
     /// Schedules an admitted request's prefill on the engine; `slot_at` is
-    /// when it got its sequence slot (the adapter load comes first).
+    /// when it got its sequence slot (the adapter load and the reload of
+    /// its prefix's CPU-tier blocks come first).
     pub fn schedule_prefill(&mut self, admission: &Admission, slot_at: Duration) -> PrefillSlot {
+        let loaded = slot_at + admission.adapter_load;
+        let ready = self
+            .engine
+            .reload(&self.cost, loaded, admission.reload_tokens);
         self.engine.schedule(
             &self.cost,
-            slot_at + admission.adapter_load,
+            ready,
             admission.prompt_tokens - admission.cached_tokens,
             &admission.chain,
         )
@@ -720,7 +897,8 @@ mod tests {
             out,
             InsertOutcome {
                 inserted: 2,
-                evicted: 0
+                evicted: 0,
+                ..InsertOutcome::default()
             }
         );
         assert_eq!(cache.len(), 5);
@@ -731,7 +909,8 @@ mod tests {
             out,
             InsertOutcome {
                 inserted: 2,
-                evicted: 2
+                evicted: 2,
+                ..InsertOutcome::default()
             }
         );
         assert!(!cache.contains(3));
@@ -754,7 +933,8 @@ mod tests {
             out,
             InsertOutcome {
                 inserted: 5,
-                evicted: 2
+                evicted: 2,
+                ..InsertOutcome::default()
             }
         );
         assert_eq!(cache.cached_prefix(&[1, 2, 3, 4, 5]), 3);
@@ -991,7 +1171,8 @@ mod tests {
             delta.stored,
             vec![Segment {
                 parent: None,
-                hashes: vec![1, 2]
+                hashes: vec![1, 2],
+                tier: Tier::Gpu,
             }]
         );
         fold(&mut tree, &report(&cache, seq, "E"));
@@ -1034,10 +1215,37 @@ mod tests {
         assert_eq!(cache.delta(seq).unwrap().removed, vec![4]);
     }
 
+    /// Folds a report's tiers the way a tier-aware router would.
+    fn fold_tiers(tiers: &mut HashMap<u64, Tier>, r: &kvroute::report::PodReport) {
+        if r.full {
+            tiers.clear();
+        }
+        for chain in &r.stored {
+            tiers.extend(chain.hashes.iter().map(|&h| (h, chain.tier)));
+        }
+        for hash in &r.removed {
+            tiers.remove(hash);
+        }
+    }
+
+    fn assert_tiers_mirror(tiers: &HashMap<u64, Tier>, cache: &KvCache) {
+        assert_eq!(tiers.len(), cache.len());
+        for (&hash, &tier) in tiers {
+            assert_eq!(cache.tier(hash), Some(tier), "{hash:x}");
+        }
+    }
+
     /// Random overlapping chains under heavy eviction, with storms and
-    /// reports at random moments: the router's fold always mirrors the pod.
+    /// reports at random moments: the router's fold always mirrors the pod,
+    /// without a CPU tier and with one (tiers included).
     #[test]
     fn random_churn_round_trips() {
+        for cpu_blocks in [0, 16] {
+            random_churn(cpu_blocks);
+        }
+    }
+
+    fn random_churn(cpu_blocks: usize) {
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = |n: u64| {
             rng ^= rng << 13;
@@ -1045,10 +1253,12 @@ mod tests {
             rng ^= rng << 17;
             rng % n
         };
-        let mut cache = KvCache::new(24, 10_000);
+        let mut cache = KvCache::new(24, 10_000).with_cpu_tier(cpu_blocks);
         let mut tree = PrefixTree::new(100_000);
+        let mut tiers = HashMap::new();
         let mut seq = 0;
         let mut chains = Vec::new();
+        let mut offloaded = 0;
         for _ in 0..2000 {
             match next(20) {
                 0 => {
@@ -1060,9 +1270,11 @@ mod tests {
                 2..=5 => {
                     let r = report(&cache, seq, "E");
                     fold(&mut tree, &r);
+                    fold_tiers(&mut tiers, &r);
                     seq = r.seq;
                     if cache.silent_pending() == 0 {
                         assert_mirrors(&tree, &cache, &chains);
+                        assert_tiers_mirror(&tiers, &cache);
                     }
                 }
                 _ => {
@@ -1083,7 +1295,8 @@ mod tests {
                             (family << 40) | (branch << 20) | (i + 1)
                         })
                         .collect();
-                    cache.insert_chain(&chain);
+                    offloaded += cache.insert_chain(&chain).offloaded;
+                    assert!(cache.cpu_len() <= cpu_blocks);
                     chains.push(chain);
                     if chains.len() > 50 {
                         chains.remove(0);
@@ -1094,7 +1307,113 @@ mod tests {
         cache.flush_silent();
         let r = report(&cache, seq, "E");
         fold(&mut tree, &r);
+        fold_tiers(&mut tiers, &r);
         assert_mirrors(&tree, &cache, &chains);
+        assert_tiers_mirror(&tiers, &cache);
+        assert_eq!(offloaded > 0, cpu_blocks > 0);
+    }
+
+    #[test]
+    fn a_cpu_tier_keeps_what_the_gpu_evicts_until_a_request_reloads_it() {
+        let mut cache = KvCache::new(3, 100).with_cpu_tier(2);
+        cache.insert_chain(&[1, 2, 3]);
+        // Two more GPU blocks evict 3, then 2, to the CPU tier.
+        let out = cache.insert_chain(&[7, 8]);
+        assert_eq!((out.offloaded, out.evicted), (2, 0));
+        assert_eq!(
+            (cache.tier(3), cache.tier(2)),
+            (Some(Tier::Cpu), Some(Tier::Cpu))
+        );
+        assert_eq!(cache.cached_prefix(&[1, 2, 3]), 3, "either tier counts");
+        // One more: 1 leaves the GPU, and the CPU tier drops 3 (offloaded
+        // first, a leaf).
+        let out = cache.insert_chain(&[9]);
+        assert_eq!((out.offloaded, out.evicted), (1, 1));
+        assert_eq!(cache.tier(3), None);
+        assert_eq!((cache.len(), cache.cpu_len()), (5, 2));
+        assert!((cache.usage() - 1.0).abs() < 1e-9, "the GPU's 3 of 3");
+        // The report: GPU segments, and 1-2 on the CPU.
+        let cpu: Vec<Segment> = cache
+            .full()
+            .into_iter()
+            .filter(|s| s.tier == Tier::Cpu)
+            .collect();
+        assert_eq!(
+            cpu,
+            [Segment {
+                parent: None,
+                hashes: vec![1, 2],
+                tier: Tier::Cpu
+            }]
+        );
+        // A request continuing 1-2 reloads them; three GPU blocks go to the
+        // CPU tier, which keeps two.
+        let seq = cache.seq();
+        let out = cache.insert_chain(&[1, 2, 4]);
+        assert_eq!(
+            out,
+            InsertOutcome {
+                inserted: 1,
+                evicted: 1,
+                offloaded: 3,
+                reloaded: 2
+            }
+        );
+        assert_eq!(cache.cached_prefix(&[1, 2, 4]), 3);
+        assert!([1, 2, 4].iter().all(|&h| cache.tier(h) == Some(Tier::Gpu)));
+        let delta = cache.delta(seq).unwrap();
+        let moved: Vec<(Vec<u64>, Tier)> = delta
+            .stored
+            .iter()
+            .map(|s| (s.hashes.clone(), s.tier))
+            .collect();
+        assert!(moved.contains(&(vec![1, 2, 4], Tier::Gpu)), "{moved:?}");
+        assert_eq!(delta.removed.len(), 1);
+        // A storm drops both tiers.
+        assert_eq!(cache.evict_all(false), 5);
+        assert!(cache.is_empty() && cache.cpu_len() == 0);
+    }
+
+    #[test]
+    fn a_cpu_hit_costs_a_reload_not_a_prefill() {
+        let config = Config::default(); // 16-token blocks of 64 bytes
+        let cost = CostModel::gpu_8b(1.0);
+        let mut pod = PodModel::new(
+            &config,
+            KvCache::new(64, 1000).with_cpu_tier(256),
+            AdapterSlots::new(1, HashMap::new()),
+            cost.clone(),
+        );
+        let target = ModelTarget {
+            base_model: "m".into(),
+            adapter: None,
+        };
+        let prompt = |c: u8| Prompt::Text(vec![c; 64 * 64]); // 1024 tokens
+        let first = pod.admit(&target, &prompt(b'a'), None);
+        pod.finish_prefill(&first);
+        // Another 64-block prompt pushes the first to the CPU tier.
+        let other = pod.admit(&target, &prompt(b'b'), None);
+        pod.finish_prefill(&other);
+        assert_eq!(pod.cache.cpu_len(), 64);
+        let again = pod.admit(&target, &prompt(b'a'), None);
+        assert_eq!((again.cached_tokens, again.reload_tokens), (1024, 1024));
+        assert_eq!(again.prefill, cost.prefill(0));
+        // 1024 tokens × 128 KiB over 25 GB/s: 5.4 ms, before the prefill.
+        let reload = cost.reload(1024);
+        assert!((reload.as_secs_f64() - 1024.0 * 131_072.0 / 25e9).abs() < 1e-9);
+        let ms = |m: u64| Duration::from_millis(m);
+        let slot = pod.schedule_prefill(&again, ms(100));
+        assert_eq!(slot.start, ms(100) + reload);
+        // A second reload at the same time waits for the link.
+        let twice = pod.schedule_prefill(&again, ms(100));
+        assert_eq!(twice.start, ms(100) + reload * 2);
+        // Reloaded, its blocks are on the GPU: no reload the next time.
+        pod.finish_prefill(&again);
+        let hot = pod.admit(&target, &prompt(b'a'), None);
+        assert_eq!((hot.cached_tokens, hot.reload_tokens), (1024, 0));
+        // Recomputing would have cost 1024 tokens of prefill: 44× more.
+        let ratio = cost.prefill_compute(1024).as_secs_f64() / reload.as_secs_f64();
+        assert!((40.0..45.0).contains(&ratio), "{ratio}");
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //!
 //! Endpoints:
 //! - `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
-//!   `GET /v1/models`, `GET /health`, `GET /metrics`;
+//!   `GET /v1/models` (vLLM's order and shape: [`served_models`]),
+//!   `GET /health`, `GET /metrics`;
 //! - `GET {reportPath}?since=SEQ&epoch=E&wait=MS` (`/kvroute/v1/report` by
 //!   default): with `wait`, a request for this epoch whose `since` is the
 //!   cache's current `seq` is held until the cache logs an event or `wait`
@@ -51,7 +52,7 @@ use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use kvroute::chat_template::PromptRenderer;
-use kvroute::config::Config;
+use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::BlockLayout;
 use kvroute::report_log::{new_epoch, random_u64};
 use kvroute::request::Prompt;
@@ -71,6 +72,9 @@ pub const MAX_REPORT_WAIT_MS: u64 = 60_000;
 
 /// Report requests held at once (the router keeps one pending per pod).
 pub const REPORT_WAITERS: usize = 4;
+
+/// The context length `/v1/models` states for the base model.
+pub const MAX_MODEL_LEN: u32 = 8192;
 
 /// Command-line options of `kvroute-sim`.
 #[derive(Debug, Clone, Parser)]
@@ -104,6 +108,14 @@ pub struct SimOptions {
     /// KV cache capacity in blocks.
     #[arg(long, default_value_t = 4096)]
     pub kv_blocks: usize,
+    /// A CPU tier of this many blocks (0: none): blocks the GPU evicts move
+    /// there, and a hit on one costs a reload (see [`crate::model`]);
+    /// reports and `--kv-events` give each block's tier.
+    #[arg(long, default_value_t = 0)]
+    pub cpu_kv_blocks: usize,
+    /// GB/s of reloads from the CPU tier (PCIe 4.0 x16 as DMA reaches it).
+    #[arg(long, default_value_t = crate::model::PCIE_GBPS)]
+    pub cpu_reload_gbps: f64,
     /// Sequence slots (vLLM's `max_num_seqs`): requests admitted at once,
     /// from prefill to their last token; the rest wait in a FIFO queue.
     #[arg(long, default_value_t = 64)]
@@ -111,6 +123,10 @@ pub struct SimOptions {
     /// Multiplies every simulated duration.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// Prefill speed as a multiple of the cost model's (0.5: a GPU half as
+    /// fast at prefill), for mixed pools.
+    #[arg(long, default_value_t = 1.0)]
+    pub prefill_speed: f64,
     /// LoRA adapter slots.
     #[arg(long, default_value_t = 4)]
     pub max_loras: usize,
@@ -120,7 +136,8 @@ pub struct SimOptions {
     /// `name=rank` of an adapter (repeatable or comma-separated; default rank 16).
     #[arg(long, value_delimiter = ',', value_parser = parse_rank)]
     pub adapter_rank: Vec<(String, u32)>,
-    /// Model names listed by `/v1/models` (default: the config's models, or `sim-model`).
+    /// Model names the pod serves, listed by `/v1/models` in vLLM's order
+    /// ([`served_models`]; default: the config's models, or `sim-model`).
     #[arg(long, value_delimiter = ',')]
     pub served_model: Vec<String>,
     /// Bound of the report event log (block events).
@@ -158,6 +175,12 @@ pub struct SimOptions {
     /// or `array` (older vLLM's positional arrays).
     #[arg(long, default_value = "map", value_parser = parse_shape)]
     pub kv_events_format: Shape,
+    /// Publish `extra_keys` (adapter, `cache_salt`) in the typed form
+    /// proposed upstream (vLLM PR 55488: `LoRAKey`, `CacheSaltKey` tagged
+    /// structs) instead of vLLM's raw tuples: a vLLM the bridge does not
+    /// know yet.
+    #[arg(long)]
+    pub kv_typed_extra_keys: bool,
     /// Tokenize text and chat prompts as vLLM does, with this tokenizer
     /// (`cl100k_base`), and cache token blocks of `blockSizeTokens`
     /// ([`crate::tokenizer`]); with `--kv-events` they are published.
@@ -189,6 +212,95 @@ pub fn preload_prompt(pod_id: &str, i: usize, bytes: usize) -> String {
     }
     text.truncate(bytes);
     text
+}
+
+/// One entry of `/v1/models`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedModel {
+    pub id: String,
+    /// vLLM's `root`: a base model's path (here its `baseModel`), or an
+    /// adapter's (here its adapter name).
+    pub root: String,
+    /// The base model a LoRA adapter applies to (`None`: a base model).
+    pub parent: Option<String>,
+    /// What a request naming `id` runs.
+    pub target: ModelTarget,
+}
+
+/// What the pod serves, in vLLM's order (`show_available_models`): the
+/// base model's served names first, the one named as the model itself
+/// before aliases, then the LoRA adapters, each with `parent` set to the
+/// base model's first name. The names are `names` (`--served-model`), else
+/// the config's models, else `sim-model`; an adapter's base model that no
+/// name serves directly is served anyway, first, as vLLM always serves
+/// its base model. Routers that register a worker for the first listed
+/// model (SGLang's gateway) thus see the base model.
+pub fn served_models(names: &[String], config: &Config) -> Vec<ServedModel> {
+    let entries: Vec<(String, ModelTarget)> = if !names.is_empty() {
+        names
+            .iter()
+            .map(|name| {
+                let target = config.resolve_model(name).unwrap_or_else(|| ModelTarget {
+                    base_model: name.clone(),
+                    adapter: None,
+                });
+                (name.clone(), target)
+            })
+            .collect()
+    } else if !config.models.is_empty() {
+        config
+            .models
+            .iter()
+            .map(|(name, target)| (name.clone(), target.clone()))
+            .collect()
+    } else {
+        let name = "sim-model".to_string();
+        vec![(
+            name.clone(),
+            ModelTarget {
+                base_model: name,
+                adapter: None,
+            },
+        )]
+    };
+    let (mut bases, adapters): (Vec<_>, Vec<_>) =
+        entries.into_iter().partition(|(_, t)| t.adapter.is_none());
+    // Stable: each base model's own name before its aliases.
+    bases.sort_by_key(|(name, target)| *name != target.base_model);
+    for (_, target) in &adapters {
+        if !bases.iter().any(|(_, t)| t.base_model == target.base_model) {
+            let base = ModelTarget {
+                base_model: target.base_model.clone(),
+                adapter: None,
+            };
+            bases.push((target.base_model.clone(), base));
+        }
+    }
+    let parent = |base_model: &str| {
+        bases
+            .iter()
+            .find(|(_, t)| t.base_model == base_model)
+            .map(|(name, _)| name.clone())
+    };
+    let adapters: Vec<ServedModel> = adapters
+        .iter()
+        .map(|(name, target)| ServedModel {
+            id: name.clone(),
+            root: target.adapter.clone().unwrap_or_default(),
+            parent: parent(&target.base_model),
+            target: target.clone(),
+        })
+        .collect();
+    bases
+        .into_iter()
+        .map(|(name, target)| ServedModel {
+            id: name,
+            root: target.base_model.clone(),
+            parent: None,
+            target,
+        })
+        .chain(adapters)
+        .collect()
 }
 
 fn parse_rank(text: &str) -> Result<(String, u32), String> {
@@ -253,6 +365,8 @@ impl Faults {
 #[derive(Debug, Clone, Default)]
 struct Stats {
     requests: u64,
+    /// Of `cached_tokens`, those reloaded from the CPU tier.
+    reloaded_tokens: u64,
     /// Report endpoint calls.
     report_requests: u64,
     /// Reports answered with `full: true` (a first report, a resync).
@@ -271,7 +385,10 @@ struct Inner {
     stats: Stats,
     /// Lifetime counters for `/metrics` (never reset).
     query_tokens_total: u64,
+    /// GPU prefix-cache hits (vLLM's local ones).
     hit_tokens_total: u64,
+    /// CPU-tier hits (vLLM's external ones, through its KV connector).
+    external_hit_tokens_total: u64,
     /// Waiting for a slot, or holding one with the prefill not started.
     waiting: u32,
     /// In prefill or decode.
@@ -291,7 +408,7 @@ struct Sim {
     /// The router's own reading of request bodies (chat templates
     /// included), so the pod caches the prompt the router hashed.
     prompts: PromptRenderer,
-    served: Vec<String>,
+    served: Vec<ServedModel>,
     max_batch: usize,
     cost: CostModel,
     slots: Arc<Semaphore>,
@@ -313,6 +430,17 @@ struct Sim {
 impl Sim {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What a request for model `name` runs: a configured model, or a
+    /// base model the pod serves for its adapters.
+    fn target(&self, name: &str) -> Option<ModelTarget> {
+        self.config.resolve_model(name).or_else(|| {
+            self.served
+                .iter()
+                .find(|model| model.id == name)
+                .map(|model| model.target.clone())
+        })
     }
 
     /// Now, on the prefill engine's clock.
@@ -372,6 +500,12 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, String> {
 /// Binds, prints `kvroute-sim <pod-id> listening on <addr>` (a line per
 /// pod) and serves until the process ends (SIGINT/SIGTERM exit).
 pub async fn run(options: SimOptions) -> Result<(), String> {
+    if !(options.cpu_reload_gbps.is_finite() && options.cpu_reload_gbps > 0.0) {
+        return Err(format!(
+            "--cpu-reload-gbps must be a positive number (got {})",
+            options.cpu_reload_gbps
+        ));
+    }
     let config = load_config(options.config.as_deref())?;
     let tokenizer = options
         .tokenizer
@@ -408,6 +542,7 @@ pub async fn run(options: SimOptions) -> Result<(), String> {
                     topic: options.kv_topic.clone(),
                     buffer_steps: options.kv_replay_buffer,
                     shape: options.kv_events_format,
+                    typed_extra_keys: options.kv_typed_extra_keys,
                     layout: BlockLayout::tokens(&config).uncapped(),
                 })
                 .await?,
@@ -491,28 +626,22 @@ pub fn app(
         .pod_id
         .clone()
         .unwrap_or_else(|| format!("sim-{}", addr.port()));
-    let cost = CostModel::gpu_8b(options.time_scale);
+    let mut cost = CostModel::gpu_8b(options.time_scale).with_reload_gbps(options.cpu_reload_gbps);
+    cost.prefill_s_per_token /= options.prefill_speed.max(f64::MIN_POSITIVE);
     let ranks: HashMap<String, u32> = options.adapter_rank.iter().cloned().collect();
     let mut adapters = AdapterSlots::new(options.max_loras, ranks);
     for name in options.preload_adapters.iter().filter(|n| !n.is_empty()) {
         adapters.preload(name);
     }
-    let served = if !options.served_model.is_empty() {
-        options.served_model.clone()
-    } else if !config.models.is_empty() {
-        config.models.keys().cloned().collect()
-    } else {
-        vec!["sim-model".to_string()]
-    };
+    let served = served_models(&options.served_model, &config);
     let max_batch = options.max_batch.max(1);
     let mut pod = PodModel::new(
         &config,
-        KvCache::new(options.kv_blocks, options.log_events),
+        KvCache::new(options.kv_blocks, options.log_events).with_cpu_tier(options.cpu_kv_blocks),
         adapters,
         cost.clone(),
     );
-    let preload_model = served.first().cloned().unwrap_or_default();
-    if let Some(target) = config.resolve_model(&preload_model) {
+    if let Some(target) = served.first().map(|model| model.target.clone()) {
         for i in 0..options.preload_prompts {
             let text = preload_prompt(&pod_id, i, options.preload_prompt_bytes);
             let chain = pod
@@ -545,6 +674,7 @@ pub fn app(
             stats: Stats::default(),
             query_tokens_total: 0,
             hit_tokens_total: 0,
+            external_hit_tokens_total: 0,
             waiting: 0,
             running: 0,
             running_blocks: 0,
@@ -813,7 +943,7 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     if let Some(tokenizer) = &sim.tokenizer {
         parsed.prompt = tokenizer.tokenize(parsed.prompt);
     }
-    let Some(target) = sim.config.resolve_model(&parsed.model) else {
+    let Some(target) = sim.target(&parsed.model) else {
         let message = format!("The model `{}` does not exist.", parsed.model);
         return fail(StatusCode::NOT_FOUND, &message, "NotFoundError");
     };
@@ -886,10 +1016,12 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
     {
         let mut inner = sim.lock();
         inner.stats.cached_tokens += admission.cached_tokens;
+        inner.stats.reloaded_tokens += admission.reload_tokens;
         inner.stats.prompt_tokens += admission.prompt_tokens;
         inner.stats.ttft_ms_sum += arrived.elapsed().as_secs_f64() * 1000.0;
         inner.query_tokens_total += admission.prompt_tokens;
-        inner.hit_tokens_total += admission.cached_tokens;
+        inner.hit_tokens_total += admission.cached_tokens - admission.reload_tokens;
+        inner.external_hit_tokens_total += admission.reload_tokens;
     }
     let n = sim.next_id.fetch_add(1, Ordering::Relaxed);
     let reply = Reply {
@@ -978,21 +1110,39 @@ impl futures_core::Stream for ChannelStream {
     }
 }
 
+/// vLLM's `/v1/models`: a model card per served name, base model first
+/// (its `max_model_len`), then the adapters (`parent`: the base model;
+/// vLLM leaves their `max_model_len` null), each with vLLM's default
+/// permission.
 async fn models(State(sim): State<Arc<Sim>>) -> Response {
     let created = unix_seconds();
     let data: Vec<Value> = sim
         .served
         .iter()
-        .map(|name| {
-            let target = sim.config.resolve_model(name);
+        .enumerate()
+        .map(|(i, model)| {
             json!({
-                "id": name,
+                "id": model.id,
                 "object": "model",
                 "created": created,
                 "owned_by": "vllm",
-                "root": target.as_ref().map_or(name.as_str(), |t| t.base_model.as_str()),
-                "parent": target.as_ref().and_then(|t| t.adapter.as_ref().map(|_| t.base_model.clone())),
-                "max_model_len": 8192,
+                "root": model.root,
+                "parent": model.parent,
+                "max_model_len": model.parent.is_none().then_some(MAX_MODEL_LEN),
+                "permission": [{
+                    "id": format!("modelperm-{}-{i}", sim.pod_id),
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": false,
+                    "allow_sampling": true,
+                    "allow_logprobs": true,
+                    "allow_search_indices": false,
+                    "allow_view": true,
+                    "allow_fine_tuning": false,
+                    "organization": "*",
+                    "group": null,
+                    "is_blocking": false,
+                }],
             })
         })
         .collect();
@@ -1014,8 +1164,7 @@ async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
     let model = sim
         .served
         .first()
-        .map(String::as_str)
-        .unwrap_or("sim-model");
+        .map_or("sim-model", |model| model.id.as_str());
     let labels = format!("model_name=\"{model}\"");
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -1067,6 +1216,21 @@ async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
         "Prefix cache hits, in terms of number of cached tokens.",
         format!("{{{labels}}} {:.1}", inner.hit_tokens_total),
     );
+    // As vLLM with a KV connector: what the CPU tier served.
+    if inner.pod.cache.cpu_capacity() > 0 {
+        metric(
+            "vllm:external_prefix_cache_queries_total",
+            "counter",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            format!("{{{labels}}} {:.1}", inner.query_tokens_total),
+        );
+        metric(
+            "vllm:external_prefix_cache_hits_total",
+            "counter",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            format!("{{{labels}}} {:.1}", inner.external_hit_tokens_total),
+        );
+    }
     drop(inner);
     (
         [(
@@ -1202,7 +1366,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         let ok = match key.as_str() {
             "crash" | "hang" | "evictAll" | "silent" | "flushSilent" => v.is_boolean(),
             "clearAll" | "kvGarbage" => v.is_boolean() && sim.kv_events.is_some(),
-            "kvDrop" => v.is_u64() && sim.kv_events.is_some(),
+            "kvDrop" | "kvLose" => v.is_u64() && sim.kv_events.is_some(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
             "report" => matches!(
                 v.as_str(),
@@ -1267,6 +1431,9 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             if let Some(batches) = object.get("kvDrop").and_then(Value::as_u64) {
                 publisher.drop_next(batches);
             }
+            if let Some(batches) = object.get("kvLose").and_then(Value::as_u64) {
+                publisher.lose_next(batches);
+            }
             if flag("kvGarbage") == Some(true) {
                 publisher.send_garbage();
             }
@@ -1302,12 +1469,15 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Response {
         "completed": s.completed,
         "errors": s.errors,
         "cachedTokens": s.cached_tokens,
+        "cachedTokensCpu": s.reloaded_tokens,
         "promptTokens": s.prompt_tokens,
         "queueDepth": inner.waiting,
         "running": inner.running,
         "maxQueueSeen": s.max_queue_seen,
         "kvBlocks": inner.pod.cache.len(),
         "kvCapacity": inner.pod.cache.capacity(),
+        "kvCpuBlocks": inner.pod.cache.cpu_len(),
+        "kvCpuCapacity": inner.pod.cache.cpu_capacity(),
         "seq": inner.pod.cache.seq(),
         "ttftMsSum": s.ttft_ms_sum,
         "adapterLoads": inner.pod.adapters.loads() - s.adapter_loads_at_reset,

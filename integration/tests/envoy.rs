@@ -10,7 +10,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    filler_text as text, free_port, render_envoy_config, wasm_path, Cluster, ClusterSpec, Envoy,
+    filler_text as text, free_port, kvroute_module, render_envoy_config, Cluster, ClusterSpec,
+    Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -177,8 +178,8 @@ fn follow_up_before_any_report_finds_its_predecessors_pod() {
 fn multi_turn_conversations_stick_to_their_pod() {
     // Pods 10× slower than the harness default, so the 16 openings are all
     // in flight together: at time scale 0.02 a request finishes in ~10 ms,
-    // about as long as a loaded machine takes to send all 16, and in-flight
-    // counts never reach the balance guard.
+    // about as long as a loaded machine takes to send all 16, and their
+    // prefill queues together on the pods.
     let cluster = start(4, base_config(), &["--time-scale", "0.2"], vec![]);
     let system = text("system prompt", 2048);
     let conversations = 16;
@@ -243,16 +244,18 @@ fn multi_turn_conversations_stick_to_their_pod() {
         share >= 0.9,
         "only {stuck}/{later_turns} later turns on the turn-1 pod"
     );
-    // Opened together, they spread (the balance guard) instead of all
-    // following the pod that cached the system prompt first.
+    // Opened together, they spread (balance) instead of all following the
+    // pod that cached the system prompt first.
     let distinct: std::collections::HashSet<_> = first_pod.iter().collect();
     assert!(
         distinct.len() >= 3,
         "conversations collapsed onto {distinct:?}"
     );
-    // All 16 are in flight together, so the in-flight guard (default
-    // absThreshold 6) gives no pod an opening once it runs 7 more than the
-    // least busy one: 9 / 3 / 2 / 2 is within it, 10 / 2 / 2 / 2 is not.
+    // All 16 are in flight together: each opening's 256 uncached tokens
+    // queue on its pod, and before any streamed answer (the model's prior
+    // error, a factor of two) a pod that must prefill a whole opening
+    // (768 tokens) takes the next one once the holder's queue is twice
+    // that: at most a few more openings than the least busy pod.
     let openings = |pod: &str| first_pod.iter().filter(|p| *p == pod).count();
     let per_pod: Vec<usize> = (0..4).map(|i| openings(&format!("pod-{i}"))).collect();
     let busiest = per_pod.iter().copied().max().unwrap_or(0);
@@ -367,20 +370,23 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
         new_session, holder,
         "the new session waits behind the holder's prefills"
     );
-    // With the guard off it follows its head.
+    // With balance off it follows its head.
     let mut off = base_config();
-    off["balance"] = json!({"prefillSlackTokens": null});
+    off["balance"] = json!({"enabled": false});
     let (new_session, holder) = new_session_while_the_holder_prefills(off);
     assert_eq!(
         new_session, holder,
-        "without the prefill guard the head's holder keeps it"
+        "without balance the head's holder keeps it"
     );
 }
 
 #[test]
 fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     // Slow pods (time scale 0.5, 4 concurrent) so 50 requests are all in
-    // flight at once; maxQueue 20.
+    // flight at once; maxQueue 20. Each asks a 1,024-token question of a
+    // 2,048-token document: the prefill queued on the document's holder
+    // grows by a question per request, until a pod prefilling the whole
+    // prompt is clearly sooner (balance: predicted TTFT).
     let cluster = start(
         4,
         base_config(),
@@ -398,7 +404,8 @@ fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     let handles: Vec<_> = (0..50)
         .map(|i| {
             let listen = listen.clone();
-            let body = completion(&format!("{prefix} question {i}"), 48).to_string();
+            let question = text(&format!("question {i}"), 4 * 1024);
+            let body = completion(&format!("{prefix} {question}"), 48).to_string();
             std::thread::spawn(move || {
                 http::post_json(&listen, "/v1/completions", &body).expect("response")
             })
@@ -417,8 +424,8 @@ fn thundering_herd_spreads_and_never_queues_past_max_queue() {
         max_queue_seen <= 20,
         "hot pod queued {max_queue_seen} > maxQueue"
     );
-    // Affinity yields to balance (the balance guard): the holder keeps a
-    // share, and no pod takes much more than a fair 12.5 of the 50.
+    // Affinity yields to balance: the holder keeps a share, and no pod
+    // takes much more than a fair 12.5 of the 50.
     assert!(
         per_pod[hot_index] >= 5,
         "hot pod took only {} of 50: {per_pod:?}",
@@ -684,7 +691,7 @@ fn refused(config: Value) -> String {
     std::fs::create_dir_all(&dir).unwrap();
     let (listen, admin) = (free_port(), free_port());
     let yaml = render_envoy_config(
-        &wasm_path(),
+        kvroute_module(),
         listen,
         admin,
         &config,

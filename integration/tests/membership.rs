@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_config::{Deployment, Target};
 use kvroute_integration::harness::{
-    filler_text as text, free_port, free_port_range, poll, start_sims, wasm_path, write_eds, Envoy,
-    Process, Sim,
+    filler_text as text, free_port, free_port_range, module_name, poll, start_sims, wasm_path,
+    write_eds, Envoy, Process, Sim,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -73,7 +73,7 @@ impl Membership {
                 "models": {"sim-model": {"baseModel": "sim-model"}}
             },
             "cluster": {"eds": {"path": eds}},
-            "envoy": {"wasm": wasm_path(), "listenAddress": "127.0.0.1", "listenPort": listen, "adminPort": admin},
+            "envoy": {"module": module_name(), "wasm": wasm_path(), "listenAddress": "127.0.0.1", "listenPort": listen, "adminPort": admin},
         });
         fs::write(&deployment_file, deployment.to_string()).unwrap();
         let mut deployment =

@@ -34,7 +34,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    filler_text as text, free_port, repo_root, Cluster, ClusterSpec, Process,
+    filler_text as text, free_port, log_component, log_event, repo_root, Cluster, ClusterSpec,
+    Process,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -406,6 +407,14 @@ fn workload(cluster: &Cluster) -> Workload {
         }
         cluster.wait_reports(1);
     }
+    // Streamed answers: the TTFT model learns from their first bytes.
+    for i in 0..8 {
+        let body = json!({"model": "sim-model", "prompt": text(&format!("streamed {i}"), 1024),
+                          "max_tokens": 4, "stream": true});
+        let r = http::post_sse(&cluster.envoy.listen, "/v1/completions", &body.to_string())
+            .expect("a streamed request through envoy");
+        assert_eq!(r.status, 200, "streamed request {i}");
+    }
     Workload {
         sick,
         failing,
@@ -425,8 +434,9 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
     let config = json!({
         "podReportIntervalMs": 200,
         "reportTimeoutMs": 400,
-        // Debug events are produced, and shown once Envoy's wasm logger is
-        // raised (the Troubleshooting steps).
+        // Debug events are produced, and shown once Envoy's logger of the
+        // module (wasm or dynamic_modules) is raised (the Troubleshooting
+        // steps).
         "logLevel": "debug",
         // Every answer's cached tokens checked: the stale panel's events.
         "predictionCheckSample": 1,
@@ -435,7 +445,11 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
             "support-billing": {"baseModel": "sim-model", "adapter": "billing-lora"}
         }
     });
-    let cluster = Cluster::start(SIM.as_ref(), ClusterSpec::new(4, config)).expect("cluster");
+    // Two replicas of the gateway sharing their decisions: Prometheus
+    // scrapes the first, the second routes a few requests of its own.
+    let mut spec = ClusterSpec::new(4, config);
+    spec.replicas = 2;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster");
     let prometheus = Prometheus::start(&promtool, &cluster.envoy.admin);
     prometheus.wait_for(
         &format!("up{{job=\"{JOB}\"}}"),
@@ -444,6 +458,27 @@ fn dashboard_and_alerts_work_against_real_prometheus() {
     );
 
     let work = workload(&cluster);
+    // The replica panels: decisions made on the other replica, learnt here.
+    let peer = &cluster.other_replicas[0];
+    for i in 0..3 {
+        let body = json!({"model": "sim-model", "prompt": text(&format!("on the other replica {i}"), 2048), "max_tokens": 2});
+        let answer =
+            http::post_json(&peer.listen, "/v1/completions", &body.to_string()).expect("post");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cluster
+        .envoy
+        .metric("epp_replica_decisions_received_total", &[])
+        .unwrap_or(0.0)
+        < 3.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the scraped replica learnt the other's decisions"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Histograms reach /stats/prometheus on Envoy's 1 s flush, then the 1 s
     // scrape: wait until Prometheus has what Envoy has.
     let decisions = cluster
@@ -526,6 +561,9 @@ fn check_dashboard(prometheus: &Prometheus, cluster: &Cluster, work: &Workload) 
             "Scoring latency p50 / p99",
             "Pod health overview",
             "Adapter load events by adapter",
+            "Replica convergence lag p50 / p99",
+            "Replica peers",
+            "TTFT model error p50 / p90",
         ]
     );
     let pods: BTreeSet<String> = cluster.sims.iter().map(|s| s.id.clone()).collect();
@@ -611,6 +649,10 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
                 "{title}: {first:?}"
             );
         }
+        "TTFT model error p50 / p90" => {
+            let (p50, p90) = (results[0][0].value, results[1][0].value);
+            assert!(p50 >= 0.0 && p90 >= p50, "{title}: p50 {p50} p90 {p90}");
+        }
         "Scoring latency p50 / p99" => {
             let (p50, p99) = (results[0][0].value, results[1][0].value);
             assert!(p50 > 0.0 && p99 >= p50, "{title}: p50 {p50} p99 {p99}");
@@ -624,6 +666,20 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
             );
             let green = first.iter().filter(|s| s.value > 90.0).count();
             assert!(green >= 2, "{title}: healthy pods are 100: {first:?}");
+        }
+        "Replica convergence lag p50 / p99" => {
+            let (p50, p99) = (results[0][0].value, results[1][0].value);
+            assert!(p50 > 0.0 && p99 >= p50, "{title}: p50 {p50} p99 {p99}");
+            assert!(p99 < 1000.0, "{title}: within a second: {p99}");
+        }
+        "Replica peers" => {
+            let mut states: Vec<f64> = first.iter().map(|s| s.value).collect();
+            states.sort_by(f64::total_cmp);
+            assert_eq!(
+                states,
+                vec![1.0, 3.0],
+                "{title}: the other live, itself: {first:?}"
+            );
         }
         "Adapter load events by adapter" => {
             let loads = value_of(first, "adapter", "billing-lora");
@@ -640,7 +696,7 @@ fn check_alerts(prometheus: &Prometheus, work: &Workload) {
         .filter_map(|l| l.trim().strip_prefix("- alert:"))
         .map(|name| name.trim().to_string())
         .collect();
-    assert_eq!(declared.len(), 7, "{declared:?}");
+    assert_eq!(declared.len(), 9, "{declared:?}");
 
     // Prometheus loaded them and evaluates them without error.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -710,6 +766,14 @@ fn check_alerts(prometheus: &Prometheus, work: &Workload) {
                     "{name}: the sick pod is below 30: {firing:?}"
                 );
             }
+            "KvrouteReplicaPeerFailing" => {
+                assert_eq!(samples.len(), 2, "{name}: the peer and itself: {samples:?}");
+                assert!(firing.is_empty(), "{name}: {firing:?}");
+            }
+            "KvrouteReplicaLagHigh" => {
+                assert_eq!(samples.len(), 1, "{name}: one router: {samples:?}");
+                assert!(samples[0].value > 0.0, "{name}: {samples:?}");
+            }
             "KvrouteReportFailuresPersisting" => {
                 assert!(
                     value_of(&samples, "pod", &work.failing).unwrap_or(0.0) > 0.0,
@@ -754,8 +818,9 @@ fn check_logs(cluster: &Cluster) {
     ] {
         assert!(log.contains(needle), "no {needle} in Envoy's log");
     }
-    // A client-chosen x-request-id is the events' requestId; the JSON after
-    // `wasm log <plugin> <root> <vm>: ` carries the documented fields.
+    // A client-chosen x-request-id is the events' requestId; the JSON in
+    // the line (after `wasm log <plugin> <root> <vm>: `, or the native
+    // module's `[dynamic_modules] [:] `) carries the documented fields.
     let r = http::request(
         &cluster.envoy.listen,
         "POST",
@@ -776,9 +841,7 @@ fn check_logs(cluster: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(5);
     let route = loop {
         let found = cluster.envoy.log().lines().find_map(|line| {
-            let (_, rest) = line.split_once("wasm log ")?;
-            let (_, json) = rest.split_once(": ")?;
-            let event: Value = serde_json::from_str(json).ok()?;
+            let event = log_event(line)?;
             (event["event"] == "route" && event["requestId"] == "conv-42-turn-3").then_some(event)
         });
         if let Some(event) = found {
@@ -808,13 +871,13 @@ fn check_logs(cluster: &Cluster) {
     }
     assert_eq!(route["pod"].as_str(), r.header("x-kvroute-pod"));
 
-    // `candidates` is a debug event: hidden at Envoy's wasm:info, shown after
-    // `POST /logging?wasm=debug` on the admin port.
+    // `candidates` is a debug event: hidden at the module's component level
+    // info, shown after `POST /logging?<component>=debug` on the admin port.
     assert!(!log.contains("\"event\":\"candidates\""));
     let raised = http::request(
         &cluster.envoy.admin,
         "POST",
-        "/logging?wasm=debug",
+        &format!("/logging?{}=debug", log_component()),
         &[],
         None,
         http::DEFAULT_TIMEOUT,

@@ -312,3 +312,92 @@ fn a_replicated_trace_replays_over_a_thousand_pods() {
         "the pool is used"
     );
 }
+
+/// What a user's what-if replays is what the proxy runs: without
+/// `--config`, the replay's router configuration is the filter's default
+/// in every field but the simulated pods, the pods' cache size and (for
+/// a Mooncake trace, one hash id a block) the block size.
+#[test]
+fn replay_defaults_are_the_filters_defaults() {
+    use kvroute::config::{Config, NoPodPolicy};
+    let filter = Config::default();
+    for (format, block_tokens) in [("azure", 16), ("openai", 16), ("mooncake", 512)] {
+        let replayed =
+            replay::router_config(&args(&["--trace", "unused", "--format", format])).unwrap();
+        assert_eq!(replayed.on_no_eligible_pod, NoPodPolicy::Wait, "{format}");
+        assert_eq!(replayed.balance, filter.balance, "{format}");
+        assert_eq!(replayed.block_size_tokens, block_tokens, "{format}");
+        let comparable = Config {
+            pods: filter.pods.clone(),
+            block_size_tokens: filter.block_size_tokens,
+            block_size_bytes: filter.block_size_bytes,
+            ..replayed
+        };
+        assert_eq!(comparable, filter, "{format}: a default differs");
+    }
+    // `--on-no-eligible-pod` still overrides it, and a `--config` value
+    // is kept when the flag is absent.
+    let reject = replay::router_config(&args(&[
+        "--trace",
+        "unused",
+        "--on-no-eligible-pod",
+        "reject",
+    ]))
+    .unwrap();
+    assert_eq!(reject.on_no_eligible_pod, NoPodPolicy::Reject);
+    let scratch = Scratch::new("defaults");
+    let config = scratch.file("config.json", r#"{"onNoEligiblePod": "reject"}"#);
+    let from_file = replay::router_config(&args(&[
+        "--trace",
+        "unused",
+        "--config",
+        config.to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert_eq!(from_file.on_no_eligible_pod, NoPodPolicy::Reject);
+}
+
+/// The Azure trace's conversations replay the same through their OpenAI
+/// token-prompt bodies (`--emit-openai`), and kvroute, which follows
+/// them, holds the pooled bound's hits where round robin cannot.
+#[test]
+fn azure_conversations_replay_through_their_openai_bodies() {
+    let mut csv = String::from("TIMESTAMP,ContextTokens,GeneratedTokens\n");
+    for i in 0..240u64 {
+        // 24 users, each turn adding its answer and a new message.
+        let turn = i / 24;
+        let context = 300 + turn * 250 + (i % 24) * 3;
+        let seconds = i as f64 * 0.25;
+        csv.push_str(&format!(
+            "2023-11-16 18:{:02}:{:010.7},{context},{}\n",
+            15 + (seconds as u64) / 60,
+            seconds % 60.0,
+            120 + i % 5
+        ));
+    }
+    let scratch = Scratch::new("azure");
+    let trace = scratch.file("azure.csv", &csv);
+    let openai = scratch.0.join("azure-openai.jsonl");
+    let base = ["--pods", "3", "--policies", "kvroute,round_robin"];
+    let mut a = vec![
+        "--trace",
+        trace.to_str().unwrap(),
+        "--format",
+        "azure",
+        "--emit-openai",
+        openai.to_str().unwrap(),
+    ];
+    a.extend_from_slice(&base);
+    let from_csv = replay::run(&args(&a), &mut Vec::new()).unwrap();
+    let mut b = vec!["--trace", openai.to_str().unwrap(), "--format", "openai"];
+    b.extend_from_slice(&base);
+    let from_openai = replay::run(&args(&b), &mut Vec::new()).unwrap();
+    assert_eq!(from_csv.requests, 240);
+    for (x, y) in from_csv.runs.iter().zip(&from_openai.runs) {
+        assert_eq!(x.summary, y.summary, "{}", x.policy.name());
+    }
+    let hit = |policy: usize| from_csv.runs[policy].summary.hit_rate;
+    assert!(from_csv.pooled_bound > 0.5, "{}", from_csv.pooled_bound);
+    assert!(hit(0) >= 0.95 * from_csv.pooled_bound, "kvroute {}", hit(0));
+    assert!(hit(1) < 0.8 * hit(0), "round robin {}", hit(1));
+}

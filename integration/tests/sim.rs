@@ -8,7 +8,7 @@ use kvroute::cluster::ClusterState;
 use kvroute::config::Config;
 use kvroute::hashing::BlockHasher;
 use kvroute::index::PrefixLookup;
-use kvroute::report::parse_report;
+use kvroute::report::{parse_report, Tier};
 use kvroute::request::parse_request;
 use kvroute::router::Router;
 use kvroute_integration::http::{self, get, post_json, post_sse};
@@ -608,4 +608,213 @@ fn one_process_serves_many_pods() {
     assert_eq!(stats(&pods[3].1)["requests"], 1);
     assert_eq!(stats(&pods[4].1)["requests"], 0);
     drop(sim);
+}
+
+/// `/v1/models` in vLLM's order and shape (`show_available_models`): the
+/// base model's served names first (the model itself before its aliases,
+/// with `max_model_len`), then the LoRA adapters with `parent` set and no
+/// `max_model_len`. Routers that register a worker for the first listed
+/// model (SGLang's gateway) see the base model: with `envoy/kvroute.json`'s
+/// models, listed alphabetically, they used to see an alias.
+#[test]
+fn models_are_listed_base_model_first_as_vllm_lists_them() {
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/kvroute.json");
+    let sim = Sim::start(&["--config", shipped]);
+    let models = get(&sim.addr, "/v1/models").unwrap().json().unwrap();
+    assert_eq!(models["object"], "list");
+    let cards = models["data"].as_array().unwrap();
+    let column =
+        |field: &str| -> Vec<String> { cards.iter().map(|card| card[field].to_string()).collect() };
+    assert_eq!(
+        column("id"),
+        [
+            "\"sim-model\"",
+            "\"customer-support-v3\"",
+            "\"customer-support-v3-billing\"",
+            "\"customer-support-v3-enterprise\""
+        ]
+    );
+    assert_eq!(
+        column("parent"),
+        ["null", "null", "\"sim-model\"", "\"sim-model\""]
+    );
+    assert_eq!(
+        column("root"),
+        [
+            "\"sim-model\"",
+            "\"sim-model\"",
+            "\"billing-lora\"",
+            "\"enterprise-lora\""
+        ]
+    );
+    assert_eq!(column("max_model_len"), ["8192", "8192", "null", "null"]);
+    for card in cards {
+        assert_eq!(
+            (&card["object"], &card["owned_by"]),
+            (&"model".into(), &"vllm".into())
+        );
+        assert_eq!(card["permission"][0]["object"], "model_permission");
+    }
+
+    // Adapters only (the benchmark's LoRA workload): vLLM serves its base
+    // model anyway, listed first, and answers requests for it.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let config = dir.join("kvroute-sim-adapters-only.json");
+    std::fs::write(
+        &config,
+        r#"{"pods": [{"id": "p", "address": "127.0.0.1:1"}],
+            "models": {"tenant-1": {"baseModel": "sim-model", "adapter": "lora-1"},
+                       "tenant-0": {"baseModel": "sim-model", "adapter": "lora-0"}}}"#,
+    )
+    .unwrap();
+    let sim = Sim::start(&["--config", config.to_str().unwrap(), "--time-scale", "0.01"]);
+    let models = get(&sim.addr, "/v1/models").unwrap().json().unwrap();
+    let listed: Vec<(&str, &serde_json::Value)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|card| (card["id"].as_str().unwrap(), &card["parent"]))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("sim-model", &serde_json::Value::Null),
+            ("tenant-0", &"sim-model".into()),
+            ("tenant-1", &"sim-model".into())
+        ]
+    );
+    for model in ["sim-model", "tenant-1"] {
+        let body = format!(r#"{{"model":"{model}","prompt":"hello","max_tokens":1}}"#);
+        let answer = post_json(&sim.addr, "/v1/completions", &body).unwrap();
+        assert_eq!(answer.status, 200, "{model}: {}", answer.body);
+    }
+    let unknown = r#"{"model":"other","prompt":"hello","max_tokens":1}"#;
+    assert_eq!(
+        post_json(&sim.addr, "/v1/completions", unknown)
+            .unwrap()
+            .status,
+        404
+    );
+}
+
+/// `--cpu-kv-blocks`: blocks the GPU evicts move to a CPU tier, reported
+/// with `"tier": "cpu"` (deltas move them, the router folds them as held:
+/// tiers do not reach the index yet); a request whose prefix is there is a
+/// hit reloaded from host memory (`cachedTokensCpu`, vLLM's external
+/// prefix-cache counters) and its blocks move back to the GPU. A reload
+/// rate that is no positive number is refused, naming the flag.
+#[test]
+fn a_cpu_tier_keeps_evicted_blocks_and_reports_their_tier() {
+    let config_path =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvroute-sim-cpu-tier-config.json");
+    std::fs::write(&config_path, CONFIG).unwrap();
+    let config_arg = config_path.to_str().unwrap();
+    let sim = Sim::start(&[
+        "--pod-id",
+        "sim-a",
+        "--config",
+        config_arg,
+        "--time-scale",
+        "0.01",
+        "--kv-blocks",
+        "4",
+        "--cpu-kv-blocks",
+        "6",
+    ]);
+    let addr = sim.addr.as_str();
+    let config = Config::parse(CONFIG.as_bytes()).unwrap();
+    let mut cluster = ClusterState::new(&config, 0);
+    let body = |c: char| {
+        format!(
+            r#"{{"model":"m","prompt":"{}","max_tokens":1}}"#,
+            c.to_string().repeat(4 * 64 + 10)
+        )
+    };
+    let chain = |c: char| {
+        BlockHasher::from_config(&config).chain(
+            &config.resolve_model("m").unwrap(),
+            &parse_request(body(c).as_bytes(), false).unwrap().prompt,
+            None,
+        )
+    };
+    let complete = |c: char| {
+        let answer = post_json(addr, "/v1/completions", &body(c)).unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer.json().unwrap()
+    };
+    complete('a');
+    complete('b');
+    // a's 4 blocks left the GPU for the CPU tier.
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    let full = get(addr, &query).unwrap();
+    let r = parse_report(full.body.as_bytes()).unwrap();
+    let tier_of = |r: &kvroute::report::PodReport, hash: u64| {
+        r.stored
+            .iter()
+            .find(|c| c.hashes.contains(&hash))
+            .map(|c| c.tier)
+    };
+    assert!(
+        chain('a')
+            .iter()
+            .all(|&h| tier_of(&r, h) == Some(Tier::Cpu)),
+        "{}",
+        full.body
+    );
+    assert!(chain('b')
+        .iter()
+        .all(|&h| tier_of(&r, h) == Some(Tier::Gpu)));
+    assert!(full.body.contains(r#""tier":"cpu""#));
+    cluster
+        .apply_report("sim-a", full.body.as_bytes(), 1, 0)
+        .0
+        .unwrap();
+    assert_eq!(cluster.index().lookup(&chain('a')).blocks(0), 4);
+    // a again: a hit from the CPU tier, reloaded to the GPU, whence b's 4
+    // blocks go to the CPU tier.
+    let again = complete('a');
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+    let stats = sim_stats(addr);
+    assert_eq!(
+        (
+            stats["cachedTokensCpu"].as_u64(),
+            stats["kvCpuBlocks"].as_u64()
+        ),
+        (Some(64), Some(4))
+    );
+    let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
+    let delta = get(addr, &query).unwrap();
+    let r = parse_report(delta.body.as_bytes()).unwrap();
+    assert!(!r.full);
+    assert!(chain('a')
+        .iter()
+        .all(|&h| tier_of(&r, h) == Some(Tier::Gpu)));
+    assert!(chain('b')
+        .iter()
+        .all(|&h| tier_of(&r, h) == Some(Tier::Cpu)));
+    assert!(r.removed.is_empty(), "moves are no removals");
+    let (summary, _) = cluster.apply_report("sim-a", delta.body.as_bytes(), 1, 0);
+    assert!(!summary.unwrap().resync);
+    let metrics = get(addr, "/metrics").unwrap().body;
+    let lines: Vec<&str> = metrics.lines().collect();
+    assert!(
+        lines.contains(&"vllm:external_prefix_cache_hits_total{model_name=\"m\"} 64"),
+        "{metrics}"
+    );
+    assert!(lines.contains(&"vllm:prefix_cache_hits_total{model_name=\"m\"} 0"));
+
+    let refused = Command::new(env!("CARGO_BIN_EXE_kvroute-sim"))
+        .args(["--port", "0", "--cpu-reload-gbps", "0"])
+        .output()
+        .expect("kvroute-sim runs");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("--cpu-reload-gbps must be a positive number"),
+        "{stderr}"
+    );
+}
+
+fn sim_stats(addr: &str) -> serde_json::Value {
+    get(addr, "/admin/stats").unwrap().json().unwrap()
 }

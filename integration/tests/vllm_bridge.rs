@@ -9,13 +9,13 @@
 //! token-ID prompts, and on pods tokenizing as vLLM does (`--tokenizer`),
 //! text and chat prompts through their text keys.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvroute::config::Config;
 use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout, BlockMode, ChainSeed};
-use kvroute::report::parse_report;
+use kvroute::report::{parse_report, Tier};
 use kvroute_integration::bench::workload::STOCK_VLLM_CHAT_TEMPLATE;
 use kvroute_integration::harness::{
     free_port, prometheus_value, BridgePorts, Cluster, ClusterSpec, Sim,
@@ -93,7 +93,12 @@ impl Pod {
 
     /// A token-ID completion of `tokens` (max 1 output token).
     fn complete(&self, model: &str, tokens: &[u32]) {
-        let body = json!({"model": model, "prompt": tokens, "max_tokens": 1});
+        self.complete_salted(model, tokens, None);
+    }
+
+    /// [`Pod::complete`] with vLLM's `cache_salt`.
+    fn complete_salted(&self, model: &str, tokens: &[u32], salt: Option<&str>) {
+        let body = json!({"model": model, "prompt": tokens, "max_tokens": 1, "cache_salt": salt});
         let r = http::post_json(&self.sim.address, "/v1/completions", &body.to_string())
             .expect("completion");
         assert_eq!(r.status, 200, "{}", r.body);
@@ -103,6 +108,17 @@ impl Pod {
     fn blocks(&self) -> BTreeSet<u64> {
         report_blocks(&self.sim.address).1
     }
+}
+
+/// Each block of a full report from `address`, with its tier.
+fn report_tiers(address: &str) -> BTreeMap<u64, Tier> {
+    let r = http::get(address, "/kvroute/v1/report").expect("report");
+    let report = parse_report(r.body.as_bytes()).expect("valid report");
+    report
+        .stored
+        .iter()
+        .flat_map(|c| c.hashes.iter().map(move |&h| (h, c.tier)))
+        .collect()
 }
 
 /// `(epoch, blocks)` of a full report from `address`.
@@ -125,6 +141,17 @@ fn bridge(pod: &Pod, listen: &str, config: &Path) -> Running {
 
 /// [`bridge`] with `--tokenizer`: text keys too.
 fn bridge_decoding(pod: &Pod, listen: &str, config: &Path, tokenizer: Option<&Path>) -> Running {
+    bridge_probing(pod, listen, config, tokenizer, 100)
+}
+
+/// [`bridge_decoding`] asking the replay socket every `probe_ms`.
+fn bridge_probing(
+    pod: &Pod,
+    listen: &str,
+    config: &Path,
+    tokenizer: Option<&Path>,
+    probe_ms: u64,
+) -> Running {
     http::runtime()
         .block_on(start(Options {
             events: pod.events.clone(),
@@ -136,7 +163,7 @@ fn bridge_decoding(pod: &Pod, listen: &str, config: &Path, tokenizer: Option<&Pa
             base_model: "m".into(),
             lora_id: Vec::new(),
             tokenizer: tokenizer.map(Path::to_path_buf),
-            probe_ms: 100,
+            probe_ms,
             log_events: 100_000,
         }))
         .expect("bridge starts")
@@ -157,20 +184,34 @@ fn converged(pod: &Pod, running: &Running) -> BTreeSet<u64> {
 
 /// Waits until the bridge reports exactly `truth()`; returns it.
 fn converged_to(running: &Running, truth: impl Fn() -> BTreeSet<u64>) -> BTreeSet<u64> {
+    eventually_equal(
+        truth,
+        || report_blocks(&running.addr.to_string()).1,
+        |truth, bridged| {
+            format!(
+                "bridge has {} blocks the sim has not (stale) and misses {} of its {}",
+                bridged.difference(truth).count(),
+                truth.difference(bridged).count(),
+                truth.len()
+            )
+        },
+    )
+}
+
+/// Waits until `bridged()` is `truth()` (events take a moment to arrive:
+/// until then the bridge may lag); returns it, or fails with `describe`.
+fn eventually_equal<T: PartialEq>(
+    truth: impl Fn() -> T,
+    bridged: impl Fn() -> T,
+    describe: impl Fn(&T, &T) -> String,
+) -> T {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let truth = truth();
-        let (_, bridged) = report_blocks(&running.addr.to_string());
+        let (truth, bridged) = (truth(), bridged());
         if bridged == truth {
             return truth;
         }
-        assert!(
-            Instant::now() < deadline,
-            "bridge has {} blocks the sim has not (stale) and misses {} of its {}",
-            bridged.difference(&truth).count(),
-            truth.difference(&bridged).count(),
-            truth.len()
-        );
+        assert!(Instant::now() < deadline, "{}", describe(&truth, &bridged));
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -179,6 +220,35 @@ fn converged_to(running: &Running, truth: impl Fn() -> BTreeSet<u64>) -> BTreeSe
 /// partial block (never cached).
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * 16 + 5).map(|i| seed * 100_000 + i).collect()
+}
+
+/// The kvroute keys of `tokens`' whole blocks for model `m`: the sim's
+/// and the filter's chain.
+fn keys(config: &Path, tokens: &[u32]) -> BTreeSet<u64> {
+    let config = Config::parse(&std::fs::read(config).expect("config")).expect("valid");
+    let seed = ChainSeed::new(&config.hash_seed, "m", None, BlockMode::Tokens);
+    let layout = BlockLayout::tokens(&config).uncapped();
+    hash_tokens(&seed, tokens, &layout).into_iter().collect()
+}
+
+/// The union of `keys` of each prompt.
+fn keys_of(config: &Path, prompts: &[&[u32]]) -> BTreeSet<u64> {
+    prompts.iter().flat_map(|p| keys(config, p)).collect()
+}
+
+/// The first `blocks` whole blocks of `head`, then one new block (and a
+/// partial one): a prompt continuing `head`'s cached prefix.
+fn continuing(head: &[u32], blocks: usize, seed: u32) -> Vec<u32> {
+    [&head[..blocks * 16], &prompt(seed, 1)[..]].concat()
+}
+
+/// Waits until `name` reaches `at_least`.
+fn counter_reaches(running: &Running, name: &str, at_least: f64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counter(running, name) < at_least {
+        assert!(Instant::now() < deadline, "{name} stays below {at_least}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn temp(name: &str) -> PathBuf {
@@ -224,6 +294,75 @@ fn the_bridge_reports_exactly_the_pods_cache() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A pod with a CPU tier (`--cpu-kv-blocks`): blocks its GPU evicts move
+/// to host memory and are published as vLLM's offloading connector does by
+/// default (a `CPU` store named by hash only, then the `GPU` removal),
+/// reloads as `GPU` stores and `CPU` removals. The bridge reports every
+/// block in the tier the pod's own report gives it, through offloads, a
+/// reload, CPU evictions and a gap replayed.
+#[test]
+fn the_bridge_follows_blocks_across_tiers() {
+    let dir = temp("tiers");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &["--kv-blocks", "8", "--cpu-kv-blocks", "12"]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    let converged = || {
+        eventually_equal(
+            || report_tiers(&pod.sim.address),
+            || report_tiers(&running.addr.to_string()),
+            |truth, bridged| format!("pod {truth:?}\nbridge {bridged:?}"),
+        )
+    };
+    let in_tier =
+        |tiers: &BTreeMap<u64, Tier>, tier| tiers.values().filter(|t| **t == tier).count();
+    let a = prompt(1, 4);
+    pod.complete("m", &a);
+    pod.complete("m", &prompt(2, 4));
+    pod.complete("m", &prompt(3, 4));
+    // The GPU keeps 8 blocks: a's 4 went to the CPU tier.
+    let tiers = converged();
+    assert_eq!(
+        (in_tier(&tiers, Tier::Gpu), in_tier(&tiers, Tier::Cpu)),
+        (8, 4)
+    );
+    assert!(keys(&config, &a).iter().all(|k| tiers[k] == Tier::Cpu));
+    // a again: reloaded to the GPU, and the least recent 4 offloaded.
+    pod.complete("m", &a);
+    let tiers = converged();
+    assert!(keys(&config, &a).iter().all(|k| tiers[k] == Tier::Gpu));
+    assert_eq!(in_tier(&tiers, Tier::Cpu), 4);
+    // The pod served it from the CPU tier: 4 blocks of 16 tokens reloaded.
+    assert_eq!(pod.sim.stats()["cachedTokensCpu"], 64);
+    // More: the CPU tier (12) evicts its oldest; a gap is replayed.
+    pod.sim.fault(json!({"kvDrop": 1}));
+    for seed in 4..7 {
+        pod.complete("m", &prompt(seed, 4));
+    }
+    let tiers = converged();
+    assert_eq!(
+        (in_tier(&tiers, Tier::Gpu), in_tier(&tiers, Tier::Cpu)),
+        (8, 12)
+    );
+    let stats = pod.sim.stats();
+    assert_eq!(stats["kvCpuBlocks"], 12);
+    let metric = |tier: &str| {
+        let text = http::get(&running.addr.to_string(), "/metrics")
+            .unwrap()
+            .body;
+        prometheus_value(&text, "kvbridge_tier_blocks", &[("tier", tier)]).expect("tier gauge")
+    };
+    assert_eq!(
+        (metric("gpu"), metric("cpu"), metric("disk")),
+        (8.0, 12.0, 0.0)
+    );
+    assert_eq!(
+        counter(&running, "kvbridge_blocks_skipped_unknown_hash_total"),
+        0.0
+    );
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Batches missing from the subscription come back by replay: same
 /// epoch, nothing lost. Garbage frames are counted and passed over.
 #[test]
@@ -253,41 +392,151 @@ fn gaps_are_replayed_and_garbage_is_skipped() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A gap the replay buffer (2 batches here) no longer covers: new epoch,
-/// rebuilt from the buffer; blocks whose history is gone are left out,
-/// none is kept that the pod dropped meanwhile.
+/// A hole: batches vLLM numbered but never published (lost before they
+/// were buffered). The bridge starts a new epoch rebuilt from the oldest
+/// batch the buffer holds, not from the hole, keeping exactly the blocks
+/// the buffer proves: those stored after the newest hole, and those stored
+/// before it that a later batch continues (the lost batch may have removed
+/// any other). Found by the subscription (the next batch arrives) and by
+/// the probe alone (the next batch is also missed, then replayed).
 #[test]
-fn a_gap_beyond_the_replay_buffer_resyncs_without_stale_blocks() {
-    let dir = temp("hole");
+fn a_hole_rebuilds_from_the_oldest_buffered_batch() {
+    let dir = temp("true-hole");
     let config = config_file(&dir);
-    let pod = Pod::start(&config, &["--kv-replay-buffer", "2", "--kv-blocks", "12"]);
-    let running = bridge(&pod, "127.0.0.1:0", &config);
-    pod.complete("m", &prompt(1, 4));
-    pod.complete("m", &prompt(2, 4));
+    let pod = Pod::start(&config, &[]);
+    let running = bridge_probing(&pod, "127.0.0.1:0", &config, None, 300);
+    let a = prompt(1, 3);
+    let b = prompt(2, 3);
+    pod.complete("m", &a);
+    pod.complete("m", &b);
+    converged(&pod, &running);
+    let (first_epoch, _) = report_blocks(&running.addr.to_string());
+    // Batch 2 (c) is lost; batch 3 (d) continues a's prefix.
+    pod.sim.fault(json!({"kvLose": 1}));
+    let c = prompt(3, 3);
+    pod.complete("m", &c);
+    let d = continuing(&a, 3, 4);
+    pod.complete("m", &d);
+    assert_eq!(pod.blocks(), keys_of(&config, &[&a, &b, &c, &d]));
+    // a is proven by d; b may have gone in the lost batch; c never came.
+    converged_to(&running, || keys_of(&config, &[&a, &d]));
+    let (second_epoch, _) = report_blocks(&running.addr.to_string());
+    assert_ne!(second_epoch, first_epoch);
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 1.0);
+    // Batch 4 (e) is lost and batch 5 (f, continuing b) left off the PUB
+    // socket: only the probe finds the hole (batch 3, then 5).
+    pod.sim.fault(json!({"kvLose": 1, "kvDrop": 1}));
+    let e = prompt(5, 2);
+    pod.complete("m", &e);
+    let f = continuing(&b, 3, 6);
+    pod.complete("m", &f);
+    counter_reaches(&running, "kvbridge_resyncs_total", 2.0);
+    // Past the newest hole (batch 4) only f proves anything: b again, but
+    // no longer a or d.
+    converged_to(&running, || keys_of(&config, &[&b, &f]));
+    assert_ne!(report_blocks(&running.addr.to_string()).0, second_epoch);
+    assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 0.0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An overrun: more batches missed than the replay buffer keeps (3 here).
+/// New epoch, rebuilt from the oldest batch still held, holding exactly
+/// the blocks those batches stored and can key: a chain continuing a
+/// prefix stored in a batch gone from the buffer is left out.
+#[test]
+fn an_overrun_rebuilds_from_the_oldest_buffered_batch() {
+    let dir = temp("overrun");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &["--kv-replay-buffer", "3"]);
+    // No probe: the subscription finds the gap.
+    let running = bridge_probing(&pod, "127.0.0.1:0", &config, None, 60_000);
+    let a = prompt(1, 3);
+    pod.complete("m", &a);
+    pod.complete("m", &prompt(2, 3));
     converged(&pod, &running);
     let (epoch, _) = report_blocks(&running.addr.to_string());
-    pod.sim.fault(json!({"kvDrop": 5}));
-    for seed in 3..9 {
-        pod.complete("m", &prompt(seed, 4));
+    // Batches 2 to 5 are missed; the buffer keeps 4, 5 and 6 (g).
+    pod.sim.fault(json!({"kvDrop": 4}));
+    pod.complete("m", &prompt(3, 3));
+    pod.complete("m", &prompt(4, 3));
+    let e = prompt(5, 3);
+    pod.complete("m", &e);
+    let f = continuing(&e, 3, 6);
+    pod.complete("m", &f);
+    let g = continuing(&a, 3, 7);
+    pod.complete("m", &g);
+    // e and f, whole; g's new block continues a, stored in batch 0.
+    converged_to(&running, || keys_of(&config, &[&e, &f]));
+    assert_ne!(report_blocks(&running.addr.to_string()).0, epoch);
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 1.0);
+    assert_eq!(
+        counter(&running, "kvbridge_blocks_skipped_unknown_parent_total"),
+        1.0
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A restarted publisher (numbering from 0 again, empty cache) that
+/// publishes at once, racing the bridge's reconnect: the new epoch is
+/// rebuilt from its buffer, including batches published between the
+/// replay and the subscription taking effect, and holds exactly its cache.
+#[test]
+fn a_restarted_publisher_is_rebuilt_from_its_buffer() {
+    let dir = temp("publisher-restart");
+    let config = config_file(&dir);
+    let mut pod = Pod::start(&config, &[]);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    pod.complete("m", &prompt(1, 3));
+    converged(&pod, &running);
+    let (epoch, _) = report_blocks(&running.addr.to_string());
+    for round in 0..3u32 {
+        pod.restart();
+        let head = prompt(10 + round, 3);
+        pod.complete("m", &head);
+        pod.complete("m", &continuing(&head, 2, 20 + round));
+        pod.complete("m-lora", &head);
+        let held = converged(&pod, &running);
+        assert_eq!(held.len(), 3 + 1 + 3, "round {round}");
+        assert_ne!(report_blocks(&running.addr.to_string()).0, epoch);
     }
-    // The last batches are in the buffer: the newest prompts are known.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while counter(&running, "kvbridge_resyncs_total") < 1.0 {
-        assert!(Instant::now() < deadline, "no resync");
-        std::thread::sleep(Duration::from_millis(20));
+    assert!(counter(&running, "kvbridge_connects_total") >= 2.0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A vLLM publishing `extra_keys` in a form the bridge does not know (the
+/// typed form proposed upstream: `LoRAKey` and `CacheSaltKey` structs), in
+/// both wire shapes: the adapter's and the salted request's blocks are
+/// refused and counted, nothing else: the base model's unsalted blocks are
+/// bridged, before and after, and no frame counts as malformed.
+#[test]
+fn extra_keys_of_an_unknown_form_refuse_their_blocks_only() {
+    let dir = temp("typed-extra-keys");
+    let config = config_file(&dir);
+    for format in ["map", "array"] {
+        let pod = Pod::start(
+            &config,
+            &["--kv-typed-extra-keys", "--kv-events-format", format],
+        );
+        let running = bridge(&pod, "127.0.0.1:0", &config);
+        let plain = prompt(1, 3);
+        pod.complete("m", &plain);
+        pod.complete("m-lora", &prompt(2, 3));
+        pod.complete_salted("m", &prompt(3, 3), Some("tenant-a"));
+        let later = prompt(4, 2);
+        pod.complete("m", &later);
+        assert_eq!(pod.blocks().len(), 3 + 3 + 3 + 2, "{format}");
+        converged_to(&running, || keys_of(&config, &[&plain, &later]));
+        assert_eq!(
+            counter(&running, "kvbridge_blocks_skipped_unknown_extra_keys_total"),
+            6.0,
+            "{format}"
+        );
+        assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 0.0);
+        assert_eq!(
+            counter(&running, "kvbridge_blocks_skipped_extra_keys_total"),
+            0.0
+        );
     }
-    // Settled: what the bridge holds, the pod holds.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let bridged = loop {
-        let (new_epoch, bridged) = report_blocks(&running.addr.to_string());
-        assert_ne!(new_epoch, epoch);
-        if bridged.is_subset(&pod.blocks()) {
-            break bridged;
-        }
-        assert!(Instant::now() < deadline, "stale blocks stay");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(!bridged.is_empty());
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -298,8 +547,10 @@ fn bridge_and_pod_restarts_leave_nothing_stale() {
     let dir = temp("restart");
     let config = config_file(&dir);
     let mut pod = Pod::start(&config, &[]);
-    let listen = format!("127.0.0.1:{}", free_port());
-    let running = bridge(&pod, &listen, &config);
+    // Bound at once (a port picked free and bound later may be taken by
+    // then); restarted on the same address.
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    let listen = running.addr.to_string();
     pod.complete("m", &prompt(1, 3));
     pod.complete("m-lora", &prompt(2, 3));
     let held = converged(&pod, &running);

@@ -9,16 +9,11 @@
 //!   on the decision queue, which records it as *pending* on the chosen pod
 //!   and publishes its buckets at once, so all workers (this one included)
 //!   match it within milliseconds, until it expires or reports take over
-//!   (`ClusterState::record_decision`). What kept such memory from piling
-//!   a burst onto one pod is the balance guard (`scoring::balance`).
-//!
-//! In both modes it also counts the worker's last `balance.shareWindow`
-//! decisions per pod, and its pods' requests in flight averaged over them,
-//! for the share guard ([`RecentShare`]).
+//!   (`ClusterState::record_decision`). What keeps such memory from piling
+//!   a burst onto one pod is balance (`scoring::balance`).
 
 use super::{DecisionRecorder, PrefixLookup, PrefixMatch, PrefixTree};
 use crate::config::{Config, IndexMode};
-use crate::scoring::balance::RecentShare;
 
 /// Blocks a worker remembers of its own decisions.
 pub const OVERLAY_BLOCKS: usize = 65_536;
@@ -27,7 +22,6 @@ pub const OVERLAY_BLOCKS: usize = 65_536;
 #[derive(Debug, Clone)]
 pub struct RecentDecisions {
     recorder: Option<DecisionRecorder>,
-    share: RecentShare,
 }
 
 impl RecentDecisions {
@@ -38,36 +32,15 @@ impl RecentDecisions {
                 config.pod_capacity_blocks,
             )
         });
-        RecentDecisions {
-            recorder,
-            share: RecentShare::new(&config.balance),
-        }
+        RecentDecisions { recorder }
     }
 
     /// Records that pod `slot` was sent a request whose prompt is `chain`
     /// (its blocks in approximate mode only).
     pub fn record(&mut self, slot: usize, chain: &[u64]) {
-        self.share.record(slot);
         if let Some(recorder) = &mut self.recorder {
             recorder.record(slot, chain);
         }
-    }
-
-    /// The worker's recent decisions per pod slot, for the share guard.
-    pub fn decisions_per_slot(&self) -> &[u32] {
-        self.share.counts()
-    }
-
-    /// Folds the requests in flight per pod slot, seen at a decision, into
-    /// the share guard's averages.
-    pub fn observe_inflight(&mut self, inflight: impl ExactSizeIterator<Item = u32>) {
-        self.share.observe(inflight);
-    }
-
-    /// Requests in flight per pod slot, averaged over the worker's latest
-    /// decisions, for the share guard.
-    pub fn busy_average(&self) -> &[f64] {
-        self.share.busy_average()
     }
 }
 

@@ -1,7 +1,8 @@
 //! The candidate set: which pods of the pool one decision scores.
 //!
 //! Scoring every pod costs O(pods) per request: a candidate built per pod
-//! (its match, in-flight load, queue), five scorers each, the guards. At 64
+//! (its match, in-flight load, queue, predicted TTFT), five scorers each,
+//! balance. At 64
 //! pods that is a few µs; at 1,024 it would be most of the filter's time.
 //! So a pool of more than `candidates.exactUpTo` (64) pods scores a set
 //! whose size does not grow with the pool, chosen to keep the decision
@@ -20,8 +21,9 @@
 //!   that many draws). Each competes with its own match, load and queue;
 //!   the best of d random pods is the classic power-of-d balancer (d = 2
 //!   already takes the most loaded of n bins from log n / log log n to
-//!   log log n / log d over the mean), and the balance guards compare the
-//!   holders against these samples instead of the whole pool.
+//!   log log n / log d over the mean), and balance ([`super::balance`])
+//!   compares the holders' predicted TTFT against these samples' instead
+//!   of the whole pool's.
 //! - **the adapter holders**: for a LoRA request, the pods with its
 //!   adapter loaded, from a random start, until `candidates.holders` are
 //!   eligible.
@@ -138,8 +140,9 @@ fn absent_candidate<'a>(index: usize) -> Candidate<'a> {
         uncached_tokens: 0,
         inflight: 0,
         queued_prefill: 0,
-        recent_decisions: 0,
-        busy_average: 0.0,
+        predicted_ttft_ms: f64::INFINITY,
+        prefill_ms_per_token: 0.0,
+        busy: 0.0,
         load: 1.0,
         queue: u32::MAX,
         health: 0.0,

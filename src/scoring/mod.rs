@@ -9,10 +9,10 @@
 //! ```
 //!
 //! Exclusions: `health < healthExclusionThreshold` (default 0.3) or
-//! `queue ≥ maxQueue` (default 20). Among the others, a pod far ahead in
-//! in-flight requests loses its cache match for the decision
-//! ([`balance`]; not for a request leaving the gateway's wait queue, see
-//! [`crate::router::Attempt`]). The highest composite wins; exact ties
+//! `queue ≥ maxQueue` (default 20). Among the others, a pod predicted to
+//! answer clearly later than another ([`ttft`], [`balance`]) loses its
+//! cache match for the decision (not for a request leaving the gateway's
+//! wait queue, see [`crate::router::Attempt`]). The highest composite wins; exact ties
 //! (within 1e-9) go to the higher load score, then the higher queue score,
 //! then rotate by a caller-supplied tie breaker so equal pods share traffic
 //! evenly. With no cache anywhere the cache term is 0 for all and the load
@@ -29,12 +29,14 @@ pub mod attribute;
 pub mod balance;
 pub mod candidates;
 pub mod factors;
+pub mod slo;
+pub mod ttft;
 
 use std::collections::BTreeMap;
 
 pub use candidates::Pool;
 
-use crate::config::{BalanceConfig, CandidatesConfig, Config, ConfigError};
+use crate::config::{CandidatesConfig, Config, ConfigError};
 
 const TIE_EPSILON: f64 = 1e-9;
 
@@ -54,11 +56,13 @@ pub struct Candidate<'a> {
     pub inflight: u32,
     /// Their prompt tokens still to prefill ([`crate::snapshot::SlotLoad`]).
     pub queued_prefill: u64,
-    /// This worker's recent decisions for the pod ([`balance::RecentShare`]).
-    pub recent_decisions: u32,
-    /// Requests in flight on the pod, averaged over this worker's latest
-    /// decisions ([`balance::RecentShare::busy_average`]).
-    pub busy_average: f64,
+    /// Time to first token predicted for the request there ([`ttft`]).
+    pub predicted_ttft_ms: f64,
+    /// The pod's learned prefill time per token ([`ttft::Line`]).
+    pub prefill_ms_per_token: f64,
+    /// The chance a request arriving at the pod finds prefill queued
+    /// ([`ttft::TtftModel::busy`]).
+    pub busy: f64,
     /// Utilisation in [0, 1].
     pub load: f64,
     /// Requests waiting (reported plus routed since the report).
@@ -112,6 +116,10 @@ pub struct ScoredPod {
     /// One value per scorer, in [`ScoringPolicy::scorer_names`] order.
     pub factors: Vec<f64>,
     pub composite: f64,
+    /// The candidate's predicted TTFT ([`Candidate::predicted_ttft_ms`]).
+    pub predicted_ttft_ms: f64,
+    /// It lost its cache term to a clearly faster pod ([`balance`]).
+    pub cache_withheld: bool,
 }
 
 /// A decision and its explanation, over the pods it scored (the whole
@@ -131,6 +139,12 @@ impl Decision {
     pub fn winner(&self) -> Option<&ScoredPod> {
         let chosen = self.chosen?;
         self.scored.iter().find(|s| s.index == chosen)
+    }
+
+    /// The best-scored eligible pod after the winner.
+    pub fn runner_up(&self) -> Option<&ScoredPod> {
+        let second = *self.ranked().get(1)?;
+        self.scored.iter().find(|s| s.index == second)
     }
 
     /// Pool indexes to try in order: the chosen pod, then the other
@@ -154,7 +168,8 @@ impl Decision {
 #[derive(Debug)]
 pub struct ScoringPolicy {
     scorers: Vec<Box<dyn Scorer>>,
-    balance: BalanceConfig,
+    /// `None`: `balance.enabled` is false (the five factors alone).
+    balance: Option<Box<dyn balance::Balance>>,
     candidates: CandidatesConfig,
     max_queue: u32,
     health_threshold: f64,
@@ -180,7 +195,10 @@ impl ScoringPolicy {
         }
         ScoringPolicy {
             scorers,
-            balance: config.balance.clone(),
+            balance: config
+                .balance
+                .enabled
+                .then(|| Box::new(balance::FastestWithinError) as Box<dyn balance::Balance>),
             candidates: config.candidates.clone(),
             max_queue: config.max_queue,
             health_threshold: config.health_exclusion_threshold,
@@ -202,7 +220,7 @@ impl ScoringPolicy {
         }
         Ok(ScoringPolicy {
             scorers,
-            balance: BalanceConfig::default(),
+            balance: Some(Box::new(balance::FastestWithinError)),
             candidates: CandidatesConfig::default(),
             max_queue,
             health_threshold,
@@ -235,13 +253,15 @@ impl ScoringPolicy {
     /// Scores the pods of `pool` ([`candidates::select`] picks which) and
     /// picks one. `tie_breaker` (any per-request varying number, e.g. a
     /// counter) spreads exact ties evenly and seeds the candidate set's
-    /// draws; `balance_guard` applies [`balance`].
+    /// draws; `balance_error`, the TTFT model's relative error
+    /// ([`ttft::TtftModel::error`]), applies [`balance`] over the pods
+    /// scored (`None`: not for this request).
     pub fn decide<'a, P: Pool<'a> + ?Sized>(
         &self,
         pool: &P,
         needs_adapter: bool,
         tie_breaker: u64,
-        balance_guard: bool,
+        balance_error: Option<f64>,
     ) -> Decision {
         let set = candidates::select(pool, &self.candidates, needs_adapter, tie_breaker, |c| {
             self.exclusion(c).is_none()
@@ -258,8 +278,8 @@ impl ScoringPolicy {
                 }
             }
         }
-        // Ties are decided on the pods' own load and queue, not on what
-        // the guards changed.
+        // Ties are decided on the pods' own load and queue (balance
+        // changes only their cache term).
         let tie_keys: Vec<(f64, f64)> = eligible_pods
             .iter()
             .map(|p| {
@@ -269,8 +289,14 @@ impl ScoringPolicy {
                 )
             })
             .collect();
-        if balance_guard {
-            self.apply_balance_guards(&mut eligible_pods);
+        let withheld = match (&self.balance, balance_error) {
+            (Some(balance), Some(error)) => balance.withhold(&eligible_pods, error),
+            _ => vec![false; eligible_pods.len()],
+        };
+        for (pod, &withheld) in eligible_pods.iter_mut().zip(&withheld) {
+            if withheld {
+                pod.cache_match = 0.0;
+            }
         }
         let context = DecisionContext {
             candidates: &eligible_pods,
@@ -283,7 +309,8 @@ impl ScoringPolicy {
         let scored: Vec<ScoredPod> = eligible
             .iter()
             .zip(&eligible_pods)
-            .map(|(&index, pod)| {
+            .zip(withheld)
+            .map(|((&index, pod), cache_withheld)| {
                 let factors: Vec<f64> = self
                     .scorers
                     .iter()
@@ -299,6 +326,8 @@ impl ScoringPolicy {
                     index,
                     factors,
                     composite: unit(composite),
+                    predicted_ttft_ms: pod.predicted_ttft_ms,
+                    cache_withheld,
                 }
             })
             .collect();
@@ -307,52 +336,6 @@ impl ScoringPolicy {
             chosen,
             scored,
             excluded,
-        }
-    }
-
-    /// Takes the cache match away from pods too far ahead ([`balance`]).
-    fn apply_balance_guards(&self, pods: &mut [Candidate<'_>]) {
-        let inflight: Vec<u32> = pods.iter().map(|c| c.inflight).collect();
-        let recent: Vec<u32> = pods.iter().map(|c| c.recent_decisions).collect();
-        let busy_average: Vec<f64> = pods.iter().map(|c| c.busy_average).collect();
-        // What moving the request off each pod costs: its cached tokens
-        // beyond the best other pod's (the best two suffice).
-        let mut best = (None, 0, 0);
-        for (i, pod) in pods.iter().enumerate() {
-            if best.0.is_none() || pod.cached_tokens > best.1 {
-                best = (Some(i), pod.cached_tokens, best.1);
-            } else if pod.cached_tokens > best.2 {
-                best.2 = pod.cached_tokens;
-            }
-        }
-        let spill_cost: Vec<u64> = pods
-            .iter()
-            .enumerate()
-            .map(|(i, pod)| {
-                let best_other = if best.0 == Some(i) { best.2 } else { best.1 };
-                pod.cached_tokens.saturating_sub(best_other)
-            })
-            .collect();
-        let queued: Vec<u64> = pods.iter().map(|c| c.queued_prefill).collect();
-        let uncached: Vec<u64> = pods.iter().map(|c| c.uncached_tokens).collect();
-        let over_inflight = balance::overloaded(&inflight, &self.balance);
-        let over_share = balance::over_share(
-            &recent,
-            &busy_average,
-            &spill_cost,
-            &inflight,
-            &self.balance,
-        );
-        let over_prefill = balance::prefill_behind(&queued, &uncached, &self.balance);
-        for (((pod, ahead), over), behind) in pods
-            .iter_mut()
-            .zip(over_inflight)
-            .zip(over_share)
-            .zip(over_prefill)
-        {
-            if ahead || over || behind {
-                pod.cache_match = 0.0;
-            }
         }
     }
 }

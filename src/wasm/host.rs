@@ -268,17 +268,12 @@ impl Headers {
         Headers(pairs)
     }
 
-    pub fn contains(&self, name: &str) -> bool {
-        self.0.iter().any(|(n, _)| n == name)
-    }
-
-    /// A header as text (lossy); absent or not UTF-8 reads as "".
-    pub fn text(&self, name: &str) -> String {
+    /// A header's value (`None`: absent).
+    pub fn get(&self, name: &str) -> Option<Vec<u8>> {
         self.0
             .iter()
             .find(|(n, _)| n == name)
-            .and_then(|(_, v)| String::from_utf8(v.clone()).ok())
-            .unwrap_or_default()
+            .map(|(_, v)| v.clone())
     }
 }
 

@@ -1,13 +1,11 @@
-//! JSON-line logs through the host's logger. Each line is one JSON object
-//! with `level`, `event` and the event's fields (`requestId` when there is
-//! a request), so log pipelines can parse them.
+//! The logger over proxy-wasm: kvroute's JSON lines
+//! ([`crate::gateway::events`]) through the host's logger.
 //!
 //! The logger and the panic hook are kvroute's own, over [`super::host`]:
 //! the SDK's unwrap the host's status, so a refused log line would itself
 //! panic.
 
 use super::host;
-use crate::config::LogLevel;
 
 struct HostLogger;
 
@@ -46,25 +44,4 @@ pub fn install() {
     let _ = log::set_logger(&LOGGER);
     log::set_max_level(log::LevelFilter::Trace);
     std::panic::set_hook(Box::new(|info| host::log(5, &info.to_string())));
-}
-
-pub fn apply_level(level: LogLevel) {
-    log::set_max_level(match level {
-        LogLevel::Error => log::LevelFilter::Error,
-        LogLevel::Warn => log::LevelFilter::Warn,
-        LogLevel::Info => log::LevelFilter::Info,
-        LogLevel::Debug => log::LevelFilter::Debug,
-        LogLevel::Trace => log::LevelFilter::Trace,
-    });
-}
-
-/// Logs `fields` (a JSON object) with `event` added, at `level`.
-pub fn event(level: log::Level, event: &str, mut fields: serde_json::Value) {
-    if !log::log_enabled!(level) {
-        return;
-    }
-    if let Some(object) = fields.as_object_mut() {
-        object.insert("event".into(), event.into());
-    }
-    log::log!(level, "{fields}");
 }

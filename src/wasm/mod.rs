@@ -1,21 +1,27 @@
-//! proxy-wasm glue: thin host adapters over the routing core.
+//! proxy-wasm glue: the host traits of [`crate::gateway::host`] over
+//! proxy-wasm (the build for Istio and any Envoy with V8).
 //!
 //! One `kvroute.wasm` serves two roots, chosen by the plugin's `root_id`
 //! (readable through `plugin_root_id` already while the root is created):
 //! - `service`: the singleton bootstrap service ([`service`]) pulling pod
 //!   reports and publishing the snapshot to shared data;
+//! - `replica`: the replica listener's filter ([`replica`]), serving this
+//!   replica's decision log to its peers;
 //! - anything else: the HTTP filter ([`filter`]) routing each request.
 //!
-//! Both must use the same `vm_id` so they share data and queues.
+//! All must use the same `vm_id` so they share data and queues.
 
 mod filter;
 mod host;
 mod logging;
 mod metrics;
+mod replica;
 mod service;
 mod shared;
 
 use proxy_wasm::traits::RootContext;
+
+use host::Buffer;
 
 fn root_id() -> String {
     host::property(&["plugin_root_id"])
@@ -27,26 +33,19 @@ fn root_id() -> String {
 pub fn start() {
     logging::install();
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        if root_id() == "service" {
-            Box::new(service::ServiceRoot::default())
-        } else {
-            Box::new(filter::FilterRoot::default())
+        match root_id().as_str() {
+            "service" => Box::new(service::ServiceRoot::default()),
+            "replica" => Box::new(replica::ReplicaRoot::default()),
+            _ => Box::new(filter::FilterRoot::default()),
         }
     });
 }
 
-/// Reads and validates the plugin configuration, logging the error (which
-/// names the field) so Envoy's refusal is explained.
-fn load_config(bytes: Option<Vec<u8>>, role: &str) -> Option<crate::config::Config> {
-    match crate::config::Config::parse(&bytes.unwrap_or_default()) {
-        Ok(config) => {
-            logging::apply_level(config.log_level);
-            metrics::export_from_zero(&config);
-            Some(config)
-        }
-        Err(error) => {
-            log::error!("kvroute {role}: {error}");
-            None
-        }
-    }
+/// The plugin configuration, validated ([`crate::gateway::load_config`]).
+fn load_config(role: &str) -> Option<crate::config::Config> {
+    let bytes = host::buffer(Buffer::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    crate::gateway::load_config(&bytes, role, Some(&mut metrics::WasmMetrics))
 }

@@ -31,11 +31,12 @@
 
 use std::cell::RefCell;
 use std::hash::{BuildHasher, Hasher};
-use std::rc::Rc;
+use std::sync::Arc;
 
 use super::host::{self, Status};
 use crate::config::PassiveHealthConfig;
-use crate::ejection::{without_pods, Ejection, Ejections, EJECTIONS_KEY};
+use crate::ejection::{Ejection, Ejections, RoutableTable, EJECTIONS_KEY};
+use crate::replica::LogHead;
 use crate::snapshot::{
     add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, state_members_digest,
     PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY, WORKERS_KEY,
@@ -55,6 +56,46 @@ pub fn set(key: &str, value: &[u8]) {
     }
 }
 
+/// Shared-data keys of the replica channel ([`crate::replica`]): the log's
+/// head and its values (written by the service, read by the replica
+/// listener), and the live peers' loads per pod slot (written by the
+/// service in the in-flight encoding, added by every routing decision).
+const REPLICA_HEAD_KEY: &str = "kvroute/replica/head";
+const PEER_LOADS_KEY: &str = "kvroute/inflight/peers";
+
+fn replica_log_key(slot: u64) -> String {
+    format!("kvroute/replica/log/{slot}")
+}
+
+pub fn store_replica_log(slot: u64, value: &[u8], head: &LogHead) {
+    if !value.is_empty() {
+        set(&replica_log_key(slot), value);
+    }
+    set(REPLICA_HEAD_KEY, &head.encode());
+}
+
+pub fn replica_head() -> Option<LogHead> {
+    get(REPLICA_HEAD_KEY)
+        .0
+        .and_then(|bytes| LogHead::decode(&bytes))
+}
+
+pub fn replica_log(slot: u64) -> Option<Vec<u8>> {
+    get(&replica_log_key(slot)).0
+}
+
+pub fn publish_peer_loads(loads: &[SlotLoad]) {
+    set(PEER_LOADS_KEY, &encode_inflight(0, loads));
+}
+
+/// The live peer replicas' loads added to `total` (routing decisions only:
+/// the replica listener serves this replica's own).
+pub fn add_peer_loads(total: &mut Vec<SlotLoad>) {
+    if let Some(bytes) = get(PEER_LOADS_KEY).0 {
+        add_inflight(total, &bytes);
+    }
+}
+
 /// One index bucket, as [`crate::snapshot::SnapshotIndex`] fetches it.
 pub fn bucket(bucket: u32) -> Option<Vec<u8>> {
     get(&bucket_key(bucket)).0
@@ -64,40 +105,28 @@ pub fn bucket(bucket: u32) -> Option<Vec<u8>> {
 /// the same table as routing sees it, without the ejected pods.
 #[derive(Default)]
 pub struct TableCache {
-    cached: Option<Rc<PodTable>>,
+    cached: Option<Arc<PodTable>>,
     /// The shared ejections and the CAS token they were read at.
     ejections: (u32, Ejections),
-    /// The cached table with the pods in these slots ejected.
-    routable: Option<(Vec<usize>, Rc<PodTable>)>,
+    routable: RoutableTable,
 }
 
 impl TableCache {
     /// The current table with the pods ejected at `now_ms` at health 0.
-    pub fn routable(&mut self, now_ms: u64) -> Option<Rc<PodTable>> {
+    pub fn routable(&mut self, now_ms: u64) -> Option<Arc<PodTable>> {
         let table = self.current()?;
         let (bytes, cas) = get(EJECTIONS_KEY);
         if cas != self.ejections.0 {
             self.ejections = (cas, Ejections::decode(&bytes.unwrap_or_default()));
         }
-        let slots = self.ejections.1.ejected_slots(&table, now_ms);
-        if slots.is_empty() {
-            return Some(table);
-        }
-        if let Some((cached_slots, routable)) = &self.routable {
-            if *cached_slots == slots && routable.generation == table.generation {
-                return Some(routable.clone());
-            }
-        }
-        let routable = Rc::new(without_pods(&table, &slots));
-        self.routable = Some((slots, routable.clone()));
-        Some(routable)
+        Some(self.routable.of(&table, &self.ejections.1, now_ms))
     }
 
     /// The current table: per new generation its numbers from
     /// `kvroute/podstate` applied to the cached table in place, the JSON
     /// table decoded only when the members digest moved (see
     /// [`crate::snapshot`]).
-    pub fn current(&mut self) -> Option<Rc<PodTable>> {
+    pub fn current(&mut self) -> Option<Arc<PodTable>> {
         let generation = get(GENERATION_KEY)
             .0
             .and_then(|bytes| bytes.try_into().ok())
@@ -112,7 +141,7 @@ impl TableCache {
         let members = state_members_digest(&state);
         if let Some(cached) = self.cached.as_mut() {
             if Some(cached.members_digest) == members
-                && Rc::make_mut(cached).apply_state(&state).is_ok()
+                && Arc::make_mut(cached).apply_state(&state).is_ok()
             {
                 return Some(cached.clone());
             }
@@ -124,7 +153,7 @@ impl TableCache {
                 // that of a publication in between, and the JSON's own
                 // numbers stand.
                 let _ = table.apply_state(&state);
-                let table = Rc::new(table);
+                let table = Arc::new(table);
                 self.cached = Some(table.clone());
                 Some(table)
             }
@@ -137,14 +166,14 @@ impl TableCache {
 }
 
 /// Publishes a pod table, after its buckets, so a reader of the new
-/// generation finds the buckets already there: its numbers always, the
-/// JSON table only when `members_changed` (the members digest moved
-/// since the last one written).
-pub fn publish_table(table: &PodTable, members_changed: bool) {
+/// generation finds the buckets already there: its numbers (`state`)
+/// always, the JSON table only when `members_changed` (the members digest
+/// moved since the last one written).
+pub fn publish_table(table: &PodTable, state: &[u8], members_changed: bool) {
     if members_changed {
         set(POD_TABLE_KEY, &table.encode());
     }
-    set(POD_STATE_KEY, &table.encode_state());
+    set(POD_STATE_KEY, state);
     set(GENERATION_KEY, &table.generation.to_le_bytes());
 }
 

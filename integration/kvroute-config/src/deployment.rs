@@ -1,6 +1,7 @@
 //! The deployment file kvroute-config reads (YAML, or JSON, which is YAML):
-//! the kvroute plugin configuration plus where Envoy listens, where
-//! kvroute.wasm is, and for Istio which Service the gateway fronts.
+//! the kvroute plugin configuration plus where Envoy listens, which kvroute
+//! build it runs (the native module by default, or kvroute.wasm and where
+//! it is), and for Istio which Service the gateway fronts.
 //! Loading checks everything a wrong value would otherwise only reveal at
 //! Envoy's start (or never): the plugin JSON goes through kvroute's own
 //! parser, pod addresses become the IP literals Envoy matches, the wasm
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::envoy::{pod_addresses, EnvoyBootstrap, PodEndpoints};
+use crate::envoy::{pod_addresses, EnvoyBootstrap, Module, PodEndpoints, DEFAULT_REPLICA_PORT};
 use crate::istio::IstioSettings;
 
 /// A deployment file that cannot be rendered, with the file and the field.
@@ -43,6 +44,23 @@ struct DeploymentFile {
     envoy: EnvoySettings,
     #[serde(default)]
     istio: Option<IstioSettings>,
+    #[serde(default)]
+    replicas: Option<ReplicasSection>,
+}
+
+/// The `replicas` section: this Envoy is one replica of a gateway, serving
+/// its decision log on the replica listener at `port` and pulling the
+/// others' (the plugin's `replicas` holds the shared secret, and the peers
+/// when they are listed). With `dns` the replicas are the names'
+/// addresses (a headless Service): a STRICT_DNS cluster
+/// `kvroute_replicas`, written as the plugin's `replicas.cluster`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ReplicasSection {
+    #[serde(default)]
+    port: Option<u16>,
+    #[serde(default)]
+    dns: Vec<String>,
 }
 
 /// The `cluster` section: the pods are the members of the serving cluster
@@ -73,10 +91,25 @@ struct EdsSource {
     path: PathBuf,
 }
 
+/// Which kvroute build a plain Envoy runs (Istio's proxy runs the wasm
+/// build: it does not enable dynamic modules).
+#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum ModuleKind {
+    /// The dynamic module `libkvroute.so` (`make native`): Envoy needs
+    /// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` set to its directory.
+    #[default]
+    Native,
+    /// kvroute.wasm (`make wasm`), at `envoy.wasm`.
+    Wasm,
+}
+
 /// The `envoy` section.
 #[derive(Deserialize, Clone, Debug)]
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
 pub struct EnvoySettings {
+    /// `native` (the default) or `wasm`.
+    pub module: ModuleKind,
     /// kvroute.wasm; relative to the deployment file, rendered absolute.
     pub wasm: PathBuf,
     pub listen_address: String,
@@ -89,6 +122,7 @@ pub struct EnvoySettings {
 impl Default for EnvoySettings {
     fn default() -> Self {
         EnvoySettings {
+            module: ModuleKind::Native,
             wasm: PathBuf::from("kvroute.wasm"),
             listen_address: "0.0.0.0".into(),
             listen_port: 10000,
@@ -119,6 +153,9 @@ pub struct Deployment {
     pub pods: PodEndpoints,
     pub envoy: EnvoySettings,
     pub istio: Option<IstioSettings>,
+    /// The replica listener's port, and the replicas' DNS names.
+    pub replica_port: u16,
+    pub replica_dns: Vec<String>,
 }
 
 impl Deployment {
@@ -145,6 +182,18 @@ impl Deployment {
             }
         };
         let pods = pod_source(&file, &mut plugin, target, base).map_err(at)?;
+        let mut replicas = file.replicas.take().unwrap_or_default();
+        if target == Target::Istio && plugin.get("replicas").is_some() {
+            let istio = file.istio.as_ref().ok_or_else(|| {
+                at("istio: the section is required for the Istio manifests".into())
+            })?;
+            if !replicas.dns.is_empty() {
+                return Err(at("replicas.dns: not on Istio: the replicas are the gateway's pods, found through the headless Service <gateway>-replicas".into()));
+            }
+            replicas.dns =
+                vec![istio.replicas_service(replicas.port.unwrap_or(DEFAULT_REPLICA_PORT))];
+        }
+        set_replica_cluster(&mut plugin, &replicas).map_err(at)?;
         resolve_plugin_addresses(&mut plugin).map_err(at)?;
         let text = plugin.to_string();
         kvroute::config::Config::parse(text.as_bytes()).map_err(|e| at(format!("kvroute: {e}")))?;
@@ -159,12 +208,15 @@ impl Deployment {
             pods,
             envoy,
             istio: file.istio,
+            replica_port: replicas.port.unwrap_or(DEFAULT_REPLICA_PORT),
+            replica_dns: replicas.dns,
         })
     }
 
-    /// Replaces the wasm path (a path given on the command line, relative
-    /// to the working directory).
+    /// Renders the wasm build at `wasm` (a path given on the command line,
+    /// relative to the working directory).
     pub fn set_wasm(&mut self, wasm: &Path) {
+        self.envoy.module = ModuleKind::Wasm;
         self.envoy.wasm = absolute(wasm);
     }
 
@@ -175,17 +227,46 @@ impl Deployment {
         } else {
             self.envoy.passthrough.clone()
         };
+        let module = match self.envoy.module {
+            ModuleKind::Native => Module::Native,
+            ModuleKind::Wasm => Module::Wasm(&self.envoy.wasm),
+        };
         EnvoyBootstrap {
-            wasm: &self.envoy.wasm,
+            module,
             listen_address: &self.envoy.listen_address,
             listen_port: self.envoy.listen_port,
             admin_port: self.envoy.admin_port,
             plugin: &self.plugin,
             pods: &self.pods,
             passthrough: &passthrough,
+            replica_port: self.replica_port,
+            replica_dns: &self.replica_dns,
         }
         .render()
     }
+}
+
+/// With the `replicas` section's `dns`: the plugin's replicas are the
+/// members of `kvroute_replicas`.
+fn set_replica_cluster(plugin: &mut Value, section: &ReplicasSection) -> Result<(), String> {
+    if section.port == Some(0) {
+        return Err("replicas.port: must be a port 1-65535".into());
+    }
+    for (i, name) in section.dns.iter().enumerate() {
+        kvroute::config::validate_address(name).map_err(|e| format!("replicas.dns[{i}]: {e}"))?;
+    }
+    if section.dns.is_empty() {
+        return Ok(());
+    }
+    let replicas = plugin
+        .get_mut("replicas")
+        .and_then(Value::as_object_mut)
+        .ok_or("replicas.dns: the plugin's `replicas` (with its `secret`) is required")?;
+    if replicas.contains_key("peers") || replicas.contains_key("cluster") {
+        return Err("kvroute.replicas: its peers / cluster come from the deployment (replicas.dns, or the gateway's pods on Istio); leave them out".into());
+    }
+    replicas.insert("cluster".into(), "kvroute_replicas".into());
+    Ok(())
 }
 
 /// Where the pods come from for `target`: kvroute's `pods`, or the members

@@ -20,11 +20,21 @@ pub enum PodEndpoints {
     Eds(PathBuf),
 }
 
+/// Which kvroute build Envoy runs (the template's `native` or `wasm`
+/// section).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Module<'a> {
+    /// `libkvroute.so`, loaded by name from the directory in Envoy's
+    /// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`.
+    Native,
+    /// kvroute.wasm as Envoy will open it (an absolute path: Envoy
+    /// resolves a relative one against its working directory).
+    Wasm(&'a Path),
+}
+
 /// Everything the template's `{{...}}` placeholders take.
 pub struct EnvoyBootstrap<'a> {
-    /// kvroute.wasm as Envoy will open it (an absolute path: Envoy resolves
-    /// a relative one against its working directory).
-    pub wasm: &'a Path,
+    pub module: Module<'a>,
     /// Address the kvroute listener binds (`0.0.0.0` to serve others).
     pub listen_address: &'a str,
     pub listen_port: u16,
@@ -43,7 +53,15 @@ pub struct EnvoyBootstrap<'a> {
     /// the pods' cluster balances them (override-host without kvroute's
     /// header is its fallback policy).
     pub passthrough: &'a [String],
+    /// The replica listener's port (rendered with the plugin's `replicas`).
+    pub replica_port: u16,
+    /// `host:port` names of the replicas' `kvroute_replicas` cluster (a
+    /// headless Service's name), when the replicas are found by DNS.
+    pub replica_dns: &'a [String],
 }
+
+/// The replica listener's port when none is given.
+pub const DEFAULT_REPLICA_PORT: u16 = 9902;
 
 impl EnvoyBootstrap<'_> {
     pub fn render(&self) -> String {
@@ -56,18 +74,31 @@ impl EnvoyBootstrap<'_> {
             PodEndpoints::Dns(names) => ("dnsPods", names.clone(), None),
             PodEndpoints::Eds(path) => ("edsPods", Vec::new(), Some(path)),
         };
-        let mut sections = vec![mode, pods_section];
+        let (module, wasm) = match self.module {
+            Module::Native => ("native", Path::new("")),
+            Module::Wasm(path) => ("wasm", path),
+        };
+        let mut sections = vec![module, mode, pods_section];
         if eds_path.is_none() {
             sections.push("listedPods");
         }
-        if self.plugin.get("membership").is_some() {
-            sections.push("membership");
+        let replicas = self.plugin.get("replicas");
+        if self.plugin.get("membership").is_some()
+            || replicas.is_some_and(|r| r.get("cluster").is_some())
+        {
+            sections.push("adminCluster");
+        }
+        if replicas.is_some() {
+            sections.push("replicas");
+        }
+        if !self.replica_dns.is_empty() {
+            sections.push("replicaDns");
         }
         if !passthrough_to_pods {
             sections.push("passthrough");
         }
         keep_sections(TEMPLATE, &sections)
-            .replace("{{wasm}}", &self.wasm.display().to_string())
+            .replace("{{wasm}}", &wasm.display().to_string())
             .replace("{{listen_address}}", self.listen_address)
             .replace("{{listen_port}}", &self.listen_port.to_string())
             .replace("{{admin_port}}", &self.admin_port.to_string())
@@ -92,6 +123,8 @@ impl EnvoyBootstrap<'_> {
                 },
             )
             .replace("{{passthrough_endpoints}}", &lb_endpoints(self.passthrough))
+            .replace("{{replica_port}}", &self.replica_port.to_string())
+            .replace("{{replica_endpoints}}", &lb_endpoints(self.replica_dns))
     }
 }
 

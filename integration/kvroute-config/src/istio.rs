@@ -51,6 +51,15 @@ pub struct IstioSettings {
     /// The vLLM pods' Service: the HTTPRoute's backend, whose mesh cluster
     /// gets the override-host policy.
     pub service: ServiceRef,
+    /// Gateway pods (the Deployment's replicas). With the plugin's
+    /// `replicas` they share their decisions over the replica listener,
+    /// found through the headless Service `<gateway>-replicas`.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
+}
+
+fn default_replicas() -> u32 {
+    1
 }
 
 #[derive(Deserialize, Clone, Debug)]
@@ -68,6 +77,15 @@ impl IstioSettings {
     /// the serving cluster, whose members are kvroute's pods.
     pub fn mesh_cluster(&self) -> String {
         format!("outbound|{}||{}", self.service.port, self.service_host())
+    }
+
+    /// The headless Service of the gateway's pods, as `replicas.dns` (its
+    /// name resolves to every gateway pod).
+    pub fn replicas_service(&self, port: u16) -> String {
+        format!(
+            "{}-replicas.{}.svc.cluster.local:{port}",
+            self.gateway, self.namespace
+        )
     }
 
     fn service_host(&self) -> String {
@@ -94,6 +112,10 @@ struct EnvoyPieces {
     admin_cluster: Value,
     override_host_policy: Value,
     buffer_limit: Value,
+    /// With the plugin's `replicas`: the replica listener and the cluster
+    /// of the replicas.
+    replica_listener: Option<Value>,
+    replicas_cluster: Option<Value>,
 }
 
 impl EnvoyPieces {
@@ -118,6 +140,11 @@ impl EnvoyPieces {
             admin_cluster: cluster("kvroute_admin")?,
             override_host_policy: cluster("kvroute_pods")?["load_balancing_policy"].clone(),
             buffer_limit: listener["per_connection_buffer_limit_bytes"].clone(),
+            replica_listener: b["static_resources"]["listeners"]
+                .as_array()
+                .and_then(|ls| ls.iter().find(|l| l["name"] == "kvroute_replica"))
+                .cloned(),
+            replicas_cluster: cluster("kvroute_replicas").ok(),
         };
         if pieces.filter["name"] != "envoy.filters.http.wasm"
             || pieces.override_host_policy.is_null()
@@ -150,11 +177,19 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
         pods: deployment.pods.clone(),
         envoy: deployment.envoy.clone(),
         istio: None,
+        replica_port: deployment.replica_port,
+        replica_dns: deployment.replica_dns.clone(),
     };
+    if in_pod.plugin.get("replicas").is_some() {
+        // The replica listener serves the other pods, not only loopback.
+        in_pod.envoy.listen_address = "0.0.0.0".into();
+    }
+    // Istio's proxy does not enable dynamic modules: the wasm build.
+    in_pod.envoy.module = crate::deployment::ModuleKind::Wasm;
     in_pod.envoy.wasm = format!("{WASM_MOUNT}/kvroute.wasm").into();
     in_pod.envoy.admin_port = ISTIO_ADMIN_PORT;
     let pieces = EnvoyPieces::of(&in_pod.envoy_bootstrap())?;
-    let documents = manifests(istio, &pieces);
+    let documents = manifests(istio, &pieces, in_pod.replica_port);
     let mut out = String::from(
         "# kvroute on Istio 1.28 (Gateway API v1), rendered by kvroute-config; see\n\
          # the README, \"Run it on your own cluster\". Before applying, create the\n\
@@ -175,20 +210,32 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
     Ok(out)
 }
 
-fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
+fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces, replica_port: u16) -> Vec<Value> {
     let ns = &istio.namespace;
     let gw = &istio.gateway;
     let service_ns = istio.service.namespace.as_deref().unwrap_or(ns);
     let service_host = istio.service_host();
     let labels = json!({"app.kubernetes.io/name": gw});
+    let mut clusters = vec![pieces.reports_cluster.clone(), pieces.admin_cluster.clone()];
+    clusters.extend(pieces.replicas_cluster.clone());
+    let mut static_resources = json!({"clusters": clusters});
+    if let Some(listener) = &pieces.replica_listener {
+        // A listener of the bootstrap, not of the mesh: the replicas'
+        // channel, on every gateway pod's replica port.
+        static_resources["listeners"] = json!([listener]);
+    }
     let bootstrap_override = json!({
         "bootstrap_extensions": pieces.service,
         "stats_flush_interval": pieces.stats_flush_interval,
         "stats_config": pieces.stats_config,
-        "static_resources": {"clusters": [pieces.reports_cluster, pieces.admin_cluster]},
+        "static_resources": static_resources,
     });
+    let mut ports = vec![json!({"containerPort": istio.port, "name": "http"})];
+    if pieces.replica_listener.is_some() {
+        ports.push(json!({"containerPort": replica_port, "name": "kvroute-replica"}));
+    }
     let gateway_listener = json!({"portNumber": istio.port});
-    vec![
+    let mut documents = vec![
         json!({
             "apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": format!("{gw}-bootstrap"), "namespace": ns},
@@ -198,7 +245,7 @@ fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": gw, "namespace": ns},
             "spec": {
-                "replicas": 1,
+                "replicas": istio.replicas,
                 "selector": {"matchLabels": labels},
                 "template": {
                     "metadata": {
@@ -216,7 +263,7 @@ fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
                         "containers": [{
                             "name": "istio-proxy",
                             "image": "auto",
-                            "ports": [{"containerPort": istio.port, "name": "http"}],
+                            "ports": ports,
                             "env": [{"name": "ISTIO_BOOTSTRAP_OVERRIDE", "value": format!("{BOOTSTRAP_MOUNT}/{BOOTSTRAP_FILE}")}],
                             "volumeMounts": [
                                 {"name": "kvroute-bootstrap", "mountPath": BOOTSTRAP_MOUNT, "readOnly": true},
@@ -301,7 +348,24 @@ fn manifests(istio: &IstioSettings, pieces: &EnvoyPieces) -> Vec<Value> {
                 "trafficPolicy": {"connectionPool": {"http": {"maxRetries": 1024}}},
             },
         }),
-    ]
+    ];
+    if pieces.replica_listener.is_some() {
+        documents.push(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": format!("{gw}-replicas"), "namespace": ns},
+            "spec": {
+                // Headless: its DNS name resolves to every gateway pod, the
+                // members of kvroute_replicas. Pods are listed before they
+                // are ready, so a starting replica is pulled (and pulls)
+                // at once.
+                "clusterIP": "None",
+                "publishNotReadyAddresses": true,
+                "selector": labels,
+                "ports": [{"name": "kvroute-replica", "port": replica_port, "targetPort": replica_port}],
+            },
+        }));
+    }
+    documents
 }
 
 /// `a` with `b`'s keys added (both objects).

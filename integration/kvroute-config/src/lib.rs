@@ -7,5 +7,5 @@ pub mod deployment;
 pub mod envoy;
 pub mod istio;
 
-pub use deployment::{Deployment, EnvoySettings, Error, Target};
-pub use envoy::{EnvoyBootstrap, PodEndpoints};
+pub use deployment::{Deployment, EnvoySettings, Error, ModuleKind, Target};
+pub use envoy::{EnvoyBootstrap, Module, PodEndpoints, DEFAULT_REPLICA_PORT};

@@ -69,12 +69,18 @@ fn refusal(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// The plugin JSON embedded in a rendered bootstrap.
+/// The plugin JSON embedded in a rendered bootstrap: the native filter's
+/// `filter_config`, or the wasm service's `configuration`.
 fn embedded_plugin(bootstrap: &str) -> Value {
     let parsed: Value = serde_yaml::from_str(bootstrap).unwrap();
-    let value = parsed["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]
-        ["value"]
+    let filter = &parsed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"][0]["typed_config"];
+    let value = filter["filter_config"]["value"]
         .as_str()
+        .or_else(|| {
+            parsed["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]["value"]
+                .as_str()
+        })
         .unwrap();
     serde_json::from_str(value).unwrap()
 }
@@ -101,7 +107,7 @@ fn host_names_become_ip_literals_and_the_wasm_path_absolute() {
     let scratch = Scratch::new("resolve");
     let file = scratch.deployment(&json!({
         "kvroute": {"pods": [{"id": "vllm-0", "address": "localhost:8000", "reportAddress": "localhost:9000"}]},
-        "envoy": {"wasm": "build/kvroute.wasm"},
+        "envoy": {"module": "wasm", "wasm": "build/kvroute.wasm"},
     }));
     let output = kvroute_config(&[], &file);
     let bootstrap = stdout(&output);
@@ -431,4 +437,28 @@ fn envoy_started_from_a_dns_cluster_routes_to_its_member_and_reuses_its_cache() 
     assert!(matched > 0.5, "cache match {matched}");
     let stats: Value = http::get(&sim, "/admin/stats").unwrap().json().unwrap();
     assert_eq!(stats["requests"], 2, "{stats}");
+}
+
+#[test]
+fn the_native_module_is_the_default_and_the_wasm_build_one_flag_away() {
+    let scratch = Scratch::new("module");
+    let file = scratch.deployment(&user_deployment(
+        json!([{"id": "vllm-0", "address": "10.0.0.1:8000"}]),
+        &wasm_path(),
+    ));
+    let native = kvroute_config(&[], &file);
+    let bootstrap = stdout(&native);
+    assert!(bootstrap.contains("envoy.filters.http.dynamic_modules"));
+    assert!(!bootstrap.contains("envoy.filters.http.wasm"));
+    assert!(
+        !bootstrap.contains("bootstrap_extensions"),
+        "no singleton service"
+    );
+    assert_eq!(embedded_plugin(&bootstrap)["pods"][0]["id"], "vllm-0");
+    assert!(String::from_utf8_lossy(&native.stderr).contains("ENVOY_DYNAMIC_MODULES_SEARCH_PATH"));
+    let wasm = stdout(&kvroute_config(&["--module", "wasm"], &file));
+    assert!(wasm.contains("envoy.filters.http.wasm"));
+    assert!(wasm.contains("envoy.bootstrap.wasm"));
+    assert!(!wasm.contains("envoy.filters.http.dynamic_modules"));
+    assert_eq!(embedded_plugin(&wasm)["pods"][0]["id"], "vllm-0");
 }

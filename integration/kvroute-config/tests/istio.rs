@@ -116,6 +116,50 @@ fn membership_is_of_the_mesh_cluster_through_the_gateways_admin() {
     );
 }
 
+/// Three gateway pods share their decisions: the replica listener in the
+/// bootstrap override, the replicas found through a headless Service.
+#[test]
+fn gateway_replicas_find_each_other_through_a_headless_service() {
+    let documents = documents(&istio::render(&example()).unwrap());
+    let deployment = find(&documents, "Deployment");
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    let ports = &deployment["spec"]["template"]["spec"]["containers"][0]["ports"];
+    assert_eq!(
+        ports[1],
+        json!({"containerPort": 9902, "name": "kvroute-replica"})
+    );
+    let headless = documents
+        .iter()
+        .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == "kvroute-replicas")
+        .expect("the headless Service");
+    assert_eq!(headless["spec"]["clusterIP"], "None");
+    assert_eq!(headless["spec"]["ports"][0]["port"], 9902);
+    let (bootstrap, _) = pieces(&documents);
+    let listener = &bootstrap["static_resources"]["listeners"][0];
+    assert_eq!(listener["name"], "kvroute_replica");
+    assert_eq!(
+        listener["address"]["socket_address"],
+        json!({"address": "0.0.0.0", "port_value": 9902})
+    );
+    let replicas = bootstrap["static_resources"]["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "kvroute_replicas")
+        .expect("kvroute_replicas");
+    assert_eq!(
+        replicas["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"],
+        json!({"address": "kvroute-replicas.inference.svc.cluster.local", "port_value": 9902})
+    );
+    let json = bootstrap["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]
+        ["value"]
+        .as_str()
+        .unwrap();
+    let plugin: Value = serde_json::from_str(json).unwrap();
+    assert_eq!(plugin["replicas"]["cluster"], "kvroute_replicas");
+}
+
 /// A stand-in for the gateway's Envoy: the bootstrap override's pieces as
 /// Istio's agent merges them, a listener on `listen_port` with the
 /// patched-in filter and buffer limit, and the mesh cluster as Istio
@@ -181,7 +225,19 @@ fn merged_gateway(
     admin_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
         ["socket_address"]["port_value"] = json!(admin_port);
     clusters.push(mesh_cluster);
-    bootstrap["static_resources"]["listeners"] = json!([listener]);
+    // The bootstrap's own listeners (the replica listener) beside the
+    // gateway's, on free ports here.
+    let mut listeners = vec![listener];
+    for mut own in bootstrap["static_resources"]["listeners"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+    {
+        own["address"]["socket_address"] =
+            json!({"address": "127.0.0.1", "port_value": free_port()});
+        listeners.push(own);
+    }
+    bootstrap["static_resources"]["listeners"] = json!(listeners);
     bootstrap["admin"] =
         json!({"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}});
     bootstrap.to_string().replace(

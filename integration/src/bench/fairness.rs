@@ -34,6 +34,7 @@ fn idle_workload() -> Workload {
         agents: None,
         bounds: Bounds::default(),
         stock_vllm: false,
+        prefill_speeds: Vec::new(),
     }
 }
 
@@ -72,7 +73,7 @@ pub fn idle_latency(sim: &Path, policies: &[String], quick: bool) -> Value {
     let w = idle_workload();
     let mut rows = Vec::new();
     for policy in policies {
-        let stack = match stack::start(policy, &w, sim) {
+        let stack = match stack::start(policy, &w, sim, None) {
             Ok(stack) => stack,
             Err(StartError::Unavailable(reason)) => {
                 rows.push(json!({"policy": policy, "unavailable": reason}));

@@ -14,10 +14,11 @@
 //!   2.5× of the cache-blind capacity, and the highest load each sustains;
 //! - [`fairness`]: each router's added latency on an idle system;
 //! - [`overhead`]: proxy overhead and the 1M-block scale figures;
+//! - [`replicas`]: kvroute as N Envoys behind one round robin, against one;
 //! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
 //!
 //! ```text
-//! kvroute-bench [all|workload NAME..|load-sweep|fairness|overhead|filter-time|scale|render] [--quick] [--out DIR]
+//! kvroute-bench [all|workload NAME..|load-sweep|fairness|overhead|filter-time|scale|replicas NAME..|render] [--quick] [--out DIR]
 //! ```
 //! Results merge into `DIR/results.json` (a later `workload lora` replaces
 //! only that workload, `workload lora --policies P` only P's row there), and
@@ -31,6 +32,7 @@ pub mod load_sweep;
 pub mod overhead;
 pub mod peers;
 pub mod plot;
+pub mod replicas;
 pub mod report;
 pub mod stack;
 pub mod workload;
@@ -121,6 +123,19 @@ pub struct BenchArgs {
     /// template. Results go to DIR/stock-vllm/ (see --out).
     #[arg(long)]
     pub stock_vllm: bool,
+    /// Per pod, its prefill speed as a multiple of the cost model's (e.g.
+    /// `1,1,0.5,0.5`: two fast and two half-speed pods); pods past the
+    /// list run at 1. The offered load stays a share of full-speed pods'
+    /// capacity (two half-speed pods of four: 0.75 of it).
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_speeds: Vec<f64>,
+    /// `replicas`: the numbers of kvroute Envoys to compare behind one
+    /// round-robin Envoy (default 1,3).
+    #[arg(long, value_delimiter = ',')]
+    pub replicas: Vec<usize>,
+    /// `replicas`: how many times each side runs.
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
 }
 
 fn default_trace() -> PathBuf {
@@ -143,7 +158,7 @@ fn sim_binary(args: &BenchArgs) -> PathBuf {
     })
 }
 
-fn shell(cmd: &str, args: &[&str]) -> String {
+pub(crate) fn shell(cmd: &str, args: &[&str]) -> String {
     std::process::Command::new(cmd)
         .args(args)
         .output()
@@ -151,7 +166,7 @@ fn shell(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
-fn host() -> String {
+pub(crate) fn host() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|c| {
@@ -207,10 +222,10 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
             "overhead" => (Vec::new(), false, false, true, false),
             "filter-time" => (Vec::new(), false, false, false, false),
             "scale" => (Vec::new(), false, false, false, true),
-            "render" => (Vec::new(), false, false, false, false),
+            "render" | "replicas" => (Vec::new(), false, false, false, false),
             other => {
                 return Err(format!(
-                    "unknown command {other:?}: all | workload NAME.. | load-sweep | fairness | overhead | filter-time | scale | render"
+                    "unknown command {other:?}: all | workload NAME.. | load-sweep | fairness | overhead | filter-time | scale | replicas NAME.. | render"
                 ))
             }
         };
@@ -235,6 +250,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
             None => json!({}),
         },
         stock_vllm: args.stock_vllm,
+        prefill_speeds: args.prefill_speeds.clone(),
     };
     let command = std::iter::once("kvroute-bench".to_string())
         .chain(std::env::args().skip(1))
@@ -247,6 +263,14 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     }
     if args.command == "load-sweep" {
         return load_sweep::run(args, &opts, &policies, &sim, &out, &command);
+    }
+    if args.command == "replicas" {
+        let policies: Vec<String> = if args.policies.is_empty() {
+            vec!["kvroute-precise".into(), "kvroute-approx".into()]
+        } else {
+            args.policies.clone()
+        };
+        return replicas::run(args, &opts, &policies, &sim, &out, &command);
     }
     if args.command == "all" {
         results["command"] = json!(command);
@@ -287,7 +311,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
                 .keep_logs
                 .as_ref()
                 .map(|dir| dir.join(format!("{name}-{policy}.log")));
-            let row = run_policy(policy, &w, &sim, kept_log.as_deref())?;
+            let row = run_policy(policy, &w, &sim, kept_log.as_deref(), None)?;
             print_row(&row, started);
             rows.push(row);
         }
@@ -348,17 +372,20 @@ fn run_policy(
     w: &workload::Workload,
     sim: &Path,
     kept_log: Option<&Path>,
+    replicas: Option<usize>,
 ) -> Result<Value, String> {
-    let stack = match stack::start(policy, w, sim) {
+    let stack = match stack::start(policy, w, sim, replicas) {
         Ok(stack) => stack,
         Err(stack::StartError::Unavailable(reason)) => {
             return Ok(json!({"policy": policy, "unavailable": reason}))
         }
         Err(stack::StartError::Failed(e)) => return Err(format!("{policy}: {e}")),
     };
-    let log_offset = stack.envoy().map_or(0, |e| {
-        std::fs::metadata(&e.log_path).map_or(0, |m| m.len() as usize)
-    });
+    let log_offsets: Vec<usize> = stack
+        .envoys()
+        .iter()
+        .map(|e| std::fs::metadata(&e.log_path).map_or(0, |m| m.len() as usize))
+        .collect();
     let last = w.requests.last().map_or(0.0, |r| r.at_s);
     // Closed loop: the planned offsets assume every prefix cached; a
     // cache-blind router takes several times longer.
@@ -372,25 +399,36 @@ fn run_policy(
         request_timeout: Duration::from_secs(120),
         max_send_window: Duration::from_secs_f64(window),
     };
-    let pid = stack.router_pid();
-    let cpu_before = overhead::process_cpu_s(pid);
+    let pids = stack.router_pids();
+    // Summed over the router's processes (every replica).
+    let total = |read: &dyn Fn(u32) -> Option<f64>| -> Option<f64> {
+        pids.iter().map(|&pid| read(pid)).sum()
+    };
+    let cpu = || total(&|pid| overhead::process_cpu_s(pid));
     // Envoy's main thread runs kvroute's report service.
-    let main_thread = |pid| stack.envoy().and_then(|_| overhead::thread_cpu_s(pid, pid));
-    let main_before = main_thread(pid);
+    let main_thread = || {
+        stack
+            .envoy()
+            .and_then(|_| total(&|pid| overhead::thread_cpu_s(pid, pid)))
+    };
+    let (cpu_before, main_before) = (cpu(), main_thread());
     let (outcomes, wall) = load::run(stack.listen(), &w.requests, limits);
-    let cpu_s = overhead::process_cpu_s(pid)
-        .zip(cpu_before)
-        .map(|(after, before)| after - before);
-    let main_thread_s = main_thread(pid)
+    let cpu_s = cpu().zip(cpu_before).map(|(after, before)| after - before);
+    let main_thread_s = main_thread()
         .zip(main_before)
         .map(|(after, before)| after - before);
     std::thread::sleep(Duration::from_millis(200));
     let stats: Vec<Value> = stack.sims().iter().map(|s| s.stats()).collect();
-    let log = match stack.envoy() {
-        Some(envoy) if policy.starts_with("kvroute") => {
-            envoy.log().get(log_offset..).unwrap_or("").to_string()
-        }
-        _ => String::new(),
+    let log = if policy.starts_with("kvroute") {
+        stack
+            .envoys()
+            .iter()
+            .zip(&log_offsets)
+            .map(|(envoy, &offset)| envoy.log().get(offset..).unwrap_or("").to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    } else {
+        String::new()
     };
     if let Some(kept) = kept_log {
         if let Some(dir) = kept.parent() {
@@ -420,8 +458,10 @@ fn run_policy(
         // decisions log a `route` line by default.
         let metric = |name| {
             stack
-                .envoy()
-                .and_then(|envoy| overhead::metric(envoy, name))
+                .envoys()
+                .iter()
+                .map(|envoy| overhead::metric(envoy, name))
+                .sum::<Option<f64>>()
         };
         let stale = metric("epp_stale_cache_routing_total");
         let checked = metric("epp_cache_predictions_checked_total");
@@ -443,6 +483,9 @@ fn run_policy(
             "max": waited.last(),
         });
     }
+    if stack.envoys().len() > 1 {
+        row["replicaLagMs"] = replicas::lag(&stack.envoys());
+    }
     row["router"] = stack.router();
     row["routerCpuS"] = json!(cpu_s.map(|s| (s * 100.0).round() / 100.0));
     let completed = row["completed"].as_f64().unwrap_or(0.0).max(1.0);
@@ -453,7 +496,7 @@ fn run_policy(
 }
 
 /// One line of progress on stderr for a policy's row.
-fn print_row(row: &Value, started: Instant) {
+pub(crate) fn print_row(row: &Value, started: Instant) {
     let policy = row["policy"].as_str().unwrap_or("");
     match row["unavailable"].as_str() {
         Some(reason) => eprintln!("   {policy:28} unavailable: {reason}"),

@@ -1,14 +1,17 @@
 //! What kvroute costs in the proxy.
 //!
 //! - [`overhead`]: one simulated pod answering at once (`--time-scale 0`,
-//!   `max_tokens` 1), two Envoys in front of it — kvroute, and the same
-//!   Envoy with a plain STATIC cluster and no filter. Closed-loop
-//!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the two measured in
-//!   alternating phases (A B, B A, …) so drift hits both; the filter's own
-//!   time from the `latencyUs` of its `route` log lines. On two cores or
-//!   more the load generator and the sim run on CPU 0, the Envoys on CPU 1
-//!   (`taskset`), and the saturation phases report each Envoy's CPU
-//!   seconds per 1,000 requests (`/proc/<pid>/stat`).
+//!   `max_tokens` 1), five Envoys in front of it — kvroute's native
+//!   module, plain Envoy (a STATIC cluster, no filter), the wasm floor
+//!   filter, kvroute.wasm and the native floor module. Closed-loop
+//!   keep-alive clients ([`crate::http`]'s pool) at fixed concurrency, the
+//!   five measured in alternating phases
+//!   (forwards, then backwards) so drift hits all; the filter's own time
+//!   from the `latencyUs` of the kvroute builds' `route` log lines. On two
+//!   cores or more the load generator and the sim run on CPU 0, the Envoys
+//!   on CPU 1 (`taskset`), and the saturation phases report each Envoy's
+//!   CPU seconds per 1,000 requests (`/proc/<pid>/stat`). The same is
+//!   checked with an independent load generator, `wrk`.
 //! - [`scale`]: N pods (64 by default, up to 1,024, served 128 per
 //!   `kvroute-sim` process past 64) preloaded with ~1M blocks in total;
 //!   the service's ingest time, index gauges, main-thread CPU per tick
@@ -32,8 +35,11 @@ use serde_json::{json, Value};
 use super::report::percentile;
 use super::stack::render_baseline;
 use super::workload::words;
+use kvroute_config::Module;
+
 use crate::harness::{
-    floor_wasm_path, free_port, prometheus_value, render_envoy_config, Cluster, ClusterSpec, Envoy,
+    floor_wasm_path, free_port, module_name, native_dir, prometheus_value, render_envoy_config,
+    wasm_path, Cluster, ClusterSpec, Envoy,
 };
 use crate::http;
 use crate::model::{KvCache, PodLoad};
@@ -171,14 +177,43 @@ fn pin(pid: u32, cpu: usize) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// The order of kvroute (0), plain (1) and floor (2) in round `round`:
-/// forwards, then backwards, so drift between rounds hits all three alike.
-fn round_order(round: usize) -> [usize; 3] {
+/// The Envoys [`overhead`] compares, in this order: kvroute's native
+/// module, plain Envoy, the (wasm) floor filter, kvroute.wasm, the native
+/// floor module.
+const TARGETS: [&str; 5] = ["native", "plain", "floor", "wasm", "nativeFloor"];
+/// The kvroute builds among [`TARGETS`] (their filter's own time is read
+/// from their `route` lines).
+const KVROUTE: [usize; 2] = [0, 3];
+
+/// The order of the [`TARGETS`] in round `round`: forwards, then
+/// backwards, so drift between rounds hits all alike.
+fn round_order(round: usize) -> [usize; 5] {
     if round.is_multiple_of(2) {
-        [0, 1, 2]
+        [0, 1, 2, 3, 4]
     } else {
-        [2, 1, 0]
+        [4, 3, 2, 1, 0]
     }
+}
+
+/// The Envoy configuration `yaml` (kvroute's native rendering) with the
+/// native floor module (`integration/native-floor`) in kvroute's place.
+fn with_native_floor(yaml: String) -> String {
+    let kvroute = "dynamic_module_config:\n                name: kvroute ";
+    let floor = "dynamic_module_config:\n                name: kvroute_native_floor ";
+    debug_assert!(yaml.contains(kvroute), "the template names the module");
+    yaml.replace(kvroute, floor)
+}
+
+/// An Envoy of `yaml` in `dir` (under `cluster`'s directory).
+fn start_envoy(
+    cluster: &Cluster,
+    name: &str,
+    yaml: impl FnOnce(u16, u16) -> String,
+) -> io::Result<Envoy> {
+    let dir = cluster.dir.join(name);
+    std::fs::create_dir_all(&dir)?;
+    let (listen, admin) = (free_port(), free_port());
+    Envoy::start(&dir, &yaml(listen, admin), listen, admin)
 }
 
 /// Runs the overhead measurement.
@@ -202,48 +237,82 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     // Before anything starts: the sim inherits the load generator's core.
     let pinned = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
         && pin(std::process::id(), LOAD_CPU);
+    // The cluster's Envoy runs the native module (KVROUTE_MODULE unset).
     let cluster = Cluster::start(sim_binary, spec)?;
-    let plain_dir = cluster.dir.join("plain");
-    std::fs::create_dir_all(&plain_dir)?;
-    let (listen, admin) = (free_port(), free_port());
-    let yaml = render_baseline(
-        "ROUND_ROBIN",
-        listen,
-        admin,
-        &[cluster.sims[0].address.clone()],
-    );
-    let plain = Envoy::start(&plain_dir, &yaml, listen, admin)?;
+    let pod = [cluster.sims[0].address.clone()];
+    let plain = start_envoy(&cluster, "plain", |listen, admin| {
+        render_baseline("ROUND_ROBIN", listen, admin, &pod)
+    })?;
     // kvroute's Envoy with the floor filter in kvroute's place: what any
     // body-routing wasm filter costs.
     let floor_wasm = floor_wasm_path();
-    if !floor_wasm.exists() {
+    let kvroute_wasm = wasm_path();
+    for (path, make) in [
+        (&floor_wasm, "make wasm-floor"),
+        (&kvroute_wasm, "make wasm"),
+    ] {
+        if !path.exists() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} is missing (run `{make}`)", path.display()),
+            ));
+        }
+    }
+    let floor = start_envoy(&cluster, "floor", |listen, admin| {
+        render_envoy_config(
+            Module::Wasm(&floor_wasm),
+            listen,
+            admin,
+            &cluster.config,
+            &pod,
+        )
+    })?;
+    let wasm = start_envoy(&cluster, "wasm", |listen, admin| {
+        render_envoy_config(
+            Module::Wasm(&kvroute_wasm),
+            listen,
+            admin,
+            &cluster.config,
+            &pod,
+        )
+    })?;
+    // And the native floor module in kvroute's place: what any
+    // body-routing dynamic module costs.
+    let native_floor_so = native_dir().join("libkvroute_native_floor.so");
+    if !native_floor_so.exists() {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
             format!(
-                "{} is missing (run `make wasm-floor`)",
-                floor_wasm.display()
+                "{} is missing (run `make native-floor`)",
+                native_floor_so.display()
             ),
         ));
     }
-    let floor_dir = cluster.dir.join("floor");
-    std::fs::create_dir_all(&floor_dir)?;
-    let (listen, admin) = (free_port(), free_port());
-    let yaml = render_envoy_config(
-        &floor_wasm,
-        listen,
-        admin,
-        &cluster.config,
-        &[cluster.sims[0].address.clone()],
-    );
-    let floor = Envoy::start(&floor_dir, &yaml, listen, admin)?;
-    let kv = &cluster.envoy;
-    // Every phase measures these three, in `round_order`.
-    let targets = [kv, &plain, &floor];
+    let native_floor = start_envoy(&cluster, "native-floor", |listen, admin| {
+        with_native_floor(render_envoy_config(
+            Module::Native,
+            listen,
+            admin,
+            &cluster.config,
+            &pod,
+        ))
+    })?;
+    std::thread::sleep(Duration::from_secs(2));
+    // Every phase measures these, in `round_order`.
+    let targets = [&cluster.envoy, &plain, &floor, &wasm, &native_floor];
     let pinned = pinned && targets.iter().all(|e| pin(e.pid(), ENVOY_CPU));
     let (rounds, phase) = if quick {
         (2, Duration::from_secs(2))
     } else {
         (3, Duration::from_secs(3))
+    };
+    let by_target = |values: [Value; 5]| -> Value {
+        TARGETS
+            .iter()
+            .zip(values)
+            .map(|(name, v)| (name.to_string(), v))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
     };
     let mut latency = Vec::new();
     for (size, concurrency) in [1024usize, 16 * 1024, 128 * 1024, 512 * 1024]
@@ -254,35 +323,42 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
         for envoy in targets {
             closed_loop(&envoy.listen, &set, concurrency, Duration::from_millis(700));
         }
-        let mut latencies: [Vec<f64>; 3] = Default::default();
-        let mut errors = [0u64; 3];
-        let mut filter = Vec::new();
+        let mut latencies: [Vec<f64>; 5] = Default::default();
+        let mut errors = [0u64; 5];
+        let mut filter: [Vec<f64>; 5] = Default::default();
         for round in 0..rounds {
             for which in round_order(round) {
-                let offset = (which == 0).then(|| log_len(kv));
-                let p = closed_loop(&targets[which].listen, &set, concurrency, phase);
+                let envoy = targets[which];
+                let offset = KVROUTE.contains(&which).then(|| log_len(envoy));
+                let p = closed_loop(&envoy.listen, &set, concurrency, phase);
                 latencies[which].extend(p.latencies_us);
                 errors[which] += p.errors;
                 if let Some(offset) = offset {
-                    filter.extend(event_field(&log_since(kv, offset), "route", "latencyUs"));
+                    filter[which].extend(event_field(
+                        &log_since(envoy, offset),
+                        "route",
+                        "latencyUs",
+                    ));
                 }
             }
         }
-        let [sa, sb, sf] = latencies.map(|mut l| stats(&mut l));
-        let minus = |x: &Value, q: &str| match (x[q].as_f64(), sb[q].as_f64()) {
-            (Some(x), Some(y)) => json!(x - y),
+        let us = latencies.map(|mut l| stats(&mut l));
+        let added = |which: usize| match (
+            us[which]["p50"].as_f64(),
+            us[which]["p99"].as_f64(),
+            us[1]["p50"].as_f64(),
+            us[1]["p99"].as_f64(),
+        ) {
+            (Some(a), Some(b), Some(c), Some(d)) => json!({"p50": a - c, "p99": b - d}),
             _ => Value::Null,
         };
         let entry = json!({
             "bodyBytes": size,
             "concurrency": concurrency,
-            "kvrouteUs": sa,
-            "plainUs": sb,
-            "floorUs": sf,
-            "addedUs": {"p50": minus(&sa, "p50"), "p99": minus(&sa, "p99")},
-            "floorAddedUs": {"p50": minus(&sf, "p50"), "p99": minus(&sf, "p99")},
-            "filterUs": stats(&mut filter),
-            "errors": {"kvroute": errors[0], "plain": errors[1], "floor": errors[2]},
+            "us": by_target(us.clone()),
+            "addedUs": {"native": added(0), "floor": added(2), "wasm": added(3), "nativeFloor": added(4)},
+            "filterUs": {"native": stats(&mut filter[0]), "wasm": stats(&mut filter[3])},
+            "errors": by_target(errors.map(|e| json!(e))),
         });
         eprintln!("overhead latency: {entry}");
         latency.push(entry);
@@ -291,11 +367,10 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
     let sat_concurrency = 32;
     for size in [1024usize, 16 * 1024] {
         let set = bodies(size, 32);
-        // (requests, seconds, Envoy CPU seconds) of kvroute, plain, and
-        // the floor filter.
-        let mut sums = [(0usize, 0.0f64, 0.0f64); 3];
-        // kvroute's main thread (the report service) on its own.
-        let mut main_thread_s = 0.0;
+        // (requests, seconds, Envoy CPU seconds) per target.
+        let mut sums = [(0usize, 0.0f64, 0.0f64); 5];
+        // The kvroute builds' main threads (the report service) on their own.
+        let mut main_thread_s = [0.0f64; 5];
         for round in 0..rounds {
             for which in round_order(round) {
                 let pid = targets[which].pid();
@@ -303,37 +378,181 @@ pub fn overhead(sim_binary: &Path, quick: bool) -> io::Result<Value> {
                 let main_before = thread_cpu_s(pid, pid).unwrap_or(0.0);
                 let p = closed_loop(&targets[which].listen, &set, sat_concurrency, phase);
                 let cpu = process_cpu_s(pid).unwrap_or(0.0) - cpu_before;
-                if which == 0 {
-                    main_thread_s += thread_cpu_s(pid, pid).unwrap_or(0.0) - main_before;
-                }
+                main_thread_s[which] += thread_cpu_s(pid, pid).unwrap_or(0.0) - main_before;
                 sums[which].0 += p.latencies_us.len();
                 sums[which].1 += p.elapsed_s;
                 sums[which].2 += cpu;
             }
         }
-        let [ra, rb, rf] = sums.map(|(n, t, _)| n as f64 / t);
+        let rps = sums.map(|(n, t, _)| n as f64 / t);
         // CPU seconds per 1,000 requests, to 4 decimals.
         let per_1000 = |cpu: f64, n: usize| (cpu * 1000.0 / n.max(1) as f64 * 1e4).round() / 1e4;
-        let [ca, cb, cf] = sums.map(|(n, _, cpu)| per_1000(cpu, n));
+        let cpu = [0, 1, 2, 3, 4].map(|i| json!(per_1000(sums[i].2, sums[i].0)));
+        let ratio = |which: usize| json!((rps[which] / rps[1] * 1000.0).round() / 1000.0);
+        let cpu_ratio = |which: usize| {
+            let (a, b) = (
+                per_1000(sums[which].2, sums[which].0),
+                per_1000(sums[1].2, sums[1].0),
+            );
+            json!((a / b * 100.0).round() / 100.0)
+        };
         let entry = json!({
             "bodyBytes": size,
             "concurrency": sat_concurrency,
-            "kvrouteRps": ra.round(),
-            "plainRps": rb.round(),
-            "ratio": (ra / rb * 1000.0).round() / 1000.0,
-            "floorRps": rf.round(),
-            "floorRatio": (rf / rb * 1000.0).round() / 1000.0,
-            "envoyCpuSPer1000": {"kvroute": ca, "plain": cb, "floor": cf,
-                "kvrouteMainThread": per_1000(main_thread_s, sums[0].0)},
+            "rps": by_target(rps.map(|r| json!(r.round()))),
+            "ratioToPlain": {"native": ratio(0), "floor": ratio(2), "wasm": ratio(3), "nativeFloor": ratio(4)},
+            "envoyCpuSPer1000": by_target(cpu),
+            "cpuRatioToPlain": {"native": cpu_ratio(0), "floor": cpu_ratio(2), "wasm": cpu_ratio(3), "nativeFloor": cpu_ratio(4)},
+            "mainThreadCpuSPer1000": {"native": per_1000(main_thread_s[0], sums[0].0), "wasm": per_1000(main_thread_s[3], sums[3].0)},
         });
         eprintln!("overhead saturation: {entry}");
         saturation.push(entry);
     }
+    let wrk = wrk_check(&targets, pinned, if quick { 5 } else { 9 });
     Ok(json!({
-        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind three Envoy 1.40 (--concurrency 2): kvroute (filter + override-host cluster), plain (STATIC cluster, no filter) and floor (kvroute's Envoy with integration/floor-filter in kvroute's place: pause, buffer, read the body, set one header); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute (or floor) − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
+        "method": format!("one kvroute-sim (--time-scale 0, max_tokens 1, a cache holding every body) behind five Envoy 1.40 (--concurrency 2): kvroute's native module, plain (STATIC cluster, no filter), floor (kvroute's Envoy with integration/floor-filter, a wasm filter, in kvroute's place: pause, buffer, read the body, set one header), kvroute.wasm and nativeFloor (the same with integration/native-floor, a dynamic module doing the same); closed-loop keep-alive clients {}, {rounds} alternating rounds of {} s per side; added = kvroute (or floor) − plain percentile; Envoy CPU from /proc/<pid>/stat over the saturation phases", if pinned { format!("and the sim pinned to CPU {LOAD_CPU}, the Envoys to CPU {ENVOY_CPU} (taskset)") } else { "and the sim unpinned, sharing the cores with the Envoys".into() }, phase.as_secs()),
         "latency": latency,
         "saturation": saturation,
+        "wrk": wrk,
     }))
+}
+
+/// The same comparison through an independent load generator, `wrk`
+/// (Debian's package, `make wrk`), pinned to the load core while the
+/// Envoys run on theirs: one POST body repeated (1 and 16 KiB), 32
+/// connections for the rate and Envoy's CPU per request, one connection
+/// for the latency, `rounds` interleaved rounds ([`round_order`]). Each
+/// round's figures are also taken as ratios to plain Envoy's in the same
+/// round, and the medians of those ratios reported: on a shared machine
+/// a round's rate swings by tens of percent, for every Envoy alike.
+/// `Null` without `wrk`.
+fn wrk_check(targets: &[&Envoy; 5], pinned: bool, rounds: usize) -> Value {
+    if std::process::Command::new("wrk")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        return json!({"unavailable": "wrk is not installed (make wrk)"});
+    }
+    let dir = std::env::temp_dir().join(format!("kvroute-wrk-{}", std::process::id()));
+    if std::fs::create_dir_all(&dir).is_err() {
+        return Value::Null;
+    }
+    let seconds = 2;
+    let mut rows = Vec::new();
+    for size in [1024usize, 16 * 1024] {
+        let body = bodies(size, 1).pop().unwrap_or_default();
+        let script = dir.join(format!("post-{size}.lua"));
+        let lua = format!(
+            "wrk.method = \"POST\"\nwrk.headers[\"content-type\"] = \"application/json\"\nwrk.body = {}\n",
+            serde_json::to_string(&body).unwrap_or_default()
+        );
+        if std::fs::write(&script, lua).is_err() {
+            continue;
+        }
+        // (req/s, Envoy CPU ms per request, p50 µs, p99 µs)
+        let run = |envoy: &Envoy, connections: usize| -> Option<[f64; 4]> {
+            let pid = envoy.pid();
+            let cpu_before = process_cpu_s(pid)?;
+            let mut command = std::process::Command::new("taskset");
+            command.args(["-c", &LOAD_CPU.to_string(), "wrk"]);
+            let output = command
+                .args([
+                    "-t1",
+                    &format!("-c{connections}"),
+                    &format!("-d{seconds}s"),
+                    "--latency",
+                    "-s",
+                ])
+                .arg(&script)
+                .arg(format!("http://{}/v1/completions", envoy.listen))
+                .output()
+                .ok()?;
+            let cpu = process_cpu_s(pid)? - cpu_before;
+            let text = String::from_utf8_lossy(&output.stdout).to_string();
+            let rps: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix("Requests/sec:"))?
+                .trim()
+                .parse()
+                .ok()?;
+            let quantile = |q: &str| {
+                text.lines()
+                    .find_map(|l| l.trim().strip_prefix(q))
+                    .and_then(|v| wrk_us(v.trim()))
+            };
+            Some([
+                rps,
+                cpu * 1000.0 / (rps * seconds as f64).max(1.0),
+                quantile("50%")?,
+                quantile("99%")?,
+            ])
+        };
+        for envoy in targets {
+            let _ = run(envoy, 32); // warm-up
+        }
+        // Per target, per round: the loaded run, then the one-client run.
+        let mut loaded: [Vec<Option<[f64; 4]>>; 5] = Default::default();
+        let mut single: [Vec<Option<[f64; 4]>>; 5] = Default::default();
+        for round in 0..rounds {
+            for which in round_order(round) {
+                loaded[which].push(run(targets[which], 32));
+                single[which].push(run(targets[which], 1));
+            }
+        }
+        let median = |values: Vec<f64>| {
+            let mut values = values;
+            values.sort_by(f64::total_cmp);
+            values.get(values.len() / 2).copied()
+        };
+        // The median over rounds of `f(target's round, plain's round)`.
+        let over_rounds = |runs: &[Vec<Option<[f64; 4]>>; 5],
+                           which: usize,
+                           f: &dyn Fn([f64; 4], [f64; 4]) -> f64| {
+            median(
+                runs[which]
+                    .iter()
+                    .zip(&runs[1])
+                    .filter_map(|(r, p)| Some(f((*r)?, (*p)?)))
+                    .collect(),
+            )
+        };
+        let round2 = |v: Option<f64>, scale: f64| v.map(|v| (v * scale).round() / scale);
+        let mut row = serde_json::Map::new();
+        row.insert("bodyBytes".into(), json!(size));
+        for (which, name) in TARGETS.iter().enumerate() {
+            row.insert(
+                name.to_string(),
+                json!({
+                    "rps": round2(over_rounds(&loaded, which, &|r, _| r[0]), 1.0),
+                    "cpuSPer1000": round2(over_rounds(&loaded, which, &|r, _| r[1]), 1e4),
+                    "p50UsOneClient": round2(over_rounds(&single, which, &|r, _| r[2]), 1.0),
+                    "rpsRatioToPlain": round2(over_rounds(&loaded, which, &|r, p| r[0] / p[0]), 1e3),
+                    "cpuRatioToPlain": round2(over_rounds(&loaded, which, &|r, p| r[1] / p[1]), 100.0),
+                    "addedP50UsOneClient": round2(over_rounds(&single, which, &|r, p| r[2] - p[2]), 1.0),
+                    "addedP99UsOneClient": round2(over_rounds(&single, which, &|r, p| r[3] - p[3]), 1.0),
+                }),
+            );
+        }
+        eprintln!("overhead wrk: {}", Value::Object(row.clone()));
+        rows.push(Value::Object(row));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    json!({"method": format!("wrk -t1 -c32 -d{seconds}s (rate, Envoy CPU per request) and -c1 (latency) per Envoy, {rounds} interleaved rounds, medians over rounds (ratios and added latency: of each round's figure against plain's in the same round), {}", if pinned { format!("wrk on CPU {LOAD_CPU}, the Envoys on CPU {ENVOY_CPU}") } else { "unpinned".into() }), "rows": rows})
+}
+
+/// A wrk latency (`612.00us`, `1.20ms`) in µs.
+fn wrk_us(value: &str) -> Option<f64> {
+    let (number, scale) = if let Some(n) = value.strip_suffix("us") {
+        (n, 1.0)
+    } else if let Some(n) = value.strip_suffix("ms") {
+        (n, 1e3)
+    } else if let Some(n) = value.strip_suffix('s') {
+        (n, 1e6)
+    } else {
+        return None;
+    };
+    number.parse::<f64>().ok().map(|n| n * scale)
 }
 
 /// The prompt forms [`filter_time`] measures: endpoint, and whether the
@@ -451,38 +670,69 @@ pub fn filter_time_markdown(f: &Value) -> String {
 pub fn overhead_markdown(o: &Value) -> String {
     let mut out = String::from("## Overhead\n\n");
     out.push_str(&format!("{}.\n\n", o["method"].as_str().unwrap_or("")));
-    out.push_str("| body | concurrency | plain p50 / p99 µs | kvroute p50 / p99 µs | added p50 / p99 µs | filter's own time p50 / p99 µs (`latencyUs`) |\n|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| body | concurrency | plain p50 / p99 µs | native added p50 / p99 µs | native floor added p50 / p99 µs | wasm added p50 / p99 µs | floor added p50 / p99 µs | filter's own time p50 / p99 µs, native / wasm (`latencyUs`) |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for l in o["latency"].as_array().into_iter().flatten() {
+        let pair = |v: &Value| format!("{} / {}", v["p50"], v["p99"]);
         out.push_str(&format!(
-            "| {} KiB | {} | {} / {} | {} / {} | {} / {} | {} / {} |\n",
+            "| {} KiB | {} | {} | {} | {} | {} | {} | {} · {} |\n",
             l["bodyBytes"].as_u64().unwrap_or(0) / 1024,
             l["concurrency"],
-            l["plainUs"]["p50"],
-            l["plainUs"]["p99"],
-            l["kvrouteUs"]["p50"],
-            l["kvrouteUs"]["p99"],
-            l["addedUs"]["p50"],
-            l["addedUs"]["p99"],
-            l["filterUs"]["p50"],
-            l["filterUs"]["p99"],
+            pair(&l["us"]["plain"]),
+            pair(&l["addedUs"]["native"]),
+            pair(&l["addedUs"]["nativeFloor"]),
+            pair(&l["addedUs"]["wasm"]),
+            pair(&l["addedUs"]["floor"]),
+            pair(&l["filterUs"]["native"]),
+            pair(&l["filterUs"]["wasm"]),
         ));
     }
-    out.push_str("\n| body | concurrency | plain req/s | kvroute req/s | ratio | floor filter req/s | ratio | Envoy CPU-s per 1,000 requests: plain / floor / kvroute (its main thread) |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("\n| body | concurrency | plain req/s | native req/s (ratio) | native floor req/s (ratio) | wasm req/s (ratio) | floor req/s (ratio) | Envoy CPU-s per 1,000 requests: plain / native / native floor / wasm / floor | CPU ratio to plain: native / native floor / wasm / floor |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for s in o["saturation"].as_array().into_iter().flatten() {
+        let with_ratio = |name: &str| {
+            format!(
+                "{} ({:.1}%)",
+                s["rps"][name],
+                s["ratioToPlain"][name].as_f64().unwrap_or(0.0) * 100.0
+            )
+        };
         out.push_str(&format!(
-            "| {} KiB | {} | {} | {} | {:.1}% | {} | {:.1}% | {} / {} / {} ({}) |\n",
+            "| {} KiB | {} | {} | {} | {} | {} | {} | {} / {} / {} / {} / {} | {}× / {}× / {}× / {}× |\n",
             s["bodyBytes"].as_u64().unwrap_or(0) / 1024,
             s["concurrency"],
-            s["plainRps"],
-            s["kvrouteRps"],
-            s["ratio"].as_f64().unwrap_or(0.0) * 100.0,
-            s["floorRps"],
-            s["floorRatio"].as_f64().unwrap_or(0.0) * 100.0,
+            s["rps"]["plain"],
+            with_ratio("native"),
+            with_ratio("nativeFloor"),
+            with_ratio("wasm"),
+            with_ratio("floor"),
             s["envoyCpuSPer1000"]["plain"],
+            s["envoyCpuSPer1000"]["native"],
+            s["envoyCpuSPer1000"]["nativeFloor"],
+            s["envoyCpuSPer1000"]["wasm"],
             s["envoyCpuSPer1000"]["floor"],
-            s["envoyCpuSPer1000"]["kvroute"],
-            s["envoyCpuSPer1000"]["kvrouteMainThread"],
+            s["cpuRatioToPlain"]["native"],
+            s["cpuRatioToPlain"]["nativeFloor"],
+            s["cpuRatioToPlain"]["wasm"],
+            s["cpuRatioToPlain"]["floor"],
         ));
+    }
+    if let Some(rows) = o["wrk"]["rows"].as_array() {
+        out.push_str(&format!("\nIndependent check: {}.\n\n| body | Envoy | req/s (c32) | ratio to plain | Envoy CPU-s per 1,000 | CPU ratio to plain | p50 µs (c1) | added p50 / p99 µs (c1) |\n|---:|---|---:|---:|---:|---:|---:|---:|\n", o["wrk"]["method"].as_str().unwrap_or("")));
+        for row in rows {
+            for name in TARGETS {
+                let r = &row[name];
+                out.push_str(&format!(
+                    "| {} KiB | {name} | {} | {} | {} | {}× | {} | {} / {} |\n",
+                    row["bodyBytes"].as_u64().unwrap_or(0) / 1024,
+                    r["rps"],
+                    r["rpsRatioToPlain"],
+                    r["cpuSPer1000"],
+                    r["cpuRatioToPlain"],
+                    r["p50UsOneClient"],
+                    r["addedP50UsOneClient"],
+                    r["addedP99UsOneClient"],
+                ));
+            }
+        }
     }
     out.push('\n');
     out
@@ -534,7 +784,7 @@ fn stat_cpu_s(path: &str) -> Option<f64> {
 
 /// The series matching `name`, rendered alone: a full `/stats/prometheus`
 /// of 64 pods is itself a stall of the main thread the probe would measure.
-fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
+pub(super) fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
     crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}"))
         .map(|r| r.body)
         .unwrap_or_default()
@@ -630,6 +880,8 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     // full reports, publication.
     let ingest_cpu = thread_cpu_s(pid, pid).unwrap_or(0.0);
     let memory = metric(&cluster.envoy, "epp_index_memory_bytes");
+    // Envoy's resident memory with the whole index (2 workers).
+    let rss = rss_bytes(pid);
     let busy = service_busy(&cluster.envoy);
     eprintln!("scale: {nodes} nodes after {ingest_s:.1} s (cluster start {startup_s:.1} s)");
     let window = Duration::from_secs(if quick { 6 } else { 15 });
@@ -700,6 +952,8 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     resync_cpu.sort_by(f64::total_cmp);
     let resync_busy = service_busy(&cluster.envoy);
     Ok(json!({
+        "module": module_name(),
+        "envoyRssBytes": rss,
         "pods": pods,
         "preloadedBlocks": per_pod * pods,
         "indexNodes": nodes,
@@ -814,6 +1068,19 @@ fn churn(cluster: &Cluster, prompts: usize, bytes: usize, rate: f64, window: Dur
         }
     });
     n
+}
+
+/// The resident memory of process `pid` (`VmRSS`).
+fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// Folds the same preloaded caches into a native [`ClusterState`]: full
@@ -1042,6 +1309,7 @@ pub fn scale_markdown(s: &Value) -> String {
          | blocks preloaded (64 sims, `--preload-prompts`) | {} |\n\
          | `epp_prefix_tree_nodes` after ingest | {} |\n\
          | `epp_index_memory_bytes` | {} MB |\n\
+         | Envoy's resident memory after the ingest ({} build, 2 workers) | {} MB |\n\
          | sims + Envoy start until all blocks are indexed (full reports) | {} s wall; {} s Envoy main-thread CPU since its start |\n\
          | main-thread stall during that ingest: admin `/ready` latency p50 / p99 / max ({} probes, {} over 10 ms) | {} / {} / {} ms |\n\
          | of which Envoy's main thread on CPU (`schedstat`; the rest is waiting for a core) p50 / p99 / max ({} over 10 ms) | {} / {} / {} ms |\n\
@@ -1063,6 +1331,8 @@ pub fn scale_markdown(s: &Value) -> String {
             &json!(s["indexMemoryBytes"].as_f64().unwrap_or(0.0) / 1e6),
             1
         ),
+        s["module"].as_str().unwrap_or("?"),
+        f(&json!(s["envoyRssBytes"].as_f64().unwrap_or(0.0) / 1e6), 1),
         ((s["clusterStartS"].as_f64().unwrap_or(0.0) + s["ingestS"].as_f64().unwrap_or(0.0)) * 10.0).round() / 10.0,
         s["ingestMainThreadCpuS"],
         s["adminReadyDuringIngestMs"]["probes"],

@@ -40,6 +40,9 @@ pub enum Stack {
     Kvroute {
         cluster: Box<Cluster>,
         bridges: Vec<Bridge>,
+        /// Replicated gateways: Envoy's round robin spreading each request
+        /// over the kvroute Envoys (`--replicas`).
+        front: Option<Front>,
     },
     Baseline {
         sims: Vec<Sim>,
@@ -54,21 +57,43 @@ pub enum Stack {
     },
 }
 
+/// The balancer in front of replicated kvroute Envoys.
+pub struct Front {
+    envoy: Envoy,
+    dir: PathBuf,
+}
+
+impl Drop for Front {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
 impl Stack {
     /// Where clients send requests.
     pub fn listen(&self) -> &str {
         match self {
             Stack::Peer { router, .. } => &router.listen,
+            Stack::Kvroute {
+                front: Some(front), ..
+            } => &front.envoy.listen,
             _ => &self.envoy().expect("an Envoy stack").listen,
         }
     }
 
-    /// The Envoy in front of the pods (`None` for a peer router).
+    /// The Envoy in front of the pods (`None` for a peer router; the first
+    /// replica of a replicated gateway).
     pub fn envoy(&self) -> Option<&Envoy> {
+        self.envoys().into_iter().next()
+    }
+
+    /// Every Envoy routing to the pods (the replicas of a replicated
+    /// gateway; not the balancer in front of them).
+    pub fn envoys(&self) -> Vec<&Envoy> {
         match self {
-            Stack::Kvroute { cluster, .. } => Some(&cluster.envoy),
-            Stack::Baseline { envoy, .. } => Some(envoy),
-            Stack::Peer { .. } => None,
+            Stack::Kvroute { cluster, .. } => cluster.replicas().collect(),
+            Stack::Baseline { envoy, .. } => vec![envoy],
+            Stack::Peer { .. } => Vec::new(),
         }
     }
 
@@ -79,11 +104,12 @@ impl Stack {
         }
     }
 
-    /// The router's process (Envoy or the peer), whose CPU time is counted.
-    pub fn router_pid(&self) -> u32 {
+    /// The router's processes (the Envoys or the peer), whose CPU time is
+    /// counted.
+    pub fn router_pids(&self) -> Vec<u32> {
         match self {
-            Stack::Peer { router, .. } => router.pid(),
-            _ => self.envoy().expect("an Envoy stack").pid(),
+            Stack::Peer { router, .. } => vec![router.pid()],
+            _ => self.envoys().iter().map(|e| e.pid()).collect(),
         }
     }
 
@@ -102,8 +128,9 @@ impl Stack {
             _ => json!({
                 "router": "envoy",
                 "version": ENVOY_VERSION,
-                "command": "envoy --concurrency 2 --disable-hot-restart -l warning --component-log-level wasm:info",
+                "command": "envoy --concurrency 2 --disable-hot-restart -l warning --component-log-level wasm:info,dynamic_modules:info",
                 "path": "client → Envoy → pods",
+                "kvrouteBuild": crate::harness::module_name(),
             }),
         }
     }
@@ -164,27 +191,49 @@ impl From<io::Error> for StartError {
     }
 }
 
-/// Starts `policy`'s stack for `workload`.
-pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Stack, StartError> {
+/// Starts `policy`'s stack for `workload`; kvroute as `replicas` Envoys
+/// behind a round-robin Envoy when given (1 included: the same hop).
+pub fn start(
+    policy: &str,
+    workload: &Workload,
+    sim_binary: &Path,
+    replicas: Option<usize>,
+) -> Result<Stack, StartError> {
     let pod_args = sim_args(workload);
     if policy.starts_with("kvroute") {
         let approximate = policy == "kvroute-approx";
         let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, approximate));
         spec.sim_args = pod_args;
-        if !workload.stock_vllm || approximate {
+        spec.replicas = replicas.unwrap_or(1);
+        spec.per_pod_args = (0..workload.pods)
+            .map(|i| speed_args(workload, i))
+            .collect();
+        let mut bridges = Vec::new();
+        let cluster = if !workload.stock_vllm || approximate {
+            Box::new(Cluster::start(sim_binary, spec)?)
+        } else {
+            // Stock vLLM: reports come from one bridge per pod.
+            let ports: Vec<BridgePorts> = (0..workload.pods).map(|_| BridgePorts::free()).collect();
+            for (args, ports) in spec.per_pod_args.iter_mut().zip(&ports) {
+                args.extend(ports.sim_args());
+            }
+            spec.report_addresses = ports.iter().map(|p| Some(p.listen.clone())).collect();
             let cluster = Box::new(Cluster::start(sim_binary, spec)?);
-            return Ok(Stack::Kvroute {
-                cluster,
-                bridges: Vec::new(),
-            });
-        }
-        // Stock vLLM: reports come from one bridge per pod.
-        let ports: Vec<BridgePorts> = (0..workload.pods).map(|_| BridgePorts::free()).collect();
-        spec.per_pod_args = ports.iter().map(BridgePorts::sim_args).collect();
-        spec.report_addresses = ports.iter().map(|p| Some(p.listen.clone())).collect();
-        let cluster = Box::new(Cluster::start(sim_binary, spec)?);
-        let bridges = start_bridges(workload, &cluster, &ports, sim_binary)?;
-        return Ok(Stack::Kvroute { cluster, bridges });
+            bridges = start_bridges(workload, &cluster, &ports, sim_binary)?;
+            cluster
+        };
+        let front = match replicas {
+            Some(_) => {
+                let listens: Vec<String> = cluster.replicas().map(|e| e.listen.clone()).collect();
+                Some(start_front(&listens)?)
+            }
+            None => None,
+        };
+        return Ok(Stack::Kvroute {
+            cluster,
+            bridges,
+            front,
+        });
     }
     let peer = peers::peer(policy);
     let lb = lb_policy(policy);
@@ -228,6 +277,22 @@ pub fn start(policy: &str, workload: &Workload, sim_binary: &Path) -> Result<Sta
     let yaml = render_baseline(lb.expect("a baseline"), listen, admin, &addresses);
     let envoy = Envoy::start(&dir, &yaml, listen, admin)?;
     Ok(Stack::Baseline { sims, envoy, dir })
+}
+
+/// Envoy's round robin over `replicas` (their listeners): each request to
+/// the next replica, as a Kubernetes Service or a cloud balancer spreads
+/// connections' requests.
+fn start_front(replicas: &[String]) -> io::Result<Front> {
+    let dir = std::env::temp_dir().join(format!(
+        "kvroute-bench-front-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    fs::create_dir_all(&dir)?;
+    let (listen, admin) = (free_port(), free_port());
+    let yaml = render_baseline("ROUND_ROBIN", listen, admin, replicas);
+    let envoy = Envoy::start(&dir, &yaml, listen, admin)?;
+    Ok(Front { envoy, dir })
 }
 
 /// One kvroute-vllm-bridge per pod of `cluster` (the binary next to
@@ -299,8 +364,21 @@ fn start_pods(
     ports
         .iter()
         .enumerate()
-        .map(|(i, port)| Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, args))
+        .map(|(i, port)| {
+            let mut args = args.to_vec();
+            args.extend(speed_args(workload, i));
+            Sim::start_on(sim_binary, &format!("pod-{i}"), *port, &config_file, &args)
+        })
         .collect()
+}
+
+/// Pod `pod`'s `--prefill-speed`, in a mixed pool ([`Workload::prefill_speeds`]).
+fn speed_args(workload: &Workload, pod: usize) -> Vec<String> {
+    workload
+        .prefill_speeds
+        .get(pod)
+        .map(|speed| vec!["--prefill-speed".into(), speed.to_string()])
+        .unwrap_or_default()
 }
 
 /// Envoy's `lb_policy` for a baseline policy name.

@@ -100,6 +100,8 @@ pub struct Workload {
     pub bounds: Bounds,
     /// Stock-vLLM mode (see [`GenOptions::stock_vllm`]).
     pub stock_vllm: bool,
+    /// Per pod, its prefill speed ([`GenOptions::prefill_speeds`]).
+    pub prefill_speeds: Vec<f64>,
 }
 
 /// Knobs shared by the generators.
@@ -124,6 +126,9 @@ pub struct GenOptions {
     /// them through kvroute-vllm-bridge, and chat prompts are the chat
     /// template's rendering ([`STOCK_VLLM_CHAT_TEMPLATE`]).
     pub stock_vllm: bool,
+    /// Per pod, its prefill speed as a multiple of the cost model's
+    /// (`kvroute-sim --prefill-speed`); empty: all 1.
+    pub prefill_speeds: Vec<f64>,
 }
 
 /// The tokenizer of the pods in stock-vLLM mode (`kvroute-sim --tokenizer`).
@@ -444,6 +449,7 @@ fn assemble(
         agents,
         bounds,
         stock_vllm: opts.stock_vllm,
+        prefill_speeds: opts.prefill_speeds.clone(),
     }
 }
 
@@ -1020,6 +1026,7 @@ mod tests {
             trace_offset: None,
             plugin_extra: json!({}),
             stock_vllm: false,
+            prefill_speeds: Vec::new(),
         }
     }
 

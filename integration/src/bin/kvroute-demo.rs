@@ -1,7 +1,14 @@
 //! `make run`: 4 simulated vLLM pods and Envoy with kvroute on
-//! 127.0.0.1:10000 (admin 127.0.0.1:9901), a short multi-turn demo workload
+//! 127.0.0.1:10000 (admin 127.0.0.1:9901), a multi-turn demo workload
 //! through it, a per-pod table, the same workload under round robin on 4
 //! fresh pods for comparison, then serving until Ctrl-C.
+//!
+//! The conversations run concurrently, each user sending a turn when the
+//! last answer arrived and a short read, each turn adding a 2,048-token
+//! document: a closed loop that keeps the pods' prefill engines about 60 %
+//! busy when spread evenly and overloads any two of them, so that where a
+//! request goes decides how long it waits. One request at a time would put every turn on the pod caching
+//! the system prompt, which no pod's queue would ever argue against.
 
 use std::path::{Path, PathBuf};
 
@@ -9,9 +16,11 @@ use kvroute_integration::harness::{filler_text, Cluster, ClusterSpec, Sim};
 use kvroute_integration::http;
 use serde_json::{json, Value};
 
-const USERS: usize = 10;
-const TURNS: usize = 4;
+const USERS: usize = 16;
+const TURNS: usize = 5;
 const TIME_SCALE: &str = "0.1";
+/// A user reads an answer this long before the next turn.
+const READ_MS: u64 = 150;
 
 fn sim_binary() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
@@ -26,32 +35,34 @@ fn config() -> Value {
     })
 }
 
-/// Runs the multi-turn workload: each user's turn is a chat request with
-/// the shared system prompt and the user's whole history, sent by `send`.
-fn workload(mut send: impl FnMut(&Value) -> Value) {
+/// Runs the multi-turn workload: every user at once, each turn a chat
+/// request with the shared system prompt and the user's whole history,
+/// sent by `send` (from one thread per user).
+fn workload(send: impl Fn(&Value) -> Value + Sync) {
     let system = filler_text(
         "You are the support assistant for the ACME cloud; policies",
         3072,
     );
-    let mut histories: Vec<Vec<Value>> = (0..USERS)
-        .map(|u| {
-            vec![
-                json!({"role": "system", "content": system}),
-                json!({"role": "user", "content": filler_text(&format!("customer {u} describes the incident"), 1536)}),
-            ]
-        })
-        .collect();
-    for turn in 0..TURNS {
-        for (user, history) in histories.iter_mut().enumerate() {
-            let body = json!({"model": "sim-model", "messages": history, "max_tokens": 32});
-            let response = send(&body);
-            let answer = response["choices"][0]["message"]["content"].clone();
-            history.push(json!({"role": "assistant", "content": answer}));
-            history.push(json!({"role": "user", "content": filler_text(&format!("customer {user} follow-up {turn}"), 384)}));
+    std::thread::scope(|scope| {
+        for user in 0..USERS {
+            let (send, system) = (&send, &system);
+            scope.spawn(move || {
+                // Users arrive over the first second.
+                std::thread::sleep(std::time::Duration::from_millis(user as u64 * 60));
+                let mut history = vec![
+                    json!({"role": "system", "content": system}),
+                    json!({"role": "user", "content": filler_text(&format!("customer {user} describes the incident"), 1536)}),
+                ];
+                for turn in 0..TURNS {
+                    let body = json!({"model": "sim-model", "messages": history, "max_tokens": 32});
+                    let answer = send(&body)["choices"][0]["message"]["content"].clone();
+                    history.push(json!({"role": "assistant", "content": answer}));
+                    history.push(json!({"role": "user", "content": filler_text(&format!("customer {user} follow-up {turn}"), 8192)}));
+                    std::thread::sleep(std::time::Duration::from_millis(READ_MS));
+                }
+            });
         }
-        // Users read the answer before the next turn; pods report meanwhile.
-        std::thread::sleep(std::time::Duration::from_millis(600));
-    }
+    });
 }
 
 fn post(addr: &str, body: &Value) -> Value {
@@ -91,6 +102,13 @@ fn mean_ttft(rows: &[PodRow]) -> f64 {
     rows.iter().map(|r| r.ttft_ms_sum).sum::<f64>() / requests.max(1) as f64
 }
 
+/// The busiest pod's share of the requests, as a multiple of a fair share.
+fn max_share(rows: &[PodRow]) -> f64 {
+    let requests: u64 = rows.iter().map(|r| r.requests).sum();
+    let busiest = rows.iter().map(|r| r.requests).max().unwrap_or(0);
+    busiest as f64 * rows.len() as f64 / requests.max(1) as f64
+}
+
 fn main() {
     let sim = sim_binary();
     let mut spec = ClusterSpec::new(4, config());
@@ -118,16 +136,17 @@ fn main() {
         })
         .collect::<Result<_, _>>()
         .expect("round-robin pods start");
-    let mut next = 0;
+    let next = std::sync::atomic::AtomicUsize::new(0);
     workload(|body| {
-        let pod = &fresh[next % fresh.len()];
-        next += 1;
-        post(&pod.address, body)
+        let turn = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        post(&fresh[turn % fresh.len()].address, body)
     });
     let rr_rows: Vec<PodRow> = fresh.iter().map(row).collect();
     drop(fresh);
 
-    println!("\nkvroute, {USERS} conversations × {TURNS} turns (time scale {TIME_SCALE}):\n");
+    println!(
+        "\nkvroute, {USERS} concurrent conversations × {TURNS} turns (time scale {TIME_SCALE}):\n"
+    );
     println!("| pod | requests | cache hit rate | mean TTFT (ms) |");
     println!("|-----|---------:|---------------:|---------------:|");
     for r in &rows {
@@ -145,11 +164,17 @@ fn main() {
         100.0 * hit_rate(&rows),
         mean_ttft(&rows)
     );
-    println!(
-        "\nround robin, same workload: cache hit rate {:.1}%, mean TTFT {:.1} ms\n",
-        100.0 * hit_rate(&rr_rows),
-        mean_ttft(&rr_rows)
-    );
+    println!("\n| router | cache hit rate | mean TTFT (ms) | max pod share |");
+    println!("|--------|---------------:|---------------:|--------------:|");
+    for (router, rows) in [("kvroute", &rows), ("round robin", &rr_rows)] {
+        println!(
+            "| {router} | {:.1}% | {:.1} | {:.2}× fair |",
+            100.0 * hit_rate(rows),
+            mean_ttft(rows),
+            max_share(rows)
+        );
+    }
+    println!();
     println!("kvroute is serving on http://{listen} — try:\n");
     println!(
         "  curl -s http://{listen}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"sim-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":8}}' -i"

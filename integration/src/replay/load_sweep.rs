@@ -47,7 +47,11 @@ pub fn cache_blind_rps(workload: &Workload, pods: &PodSpec, time_scale: f64) -> 
         .iter()
         .map(|r| (r.prompt_tokens, r.output_tokens.max(1)))
         .collect();
-    capacity(&pairs, time_scale, pods.count, pods.max_batch)
+    let mean_speed = (0..pods.count)
+        .map(|pod| pods.prefill_speeds.get(pod).copied().unwrap_or(1.0))
+        .sum::<f64>()
+        / pods.count.max(1) as f64;
+    capacity(&pairs, time_scale, pods.count, pods.max_batch) * mean_speed
 }
 
 /// The trace's own request rate (requests per second of trace time).
@@ -115,13 +119,13 @@ fn policies_of(points: &[LoadPoint]) -> Vec<Policy> {
 /// loads.
 pub fn markdown(points: &[LoadPoint], pooled_bound: f64, target_ms: f64) -> String {
     let mut out = String::from(
-        "| load | policy | hit rate | % of pooled bound | TTFT p50 | TTFT p90 | TTFT p99 | 503s | wait p50 | wait p99 | max pod share |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| load | policy | hit rate | % of pooled bound | TTFT p50 | TTFT p90 | TTFT p99 | 503s | wait p50 | wait p99 | max pod share | TTFT model error p50 |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             out,
-            "| {:.2}× | {} | {:.1} % | {:.0} % | {} | {} | {} | {} | {} | {} | {:.1} % |",
+            "| {:.2}× | {} | {:.1} % | {:.0} % | {} | {} | {} | {} | {} | {} | {:.1} % | {} |",
             p.load,
             p.policy.name(),
             s.hit_rate * 100.0,
@@ -132,7 +136,9 @@ pub fn markdown(points: &[LoadPoint], pooled_bound: f64, target_ms: f64) -> Stri
             s.rejections,
             millis(s.wait_p50_ms),
             millis(s.wait_p99_ms),
-            s.max_pod_share * 100.0
+            s.max_pod_share * 100.0,
+            s.prediction_error_p50
+                .map_or("–".into(), |e| format!("{:.0} %", e * 100.0))
         );
     }
     let baseline = sustained(points, Policy::RoundRobin, target_ms);
@@ -173,7 +179,7 @@ pub fn json(points: &[LoadPoint], pooled_bound: f64, target_ms: f64) -> Value {
                    "hitRate": s.hit_rate, "ofPooledBound": s.hit_rate / pooled_bound.max(1e-9),
                    "ttftP50Ms": s.ttft_p50_ms, "ttftP90Ms": s.ttft_p90_ms, "ttftP99Ms": s.ttft_p99_ms,
                    "rejections": s.rejections, "waitP50Ms": s.wait_p50_ms, "waitP99Ms": s.wait_p99_ms,
-                   "maxPodShare": s.max_pod_share})
+                   "maxPodShare": s.max_pod_share, "ttftPredictionErrorP50": s.prediction_error_p50})
         })
         .collect();
     let sustained: serde_json::Map<String, Value> = policies_of(points)

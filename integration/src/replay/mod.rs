@@ -13,6 +13,7 @@
 //! - [`load_sweep`]: every policy across offered loads (`--load-sweep`);
 //! - [`heatmap`]: the sweep's PNG.
 
+pub mod azure;
 pub mod engine;
 pub mod heatmap;
 pub mod load_sweep;
@@ -52,8 +53,10 @@ pub struct ReplayArgs {
     /// The trace (JSONL).
     #[arg(long)]
     pub trace: PathBuf,
-    /// `mooncake` ({"timestamp","input_length","output_length","hash_ids"} per line)
-    /// or `openai` ({"timestamp", "path"?, "body": {...}} per line).
+    /// `mooncake` ({"timestamp","input_length","output_length","hash_ids"} per line),
+    /// `openai` ({"timestamp", "path"?, "body": {...}} per line) or `azure`
+    /// (the Azure LLM inference trace's CSV: TIMESTAMP,ContextTokens,GeneratedTokens;
+    /// conversations rebuilt as in `kvroute_integration::replay::azure`).
     #[arg(long, default_value = "mooncake", value_parser = parse_format)]
     pub format: Format,
     /// Number of simulated pods.
@@ -66,6 +69,12 @@ pub struct ReplayArgs {
     /// Sequence slots per pod (vLLM's `max_num_seqs`; the rest queue, FIFO).
     #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
+    /// CPU-tier blocks per pod, as `kvroute-sim --cpu-kv-blocks` (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_kv_blocks: usize,
+    /// GB/s of CPU-tier reloads, as `kvroute-sim --cpu-reload-gbps`.
+    #[arg(long, default_value_t = crate::model::PCIE_GBPS)]
+    pub cpu_reload_gbps: f64,
     /// Divides every trace timestamp.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -112,17 +121,24 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Tokens per router block (blockSizeTokens; blockSizeBytes = 4×).
-    /// Default: 512 without --config, else the config's.
+    /// Default: the config's (without --config the filter's, but 512 for
+    /// a Mooncake trace: one hash id).
     #[arg(long)]
     pub block_tokens: Option<usize>,
     /// Override maxPrefixBlocks.
     #[arg(long)]
     pub max_prefix_blocks: Option<usize>,
-    /// Every pod excluded: `reject` (503, the client retries after
-    /// retryAfterSeconds) or `wait` in the gateway (maxWaitingRequests,
-    /// maxWaitMs of the config), as the proxy does by default.
-    #[arg(long, default_value = "reject", value_parser = parse_no_pod)]
-    pub on_no_eligible_pod: NoPodPolicy,
+    /// Every pod excluded: `wait` in the gateway (maxWaitingRequests,
+    /// maxWaitMs of the config) or `reject` (503, the client retries after
+    /// retryAfterSeconds). Default: the config's `onNoEligiblePod` (the
+    /// filter's default, `wait`).
+    #[arg(long, value_parser = parse_no_pod)]
+    pub on_no_eligible_pod: Option<NoPodPolicy>,
+    /// Per pod, its prefill speed as a multiple of the cost model's
+    /// (comma-separated, e.g. `1,1,0.5,0.5` for two fast and two
+    /// half-speed pods); pods past the list run at 1.
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_speeds: Vec<f64>,
     /// Model name of Mooncake requests.
     #[arg(long, default_value = workload::DEFAULT_MODEL)]
     pub model: String,
@@ -139,6 +155,14 @@ pub struct ReplayArgs {
     /// Threads for --sweep (results do not depend on it).
     #[arg(long, default_value_t = 1)]
     pub jobs: usize,
+    /// Replay the real-Envoy benchmark's workload of this name instead
+    /// (shared-prefix, multi-turn, lora, trace, agentic, long-context; the
+    /// trace workload reads `--trace`): its requests, pods, cache sizes
+    /// and time scale, open loop at the planned arrival times (a closed
+    /// loop's turns arrive as planned with every prefix cached, not when
+    /// the previous answer ends; adapters are not modelled).
+    #[arg(long)]
+    pub bench_workload: Option<String>,
     /// Also write the Mooncake trace as OpenAI JSONL (the bodies the
     /// real-Envoy benchmark sends) to this file.
     #[arg(long)]
@@ -149,7 +173,10 @@ fn parse_format(text: &str) -> Result<Format, String> {
     match text {
         "mooncake" => Ok(Format::Mooncake),
         "openai" => Ok(Format::OpenAi),
-        other => Err(format!("unknown format {other:?} (mooncake or openai)")),
+        "azure" => Ok(Format::AzureConv),
+        other => Err(format!(
+            "unknown format {other:?} (mooncake, openai or azure)"
+        )),
     }
 }
 
@@ -217,11 +244,14 @@ pub fn router_config(args: &ReplayArgs) -> Result<Config, String> {
             serde_json::from_str::<Config>(&text)
                 .map_err(|e| format!("invalid kvroute configuration {}: {e}", path.display()))?
         }
-        None => Config {
+        // The filter's defaults, but for a Mooncake trace's blocks: one
+        // hash id is 512 tokens, so a smaller block would only split ids.
+        None if args.format == Format::Mooncake => Config {
             block_size_tokens: DEFAULT_BLOCK_TOKENS,
             block_size_bytes: DEFAULT_BLOCK_TOKENS * kvroute::hashing::BYTES_PER_TOKEN,
             ..Config::default()
         },
+        None => Config::default(),
     };
     if let Some(tokens) = args.block_tokens {
         config.block_size_tokens = tokens;
@@ -248,7 +278,9 @@ pub fn router_config(args: &ReplayArgs) -> Result<Config, String> {
     config.pods = sim_pods(args.pods);
     config.discovery = None;
     config.fallback_pod = None;
-    config.on_no_eligible_pod = args.on_no_eligible_pod;
+    if let Some(policy) = args.on_no_eligible_pod {
+        config.on_no_eligible_pod = policy;
+    }
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)
 }
@@ -256,6 +288,9 @@ pub fn router_config(args: &ReplayArgs) -> Result<Config, String> {
 /// Runs one invocation: prints the markdown report to `stdout` and writes
 /// the `--out` files.
 pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> {
+    if let Some(name) = &args.bench_workload {
+        return run_bench_workload(args, name, stdout);
+    }
     let started = Instant::now();
     if !(args.speedup.is_finite() && args.speedup > 0.0) {
         return Err("--speedup must be a positive number".into());
@@ -266,13 +301,17 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
     if args.max_batch == 0 {
         return Err("--max-batch must be >= 1".into());
     }
+    if args
+        .prefill_speeds
+        .iter()
+        .any(|s| !(s.is_finite() && *s > 0.0))
+    {
+        return Err("--prefill-speeds must be positive numbers".into());
+    }
     let sweep_spec = args.sweep.as_deref().map(SweepSpec::parse).transpose()?;
     let mut config = router_config(args)?;
     if let Some(path) = &args.emit_openai {
-        if args.format != Format::Mooncake {
-            return Err("--emit-openai needs a Mooncake trace".into());
-        }
-        emit_openai(&args.trace, path, &args.model)?;
+        emit_openai(args.format, &args.trace, path, &args.model)?;
     }
     let workload = Workload::load(&args.trace, args.format, &config, &args.model, args.speedup)
         .map_err(|e| format!("{}: {e}", args.trace.display()))?
@@ -286,11 +325,16 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
     }
     config.pod_capacity_blocks = kv_blocks;
     config.validate().map_err(|e| e.to_string())?;
+    if !(args.cpu_reload_gbps.is_finite() && args.cpu_reload_gbps > 0.0) {
+        return Err("--cpu-reload-gbps must be a positive number".into());
+    }
     let pods = PodSpec {
         count: args.pods,
         kv_blocks,
+        cpu_kv_blocks: args.cpu_kv_blocks,
         max_batch: args.max_batch,
-        cost: CostModel::gpu_8b(args.time_scale),
+        cost: CostModel::gpu_8b(args.time_scale).with_reload_gbps(args.cpu_reload_gbps),
+        prefill_speeds: args.prefill_speeds.clone(),
     };
     let pooled_bound = cache_bound(&workload, Some(kv_blocks * args.pods));
     let infinite_bound = cache_bound(&workload, None);
@@ -408,13 +452,142 @@ pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> 
     Ok(report)
 }
 
-fn emit_openai(trace: &Path, path: &Path, model: &str) -> Result<(), String> {
-    let requests =
-        crate::trace::read_mooncake(trace).map_err(|e| format!("{}: {e}", trace.display()))?;
+/// `--bench-workload`: the benchmark's workload `name` replayed offline,
+/// every policy side by side, as a Markdown table.
+fn run_bench_workload(
+    args: &ReplayArgs,
+    name: &str,
+    stdout: &mut dyn Write,
+) -> Result<Report, String> {
+    let options = crate::bench::workload::GenOptions {
+        quick: false,
+        seed: args.seed,
+        load: 0.7,
+        pods: args.pods,
+        trace_path: args.trace.clone(),
+        speedup: None,
+        trace_requests: None,
+        trace_offset: None,
+        plugin_extra: json!({}),
+        stock_vllm: false,
+        prefill_speeds: args.prefill_speeds.clone(),
+    };
+    let bench = crate::bench::workload::build(name, &options)?;
+    let mut plugin = bench.plugin.clone();
+    if let Some(path) = &args.config {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
+        let extra: Value =
+            serde_json::from_str(&text).map_err(|e| format!("--config {}: {e}", path.display()))?;
+        if let (Some(target), Some(extra)) = (plugin.as_object_mut(), extra.as_object()) {
+            target.extend(extra.clone());
+        }
+    }
+    plugin["pods"] = serde_json::to_value(
+        sim_pods(bench.pods)
+            .iter()
+            .map(|p| json!({"id": p.id, "address": p.address}))
+            .collect::<Vec<_>>(),
+    )
+    .map_err(|e| e.to_string())?;
+    plugin["podCapacityBlocks"] = json!(bench.kv_blocks);
+    if let Some(ms) = args.report_interval_ms {
+        plugin["podReportIntervalMs"] = json!(ms);
+    }
+    if let Some(mode) = args.mode {
+        plugin["mode"] = json!(mode_name(mode));
+    }
+    let config = Config::parse(plugin.to_string().as_bytes()).map_err(|e| e.to_string())?;
+    let workload = Workload {
+        requests: bench
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Request {
+                line: i + 1,
+                arrival_us: (r.at_s * 1e6 / args.speedup) as u64,
+                prompt_tokens: r.prompt_tokens,
+                output_tokens: r.output_tokens.max(1),
+                chain: r.chain.clone(),
+                coverage: r.coverage,
+                routable: true,
+                session_key: xxhash_rust::xxh64::xxh64(r.session.as_bytes(), 0),
+            })
+            .collect(),
+        reordered: 0,
+    };
+    let pods = PodSpec {
+        count: bench.pods,
+        kv_blocks: bench.kv_blocks,
+        cpu_kv_blocks: 0,
+        max_batch: bench.max_batch,
+        cost: CostModel::gpu_8b(bench.time_scale),
+        prefill_speeds: args.prefill_speeds.clone(),
+    };
+    let runs: Vec<RunResult> = args
+        .policies
+        .iter()
+        .map(|&policy| simulate(&workload, &pods, policy, &config, args.seed))
+        .collect();
+    let pooled_bound = bench.bounds.pooled;
+    let mut markdown = format!(
+        "## kvroute-replay: bench workload {name} (open loop, time scale {}, speedup {})\n\n{}\n\n| policy | hit rate | of pooled bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | max pod share (× fair) | prefill per pod % | TTFT model error p50 |\n|---|---:|---:|---:|---:|---:|---:|---|---:|\n",
+        bench.time_scale, args.speedup, bench.description
+    );
+    for run in &runs {
+        let m = &run.summary;
+        let _ = writeln!(
+            markdown,
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2}× | {} | {} |",
+            run.policy.name(),
+            pct(m.hit_rate),
+            pct(m.hit_rate / pooled_bound.max(1e-9)),
+            m.ttft_p50_ms,
+            m.ttft_p90_ms,
+            m.ttft_p99_ms,
+            m.max_pod_share * bench.pods as f64,
+            m.prefill_shares
+                .iter()
+                .map(|&share| format!("{:.0}", share * 100.0))
+                .collect::<Vec<_>>()
+                .join("/"),
+            m.prediction_error_p50.map_or("–".into(), pct)
+        );
+    }
+    stdout
+        .write_all(markdown.as_bytes())
+        .map_err(|e| e.to_string())?;
+    Ok(Report {
+        config,
+        requests: workload.requests.len(),
+        unique_blocks: workload.unique_blocks(),
+        pods,
+        kv_blocks_derived: false,
+        runs,
+        pooled_bound,
+        infinite_bound: bench.bounds.infinite,
+        sweep: None,
+        markdown,
+    })
+}
+
+fn emit_openai(format: Format, trace: &Path, path: &Path, model: &str) -> Result<(), String> {
+    let in_trace = |e: crate::trace::TraceError| format!("{}: {e}", trace.display());
+    let lines: Vec<Value> = match format {
+        Format::Mooncake => crate::trace::read_mooncake(trace)
+            .map_err(in_trace)?
+            .iter()
+            .map(|r| crate::trace::openai_line(r, model))
+            .collect(),
+        Format::AzureConv => {
+            azure::openai_lines(&azure::read(trace).map_err(in_trace)?, model).map_err(in_trace)?
+        }
+        Format::OpenAi => return Err("--emit-openai needs a Mooncake or Azure trace".into()),
+    };
     let file = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);
-    for r in &requests {
-        serde_json::to_writer(&mut out, &crate::trace::openai_line(r, model))
+    for line in &lines {
+        serde_json::to_writer(&mut out, line)
             .and_then(|_| out.write_all(b"\n").map_err(serde_json::Error::io))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
@@ -489,31 +662,39 @@ fn markdown(args: &ReplayArgs, report: &Report, workload: &Workload) -> String {
     );
     let _ = writeln!(
         s,
-        "| policy | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | TTFT mean (ms) | max pod share | 503s |"
+        "| policy | hit rate | of pooled bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | TTFT mean (ms) | max pod share | prefill per pod | 503s | TTFT model error p50 |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|");
     for run in &report.runs {
         let m = &run.summary;
         let _ = writeln!(
             s,
-            "| {} | {} | {:.0} | {:.0} | {:.0} | {} | {} |",
+            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} |",
             run.policy.name(),
             pct(m.hit_rate),
+            pct(m.hit_rate / report.pooled_bound.max(1e-9)),
             m.ttft_p50_ms,
+            m.ttft_p90_ms,
             m.ttft_p99_ms,
             m.ttft_mean_ms,
             pct(m.max_pod_share),
-            m.rejections
+            m.prefill_shares
+                .iter()
+                .map(|&share| format!("{:.0}", share * 100.0))
+                .collect::<Vec<_>>()
+                .join("/"),
+            m.rejections,
+            m.prediction_error_p50.map_or("–".into(), pct)
         );
     }
     let _ = writeln!(
         s,
-        "| pooled-cache bound | {} | – | – | – | – | – |",
+        "| pooled-cache bound | {} | 100% | – | – | – | – | – | – | – | – |",
         pct(report.pooled_bound)
     );
     let _ = writeln!(
         s,
-        "| infinite-cache bound | {} | – | – | – | – | – |",
+        "| infinite-cache bound | {} | – | – | – | – | – | – | – | – | – |",
         pct(report.infinite_bound)
     );
     if let Some(sweep) = &report.sweep {
@@ -607,8 +788,12 @@ fn summary_json(m: &Summary) -> Value {
     json!({
         "requests": m.requests,
         "hitRate": m.hit_rate,
+        "cpuHitRate": m.cpu_hit_rate,
         "ttftP50Ms": m.ttft_p50_ms,
+        "ttftP90Ms": m.ttft_p90_ms,
         "ttftP99Ms": m.ttft_p99_ms,
+        "prefillShares": m.prefill_shares,
+        "ttftPredictionErrorP50": m.prediction_error_p50,
         "ttftMeanMs": m.ttft_mean_ms,
         "maxPodShare": m.max_pod_share,
         "podShares": m.pod_shares,
@@ -652,7 +837,7 @@ pub fn results_json(args: &ReplayArgs, report: &Report) -> Value {
     });
     json!({
         "trace": args.trace.display().to_string(),
-        "format": match args.format { Format::Mooncake => "mooncake", Format::OpenAi => "openai" },
+        "format": match args.format { Format::Mooncake => "mooncake", Format::OpenAi => "openai", Format::AzureConv => "azure" },
         "requests": report.requests,
         "uniqueBlocks": report.unique_blocks,
         "pods": {

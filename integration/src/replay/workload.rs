@@ -51,6 +51,8 @@ pub struct Workload {
 pub enum Format {
     Mooncake,
     OpenAi,
+    /// The Azure LLM inference trace's CSV ([`super::azure`]).
+    AzureConv,
 }
 
 /// The model name Mooncake requests are sent as.
@@ -75,6 +77,7 @@ impl Workload {
                     .map_err(|e| TraceError::new(0, path.display().to_string(), e.to_string()))?;
                 Workload::from_openai(&text, config, speedup)
             }
+            Format::AzureConv => super::azure::load(path, config, model, speedup),
         }
     }
 
@@ -197,7 +200,7 @@ impl Workload {
         Ok(Workload::sorted(out))
     }
 
-    fn sorted(mut requests: Vec<Request>) -> Workload {
+    pub(crate) fn sorted(mut requests: Vec<Request>) -> Workload {
         let reordered = requests
             .windows(2)
             .filter(|w| w[1].arrival_us < w[0].arrival_us)

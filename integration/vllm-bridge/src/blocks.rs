@@ -25,8 +25,13 @@
 //! filter seeds a salted request's ([`ChainSeed::salted`]). A block whose
 //! extra keys hold anything else (multimodal inputs, prompt embeddings:
 //! the filter hashes text and token IDs only) is left out and counted.
-//! Older vLLM publishes no `extra_keys`: its salted blocks are keyed as
-//! unsalted ones.
+//! Extra keys of a shape vLLM does not send today (the typed form proposed
+//! upstream, a salt that is not a string, a salt past a chain's first
+//! block, more or fewer entries than blocks) are refused for that block,
+//! counted apart and described for the log; the rest of the batch applies.
+//! A refused block takes the blocks after it in its event along (their
+//! chain continues it). Older vLLM publishes no `extra_keys`: its salted
+//! blocks are keyed as unsalted ones.
 //!
 //! **Text keys** (with a tokenizer, `--tokenizer`). The filter hashes text
 //! and chat prompts as bytes, in blocks of `blockSizeBytes` (text mode).
@@ -42,17 +47,40 @@
 //!
 //! The vLLM → kvroute mapping is kept so `BlockRemoved` can be applied.
 //! Several vLLM blocks may carry one kvroute key (vLLM also hashes
-//! `cache_salt` and multimodal keys; a hash may also sit in two media), so
-//! keys are reference-counted: stored on the first, removed with the last.
-//! Changes go to a [`ReportLog`] that protocol v1 reports are built from.
+//! `cache_salt` and multimodal keys), so keys are reference-counted:
+//! stored on the first, removed with the last. Changes go to a
+//! [`ReportLog`] that protocol v1 reports are built from.
+//!
+//! **Tiers.** With KV offloading (vLLM's offloading connector, LMCache)
+//! vLLM keeps copies of a block in several media (`GPU`, `CPU`, storage)
+//! and reports each copy's store and removal with its `medium`. Copies are
+//! counted per medium, for each vLLM block and for each kvroute key (over
+//! the vLLM blocks carrying it): a block in two media counts once in each,
+//! and a removal from one leaves the other. A key is reported in the
+//! fastest tier holding a copy ([`Tier`]: GPU, CPU, disk); when that
+//! changes (the GPU copy evicted while a CPU copy stays, or a CPU copy
+//! reloaded to the GPU) it is logged as stored again, in its new tier.
+//! A copy named by hash only (vLLM's offloading connector without
+//! self-describing events publishes no token ids) is a copy of a block
+//! keyed before; one of a block never keyed is counted and left out. A
+//! self-describing copy (token ids, parent) is keyed like a GPU store.
+//! `medium` names, in any case: none or `GPU`; names holding `CPU` (vLLM,
+//! SGLang's `CPU_TIER1`/`CPU_TIER2`, LMCache's CPU backend); names holding
+//! `DISK`, or `STORAGE` (vLLM's storage tier). Another name is refused,
+//! counted and logged. `AllBlocksCleared` drops every medium: vLLM sends it
+//! on a prefix-cache reset, and dropping copies that may survive costs
+//! hits, never a stale route. LMCache publishes stores but no removals,
+//! in its chunk size (256 tokens by default): such chunks are left out by
+//! size unless it equals `blockSizeTokens`, and should be, since their
+//! eviction would never be seen.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvroute::hashing::{
     BlockLayout, BlockMode, ChainSeed, ChainStep, TextChainCursor, TokenChainCursor,
 };
-use kvroute::report::StoredChain;
+use kvroute::report::{StoredChain, Tier};
 use kvroute::report_log::{chain_segments, ReportLog};
 use rmpv::Value as Msgpack;
 use serde_json::{Map, Value};
@@ -108,52 +136,123 @@ struct Mapped {
     /// The text-mode keys it completed, in chain order.
     text_keys: Vec<u64>,
     chain: Chains,
-    /// How many times vLLM stored this hash without removing it.
-    refs: u32,
+    /// The vLLM block it continues (`None`: it opens a chain).
+    parent: Option<u64>,
+    /// How many times vLLM stored this hash in each medium without
+    /// removing it.
+    copies: Copies,
+}
+
+/// Copies of a block per tier (vLLM's `medium`), indexed by
+/// [`Tier::index`]: a block in two media counts once in each, and a
+/// removal from one leaves the other.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Copies([u32; 3]);
+
+impl Copies {
+    /// The fastest tier holding a copy (`None`: no copy left).
+    fn best(&self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|tier| self.0[tier.index()] > 0)
+    }
+
+    fn add(&mut self, tier: Tier) {
+        self.0[tier.index()] += 1;
+    }
+
+    /// One copy in `tier` fewer; `false` when there was none.
+    fn take(&mut self, tier: Tier) -> bool {
+        let copies = &mut self.0[tier.index()];
+        let had = *copies > 0;
+        *copies = copies.saturating_sub(1);
+        had
+    }
+
+    fn in_tier(&self, tier: Tier) -> u32 {
+        self.0[tier.index()]
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Key {
     parent: Option<u64>,
-    refs: u32,
+    copies: Copies,
     /// A text-mode key.
     text: bool,
 }
 
-/// The kvroute keys held, reference-counted, and the log of their changes.
+/// The kvroute keys held, counted per tier, and the log of their changes:
+/// a key is reported in the fastest tier any vLLM block carrying it is in.
 struct Held {
     keys: HashMap<u64, Key>,
     /// How many of `keys` are text-mode keys.
     text: usize,
+    /// How many of `keys` are reported in each tier.
+    by_tier: [usize; 3],
     log: ReportLog,
 }
 
 impl Held {
-    /// One more vLLM block carries `key`: stored with the first.
-    fn hold(&mut self, key: u64, parent: Option<u64>, text: bool) {
+    /// One more vLLM block in `tier` carries `key`: stored with the first,
+    /// moved when `tier` is faster than the key's.
+    fn hold(&mut self, key: u64, parent: Option<u64>, text: bool, tier: Tier) {
         let held = self.keys.entry(key).or_insert(Key {
             parent,
-            refs: 0,
+            copies: Copies::default(),
             text,
         });
-        held.refs += 1;
-        if held.refs == 1 {
+        let before = held.copies.best();
+        held.copies.add(tier);
+        let after = held.copies.best();
+        if before.is_none() {
             self.text += usize::from(text);
-            self.log.push(key, parent, true);
+        }
+        self.moved(key, parent, before, after);
+    }
+
+    /// One more vLLM block in `tier` carries `key`, which is held already.
+    fn hold_again(&mut self, key: u64, tier: Tier) {
+        if let Some(held) = self.keys.get(&key) {
+            self.hold(key, held.parent, held.text, tier);
         }
     }
 
-    /// One vLLM block fewer carries `key`: removed with the last.
-    fn release(&mut self, key: u64) {
+    /// One vLLM block in `tier` fewer carries `key`: removed with the last,
+    /// moved when that was its fastest copy.
+    fn release(&mut self, key: u64, tier: Tier) {
         let Some(held) = self.keys.get_mut(&key) else {
             return;
         };
-        held.refs -= 1;
-        if held.refs == 0 {
-            let Key { parent, text, .. } = *held;
+        if held.copies.in_tier(tier) == 0 {
+            return;
+        }
+        let before = held.copies.best();
+        held.copies.take(tier);
+        let Key {
+            parent,
+            copies,
+            text,
+        } = *held;
+        if copies.best().is_none() {
             self.keys.remove(&key);
             self.text -= usize::from(text);
-            self.log.push(key, parent, false);
+        }
+        self.moved(key, parent, before, copies.best());
+    }
+
+    /// Logs a key's tier going from `before` to `after` (`None`: not held).
+    fn moved(&mut self, key: u64, parent: Option<u64>, before: Option<Tier>, after: Option<Tier>) {
+        if before == after {
+            return;
+        }
+        if let Some(tier) = before {
+            self.by_tier[tier.index()] -= 1;
+        }
+        match after {
+            Some(tier) => {
+                self.by_tier[tier.index()] += 1;
+                self.log.stored(key, parent, tier);
+            }
+            None => self.log.removed(key, parent),
         }
     }
 }
@@ -174,6 +273,14 @@ pub struct Skipped {
     /// Extra keys the filter cannot hash (multimodal inputs, prompt
     /// embeddings), and the blocks after them in their event.
     pub extra_keys: u64,
+    /// Extra keys of a shape vLLM does not send today (logged), and the
+    /// blocks after them in their event.
+    pub unknown_extra_keys: u64,
+    /// A `medium` none of GPU, CPU, disk or storage (logged).
+    pub unknown_medium: u64,
+    /// A copy named by hash only (no token ids: vLLM's offloading
+    /// connector without self-describing events) of a block not keyed.
+    pub unknown_hash: u64,
     /// No text keys: a token id not in the vocabulary, in the block or
     /// before it in its chain.
     pub unknown_token: u64,
@@ -181,17 +288,37 @@ pub struct Skipped {
     pub text_past_cap: u64,
 }
 
-/// The `cache_salt` in one block's vLLM `extra_keys` (`first`: the block
-/// opens its chain; the salt is only hashed into such a block), after the
-/// adapter (`lora_name`, or `lora_id` on older vLLM) that vLLM lists
-/// first. `Err`: keys the filter cannot hash.
-fn salt_in(
-    extra: Option<&[Msgpack]>,
+/// One block's vLLM `extra_keys`, as kvroute reads them. vLLM builds them
+/// (`generate_block_hash_extra_keys`) in this order: the adapter's name
+/// (older vLLM: its `lora_int_id`), an `(identifier, offset)` pair per
+/// multimodal input in the block, on a chain's first block the
+/// `cache_salt`, then prompt-embedding hashes (bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Extra {
+    /// Only what kvroute seeds a chain with: the adapter, and on a chain's
+    /// first block its salt.
+    Seeds { salt: Option<String> },
+    /// Keys the filter cannot hash: multimodal inputs, prompt embeddings.
+    Unhashable,
+    /// A shape vLLM does not send today (the typed form proposed upstream,
+    /// a salt that is not a string, …): what is wrong, for the log.
+    Unknown(String),
+}
+
+/// Reads one block's `extra_keys` (`first`: the block opens its chain, the
+/// only place vLLM puts the salt).
+fn read_extra(
+    keys: Option<&Msgpack>,
     lora_name: Option<&str>,
     lora_id: Option<i64>,
     first: bool,
-) -> Result<Option<String>, ()> {
-    let mut keys = extra.unwrap_or_default();
+) -> Extra {
+    let Some(keys) = keys else {
+        return Extra::Seeds { salt: None };
+    };
+    let Some(mut keys) = keys.as_array().map(Vec::as_slice) else {
+        return Extra::Unknown(format!("{keys} is not a tuple of keys"));
+    };
     if let Some(adapter) = keys.first() {
         let named = lora_name.is_some() && adapter.as_str() == lora_name;
         let numbered = lora_id.is_some() && adapter.as_i64() == lora_id;
@@ -199,10 +326,58 @@ fn salt_in(
             keys = &keys[1..];
         }
     }
-    match keys {
-        [] => Ok(None),
-        [salt] if first => salt.as_str().map(|s| Some(s.to_string())).ok_or(()),
-        _ => Err(()),
+    let mut salt = None;
+    let mut unhashable = false;
+    for key in keys {
+        match key {
+            Msgpack::Array(pair) if is_multimodal(pair) => unhashable = true,
+            Msgpack::Binary(_) => unhashable = true,
+            Msgpack::String(text) if first && salt.is_none() => match text.as_str() {
+                Some(text) if !text.is_empty() => salt = Some(text.to_string()),
+                _ => return Extra::Unknown(format!("cache_salt {key} is empty or not UTF-8")),
+            },
+            Msgpack::String(_) if !first => {
+                return Extra::Unknown(format!(
+                    "{key} in a block that opens no chain (vLLM salts only a chain's first)"
+                ))
+            }
+            other => {
+                return Extra::Unknown(format!(
+                    "{other} is none of the adapter, a multimodal (identifier, offset), \
+                     the cache_salt or prompt-embedding bytes"
+                ))
+            }
+        }
+    }
+    if unhashable {
+        Extra::Unhashable
+    } else {
+        Extra::Seeds { salt }
+    }
+}
+
+/// A multimodal input's key: `(identifier, offset in the block)`.
+fn is_multimodal(pair: &[Msgpack]) -> bool {
+    matches!(pair, [id, offset] if id.as_slice().is_some() && offset.as_u64().is_some())
+}
+
+/// The tier of vLLM's `medium`, in any case: none (older vLLM) or `GPU`;
+/// names holding `CPU` (vLLM's offloading connector, SGLang's `CPU_TIER1`
+/// and `CPU_TIER2`, LMCache's CPU backend); names holding `DISK`, or
+/// `STORAGE` (vLLM's storage tier). `None`: a medium none of these.
+fn medium_tier(medium: Option<&str>) -> Option<Tier> {
+    let Some(medium) = medium else {
+        return Some(Tier::Gpu);
+    };
+    let medium = medium.to_ascii_lowercase();
+    if medium == "gpu" {
+        Some(Tier::Gpu)
+    } else if medium.contains("cpu") {
+        Some(Tier::Cpu)
+    } else if medium.contains("disk") || medium == "storage" {
+        Some(Tier::Disk)
+    } else {
+        None
     }
 }
 
@@ -215,6 +390,11 @@ pub struct PodBlocks {
     held: Held,
     /// One block's tokens decoded (kept to reuse its allocation).
     decoded: Vec<u8>,
+    /// While rebuilding past a hole ([`PodBlocks::start_proof`]): the vLLM
+    /// blocks later events prove present, and where.
+    proven: Option<HashSet<(u64, Tier)>>,
+    /// The latest event part refused for a shape vLLM does not send today.
+    refusal: Option<String>,
     pub skipped: Skipped,
 }
 
@@ -227,9 +407,12 @@ impl PodBlocks {
             held: Held {
                 keys: HashMap::new(),
                 text: 0,
+                by_tier: [0; 3],
                 log: ReportLog::new(max_log),
             },
             decoded: Vec::new(),
+            proven: None,
+            refusal: None,
             skipped: Skipped::default(),
         }
     }
@@ -246,6 +429,12 @@ impl PodBlocks {
     /// Text-mode keys held (of [`len`](Self::len)).
     pub fn text_len(&self) -> usize {
         self.held.text
+    }
+
+    /// Keys held per tier (the fastest each is in), indexed by
+    /// [`Tier::index`].
+    pub fn tier_len(&self) -> [usize; 3] {
+        self.held.by_tier
     }
 
     /// Whether kvroute key `key` is held.
@@ -281,7 +470,12 @@ impl PodBlocks {
 
     /// Continues `chain` with one vLLM block's `tokens` decoded; the text
     /// keys they complete, now held.
-    fn push_text(&mut self, chain: &mut Option<TextChainCursor>, tokens: &[u32]) -> Vec<u64> {
+    fn push_text(
+        &mut self,
+        chain: &mut Option<TextChainCursor>,
+        tokens: &[u32],
+        tier: Tier,
+    ) -> Vec<u64> {
         let Some(text) = &self.hashing.text else {
             return Vec::new();
         };
@@ -302,7 +496,7 @@ impl PodBlocks {
         step.completed
             .into_iter()
             .map(|(key, parent)| {
-                self.held.hold(key, parent, true);
+                self.held.hold(key, parent, true, tier);
                 key
             })
             .collect()
@@ -317,11 +511,31 @@ impl PodBlocks {
                 token_ids,
                 block_size,
                 lora_id,
+                medium,
                 lora_name,
                 extra_keys,
-                ..
             } => {
                 let blocks = block_hashes.len() as u64;
+                let Some(tier) = medium_tier(medium.as_deref()) else {
+                    self.skipped.unknown_medium += blocks;
+                    self.refusal = Some(format!(
+                        "block {:016x}: medium {medium:?} is none of GPU, CPU, disk, storage",
+                        block_hashes.first().copied().unwrap_or_default()
+                    ));
+                    return;
+                };
+                self.prove(block_hashes, *parent_block_hash, tier);
+                if token_ids.is_empty() {
+                    // Named by hash only (vLLM's offloading connector
+                    // without self-describing events): copies, in `tier`,
+                    // of blocks stored before.
+                    for &hash in block_hashes {
+                        if !self.add_copy(hash, tier) {
+                            self.skipped.unknown_hash += 1;
+                        }
+                    }
+                    return;
+                }
                 if *block_size != self.hashing.layout.block_size
                     || token_ids.len() != block_hashes.len() * block_size
                 {
@@ -339,20 +553,28 @@ impl PodBlocks {
                     },
                     (None, _) => None,
                 };
-                let extra = |i: usize| extra_keys.get(i).and_then(Option::as_deref);
-                let first_salt = salt_in(
-                    extra(0),
-                    lora_name.as_deref(),
-                    *lora_id,
-                    parent_block_hash.is_none(),
-                );
-                let mut chain = match (parent_block_hash, first_salt) {
-                    (_, Err(())) => {
-                        self.skipped.extra_keys += blocks;
+                let extra = |i: usize| {
+                    if !extra_keys.is_empty() && extra_keys.len() != block_hashes.len() {
+                        return Extra::Unknown(format!(
+                            "{} extra_keys entries for {} blocks",
+                            extra_keys.len(),
+                            block_hashes.len()
+                        ));
+                    }
+                    let first = i == 0 && parent_block_hash.is_none();
+                    let keys = extra_keys.get(i).and_then(Option::as_ref);
+                    read_extra(keys, lora_name.as_deref(), *lora_id, first)
+                };
+                let salt = match extra(0) {
+                    Extra::Seeds { salt } => salt,
+                    refused => {
+                        self.refuse(refused, block_hashes[0], blocks);
                         return;
                     }
-                    (None, Ok(salt)) => self.chain_start(adapter.as_deref(), salt.as_deref()),
-                    (Some(hash), Ok(_)) => match self.vllm.get(hash) {
+                };
+                let mut chain = match parent_block_hash {
+                    None => self.chain_start(adapter.as_deref(), salt.as_deref()),
+                    Some(hash) => match self.vllm.get(hash) {
                         Some(parent) => parent.chain.clone(),
                         None => {
                             self.skipped.unknown_parent += blocks;
@@ -360,15 +582,28 @@ impl PodBlocks {
                         }
                     },
                 };
+                let mut previous = *parent_block_hash;
                 let vllm_blocks = block_hashes.iter().zip(token_ids.chunks_exact(*block_size));
                 for (i, (&hash, tokens)) in vllm_blocks.enumerate() {
-                    if i > 0 && salt_in(extra(i), lora_name.as_deref(), *lora_id, false).is_err() {
-                        self.skipped.extra_keys += (block_hashes.len() - i) as u64;
-                        break;
+                    if i > 0 {
+                        let refused = extra(i);
+                        if refused != (Extra::Seeds { salt: None }) {
+                            self.refuse(refused, hash, (block_hashes.len() - i) as u64);
+                            break;
+                        }
+                    }
+                    // A hash already keyed is the same content: one more
+                    // copy (in another medium, or another group).
+                    if self.add_copy(hash, tier) {
+                        if let Some(mapped) = self.vllm.get(&hash) {
+                            chain = mapped.chain.clone();
+                        }
+                        previous = Some(hash);
+                        continue;
                     }
                     let key = match chain.tokens.push(tokens, &self.hashing.layout) {
                         ChainStep::Completed { key, parent } => {
-                            self.held.hold(key, parent, false);
+                            self.held.hold(key, parent, false, tier);
                             Some(key)
                         }
                         ChainStep::Inside => None,
@@ -377,34 +612,143 @@ impl PodBlocks {
                             None
                         }
                     };
-                    let text_keys = self.push_text(&mut chain.text, tokens);
-                    self.vllm
-                        .entry(hash)
-                        .and_modify(|m| m.refs += 1)
-                        .or_insert_with(|| Mapped {
+                    let text_keys = self.push_text(&mut chain.text, tokens, tier);
+                    let mut copies = Copies::default();
+                    copies.add(tier);
+                    self.vllm.insert(
+                        hash,
+                        Mapped {
                             key,
                             text_keys,
                             chain: chain.clone(),
-                            refs: 1,
-                        });
+                            parent: previous,
+                            copies,
+                        },
+                    );
+                    previous = Some(hash);
                 }
             }
-            KvEvent::Removed { block_hashes, .. } => {
+            KvEvent::Removed {
+                block_hashes,
+                medium,
+            } => {
+                let Some(tier) = medium_tier(medium.as_deref()) else {
+                    self.skipped.unknown_medium += block_hashes.len() as u64;
+                    self.refusal = Some(format!(
+                        "removal of block {:016x}: medium {medium:?} is none of GPU, CPU, disk, storage",
+                        block_hashes.first().copied().unwrap_or_default()
+                    ));
+                    return;
+                };
                 for hash in block_hashes {
-                    let Some(mapped) = self.vllm.get_mut(hash) else {
-                        continue;
-                    };
-                    mapped.refs -= 1;
-                    // Tail first, as vLLM frees a request's blocks.
-                    for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
-                        self.held.release(key);
-                    }
-                    if mapped.refs == 0 {
-                        self.vllm.remove(hash);
-                    }
+                    self.release(*hash, tier);
                 }
             }
             KvEvent::AllCleared => self.clear(),
+        }
+    }
+
+    /// Leaves out `blocks` stored blocks from `hash` on (the rest of its
+    /// event: their chain continues it) for their extra keys.
+    fn refuse(&mut self, extra: Extra, hash: u64, blocks: u64) {
+        match extra {
+            Extra::Unknown(why) => {
+                self.skipped.unknown_extra_keys += blocks;
+                self.refusal = Some(format!("block {hash:016x}: {why}"));
+            }
+            _ => self.skipped.extra_keys += blocks,
+        }
+    }
+
+    /// The latest event part refused for a shape vLLM does not send today
+    /// (extra keys, medium), and why: to log.
+    pub fn refusal(&self) -> Option<&str> {
+        self.refusal.as_deref()
+    }
+
+    /// Blocks refused for a shape vLLM does not send today, so far.
+    pub fn refused(&self) -> u64 {
+        self.skipped.unknown_extra_keys + self.skipped.unknown_medium
+    }
+
+    /// One more copy, in `tier`, of the vLLM block `hash`, if it is keyed.
+    /// Its keys are held while it is (its copies count in theirs).
+    fn add_copy(&mut self, hash: u64, tier: Tier) -> bool {
+        let Some(mapped) = self.vllm.get_mut(&hash) else {
+            return false;
+        };
+        mapped.copies.add(tier);
+        for &key in mapped.text_keys.iter().chain(&mapped.key) {
+            self.held.hold_again(key, tier);
+        }
+        true
+    }
+
+    /// vLLM removed the copy in `tier` of block `hash`.
+    fn release(&mut self, hash: u64, tier: Tier) {
+        let Some(mapped) = self.vllm.get_mut(&hash) else {
+            return;
+        };
+        if !mapped.copies.take(tier) {
+            return;
+        }
+        // Tail first, as vLLM frees a request's blocks.
+        for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
+            self.held.release(key, tier);
+        }
+        if mapped.copies.best().is_none() {
+            self.vllm.remove(&hash);
+        }
+    }
+
+    /// Rebuilding past a hole in vLLM's event history: the events in the
+    /// lost batch are unknown, so a block stored before it may have been
+    /// removed in it. From now until [`PodBlocks::end_proof`], each stored
+    /// block proves itself present, and its chain's ancestors too (vLLM
+    /// stores a block while the request holding it holds its whole prefix).
+    pub fn start_proof(&mut self) {
+        self.proven = Some(HashSet::new());
+    }
+
+    /// Ends [`PodBlocks::start_proof`]: every block held but not proven
+    /// since is dropped (it may have gone in the hole). Returns how many.
+    pub fn end_proof(&mut self) -> usize {
+        let Some(proven) = self.proven.take() else {
+            return 0;
+        };
+        let unproven: Vec<(u64, Tier, u32)> = self
+            .vllm
+            .iter()
+            .flat_map(|(&hash, mapped)| {
+                Tier::ALL
+                    .into_iter()
+                    .map(move |tier| (hash, tier, mapped.copies.in_tier(tier)))
+            })
+            .filter(|&(hash, tier, copies)| copies > 0 && !proven.contains(&(hash, tier)))
+            .collect();
+        for &(hash, tier, copies) in &unproven {
+            for _ in 0..copies {
+                self.release(hash, tier);
+            }
+        }
+        unproven.len()
+    }
+
+    /// Marks a chain stored in `tier` proven there (while proving), and on
+    /// the GPU its ancestors too: a copy in another medium proves only
+    /// itself.
+    fn prove(&mut self, hashes: &[u64], parent: Option<u64>, tier: Tier) {
+        let Some(proven) = &mut self.proven else {
+            return;
+        };
+        proven.extend(hashes.iter().map(|&hash| (hash, tier)));
+        if tier != Tier::Gpu {
+            return;
+        }
+        let mut ancestor = parent;
+        // Each block is marked once: the walk stops at a proven one.
+        while let Some(hash) = ancestor.filter(|hash| proven.insert((*hash, Tier::Gpu))) {
+            ancestor = self.vllm.get(&hash).and_then(|m| m.parent);
         }
     }
 
@@ -412,16 +756,21 @@ impl PodBlocks {
     /// this epoch's deltas drops them too).
     pub fn clear(&mut self) {
         for (key, held) in self.held.keys.drain() {
-            self.held.log.push(key, held.parent, false);
+            self.held.log.removed(key, held.parent);
         }
         self.held.text = 0;
+        self.held.by_tier = [0; 3];
         self.vllm.clear();
     }
 
     /// Every block held, as parent-first chains.
     pub fn held(&self) -> Vec<StoredChain> {
-        let nodes: Vec<(u64, Option<u64>)> =
-            self.held.keys.iter().map(|(&k, h)| (k, h.parent)).collect();
+        let nodes: Vec<(u64, Option<u64>, Tier)> = self
+            .held
+            .keys
+            .iter()
+            .map(|(&k, h)| (k, h.parent, h.copies.best().unwrap_or_default()))
+            .collect();
         chain_segments(&nodes)
     }
 
@@ -443,6 +792,7 @@ impl PodBlocks {
 mod tests {
     use super::*;
     use kvroute::hashing::{hash_bytes, hash_tokens, BlockLayout};
+    use kvroute::report::parse_report;
 
     /// 3 fine blocks of 2 tokens, then 2 coarse ones of 2 vLLM blocks.
     const LAYOUT: BlockLayout = BlockLayout {
@@ -518,6 +868,18 @@ mod tests {
         tokens: &[u32],
         lora: Option<&str>,
         extra_keys: Vec<Option<Vec<Msgpack>>>,
+    ) -> KvEvent {
+        let extra_keys = extra_keys.into_iter().map(|k| k.map(Msgpack::Array));
+        stored_raw(hashes, parent, tokens, lora, extra_keys.collect())
+    }
+
+    /// [`stored_with`] with each block's extra keys as sent.
+    fn stored_raw(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        lora: Option<&str>,
+        extra_keys: Vec<Option<Msgpack>>,
     ) -> KvEvent {
         KvEvent::Stored {
             block_hashes: hashes.to_vec(),
@@ -639,6 +1001,223 @@ mod tests {
     }
 
     #[test]
+    fn extra_keys_of_an_unknown_shape_refuse_their_block_only() {
+        let mut pod = blocks();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let key = |tokens: &[u32]| *hash_tokens(&seed, tokens, &LAYOUT).last().expect("a key");
+        let typed_salt = Msgpack::Map(vec![
+            ("type".into(), "CacheSaltKey".into()),
+            ("salt".into(), "tenant-a".into()),
+        ]);
+        let tuple = |keys: Vec<Msgpack>| Some(Msgpack::Array(keys));
+        // (case, each block's extra keys, how many blocks it keys)
+        type Case = (&'static str, Vec<Option<Msgpack>>, Option<u64>);
+        let cases: Vec<Case> = vec![
+            // The typed form proposed upstream, as a map or positional.
+            (
+                "typed map",
+                vec![tuple(vec![typed_salt.clone()]), None],
+                None,
+            ),
+            (
+                "typed positional",
+                vec![
+                    tuple(vec![tuple(vec!["CacheSaltKey".into(), "t".into()]).unwrap()]),
+                    None,
+                ],
+                None,
+            ),
+            ("not a tuple", vec![Some(typed_salt), None], None),
+            ("salt not a string", vec![tuple(vec![7.into()]), None], None),
+            ("empty salt", vec![tuple(vec!["".into()]), None], None),
+            (
+                "two salts",
+                vec![tuple(vec!["a".into(), "b".into()]), None],
+                None,
+            ),
+            ("too few entries", vec![None], None),
+            // Past a chain's first block vLLM puts no salt.
+            ("salt inside", vec![None, tuple(vec!["t".into()])], Some(1)),
+        ];
+        let mut refused = 0;
+        for (i, (case, extra, kept)) in cases.into_iter().enumerate() {
+            let hashes = [100 + 2 * i as u64, 101 + 2 * i as u64];
+            pod.apply(&stored_raw(&hashes, None, &[1, 2, 3, 4], None, extra));
+            refused += 2 - kept.unwrap_or(0);
+            assert_eq!(pod.skipped.unknown_extra_keys, refused, "{case}");
+            assert!(
+                pod.refusal().is_some_and(
+                    |why| why.contains(&format!("{:016x}", hashes[kept.unwrap_or(0) as usize]))
+                ),
+                "{case}: {:?}",
+                pod.refusal()
+            );
+            // Never more than the blocks the case keeps.
+            assert_eq!(pod.contains(key(&[1, 2])), kept.is_some(), "{case}");
+            assert!(!pod.contains(key(&[1, 2, 3, 4])), "{case}");
+        }
+        assert!(pod.refusal().unwrap().contains("opens no chain"));
+        // The next event, with known keys, applies.
+        let salted = vec![Some(vec![Msgpack::from("tenant-a")]), None];
+        pod.apply(&stored_with(&[90, 91], None, &[1, 2, 3, 4], None, salted));
+        let salted_seed = seed.clone().salted(Some("tenant-a"));
+        assert!(hash_tokens(&salted_seed, &[1, 2, 3, 4], &LAYOUT)
+            .iter()
+            .all(|k| pod.contains(*k)));
+        assert_eq!(pod.skipped.extra_keys, 0, "none was multimodal");
+    }
+
+    /// vLLM's offloading connector publishes a copy named by hash only.
+    fn copy(hashes: &[u64], medium: &str) -> KvEvent {
+        KvEvent::Stored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            medium: Some(medium.into()),
+            lora_name: None,
+            extra_keys: Vec::new(),
+        }
+    }
+
+    fn removed_from(hashes: &[u64], medium: &str) -> KvEvent {
+        KvEvent::Removed {
+            block_hashes: hashes.to_vec(),
+            medium: Some(medium.into()),
+        }
+    }
+
+    /// The tier the pod's report gives each key (a full report).
+    fn reported_tiers(pod: &PodBlocks) -> HashMap<u64, Tier> {
+        let body = Value::Object(pod.report_body("p", "E", None, None)).to_string();
+        let mut body: serde_json::Map<String, Value> = serde_json::from_str(&body).unwrap();
+        body.insert("queueDepth".into(), 0.into());
+        body.insert("health".into(), 1.into());
+        let report = parse_report(Value::Object(body).to_string().as_bytes()).expect("valid");
+        report
+            .stored
+            .iter()
+            .flat_map(|c| c.hashes.iter().map(move |&h| (h, c.tier)))
+            .collect()
+    }
+
+    #[test]
+    fn blocks_are_tracked_per_medium_and_reported_in_their_fastest() {
+        let mut pod = blocks();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let keys = hash_tokens(&seed, &[1, 2, 3, 4], &LAYOUT);
+        pod.apply(&stored(&[10, 11], None, &[1, 2, 3, 4], None));
+        let since = pod.seq();
+        // Offloaded to CPU (named by hash) and to storage (self-describing,
+        // with tokens): still reported on the GPU, nothing logged.
+        pod.apply(&copy(&[10], "CPU"));
+        pod.apply(&copy(&[11], "CPU"));
+        let mut on_disk = stored(&[10, 11], None, &[1, 2, 3, 4], None);
+        if let KvEvent::Stored { medium, .. } = &mut on_disk {
+            *medium = Some("STORAGE".into());
+        }
+        pod.apply(&on_disk);
+        assert_eq!(pod.seq(), since);
+        assert_eq!(pod.tier_len(), [2, 0, 0]);
+        // The GPU evicts the tail: its key moves to the CPU tier (a store
+        // in the new tier), the head's stays.
+        pod.apply(&removed_from(&[11], "GPU"));
+        let tiers = reported_tiers(&pod);
+        assert_eq!((tiers[&keys[0]], tiers[&keys[1]]), (Tier::Gpu, Tier::Cpu));
+        let delta = pod.held.log.delta(since).unwrap();
+        assert_eq!(delta.stored.len(), 1);
+        assert_eq!(
+            (delta.stored[0].hashes[0], delta.stored[0].tier),
+            (keys[1], Tier::Cpu)
+        );
+        // Then the CPU copy: on disk; then the disk copy: gone.
+        pod.apply(&removed_from(&[11], "CPU"));
+        assert_eq!(reported_tiers(&pod)[&keys[1]], Tier::Disk);
+        pod.apply(&removed_from(&[11], "STORAGE"));
+        assert!(!pod.contains(keys[1]) && pod.contains(keys[0]));
+        assert_eq!(pod.tier_len(), [1, 0, 0]);
+        // A removal from a medium holding no copy changes nothing; a copy of
+        // a block never keyed is counted; an unknown medium is refused.
+        pod.apply(&removed_from(&[10], "CPU"));
+        pod.apply(&removed_from(&[10], "CPU"));
+        assert!(pod.contains(keys[0]));
+        pod.apply(&copy(&[99], "CPU"));
+        assert_eq!(pod.skipped.unknown_hash, 1);
+        pod.apply(&copy(&[10], "REMOTE"));
+        pod.apply(&removed_from(&[10], "tape"));
+        assert_eq!(pod.skipped.unknown_medium, 2);
+        assert!(pod.refusal().unwrap().contains("\"tape\""));
+        assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Gpu);
+        // A block offloaded and then stored again on the GPU (a reload).
+        pod.apply(&removed_from(&[10], "GPU"));
+        assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Disk);
+        pod.apply(&stored(&[10], None, &[1, 2], None));
+        assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Gpu);
+        // Media in other spellings: SGLang's CPU tiers, LMCache's backends.
+        for (medium, tier) in [("CPU_TIER2", Tier::Cpu), ("LocalDiskBackend", Tier::Disk)] {
+            pod.apply(&copy(&[10], medium));
+            pod.apply(&removed_from(&[10], "GPU"));
+            assert_eq!(reported_tiers(&pod)[&keys[0]], tier, "{medium}");
+            pod.apply(&removed_from(&[10], medium));
+            pod.apply(&stored(&[10], None, &[1, 2], None));
+        }
+        // AllBlocksCleared drops every medium.
+        pod.apply(&copy(&[10], "CPU"));
+        pod.apply(&KvEvent::AllCleared);
+        assert!(pod.is_empty());
+        assert_eq!(pod.tier_len(), [0, 0, 0]);
+    }
+
+    #[test]
+    fn past_a_hole_only_blocks_proven_present_stay() {
+        let mut pod = blocks();
+        let seed = ChainSeed::new("s", "m", None, BlockMode::Tokens);
+        let key = |tokens: &[u32]| *hash_tokens(&seed, tokens, &LAYOUT).last().expect("a key");
+        // Before the hole: three chains.
+        pod.apply(&stored(&[10, 11], None, &[1, 2, 3, 4], None));
+        pod.apply(&stored(&[20], None, &[5, 6], None));
+        pod.apply(&stored(&[30], None, &[9, 9], None));
+        pod.start_proof();
+        // After it: a block continuing 11 proves 11 and 10; 30 is stored
+        // again; nothing proves 20.
+        pod.apply(&stored(&[12], Some(11), &[7, 8], None));
+        pod.apply(&stored(&[30], None, &[9, 9], None));
+        assert_eq!(pod.len(), 5);
+        assert_eq!(pod.end_proof(), 1);
+        assert!([&[1, 2][..], &[1, 2, 3, 4], &[1, 2, 3, 4, 7, 8], &[9, 9]]
+            .iter()
+            .all(|tokens| pod.contains(key(tokens))));
+        assert!(!pod.contains(key(&[5, 6])));
+        assert_eq!(pod.len(), 4);
+        // Proof is over: removals and stores as usual (30 was stored twice).
+        pod.apply(&KvEvent::Removed {
+            block_hashes: vec![30],
+            medium: None,
+        });
+        assert!(pod.contains(key(&[9, 9])));
+        assert_eq!(pod.end_proof(), 0);
+        // Per medium: a GPU block proves its GPU ancestors, not their CPU
+        // copies, and a CPU copy proves only itself.
+        pod.apply(&copy(&[10, 11, 30], "CPU"));
+        pod.start_proof();
+        pod.apply(&stored(&[13], Some(11), &[5, 5], None));
+        pod.apply(&copy(&[30], "CPU"));
+        assert_eq!(
+            pod.end_proof(),
+            4,
+            "12 and 30 on the GPU, 10 and 11 on the CPU"
+        );
+        assert!(!pod.contains(key(&[1, 2, 3, 4, 7, 8])));
+        assert!(pod.contains(key(&[1, 2, 3, 4, 5, 5])));
+        let tiers = reported_tiers(&pod);
+        assert_eq!(tiers[&key(&[1, 2, 3, 4])], Tier::Gpu);
+        assert_eq!(tiers[&key(&[9, 9])], Tier::Cpu);
+        pod.apply(&removed_from(&[11], "GPU"));
+        assert!(!pod.contains(key(&[1, 2, 3, 4])), "no CPU copy left");
+    }
+
+    #[test]
     fn a_key_stays_while_any_vllm_block_holds_it() {
         let mut pod = blocks();
         // Same tokens, two vLLM hashes (e.g. two cache_salts).
@@ -733,6 +1312,7 @@ mod tests {
         let text_chain = StoredChain {
             parent: None,
             hashes: filter.clone(),
+            tier: Tier::Gpu,
         };
         assert!(pod.held().contains(&text_chain), "each with its parent");
         // In addition to the token keys, which are as without a tokenizer.

@@ -2,25 +2,49 @@
 //! ZMQ, keeps the sequence numbers whole with replays, and feeds
 //! [`PodBlocks`].
 //!
-//! Rules (vLLM numbers batches 0, 1, 2, … per publisher process):
+//! Rules (vLLM numbers batches 0, 1, 2, … per publisher process and keeps
+//! the last `buffer_steps` of them, 10,000 by default, for replay):
 //! - On every (re)connect the history is unknown (the pod may have
 //!   restarted while we were away): a new epoch with no blocks, rebuilt
 //!   from a replay of everything the publisher still buffers.
-//! - A gap (`seq` > last + 1) asks the replay socket for the missing
-//!   batches; when the buffer no longer starts at last + 1 the bridge
-//!   starts a new epoch (routers resync with `full: true`) rebuilt from
-//!   what the buffer has.
+//! - A gap (`seq` > last + 1, or a first batch after the rebuild other
+//!   than the next one) asks the replay socket for the missing batches.
+//!   When they are not all there (a *hole*: a batch never published, as
+//!   vLLM loses one whose send fails; or an *overrun*: more batches missed
+//!   than the buffer keeps), what the pod did in them is unknown, so the
+//!   bridge starts a new epoch (routers resync with `full: true`) and
+//!   **rebuilds it from the oldest batch the buffer holds**, not from the
+//!   gap: every batch still held is applied again in order.
 //! - `seq` going back is a publisher restart: new epoch, rebuilt likewise.
 //!   Batches already applied that come again right after a replay (the
 //!   subscription overlaps the replay) are skipped.
 //! - A malformed frame is counted and logged, never fatal.
 //! - Every `probe` the bridge asks the replay socket for the batches from
 //!   its last one on: the same batch back (same digest) means the same
-//!   publisher, and anything after it was missed by the subscription and is
-//!   applied; no such batch, or another one, means the pod restarted (the
+//!   publisher, and the batches after it were missed by the subscription
+//!   and are applied when they follow on without a hole (a hole: rebuilt
+//!   as above); no such batch, or another one, means the pod restarted (the
 //!   ZMQ subscription neither reports a lost publisher nor reconnects), and
-//!   only later ones means a hole: either way the bridge reconnects and
-//!   starts over (a new epoch rebuilt from the buffer).
+//!   only later ones means the buffer moved past the bridge: either way it
+//!   reconnects and starts over (a new epoch rebuilt from the buffer).
+//!
+//! What a rebuilt epoch holds: every block stored by a batch the buffer
+//! still holds and not removed by a later one, whose chain the bridge can
+//! key (it opens a chain, or its parent was stored in a held batch too).
+//! Where the buffer itself has a hole (a batch never published), a block
+//! stored before the hole is kept only if a batch after it proves it
+//! present: it is stored again, or a block continuing it is stored on the
+//! GPU (vLLM stores a block while the request holding it holds its whole
+//! prefix). The lost batch may have removed any other one, and a removal
+//! the bridge never sees would leave a stale block for good.
+//!
+//! What it loses: blocks stored before the oldest held batch, even those
+//! the pod still caches, and blocks stored later on top of them (their
+//! parent is unknown: `kvbridge_blocks_skipped_unknown_parent_total`),
+//! until vLLM evicts and stores them again; the blocks the lost batch
+//! stored; and before a hole, the blocks nothing proves present since.
+//! A block left out costs a cache hit; a block kept without proof could
+//! cost stale routes, so none is kept.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -158,12 +182,30 @@ impl Bridge {
                 self.counters
                     .unknown_events
                     .fetch_add(batch.unknown as u64, Ordering::Relaxed);
+                let refused = state.blocks.refused();
                 for event in &batch.events {
                     state.blocks.apply(event);
                 }
+                self.log_refused(&state.blocks, refused);
             }
             Err(e) => self.malformed(&format!("batch {seq}: {e}")),
         }
+    }
+
+    /// Logs blocks refused for a shape vLLM does not send today (extra
+    /// keys, medium), whenever their count passes a power of two (a newer
+    /// vLLM may send such a shape on every block: the log stays bounded).
+    fn log_refused(&self, blocks: &PodBlocks, before: u64) {
+        let after = blocks.refused();
+        // A power of two in (before, after]: the bit length grew.
+        if u64::BITS - after.leading_zeros() == u64::BITS - before.leading_zeros() {
+            return;
+        }
+        eprintln!(
+            "kvroute-vllm-bridge {}: {after} stored blocks refused so far for a shape vLLM does not send today (kvbridge_blocks_skipped_unknown_{{extra_keys,medium}}_total); the latest, {}",
+            self.pod_id,
+            blocks.refusal().unwrap_or("?")
+        );
     }
 
     fn malformed(&self, what: &str) {
@@ -185,6 +227,10 @@ impl Bridge {
             state.replayed_to = None;
         }
         match state.last_seq {
+            // Nothing applied in this epoch (the buffer was empty when it
+            // was rebuilt): batches before this one were published between
+            // the replay and the subscription taking effect.
+            None if seq > 0 => Step::Gap { from: 0 },
             None => Step::Apply,
             Some(last) if seq == last + 1 => Step::Apply,
             Some(last) if seq > last + 1 => Step::Gap { from: last + 1 },
@@ -226,41 +272,83 @@ impl Bridge {
         self.notify(&state);
     }
 
-    /// Replays from `from`. If the buffer does not reach back to `from`
-    /// (or cannot be asked), the history has a hole: new epoch, rebuilt
-    /// from whatever the buffer has. `upto` is the batch that revealed the
-    /// gap, which must be covered too (else it is a hole as well).
+    /// Replays from `from`; `upto` is the batch that revealed the gap,
+    /// which the replay must reach (else the batches before it are a hole
+    /// too). If the batches from `from` are not all there (or the replay
+    /// socket cannot be asked), the history has a hole: a new epoch,
+    /// rebuilt from the oldest batch the buffer holds ([`Bridge::rebuild`]).
     async fn catch_up(&self, endpoints: &Endpoints, from: i64, upto: Option<i64>) {
         let frames = match &endpoints.replay {
-            Some(replay) => {
-                self.counters.replays.fetch_add(1, Ordering::Relaxed);
-                match replay_from(replay, from).await {
-                    Ok(frames) => frames,
-                    Err(e) => {
-                        self.counters
-                            .replay_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        eprintln!("kvroute-vllm-bridge {}: replay failed: {e}", self.pod_id);
-                        Vec::new()
-                    }
-                }
-            }
+            Some(replay) => self.replay(replay, from).await,
             None => Vec::new(),
         };
-        let first = frames.first().map(|f| f.0);
-        // The batches before `upto` must all be there, from `from` on.
-        let whole = match (first, upto) {
-            (Some(first), _) => first == from,
-            (None, Some(upto)) => upto == from,
-            (None, None) => true,
-        };
-        if !whole && from > 0 {
+        if from > 0 && !follows_on(&frames, from, upto) {
             self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
-            self.reset(&format!(
-                "batches from {from} are gone from the replay buffer"
-            ));
+            let why = format!("batches from {from} are not all in the replay buffer");
+            match &endpoints.replay {
+                Some(replay) => self.rebuild(replay, &why).await,
+                None => self.reset(&why),
+            }
+            return;
         }
         self.apply_replayed(&frames);
+    }
+
+    /// The batches from `from` the replay socket holds; none when it
+    /// cannot be asked (counted and logged).
+    async fn replay(&self, replay: &str, from: i64) -> Vec<(i64, Bytes)> {
+        self.counters.replays.fetch_add(1, Ordering::Relaxed);
+        replay_from(replay, from).await.unwrap_or_else(|e| {
+            self.counters
+                .replay_failures
+                .fetch_add(1, Ordering::Relaxed);
+            eprintln!("kvroute-vllm-bridge {}: replay failed: {e}", self.pod_id);
+            Vec::new()
+        })
+    }
+
+    /// A new epoch rebuilt from every batch the replay buffer still holds,
+    /// oldest first. Where the buffer itself has a hole (a batch never
+    /// published), the blocks stored before it are kept only if a batch
+    /// after it proves them present (see the module documentation).
+    async fn rebuild(&self, replay: &str, why: &str) {
+        self.reset(&format!(
+            "{why}; rebuilding from the oldest batch the buffer holds"
+        ));
+        let frames = self.replay(replay, 0).await;
+        // After the newest hole in the buffer, the history is whole.
+        let whole_from = frames
+            .windows(2)
+            .rposition(|pair| pair[1].0 != pair[0].0 + 1)
+            .map_or(0, |i| i + 1);
+        let mut state = self.lock();
+        for (i, (seq, payload)) in frames.iter().enumerate() {
+            if i == whole_from && i > 0 {
+                state.blocks.start_proof();
+            }
+            self.apply(&mut state, *seq, payload);
+        }
+        let dropped = state.blocks.end_proof();
+        if let Some((last, _)) = frames.last() {
+            state.replayed_to = Some(*last);
+        }
+        self.notify(&state);
+        let span = match (frames.first(), frames.last()) {
+            (Some((first, _)), Some((last, _))) => format!("{first}..={last}"),
+            _ => "none".into(),
+        };
+        let hole = match frames.get(whole_from).filter(|_| whole_from > 0) {
+            Some((after, _)) => format!(
+                "; {dropped} stored before the hole ending at {after} and not seen since dropped"
+            ),
+            None => String::new(),
+        };
+        eprintln!(
+            "kvroute-vllm-bridge {}: rebuilt from {} buffered batches ({span}){hole}: {} blocks",
+            self.pod_id,
+            frames.len(),
+            state.blocks.len()
+        );
     }
 
     /// Applies replayed batches not applied yet; the subscription's copies
@@ -298,7 +386,14 @@ impl Bridge {
                 if frames.len() > 1 {
                     self.counters.gaps.fetch_add(1, Ordering::Relaxed);
                 }
-                self.apply_replayed(&frames);
+                if follows_on(&frames, last, None) {
+                    self.apply_replayed(&frames);
+                } else {
+                    // The same publisher, with a batch missing after ours.
+                    self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                    let why = format!("a batch after {last} is not in the replay buffer");
+                    self.rebuild(replay, &why).await;
+                }
                 true
             }
             // The buffer moved past our last batch while the subscription
@@ -372,6 +467,20 @@ impl Bridge {
             }
         }
     }
+}
+
+/// Whether `frames` are the batches `from`, `from + 1`, … without a hole,
+/// reaching at least the one before `upto` (the batch that revealed the
+/// gap) when given.
+fn follows_on(frames: &[(i64, Bytes)], from: i64, upto: Option<i64>) -> bool {
+    let mut next = from;
+    for (seq, _) in frames {
+        if *seq != next {
+            return false;
+        }
+        next += 1;
+    }
+    upto.is_none_or(|upto| next >= upto)
 }
 
 /// Asks vLLM's replay socket for the batches from `start`: sends the

@@ -18,6 +18,8 @@ use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Value};
 
+use kvroute::report::Tier;
+
 use crate::bridge::Bridge;
 
 /// Longest `wait` honoured, as kvroute-sim.
@@ -69,6 +71,7 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
     let skipped = state.blocks.skipped;
     let held = state.blocks.len();
     let text_held = state.blocks.text_len();
+    let tiers = state.blocks.tier_len();
     drop(state);
     let mut text = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
@@ -168,6 +171,24 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         skipped.extra_keys,
     );
     metric(
+        "kvbridge_blocks_skipped_unknown_extra_keys_total",
+        "counter",
+        "Stored blocks refused: extra keys of a shape vLLM does not send today (logged), and the blocks after them in their event.",
+        skipped.unknown_extra_keys,
+    );
+    metric(
+        "kvbridge_blocks_skipped_unknown_medium_total",
+        "counter",
+        "Stored or removed blocks refused: a medium none of GPU, CPU, disk, storage (logged).",
+        skipped.unknown_medium,
+    );
+    metric(
+        "kvbridge_blocks_skipped_unknown_hash_total",
+        "counter",
+        "Copies named by hash only (no token ids, as vLLM's offloading connector publishes them) of a block not keyed.",
+        skipped.unknown_hash,
+    );
+    metric(
         "kvbridge_blocks_skipped_unknown_token_total",
         "counter",
         "Stored blocks without text keys: a token id, theirs or an earlier one's in the chain, not in the tokenizer's vocabulary.",
@@ -191,6 +212,17 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         "Text-mode keys held (with --tokenizer), of kvbridge_blocks.",
         text_held as u64,
     );
+    text.push_str(
+        "# HELP kvbridge_tier_blocks Blocks held (kvbridge_blocks) by the fastest tier vLLM keeps a copy in.\n\
+         # TYPE kvbridge_tier_blocks gauge\n",
+    );
+    for tier in Tier::ALL {
+        let held = tiers[tier.index()];
+        text.push_str(&format!(
+            "kvbridge_tier_blocks{{tier=\"{}\"}} {held}\n",
+            tier.name()
+        ));
+    }
     (
         [(
             header::CONTENT_TYPE,

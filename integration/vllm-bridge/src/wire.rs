@@ -26,11 +26,14 @@ pub enum KvEvent {
         lora_id: Option<i64>,
         medium: Option<String>,
         lora_name: Option<String>,
-        /// Newer vLLM's `extra_keys`, one entry per block: the tuple of
-        /// what else went into its hash (LoRA name, multimodal keys, the
-        /// first block's `cache_salt`, prompt-embedding keys), or nil.
-        /// Empty when the event has none.
-        extra_keys: Vec<Option<Vec<Value>>>,
+        /// Newer vLLM's `extra_keys`, one entry per block as sent: the
+        /// tuple of what else went into its hash (LoRA name, multimodal
+        /// keys, the first block's `cache_salt`, prompt-embedding keys), or
+        /// nil (`None`). Not interpreted here: an entry of another shape
+        /// refuses its block only ([`crate::blocks`]); a field that is not
+        /// a list gives every block that value. Empty when the event has
+        /// none.
+        extra_keys: Vec<Option<Value>>,
     },
     Removed {
         block_hashes: Vec<u64>,
@@ -146,18 +149,15 @@ fn optional_string(value: &Value, field: &str) -> Result<Option<String>, String>
     }
 }
 
-fn extra_keys(value: &Value) -> Result<Vec<Option<Vec<Value>>>, String> {
+/// `extra_keys` per block, as sent (see [`KvEvent::Stored`]).
+fn extra_keys(value: &Value, blocks: usize) -> Vec<Option<Value>> {
     match value {
-        Value::Nil => Ok(Vec::new()),
-        Value::Array(blocks) => blocks
+        Value::Nil => Vec::new(),
+        Value::Array(entries) => entries
             .iter()
-            .map(|keys| match keys {
-                Value::Nil => Ok(None),
-                Value::Array(keys) => Ok(Some(keys.clone())),
-                other => Err(format!("`extra_keys`: {other} is not a tuple")),
-            })
+            .map(|keys| (!keys.is_nil()).then(|| keys.clone()))
             .collect(),
-        other => Err(format!("`extra_keys`: {other} is not a list")),
+        other => vec![Some(other.clone()); blocks],
     }
 }
 
@@ -189,20 +189,22 @@ fn decode_event(value: &Value) -> Result<Option<KvEvent>, String> {
                 Value::Nil => None,
                 v => Some(block_hash(v, "parent_block_hash")?),
             };
+            let block_hashes = hashes(f.get("block_hashes"), "block_hashes")?;
             Ok(Some(KvEvent::Stored {
-                block_hashes: hashes(f.get("block_hashes"), "block_hashes")?,
+                extra_keys: extra_keys(f.get("extra_keys"), block_hashes.len()),
+                block_hashes,
                 parent_block_hash: parent,
                 token_ids,
+                // 0 in the copies vLLM's offloading connector names by
+                // hash only (no token ids).
                 block_size: f
                     .get("block_size")
                     .as_u64()
                     .and_then(|b| usize::try_from(b).ok())
-                    .filter(|&b| b > 0)
-                    .ok_or("`block_size` is not a positive int")?,
+                    .ok_or("`block_size` is not a non-negative int")?,
                 lora_id: f.get("lora_id").as_i64(),
                 medium: optional_string(f.get("medium"), "medium")?,
                 lora_name: optional_string(f.get("lora_name"), "lora_name")?,
-                extra_keys: extra_keys(f.get("extra_keys"))?,
             }))
         }
         "BlockRemoved" => {
@@ -289,7 +291,7 @@ fn encode_event(event: &KvEvent, shape: Shape) -> Value {
             .chain((!extra_keys.is_empty()).then(|| {
                 let blocks = extra_keys
                     .iter()
-                    .map(|keys| keys.clone().map_or(Value::Nil, Value::Array));
+                    .map(|keys| keys.clone().unwrap_or(Value::Nil));
                 ("extra_keys", Value::Array(blocks.collect()))
             }))
             .collect(),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kvroute::config::{Config, ModelTarget};
 use kvroute::hashing::{BlockHasher, BlockLayout};
-use kvroute::report::StoredChain;
+use kvroute::report::{StoredChain, Tier};
 use kvroute::request::Prompt;
 use kvroute_vllm_bridge::blocks::{Hashing, PodBlocks, TextHashing};
 use kvroute_vllm_bridge::vocab::Vocabulary;
@@ -31,6 +31,19 @@ fn cat(parts: &[&[u8]]) -> Vec<u8> {
 }
 
 const TS: [u8; 9] = [0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0]; // float64 1.5
+
+/// The block mapping for model `m` hashed as `config` says, text keys with
+/// `text`.
+fn pod_blocks(config: &Config, text: Option<TextHashing>) -> PodBlocks {
+    let hashing = Hashing {
+        secret: config.hash_seed.clone(),
+        base_model: "m".into(),
+        layout: BlockLayout::tokens(config),
+        lora_ids: HashMap::new(),
+        text,
+    };
+    PodBlocks::new(hashing, 100)
+}
 
 fn stored() -> KvEvent {
     KvEvent::Stored {
@@ -175,7 +188,7 @@ fn added_fields_and_kinds_are_tolerated() {
             lora_id: Some(1),
             medium: Some("GPU".into()),
             lora_name: Some("lora-a".into()),
-            extra_keys: vec![Some(vec![Value::from("lora-a")])],
+            extra_keys: vec![Some(Value::Array(vec![Value::from("lora-a")]))],
         }]
     );
 }
@@ -222,13 +235,144 @@ fn extra_keys_carry_the_first_blocks_cache_salt() {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
-        extra_keys: vec![Some(vec![Value::from("tenant-a")]), None],
+        extra_keys: vec![Some(Value::Array(vec![Value::from("tenant-a")])), None],
     };
     assert_eq!(
         decode_batch(&payload).expect("decodes").events,
         vec![event.clone()]
     );
     assert_eq!(encode_batch(1.5, &[event], 0, Shape::Map), payload);
+}
+
+/// The typed `extra_keys` proposed upstream (a tagged struct per key, here
+/// `CacheSaltKey` in map form) decode as sent: the batch is no malformed
+/// frame; the block mapping refuses such a block alone.
+#[test]
+fn typed_extra_keys_decode_as_sent() {
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x91, 0x87],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x91, 0x0b],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0x92, 0x01, 0x02],
+        &s("block_size"),
+        &[0x02],
+        &s("lora_id"),
+        &[0xc0],
+        &s("extra_keys"),
+        &[0x91, 0x91, 0x82],
+        &s("type"),
+        &s("CacheSaltKey"),
+        &s("salt"),
+        &s("tenant-a"),
+        &s("data_parallel_rank"),
+        &[0x00],
+    ]);
+    let batch = decode_batch(&payload).expect("decodes");
+    let KvEvent::Stored { extra_keys, .. } = &batch.events[0] else {
+        panic!("{batch:?}");
+    };
+    let typed = Value::Map(vec![
+        (Value::from("type"), Value::from("CacheSaltKey")),
+        (Value::from("salt"), Value::from("tenant-a")),
+    ]);
+    assert_eq!(extra_keys, &vec![Some(Value::Array(vec![typed]))]);
+    let config = Config {
+        block_size_tokens: 2,
+        ..Config::default()
+    };
+    let mut pod = pod_blocks(&config, None);
+    pod.apply(&batch.events[0]);
+    assert!(pod.is_empty());
+    assert_eq!(pod.skipped.unknown_extra_keys, 1);
+    assert!(pod
+        .refusal()
+        .is_some_and(|why| why.contains("CacheSaltKey")));
+}
+
+/// A copy vLLM's offloading connector publishes by default (no
+/// self-describing events): `BlockStored` named by hash only, no token ids,
+/// `block_size` 0, medium `CPU`, its `group_idx`; then the GPU copy's
+/// removal. Decoded (a `block_size` of 0 is no malformed frame), and a
+/// copy of the block stored before: the key stays, now on the CPU.
+#[test]
+fn an_offloaded_copy_named_by_hash_decodes_and_moves_its_block() {
+    let payload = cat(&[
+        &[0x83],
+        &s("ts"),
+        &TS,
+        &s("events"),
+        &[0x92, 0x89],
+        &s("type"),
+        &s("BlockStored"),
+        &s("block_hashes"),
+        &[0x91, 0x2a],
+        &s("parent_block_hash"),
+        &[0xc0],
+        &s("token_ids"),
+        &[0x90],
+        &s("block_size"),
+        &[0x00],
+        &s("lora_id"),
+        &[0xc0],
+        &s("medium"),
+        &s("CPU"),
+        &s("lora_name"),
+        &[0xc0],
+        &s("group_idx"),
+        &[0x00],
+        &[0x83],
+        &s("type"),
+        &s("BlockRemoved"),
+        &s("block_hashes"),
+        &[0x91, 0x2a],
+        &s("medium"),
+        &s("GPU"),
+        &s("data_parallel_rank"),
+        &[0x00],
+    ]);
+    let batch = decode_batch(&payload).expect("decodes");
+    assert_eq!(
+        batch.events[0],
+        KvEvent::Stored {
+            block_hashes: vec![42],
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora_id: None,
+            medium: Some("CPU".into()),
+            lora_name: None,
+            extra_keys: Vec::new(),
+        }
+    );
+    let config = Config {
+        block_size_tokens: 2,
+        ..Config::default()
+    };
+    let mut pod = pod_blocks(&config, None);
+    pod.apply(&KvEvent::Stored {
+        block_hashes: vec![42],
+        parent_block_hash: None,
+        token_ids: vec![5, 6],
+        block_size: 2,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: Vec::new(),
+    });
+    for event in &batch.events {
+        pod.apply(event);
+    }
+    assert_eq!(pod.tier_len(), [0, 1, 0]);
+    assert_eq!(pod.held()[0].tier, Tier::Cpu);
 }
 
 /// Older vLLM (`array_like=True`): `[ts, events, rank]`, events
@@ -357,19 +501,11 @@ fn a_stored_chats_text_keys_are_the_filters_chain_of_its_text() {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/data/byte-level-bpe.tokenizer.json"
     );
-    let mut pod = PodBlocks::new(
-        Hashing {
-            secret: config.hash_seed.clone(),
-            base_model: "m".into(),
-            layout: BlockLayout::tokens(&config),
-            lora_ids: HashMap::new(),
-            text: Some(TextHashing {
-                layout: BlockLayout::text(&config),
-                vocabulary: Arc::new(Vocabulary::load(tokenizer.as_ref()).expect("loads")),
-            }),
-        },
-        100,
-    );
+    let text = TextHashing {
+        layout: BlockLayout::text(&config),
+        vocabulary: Arc::new(Vocabulary::load(tokenizer.as_ref()).expect("loads")),
+    };
+    let mut pod = pod_blocks(&config, Some(text));
     let events = decode_batch(&payload).expect("decodes").events;
     assert_eq!(encode_batch(1.5, &events, 0, Shape::Map), payload);
     for event in &events {
@@ -393,11 +529,13 @@ fn a_stored_chats_text_keys_are_the_filters_chain_of_its_text() {
         [
             StoredChain {
                 parent: None,
-                hashes: text_keys
+                hashes: text_keys,
+                tier: Tier::Gpu,
             },
             StoredChain {
                 parent: None,
-                hashes: token_keys
+                hashes: token_keys,
+                tier: Tier::Gpu,
             }
         ]
     );

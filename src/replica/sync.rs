@@ -1,0 +1,353 @@
+//! [`ReplicaSync`]: the service's side of the replica channel, host-free,
+//! so that each host's glue only makes the calls and stores the values.
+//!
+//! - A decision of this replica's filters that the service recorded
+//!   ([`crate::cluster::ClusterState::record_decision`]) is logged
+//!   ([`ReplicaSync::log_decision`]): the host stores the value under its
+//!   slot and the new [`LogHead`], where the replica listener serves them.
+//! - [`ReplicaSync::calls`] names the peer pulls due now: one long-poll
+//!   pending per peer, the next sent as soon as the previous answer is
+//!   taken, at most one per [`PEER_CALL_GAP_MS`].
+//! - [`ReplicaSync::answered`] takes a pull's answer: a good one records
+//!   the peer's decisions in the cluster state and replaces its loads; a
+//!   bad one (no answer, a status, too large, malformed) is counted.
+//! - [`ReplicaSync::loads`] is what the live peers have in flight, per pod
+//!   slot, for the filters to add to their own; [`ReplicaSync::take_lags`]
+//!   the convergence lag of each peer decision made visible since the last
+//!   publication (decision on its replica → published here), for the
+//!   histogram.
+
+use super::log::{LogHead, ReplicaLog};
+use super::peers::{PeerState, PeerTransition, Peers};
+use super::wire::AnswerLimits;
+use crate::cluster::{ClusterState, Failure};
+use crate::config::{Config, ReplicasConfig, MAX_PODS};
+use crate::polling::ReportPolling;
+use crate::snapshot::SlotLoad;
+
+/// Least time between two pulls of one peer: a peer that always has news
+/// (a busy replica) is asked at most this often, each answer carrying
+/// everything since. 5 ms keeps the lag well under a report interval at
+/// ≤ 200 calls a second per peer.
+pub const PEER_CALL_GAP_MS: u64 = 5;
+
+/// One pull to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCall {
+    pub address: String,
+    /// Path and query, `wait` included.
+    pub path: String,
+    pub timeout_ms: u64,
+}
+
+/// What one answer did.
+#[derive(Debug, Clone, Default)]
+pub struct PeerOutcome {
+    /// Peer decisions recorded.
+    pub recorded: usize,
+    /// Why the answer was refused, if it was.
+    pub error: Option<String>,
+    /// The failure's counter label, if it failed.
+    pub failure_kind: Option<&'static str>,
+    pub transition: Option<PeerTransition>,
+}
+
+/// See the module documentation.
+pub struct ReplicaSync {
+    config: ReplicasConfig,
+    log: ReplicaLog,
+    peers: Peers,
+    polling: ReportPolling,
+    max_answer_bytes: usize,
+    /// Decision times (their replica's clock) of peer decisions recorded
+    /// and not yet published.
+    unpublished: Vec<u64>,
+}
+
+impl ReplicaSync {
+    /// `None` without `replicas` in the configuration. `replica`: this
+    /// replica's random id.
+    pub fn new(config: &Config, replica: u64) -> Option<ReplicaSync> {
+        let replicas = config.replicas.clone()?;
+        let log = ReplicaLog::new(replica, config.max_index_blocks.min(super::log::LOG_BLOCKS));
+        let mut peers = Peers::new(
+            log.head().replica_id(),
+            config.pending_decision_ttl_ms(),
+            AnswerLimits {
+                max_chain: config.max_prefix_blocks,
+                max_pods: MAX_PODS,
+            },
+        );
+        peers.set_addresses(&replicas.peers);
+        Some(ReplicaSync {
+            config: replicas,
+            log,
+            peers,
+            polling: ReportPolling::long_polls(config, PEER_CALL_GAP_MS),
+            max_answer_bytes: config.max_report_bytes,
+            unpublished: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &ReplicasConfig {
+        &self.config
+    }
+
+    pub fn head(&self) -> LogHead {
+        self.log.head()
+    }
+
+    /// Logs a decision of this replica's own filters for `pod`; returns
+    /// the value to store under [`super::log::log_slot`] of its seq.
+    pub fn log_decision(&mut self, pod: &str, chain: &[u64], now_ms: u64) -> (u64, Vec<u8>) {
+        self.log.append(pod, chain, now_ms)
+    }
+
+    /// Follows exactly `addresses` (a discovered list of replicas).
+    pub fn set_peers(&mut self, addresses: &[String]) {
+        self.peers.set_addresses(addresses);
+        self.polling.retain(addresses.iter().map(String::as_str));
+    }
+
+    /// The pulls due at `now_ms`.
+    pub fn calls(&mut self, now_ms: u64) -> Vec<PeerCall> {
+        let path = self.config.path.clone();
+        let addresses: Vec<String> = self.peers.to_pull().map(str::to_string).collect();
+        addresses
+            .into_iter()
+            .filter_map(|address| {
+                let call = self.polling.next_call(&address, now_ms)?;
+                let query = self.peers.query(&address, &path)?;
+                Some(PeerCall {
+                    path: call.path(&query),
+                    timeout_ms: call.timeout_ms,
+                    address,
+                })
+            })
+            .collect()
+    }
+
+    /// Takes `address`'s answer: `status` (`None`: no answer at all),
+    /// the body's size and a reader of its first `n` bytes (called only
+    /// for a 200 within `maxReportBytes`).
+    pub fn answered(
+        &mut self,
+        address: &str,
+        status: Option<&str>,
+        body_size: usize,
+        body: impl FnOnce(usize) -> Vec<u8>,
+        state: &mut ClusterState,
+        now_ms: u64,
+    ) -> PeerOutcome {
+        self.polling.answered(address, now_ms);
+        let failure = match status {
+            None => Some(Failure::Unreachable),
+            Some("200") if body_size > self.max_answer_bytes => Some(Failure::TooLarge {
+                size: body_size,
+                limit: self.max_answer_bytes,
+            }),
+            Some("200") => None,
+            Some(code) => Some(Failure::Status(code.parse().unwrap_or(0))),
+        };
+        if let Some(failure) = failure {
+            self.polling.failed(address, now_ms);
+            return PeerOutcome {
+                error: Some(failure.to_string()),
+                failure_kind: Some(failure.kind()),
+                transition: self.peers.failed(address),
+                ..PeerOutcome::default()
+            };
+        }
+        match self.peers.accept(address, &body(body_size), now_ms) {
+            Ok(received) => {
+                let mut recorded = 0;
+                for (decision, at) in &received.decisions {
+                    if state.record_peer_decision(&decision.pod, &decision.chain, *at) {
+                        recorded += 1;
+                        self.unpublished.push(decision.at_ms);
+                    }
+                }
+                let changed = received.full || !received.decisions.is_empty();
+                self.polling.folded(address, now_ms, changed);
+                PeerOutcome {
+                    recorded,
+                    transition: received.transition,
+                    ..PeerOutcome::default()
+                }
+            }
+            Err((why, transition)) => {
+                self.polling.failed(address, now_ms);
+                PeerOutcome {
+                    error: Some(Failure::Malformed(why).to_string()),
+                    failure_kind: Some("malformed"),
+                    transition,
+                    ..PeerOutcome::default()
+                }
+            }
+        }
+    }
+
+    /// What the live peers have in flight, by pod slot.
+    pub fn loads(&self, state: &ClusterState, now_ms: u64) -> Vec<SlotLoad> {
+        state.peer_loads(&self.peers, now_ms)
+    }
+
+    /// The lag of every peer decision recorded since the last call, as of
+    /// its publication at `now_ms` (both on wall clocks: replicas' clocks
+    /// are assumed to agree to a millisecond or so, as NTP keeps them).
+    pub fn take_lags(&mut self, now_ms: u64) -> Vec<u64> {
+        self.unpublished
+            .drain(..)
+            .map(|at| now_ms.saturating_sub(at))
+            .collect()
+    }
+
+    /// Whether every peer has answered once (its whole log) or failed.
+    pub fn converged(&self) -> bool {
+        self.peers.converged()
+    }
+
+    pub fn peer_states(&self) -> impl Iterator<Item = (&str, PeerState)> {
+        self.peers.states()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::log::{answer, log_slot};
+    use super::super::wire::encode_answer;
+    use super::*;
+    use crate::index::PrefixLookup;
+    use std::collections::HashMap;
+
+    fn config(peers: &[&str]) -> Config {
+        let peers: Vec<String> = peers.iter().map(|p| format!("\"{p}\"")).collect();
+        Config::parse(
+            format!(
+                r#"{{"pods": [{{"id": "a", "address": "127.0.0.1:9001"}},
+                             {{"id": "b", "address": "127.0.0.1:9002"}}],
+                    "mode": "approximate", "podReportIntervalMs": 200, "reportTimeoutMs": 100,
+                    "replicas": {{"peers": [{}], "secret": "0123456789abcdef0123456789abcdef"}}}}"#,
+                peers.join(",")
+            )
+            .as_bytes(),
+        )
+        .expect("valid")
+    }
+
+    /// Two replicas, each with its own cluster state, one pulling the other.
+    #[test]
+    fn a_decision_on_one_replica_is_recorded_on_the_other() {
+        let config = config(&["127.0.0.1:9902", "127.0.0.1:9903"]);
+        let mut one = ReplicaSync::new(&config, 1).expect("replicas");
+        let mut two = ReplicaSync::new(&config, 2).expect("replicas");
+        let mut state_one = ClusterState::new(&config, 0);
+        let mut state_two = ClusterState::new(&config, 0);
+        let mut store_one: HashMap<u64, Vec<u8>> = HashMap::new();
+        // Replica one routes a chain to b.
+        let b = state_one.slot("b").expect("b");
+        let pod = state_one
+            .record_decision(b, &[5, 6, 7], 1000)
+            .expect("recorded")
+            .to_string();
+        let (seq, value) = one.log_decision(&pod, &[5, 6, 7], 1000);
+        store_one.insert(log_slot(seq), value);
+        // Replica two pulls both addresses; one of them is itself.
+        let calls = two.calls(1000);
+        assert_eq!(calls.len(), 2);
+        assert!(calls
+            .iter()
+            .all(|c| c.path == "/kvroute/v1/replica?since=0&wait=200" && c.timeout_ms == 300));
+        assert!(two.calls(1001).is_empty(), "one pull pending per peer");
+        let served = |sync: &ReplicaSync, store: &HashMap<u64, Vec<u8>>| {
+            encode_answer(&answer(
+                sync.head(),
+                0,
+                None,
+                |slot| store.get(&slot).cloned(),
+                Vec::new(),
+                1010,
+                usize::MAX,
+            ))
+        };
+        let from_one = served(&one, &store_one);
+        let outcome = two.answered(
+            "127.0.0.1:9902",
+            Some("200"),
+            from_one.len(),
+            |_| from_one.clone(),
+            &mut state_two,
+            1012,
+        );
+        assert_eq!((outcome.recorded, outcome.error), (1, None));
+        let b_two = state_two.slot("b").expect("b");
+        assert_eq!(state_two.index().lookup(&[5, 6, 7]).blocks(b_two), 3);
+        assert_eq!(two.take_lags(1015), vec![15]);
+        assert!(two.take_lags(1016).is_empty());
+        let from_two = served(&two, &HashMap::new());
+        let outcome = two.answered(
+            "127.0.0.1:9903",
+            Some("200"),
+            from_two.len(),
+            |_| from_two.clone(),
+            &mut state_two,
+            1013,
+        );
+        assert_eq!(outcome.transition.map(|t| t.to), Some(PeerState::Myself));
+        assert!(two.converged());
+        // The next pull continues from seq 1 of replica one, not sooner
+        // than the gap.
+        assert!(two.calls(1000 + PEER_CALL_GAP_MS - 1).is_empty());
+        let calls = two.calls(1000 + PEER_CALL_GAP_MS);
+        assert_eq!(calls.len(), 1, "not itself");
+        assert_eq!(
+            calls[0].path,
+            format!(
+                "/kvroute/v1/replica?since=1&epoch=0000000000000001&loads={:x}&wait=200",
+                super::super::wire::loads_digest(&[])
+            )
+        );
+    }
+
+    #[test]
+    fn failed_pulls_are_counted_and_retried_an_interval_later() {
+        let config = config(&["127.0.0.1:9902"]);
+        let mut sync = ReplicaSync::new(&config, 1).expect("replicas");
+        let mut state = ClusterState::new(&config, 0);
+        for (i, (status, size, kind)) in [
+            (None, 0, "unreachable"),
+            (Some("503"), 0, "status"),
+            (Some("200"), usize::MAX, "too_large"),
+            (Some("200"), 3, "malformed"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let now = 10_000 * (i as u64 + 1);
+            assert_eq!(sync.calls(now).len(), 1);
+            let outcome = sync.answered(
+                "127.0.0.1:9902",
+                status,
+                size,
+                |_| b"{}x".to_vec(),
+                &mut state,
+                now,
+            );
+            assert_eq!(outcome.failure_kind, Some(kind));
+            assert!(
+                sync.calls(now + 199).is_empty(),
+                "retried an interval later"
+            );
+            assert_eq!(sync.calls(now + 200).len(), 1);
+            sync.answered(
+                "127.0.0.1:9902",
+                None,
+                0,
+                |_| Vec::new(),
+                &mut state,
+                now + 200,
+            );
+        }
+        assert!(sync.converged(), "a failing peer is nothing to wait for");
+    }
+}

@@ -1,0 +1,356 @@
+//! The replica channel's wire format: what one replica answers a peer that
+//! pulls its log (`GET {replicas.path}?since=SEQ&epoch=E&wait=MS`, header
+//! [`REPLICA_KEY_HEADER`]), in the shape of report protocol v1:
+//!
+//! ```json
+//! {"version": 1, "replica": "5e0c9a1f2b3d4e6f", "seq": 42, "since": 40, "full": false,
+//!  "sentAtMs": 1764680000123,
+//!  "decisions": [{"seq": 41, "pod": "pod-a", "atMs": 1764680000101,
+//!                 "chain": ["0123456789abcdef", "..."]}],
+//!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024}]}
+//! ```
+//!
+//! - `replica` names the replica process (a random id drawn at start) and
+//!   doubles as the log's epoch; `seq` counts its logged decisions.
+//! - A delta (`full: false`) carries the decisions after `since` of the
+//!   same replica; `full: true` carries every decision the log still holds
+//!   (a new peer, another epoch, or a `since` older than the log).
+//! - `atMs` is the decision's wall-clock time on its replica (Unix ms) and
+//!   `sentAtMs` the answer's, so a receiver learns a decision's age on the
+//!   sender's clock (`sentAtMs − atMs`) without trusting clock agreement.
+//! - `inflight` is the sender's own requests in flight per pod (state, not
+//!   events: each answer replaces the last), with their prompt tokens still
+//!   to prefill.
+//! - Hashes are 16 lowercase hex digits, as in report protocol v1.
+//!
+//! Parsing is strict and bounded ([`AnswerLimits`]): a peer is as untrusted
+//! as a pod, so a malformed answer is refused whole, naming what is wrong,
+//! and counted by the service.
+
+use serde::{Deserialize, Serialize};
+
+use crate::report::hash_to_hex;
+
+/// The request header carrying the replicas' shared secret.
+pub const REPLICA_KEY_HEADER: &str = "x-kvroute-replica-key";
+
+/// Longest pod id a peer may name (ids are addresses or configured names).
+const MAX_POD_ID_BYTES: usize = 256;
+
+/// Longest replica id a peer may send.
+const MAX_REPLICA_ID_BYTES: usize = 64;
+
+/// One routing decision as a replica logs and serves it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedDecision {
+    pub seq: u64,
+    /// The pod's id (slots differ between replicas).
+    pub pod: String,
+    /// Wall-clock time of the decision on its replica, Unix ms.
+    pub at_ms: u64,
+    pub chain: Vec<u64>,
+}
+
+/// A replica's own requests in flight to one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInflight {
+    pub pod: String,
+    pub requests: u32,
+    pub prefill_tokens: u32,
+}
+
+/// One answer of a replica's log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaAnswer {
+    pub replica: String,
+    pub seq: u64,
+    pub since: u64,
+    pub full: bool,
+    pub sent_at_ms: u64,
+    pub decisions: Vec<LoggedDecision>,
+    pub inflight: Vec<PodInflight>,
+}
+
+/// What a receiver accepts of a peer's answer.
+#[derive(Debug, Clone, Copy)]
+pub struct AnswerLimits {
+    /// Longest chain of one decision (`maxPrefixBlocks`).
+    pub max_chain: usize,
+    /// Most pods named in `inflight`.
+    pub max_pods: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WireDecision<'a> {
+    seq: u64,
+    #[serde(borrow)]
+    pod: &'a str,
+    at_ms: u64,
+    #[serde(borrow)]
+    chain: Vec<&'a str>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WireInflight<'a> {
+    #[serde(borrow)]
+    pod: &'a str,
+    requests: u32,
+    prefill_tokens: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireAnswer<'a> {
+    version: u32,
+    #[serde(borrow)]
+    replica: &'a str,
+    seq: u64,
+    since: u64,
+    full: bool,
+    sent_at_ms: u64,
+    #[serde(borrow)]
+    decisions: Vec<WireDecision<'a>>,
+    #[serde(borrow)]
+    inflight: Vec<WireInflight<'a>>,
+}
+
+/// A digest of in-flight loads, as a pull names the loads its peer last
+/// sent (`loads=`): the peer answers a held pull as soon as its own loads
+/// differ from them, not only when it logs a decision.
+pub fn loads_digest(loads: &[PodInflight]) -> u64 {
+    let mut bytes = Vec::with_capacity(loads.len() * 24);
+    for load in loads {
+        bytes.extend_from_slice(load.pod.as_bytes());
+        bytes.push(0);
+        bytes.extend_from_slice(&load.requests.to_le_bytes());
+        bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
+    }
+    xxhash_rust::xxh64::xxh64(&bytes, 0)
+}
+
+/// The answer as JSON.
+pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
+    let hex: Vec<Vec<String>> = answer
+        .decisions
+        .iter()
+        .map(|d| d.chain.iter().map(|&h| hash_to_hex(h)).collect())
+        .collect();
+    let wire = WireAnswer {
+        version: 1,
+        replica: &answer.replica,
+        seq: answer.seq,
+        since: answer.since,
+        full: answer.full,
+        sent_at_ms: answer.sent_at_ms,
+        decisions: answer
+            .decisions
+            .iter()
+            .zip(&hex)
+            .map(|(d, chain)| WireDecision {
+                seq: d.seq,
+                pod: &d.pod,
+                at_ms: d.at_ms,
+                chain: chain.iter().map(String::as_str).collect(),
+            })
+            .collect(),
+        inflight: answer
+            .inflight
+            .iter()
+            .map(|i| WireInflight {
+                pod: &i.pod,
+                requests: i.requests,
+                prefill_tokens: i.prefill_tokens,
+            })
+            .collect(),
+    };
+    // Serialising plain structs of strings and integers cannot fail.
+    serde_json::to_vec(&wire).unwrap_or_default()
+}
+
+fn parse_hash(text: &str) -> Result<u64, String> {
+    if text.len() != 16 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!("hash {text:?} must be 16 hex digits"));
+    }
+    u64::from_str_radix(text, 16).map_err(|_| format!("hash {text:?} is not hex"))
+}
+
+fn check_pod_id(pod: &str, field: &str) -> Result<(), String> {
+    if pod.is_empty() || pod.len() > MAX_POD_ID_BYTES {
+        return Err(format!(
+            "`{field}` must be a pod id of 1 to {MAX_POD_ID_BYTES} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// Parses and validates a peer's answer; the error names what is wrong.
+pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, String> {
+    let wire: WireAnswer =
+        serde_json::from_slice(body).map_err(|e| format!("malformed replica answer: {e}"))?;
+    if wire.version != 1 {
+        return Err(format!("`version` must be 1 (got {})", wire.version));
+    }
+    if wire.replica.is_empty() || wire.replica.len() > MAX_REPLICA_ID_BYTES {
+        return Err(format!(
+            "`replica` must be an id of 1 to {MAX_REPLICA_ID_BYTES} bytes"
+        ));
+    }
+    if wire.since > wire.seq {
+        return Err(format!(
+            "`since` ({}) is past `seq` ({})",
+            wire.since, wire.seq
+        ));
+    }
+    if wire.inflight.len() > limits.max_pods {
+        return Err(format!(
+            "`inflight` names {} pods, more than the {} a pool may have",
+            wire.inflight.len(),
+            limits.max_pods
+        ));
+    }
+    let mut previous = if wire.full { 0 } else { wire.since };
+    let mut decisions = Vec::with_capacity(wire.decisions.len());
+    for (i, d) in wire.decisions.iter().enumerate() {
+        if d.seq <= previous || d.seq > wire.seq {
+            return Err(format!(
+                "`decisions[{i}].seq` ({}) must rise within ({previous}, {}]",
+                d.seq, wire.seq
+            ));
+        }
+        previous = d.seq;
+        check_pod_id(d.pod, &format!("decisions[{i}].pod"))?;
+        if d.chain.is_empty() || d.chain.len() > limits.max_chain {
+            return Err(format!(
+                "`decisions[{i}].chain` must hold 1 to {} hashes (got {})",
+                limits.max_chain,
+                d.chain.len()
+            ));
+        }
+        let chain = d
+            .chain
+            .iter()
+            .map(|h| parse_hash(h))
+            .collect::<Result<Vec<u64>, String>>()
+            .map_err(|e| format!("`decisions[{i}].chain`: {e}"))?;
+        decisions.push(LoggedDecision {
+            seq: d.seq,
+            pod: d.pod.to_string(),
+            at_ms: d.at_ms,
+            chain,
+        });
+    }
+    let inflight = wire
+        .inflight
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            check_pod_id(p.pod, &format!("inflight[{i}].pod"))?;
+            Ok(PodInflight {
+                pod: p.pod.to_string(),
+                requests: p.requests,
+                prefill_tokens: p.prefill_tokens,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(ReplicaAnswer {
+        replica: wire.replica.to_string(),
+        seq: wire.seq,
+        since: wire.since,
+        full: wire.full,
+        sent_at_ms: wire.sent_at_ms,
+        decisions,
+        inflight,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: AnswerLimits = AnswerLimits {
+        max_chain: 2048,
+        max_pods: 64,
+    };
+
+    fn answer() -> ReplicaAnswer {
+        ReplicaAnswer {
+            replica: "5e0c9a1f2b3d4e6f".into(),
+            seq: 42,
+            since: 40,
+            full: false,
+            sent_at_ms: 1_764_680_000_123,
+            decisions: vec![
+                LoggedDecision {
+                    seq: 41,
+                    pod: "pod-a".into(),
+                    at_ms: 1_764_680_000_101,
+                    chain: vec![1, u64::MAX, 0x0123_4567_89ab_cdef],
+                },
+                LoggedDecision {
+                    seq: 42,
+                    pod: "10.0.0.7:8000".into(),
+                    at_ms: 1_764_680_000_120,
+                    chain: vec![7],
+                },
+            ],
+            inflight: vec![PodInflight {
+                pod: "pod-a".into(),
+                requests: 3,
+                prefill_tokens: 1024,
+            }],
+        }
+    }
+
+    #[test]
+    fn an_answer_survives_the_wire() {
+        let bytes = encode_answer(&answer());
+        let text = String::from_utf8(bytes.clone()).expect("utf-8");
+        assert!(
+            text.contains(r#""chain":["0000000000000001","ffffffffffffffff","0123456789abcdef"]"#)
+        );
+        assert_eq!(parse_answer(&bytes, LIMITS), Ok(answer()));
+    }
+
+    fn refused(edit: impl FnOnce(&mut serde_json::Value)) -> String {
+        let mut value: serde_json::Value =
+            serde_json::from_slice(&encode_answer(&answer())).expect("json");
+        edit(&mut value);
+        parse_answer(value.to_string().as_bytes(), LIMITS).expect_err("refused")
+    }
+
+    #[test]
+    fn bad_answers_are_refused_naming_what_is_wrong() {
+        assert!(refused(|v| v["version"] = 2.into()).contains("`version` must be 1"));
+        assert!(refused(|v| v["replica"] = "".into()).contains("`replica`"));
+        assert!(refused(|v| v["since"] = 43.into()).contains("`since` (43) is past `seq` (42)"));
+        assert!(refused(|v| v["decisions"][1]["seq"] = 41.into())
+            .contains("`decisions[1].seq` (41) must rise within (41, 42]"));
+        assert!(refused(|v| v["decisions"][0]["seq"] = 40.into()).contains("`decisions[0].seq`"));
+        assert!(refused(|v| v["decisions"][0]["chain"][1] = "xyz".into())
+            .contains("`decisions[0].chain`: hash \"xyz\" must be 16 hex digits"));
+        assert!(
+            refused(|v| v["decisions"][0]["chain"] = serde_json::json!([]))
+                .contains("`decisions[0].chain` must hold 1 to 2048 hashes (got 0)")
+        );
+        assert!(refused(|v| v["decisions"][0]["pod"] = "".into()).contains("`decisions[0].pod`"));
+        assert!(refused(|v| v["inflight"][0]["requests"] = (-1).into()).contains("malformed"));
+        assert!(refused(|v| v["decisions"][0]["extra"] = 1.into()).contains("unknown field"));
+        let many: Vec<serde_json::Value> = (0..65)
+            .map(|i| serde_json::json!({"pod": format!("p{i}"), "requests": 1, "prefillTokens": 0}))
+            .collect();
+        assert!(refused(|v| v["inflight"] = many.into()).contains("names 65 pods"));
+        assert!(parse_answer(b"not json", LIMITS)
+            .expect_err("refused")
+            .contains("malformed replica answer"));
+    }
+
+    #[test]
+    fn a_full_answer_may_start_anywhere() {
+        let mut full = answer();
+        full.full = true;
+        full.since = 0;
+        assert_eq!(parse_answer(&encode_answer(&full), LIMITS), Ok(full));
+    }
+}

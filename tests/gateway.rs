@@ -1,0 +1,369 @@
+//! The request lifecycle both hosts run ([`kvroute::gateway`]), against a
+//! host kept in memory: what the filter asks of its host is exactly what
+//! `src/wasm/` and `src/native/` provide, so these tests pin the core's
+//! side of that contract (routing header, in-flight counts, the decision
+//! batch, metrics, waiting requests resumed or answered through
+//! [`WorkerHost::other`]). The real-Envoy suites run both hosts.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvroute::config::{Config, PassiveHealthConfig};
+use kvroute::ejection::Ejection;
+use kvroute::gateway::filter::{RequestFilter, Worker, OVERRIDE_HOST_HEADER};
+use kvroute::gateway::host::{Action, HostResult, Stream, WorkerHost};
+use kvroute::gateway::metrics::{Metric, MetricSink};
+use kvroute::index::PrefixLookup;
+use kvroute::snapshot::{decode_decisions, PodTable, PublishedPod, SlotLoad, SnapshotIndex};
+
+/// A request: its headers and body, and what the filter did to it.
+#[derive(Default)]
+struct FakeStream {
+    headers: HashMap<String, String>,
+    body: Vec<u8>,
+    replies: Vec<u32>,
+    resumed: bool,
+}
+
+impl Stream for FakeStream {
+    fn request_header(&mut self, name: &str) -> HostResult<Option<Vec<u8>>> {
+        Ok(self.headers.get(name).map(|v| v.clone().into_bytes()))
+    }
+    fn remove_request_header(&mut self, name: &str) -> HostResult<()> {
+        self.headers.remove(name);
+        Ok(())
+    }
+    fn set_request_header(&mut self, name: &str, value: &str) -> HostResult<()> {
+        self.headers.insert(name.into(), value.into());
+        Ok(())
+    }
+    fn request_body(&mut self, max: usize) -> Vec<u8> {
+        self.body.iter().take(max).copied().collect()
+    }
+    fn response_header(&mut self, _: &str) -> String {
+        "200".into()
+    }
+    fn set_response_header(&mut self, _: &str, _: &str) -> HostResult<()> {
+        Ok(())
+    }
+    fn response_chunk(&mut self, _: usize) -> Vec<u8> {
+        Vec::new()
+    }
+    fn upstream_host(&mut self) -> Option<String> {
+        None
+    }
+    fn upstream_attempts(&mut self) -> Option<u64> {
+        Some(1)
+    }
+    fn response_flags(&mut self) -> Option<u64> {
+        Some(0)
+    }
+    fn send_response(&mut self, status: u32, _: &[(&str, &str)], _: &[u8]) -> HostResult<()> {
+        self.replies.push(status);
+        Ok(())
+    }
+    fn resume(&mut self) -> HostResult<()> {
+        self.resumed = true;
+        Ok(())
+    }
+    fn reactivate(&mut self) -> HostResult<()> {
+        Ok(())
+    }
+}
+
+/// A worker's host in memory: one table, no index entries.
+#[derive(Default)]
+struct FakeWorker {
+    table: Option<Arc<PodTable>>,
+    inflight: Vec<SlotLoad>,
+    waiting: HashMap<u32, FakeStream>,
+    decisions: Vec<Vec<u8>>,
+    metrics: Vec<(Metric, String, i64)>,
+    samples: Vec<(Metric, u64)>,
+}
+
+impl MetricSink for FakeWorker {
+    fn define(&mut self, _: Metric, _: &str) {}
+    fn add(&mut self, metric: Metric, label: &str, delta: i64) {
+        self.metrics.push((metric, label.into(), delta));
+    }
+    fn set(&mut self, _: Metric, _: &str, _: u64) {}
+    fn record(&mut self, metric: Metric, value: u64) {
+        self.samples.push((metric, value));
+    }
+}
+
+impl WorkerHost for FakeWorker {
+    type Table = Arc<PodTable>;
+    type Other<'a> = &'a mut FakeStream;
+
+    fn now_ms(&self) -> u64 {
+        1_000
+    }
+    fn current_table(&mut self) -> Option<Arc<PodTable>> {
+        self.table.clone()
+    }
+    fn routable_table(&mut self, _: u64) -> Option<Arc<PodTable>> {
+        self.table.clone()
+    }
+    fn index<'a>(&'a self, table: &'a PodTable) -> impl PrefixLookup + 'a {
+        SnapshotIndex {
+            buckets: table.buckets,
+            fetch: |_| None::<Vec<u8>>,
+        }
+    }
+    fn inflight(&mut self, slots: usize) -> Vec<SlotLoad> {
+        let mut loads = self.inflight.clone();
+        loads.resize(slots.max(loads.len()), SlotLoad::default());
+        loads
+    }
+    fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]) {
+        for &(slot, requests, _) in changes {
+            if self.inflight.len() <= slot {
+                self.inflight.resize(slot + 1, SlotLoad::default());
+            }
+            let load = &mut self.inflight[slot];
+            load.requests = (i64::from(load.requests) + requests).max(0) as u32;
+        }
+    }
+    fn publish_releases(&mut self) {}
+    fn idle(&self) -> bool {
+        self.inflight.iter().all(|l| l.requests == 0)
+    }
+    fn eject(
+        &mut self,
+        _: &PublishedPod,
+        _: &PodTable,
+        _: u64,
+        _: &PassiveHealthConfig,
+    ) -> Option<Ejection> {
+        None
+    }
+    fn send_decisions(&mut self, batch: &[u8]) {
+        self.decisions.push(batch.to_vec());
+    }
+    fn metric_sink(&mut self) -> &mut dyn MetricSink {
+        self
+    }
+    fn other(&mut self, id: u32) -> Option<&mut FakeStream> {
+        self.waiting.get_mut(&id)
+    }
+    fn answers_others_now(&self) -> bool {
+        true
+    }
+}
+
+impl Stream for &mut FakeStream {
+    fn request_header(&mut self, name: &str) -> HostResult<Option<Vec<u8>>> {
+        (**self).request_header(name)
+    }
+    fn remove_request_header(&mut self, name: &str) -> HostResult<()> {
+        (**self).remove_request_header(name)
+    }
+    fn set_request_header(&mut self, name: &str, value: &str) -> HostResult<()> {
+        (**self).set_request_header(name, value)
+    }
+    fn request_body(&mut self, max: usize) -> Vec<u8> {
+        (**self).request_body(max)
+    }
+    fn response_header(&mut self, name: &str) -> String {
+        (**self).response_header(name)
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) -> HostResult<()> {
+        (**self).set_response_header(name, value)
+    }
+    fn response_chunk(&mut self, size: usize) -> Vec<u8> {
+        (**self).response_chunk(size)
+    }
+    fn upstream_host(&mut self) -> Option<String> {
+        (**self).upstream_host()
+    }
+    fn upstream_attempts(&mut self) -> Option<u64> {
+        (**self).upstream_attempts()
+    }
+    fn response_flags(&mut self) -> Option<u64> {
+        (**self).response_flags()
+    }
+    fn send_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> HostResult<()> {
+        (**self).send_response(status, headers, body)
+    }
+    fn resume(&mut self) -> HostResult<()> {
+        (**self).resume()
+    }
+    fn reactivate(&mut self) -> HostResult<()> {
+        (**self).reactivate()
+    }
+}
+
+fn config() -> Config {
+    Config::parse(
+        br#"{"models": {"m": {"baseModel": "m"}}, "maxQueue": 1,
+             "pods": [{"id": "a", "address": "10.0.0.1:8000"}, {"id": "b", "address": "10.0.0.2:8000"}]}"#,
+    )
+    .unwrap()
+}
+
+fn table(queue: u32) -> Arc<PodTable> {
+    let pod = |slot: usize, id: &str| PublishedPod {
+        slot,
+        id: id.into(),
+        address: format!("10.0.0.{}:8000", slot + 1),
+        queue,
+        load: 0.0,
+        health: 1.0,
+        reported_health: 1.0,
+        last_report_ms: 1_000,
+        adapters: Vec::new(),
+        attributes: Default::default(),
+        inflight_at_report: 0,
+    };
+    Arc::new(PodTable {
+        generation: 1,
+        published_at_ms: 1_000,
+        buckets: 4,
+        pods: vec![pod(0, "a"), pod(1, "b")],
+        ..PodTable::default()
+    })
+}
+
+fn request(prompt: &str) -> FakeStream {
+    let mut stream = FakeStream::default();
+    for (name, value) in [
+        (":path", "/v1/completions"),
+        (":method", "POST"),
+        (OVERRIDE_HOST_HEADER, "6.6.6.6:1"),
+    ] {
+        stream.headers.insert(name.into(), value.into());
+    }
+    stream.body = format!(r#"{{"model": "m", "prompt": "{prompt}"}}"#).into_bytes();
+    stream
+}
+
+#[test]
+fn a_request_is_routed_counted_in_flight_and_released() {
+    let host = FakeWorker {
+        table: Some(table(0)),
+        ..FakeWorker::default()
+    };
+    let mut worker = Worker::new(config(), host);
+    let mut stream = request(&"a shared prefix ".repeat(40));
+    let mut filter = RequestFilter::new(1);
+    assert_eq!(
+        filter.on_request_headers(&mut worker, &mut stream, false),
+        Action::Pause
+    );
+    assert_eq!(
+        filter.on_request_body(&mut worker, &mut stream, usize::MAX, true),
+        Action::Continue
+    );
+    let listed = stream.headers[OVERRIDE_HOST_HEADER].clone();
+    assert!(
+        listed.starts_with("10.0.0."),
+        "a client's header is replaced: {listed}"
+    );
+    assert_eq!(
+        listed.split(',').count(),
+        2,
+        "the winner, then the runner-up"
+    );
+    assert_eq!(
+        worker.host.inflight.iter().map(|l| l.requests).sum::<u32>(),
+        1
+    );
+    filter.on_stream_end(&mut worker);
+    assert!(worker.host.idle(), "released at the stream's end");
+    // An idle worker flushes: the decision batch and the metrics.
+    let decisions = decode_decisions(&worker.host.decisions.concat()).unwrap();
+    assert_eq!(decisions.len(), 1);
+    assert!(worker
+        .host
+        .metrics
+        .contains(&(Metric::RoutingDecisions, "m".into(), 1)));
+}
+
+#[test]
+fn a_waiting_request_is_resumed_through_its_host_when_a_pod_frees() {
+    let mut config_json: serde_json::Value = serde_json::from_str(
+        r#"{"models": {"m": {"baseModel": "m"}}, "maxQueue": 1, "onNoEligiblePod": "wait",
+            "pods": [{"id": "a", "address": "10.0.0.1:8000"}, {"id": "b", "address": "10.0.0.2:8000"}]}"#,
+    )
+    .unwrap();
+    config_json["maxWaitMs"] = 30_000.into();
+    let config = Config::parse(config_json.to_string().as_bytes()).unwrap();
+    // Both pods at maxQueue: nobody can take the request.
+    let host = FakeWorker {
+        table: Some(table(1)),
+        ..FakeWorker::default()
+    };
+    let mut worker = Worker::new(config, host);
+    let mut filter = RequestFilter::new(7);
+    let mut stream = request("wait for me");
+    filter.on_request_headers(&mut worker, &mut stream, false);
+    assert_eq!(
+        filter.on_request_body(&mut worker, &mut stream, usize::MAX, true),
+        Action::Pause
+    );
+    assert_eq!(worker.waiting(), 1);
+    assert!(stream.replies.is_empty(), "it waits, unanswered");
+    // The host keeps the paused request; a pod frees; the tick places it.
+    worker.host.waiting.insert(7, stream);
+    worker.host.table = Some(table(0));
+    worker.on_tick();
+    assert_eq!(worker.waiting(), 0);
+    let waited = &worker.host.waiting[&7];
+    assert!(waited.resumed, "resumed through WorkerHost::other");
+    assert!(waited.headers[OVERRIDE_HOST_HEADER].starts_with("10.0.0."));
+    assert!(waited.replies.is_empty());
+}
+
+#[test]
+fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
+    let host = FakeWorker {
+        table: Some(table(0)),
+        ..FakeWorker::default()
+    };
+    let mut worker = Worker::new(config(), host);
+    let serve = |worker: &mut Worker<FakeWorker>, id: u32, stream_answer: bool| {
+        let mut stream = request(&format!("request {id} ").repeat(40));
+        if stream_answer {
+            stream.body = format!(
+                r#"{{"model": "m", "stream": true, "prompt": "{}"}}"#,
+                format!("request {id} ").repeat(40)
+            )
+            .into_bytes();
+        }
+        let mut filter = RequestFilter::new(id);
+        filter.on_request_headers(worker, &mut stream, false);
+        filter.on_request_body(worker, &mut stream, usize::MAX, true);
+        filter.on_response_headers(worker, &mut stream);
+        assert!(
+            filter.wants_response_body(),
+            "the first byte is wanted (queued prefill, TTFT)"
+        );
+        filter.on_response_body(worker, &mut stream, 16);
+        assert!(!filter.wants_response_body(), "nothing past the first byte");
+        filter.on_response_body(worker, &mut stream, 16);
+        filter.on_stream_end(worker);
+    };
+    let errors = |worker: &Worker<FakeWorker>| {
+        worker
+            .host
+            .samples
+            .iter()
+            .filter(|(m, _)| *m == Metric::TtftPredictionErrorPercent)
+            .count()
+    };
+    // An unstreamed answer's first byte comes after its last token.
+    serve(&mut worker, 1, false);
+    assert_eq!(errors(&worker), 0);
+    // A streamed one's first byte is its first token: one error sample
+    // per answer, at its first byte only.
+    serve(&mut worker, 2, true);
+    serve(&mut worker, 3, true);
+    assert_eq!(errors(&worker), 2);
+}
