@@ -215,7 +215,7 @@ impl ReplicaSync {
 #[cfg(test)]
 mod tests {
     use super::super::log::{answer, log_slot};
-    use super::super::wire::encode_answer;
+    use super::super::wire::{encode_answer, PodInflight};
     use super::*;
     use crate::index::PrefixLookup;
     use std::collections::HashMap;
@@ -349,5 +349,72 @@ mod tests {
             );
         }
         assert!(sync.converged(), "a failing peer is nothing to wait for");
+    }
+
+    /// A pool of 1,024 pods listed in opposite orders on two replicas, so
+    /// a pod's slot differs between them and passes one byte: decisions
+    /// and in-flight loads travel by pod id, and each replica counts them
+    /// at its own slot for that pod; an answer naming every pod's load is
+    /// within the limits.
+    #[test]
+    fn decisions_and_loads_past_slot_255_land_on_the_receiver_s_slot() {
+        let config = |order: &mut dyn Iterator<Item = usize>| {
+            let pods: Vec<serde_json::Value> = order
+                .map(|i| {
+                    serde_json::json!({"id": format!("pod-{i}"),
+                                       "address": format!("10.0.{}.{}:8000", i / 256, i % 256)})
+                })
+                .collect();
+            let json = serde_json::json!({"pods": pods, "mode": "approximate",
+                "podReportIntervalMs": 200, "reportTimeoutMs": 100,
+                "replicas": {"peers": ["127.0.0.1:9902"], "secret": "0123456789abcdef0123456789abcdef"}});
+            Config::parse(json.to_string().as_bytes()).expect("valid")
+        };
+        let (config_one, config_two) = (config(&mut (0..1024)), config(&mut (0..1024).rev()));
+        let mut one = ReplicaSync::new(&config_one, 1).expect("replicas");
+        let mut two = ReplicaSync::new(&config_two, 2).expect("replicas");
+        let mut state_one = ClusterState::new(&config_one, 0);
+        let mut state_two = ClusterState::new(&config_two, 0);
+        assert_eq!(state_one.slot("pod-700"), Some(700));
+        assert_eq!(state_two.slot("pod-700"), Some(323));
+        let pod = state_one
+            .record_decision(700, &[5, 6, 7], 1000)
+            .expect("recorded")
+            .to_string();
+        let (seq, value) = one.log_decision(&pod, &[5, 6, 7], 1000);
+        let inflight: Vec<PodInflight> = (0..1024)
+            .map(|i| PodInflight {
+                pod: format!("pod-{i}"),
+                requests: 1,
+                prefill_tokens: i,
+            })
+            .collect();
+        let body = encode_answer(&answer(
+            one.head(),
+            0,
+            None,
+            |slot| (slot == log_slot(seq)).then(|| value.clone()),
+            inflight,
+            1010,
+            usize::MAX,
+        ));
+        assert_eq!(two.calls(1000).len(), 1);
+        let outcome = two.answered(
+            "127.0.0.1:9902",
+            Some("200"),
+            body.len(),
+            |_| body.clone(),
+            &mut state_two,
+            1012,
+        );
+        assert_eq!((outcome.recorded, outcome.error), (1, None));
+        assert_eq!(state_two.index().lookup(&[5, 6, 7]).blocks(323), 3);
+        let loads = two.loads(&state_two, 1012);
+        assert_eq!(loads.len(), 1024);
+        for i in [0u32, 3, 255, 256, 700, 1023] {
+            let slot = state_two.slot(&format!("pod-{i}")).expect("known");
+            assert_eq!(slot, 1023 - i as usize);
+            assert_eq!((loads[slot].requests, loads[slot].prefill_tokens), (1, i));
+        }
     }
 }
