@@ -365,8 +365,10 @@ mod tests {
                                        "address": format!("10.0.{}.{}:8000", i / 256, i % 256)})
                 })
                 .collect();
+            // A small index: the test needs three blocks, and the wasm
+            // build of the tests runs in one linear memory.
             let json = serde_json::json!({"pods": pods, "mode": "approximate",
-                "podReportIntervalMs": 200, "reportTimeoutMs": 100,
+                "maxIndexBlocks": 8192, "podReportIntervalMs": 200, "reportTimeoutMs": 100,
                 "replicas": {"peers": ["127.0.0.1:9902"], "secret": "0123456789abcdef0123456789abcdef"}});
             Config::parse(json.to_string().as_bytes()).expect("valid")
         };

@@ -1282,10 +1282,12 @@ fn scale_comparison(runs: &[Value]) -> String {
     }
     for r in runs {
         out.push_str(&format!(
-            "\n{} pods: `{}` ({}); service callbacks over 10 ms since start: {} of {}.\n",
+            "\n{} pods: `{}` ({}, {} build); service callbacks over 10 ms since start: {} of {}.\n",
             r["pods"],
             r["command"].as_str().unwrap_or(""),
             r["date"].as_str().unwrap_or(""),
+            // Runs from before the native module record none: kvroute.wasm.
+            r["module"].as_str().unwrap_or("wasm"),
             r["resync"]["serviceBusySinceStart"]["over10Ms"],
             r["resync"]["serviceBusySinceStart"]["callbacks"],
         ));
