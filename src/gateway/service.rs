@@ -25,8 +25,9 @@
 //! The service runs on Envoy's main thread, which also serves admin and
 //! xDS, so no callback may stall it — and answers of many pods can land in
 //! one pass of Envoy's event loop. The service ticks every [`TICK_MS`]
-//! (rounds start on the tick that finds one due) and spends at most
-//! [`TICK_BUDGET_US`] per tick folding answers (at most [`FOLD_SHARE_US`]
+//! (a replicated gateway's every [`PEER_CALL_GAP_MS`]; rounds start on the
+//! tick that finds one due) and spends at most [`TICK_BUDGET_US`] per
+//! [`TICK_MS`] folding answers (at most [`FOLD_SHARE_US`]
 //! of it) and writing changed buckets, over all its callbacks until the
 //! next tick: an answer is only classified and queued when it arrives;
 //! folding goes in steps of [`FOLD_STEP_BLOCKS`] blocks (a 16k-block full
@@ -57,16 +58,16 @@ use crate::cluster::{
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
-use crate::replica::{PeerState, ReplicaSync, REPLICA_KEY_HEADER};
+use crate::replica::{PeerState, ReplicaSync, PEER_CALL_GAP_MS, REPLICA_KEY_HEADER};
 use crate::snapshot::{decode_decisions, PodTable};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
 pub const TICK_MS: u64 = 25;
 
-/// Main-thread time per tick for folding answers and writing changed
-/// buckets (a step may overrun it: parsing one body, bounded by
-/// `maxReportBytes`, is one step).
+/// Main-thread time per [`TICK_MS`] for folding answers and writing
+/// changed buckets (a step may overrun it: parsing one body, bounded by
+/// `maxReportBytes`, is one step); a shorter tick gets its share of it.
 const TICK_BUDGET_US: u64 = 3_000;
 
 /// The part of [`TICK_BUDGET_US`] folding may take; the rest is left to
@@ -99,10 +100,10 @@ pub struct ReportService<H: ServiceHost> {
     /// When each pod's next report call goes out.
     polling: Option<ReportPolling>,
     next_round_ms: u64,
-    /// What is left of this tick's folding and writing time, and what
-    /// folding took of it.
+    /// What is left of this tick's folding and writing time, and of
+    /// folding's part of it.
     budget_us: u64,
-    folding_us: u64,
+    fold_budget_us: u64,
     /// Answers were folded since the last publication.
     folds_unpublished: bool,
     last_publish_ms: u64,
@@ -111,9 +112,23 @@ pub struct ReportService<H: ServiceHost> {
     replicas: Option<ReplicaSync>,
 }
 
-/// The service's tick period for `config`.
+/// The service's tick period for `config`: a replicated gateway's ticks at
+/// the peer pull gap, since a pull answered sooner than the gap after it
+/// was sent waits for the next tick (a busy peer answers every pull within
+/// its listener's 5 ms tick): at [`TICK_MS`] that alone was 25 ms of lag.
 pub fn tick_period_ms(config: &Config) -> u64 {
-    config.pod_report_interval_ms.min(TICK_MS)
+    let period = config.pod_report_interval_ms.min(TICK_MS);
+    if config.replicas.is_some() {
+        period.min(PEER_CALL_GAP_MS)
+    } else {
+        period
+    }
+}
+
+/// This tick's share of [`TICK_BUDGET_US`] (`budget_us`): the same
+/// main-thread share whatever the tick period.
+fn tick_budget_us(config: &Config, budget_us: u64) -> u64 {
+    budget_us * tick_period_ms(config) / TICK_MS
 }
 
 impl<H: ServiceHost> ReportService<H> {
@@ -126,7 +141,7 @@ impl<H: ServiceHost> ReportService<H> {
             polling: None,
             next_round_ms: 0,
             budget_us: TICK_BUDGET_US,
-            folding_us: 0,
+            fold_budget_us: FOLD_SHARE_US,
             folds_unpublished: false,
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
@@ -172,7 +187,8 @@ impl<H: ServiceHost> ReportService<H> {
     pub fn on_tick(&mut self) {
         let started = Instant::now();
         if let Some(config) = self.config.clone() {
-            (self.budget_us, self.folding_us) = (TICK_BUDGET_US, 0);
+            self.budget_us = tick_budget_us(&config, TICK_BUDGET_US);
+            self.fold_budget_us = tick_budget_us(&config, FOLD_SHARE_US);
             self.fold();
             let now = self.host.now_ms();
             if now >= self.next_round_ms {
@@ -709,14 +725,14 @@ impl<H: ServiceHost> ReportService<H> {
         };
         let now = self.host.now_ms();
         let polling = &mut self.polling;
-        while self.budget_us > 0 && self.folding_us < FOLD_SHARE_US {
+        while self.budget_us > 0 && self.fold_budget_us > 0 {
             let started = Instant::now();
             let Some(step) = state.fold_step(now, FOLD_STEP_BLOCKS) else {
                 break;
             };
             let spent = started.elapsed().as_micros() as u64;
             self.budget_us = self.budget_us.saturating_sub(spent.max(1));
-            self.folding_us += spent.max(1);
+            self.fold_budget_us = self.fold_budget_us.saturating_sub(spent.max(1));
             let FoldStep::Done(folded) = step else {
                 continue;
             };
