@@ -25,8 +25,9 @@
 //! The service runs on Envoy's main thread, which also serves admin and
 //! xDS, so no callback may stall it — and answers of many pods can land in
 //! one pass of Envoy's event loop. The service ticks every [`TICK_MS`]
-//! (rounds start on the tick that finds one due) and spends at most
-//! [`TICK_BUDGET_US`] per tick folding answers (at most [`FOLD_SHARE_US`]
+//! (a replicated gateway's every [`PEER_CALL_GAP_MS`]; rounds start on the
+//! tick that finds one due) and spends at most [`TICK_BUDGET_US`] per
+//! [`TICK_MS`] folding answers (at most [`FOLD_SHARE_US`]
 //! of it) and writing changed buckets, over all its callbacks until the
 //! next tick: an answer is only classified and queued when it arrives;
 //! folding goes in steps of [`FOLD_STEP_BLOCKS`] blocks (a 16k-block full
@@ -36,10 +37,11 @@
 //! the budget by its own length (parsing one body is one step).
 //! Work per pod is spread the same way, so a pool of 1,024 pods costs no
 //! callback 1,024 of anything: a tick starts at most [`CALLS_PER_TICK`]
-//! pulls within [`CALL_BUDGET_US`] (scanning the pods from where the last
-//! tick stopped), an answer's callback asks only the pods it folded again,
-//! at most [`RESYNC_CALLS`] `since=0` calls are in flight, per-pod gauges
-//! and new pods' series go out within [`GAUGE_BUDGET_US`] a tick, and the
+//! pulls within [`CALL_BUDGET_US`] (per [`TICK_MS`]; scanning the pods
+//! from where the last tick stopped), an answer's callback asks only the
+//! pods it folded again, at most [`RESYNC_CALLS`] `since=0` calls are in
+//! flight, per-pod gauges and new pods' series go out within
+//! [`GAUGE_BUDGET_US`] per [`TICK_MS`], and the
 //! pod table is brought to each generation's numbers in place: the host
 //! gets its binary state ([`PodTable::encode_state`]) every generation,
 //! the whole table only when its members changed
@@ -67,16 +69,16 @@ use crate::cluster::{
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
-use crate::replica::{PeerState, ReplicaSync, REPLICA_KEY_HEADER};
+use crate::replica::{PeerState, ReplicaSync, PEER_CALL_GAP_MS, REPLICA_KEY_HEADER};
 use crate::snapshot::{decode_decisions, PodTable};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
 pub const TICK_MS: u64 = 25;
 
-/// Main-thread time per tick for folding answers and writing changed
-/// buckets (a step may overrun it: parsing one body, bounded by
-/// `maxReportBytes`, is one step).
+/// Main-thread time per [`TICK_MS`] for folding answers and writing
+/// changed buckets (a step may overrun it: parsing one body, bounded by
+/// `maxReportBytes`, is one step); a shorter tick gets its share of it.
 const TICK_BUDGET_US: u64 = 3_000;
 
 /// The part of [`TICK_BUDGET_US`] folding may take; the rest is left to
@@ -88,20 +90,21 @@ const FOLD_SHARE_US: u64 = 1_500;
 /// together are published together, by the next answer or tick).
 const PUBLISH_GAP_MS: u64 = 5;
 
-/// Pulls started per tick (report calls that are due, a round's metrics
-/// calls), at most: at 1,024 pods a round's calls go out over 16 ticks or
-/// more instead of ~1,024 dispatches in one callback. A pod whose answer
-/// was just folded is asked again at once, outside this bound (one call
-/// per answer).
+/// Pulls started per [`TICK_MS`] (report calls that are due, a round's
+/// metrics calls), at most: at 1,024 pods a round's calls go out over 16
+/// ticks or more instead of ~1,024 dispatches in one callback. A pod whose
+/// answer was just folded is asked again at once, outside this bound (one
+/// call per answer). A shorter tick gets its share, as of every bound
+/// here.
 const CALLS_PER_TICK: usize = 64;
 
-/// Main-thread time per tick for starting pulls: with what a dispatch
-/// costs (averaged as calls go out), fewer than [`CALLS_PER_TICK`] start
-/// when each costs more than 15 µs.
-const CALL_BUDGET_US: f64 = 1_000.0;
+/// Main-thread time per [`TICK_MS`] for starting pulls: with what a
+/// dispatch costs (averaged as calls go out), fewer than
+/// [`CALLS_PER_TICK`] start when each costs more than 15 µs.
+const CALL_BUDGET_US: u64 = 1_000;
 
-/// Main-thread time per tick for per-pod gauges (defining a pod's series
-/// costs Envoy tens of µs each; setting one, a few).
+/// Main-thread time per [`TICK_MS`] for per-pod gauges (defining a pod's
+/// series costs Envoy tens of µs each; setting one, a few).
 const GAUGE_BUDGET_US: u64 = 1_000;
 
 /// Report calls asking for everything (`since=0`: a pod not yet known, or
@@ -131,10 +134,10 @@ pub struct ReportService<H: ServiceHost> {
     /// When each pod's next report call goes out.
     polling: Option<ReportPolling>,
     next_round_ms: u64,
-    /// What is left of this tick's folding and writing time, and what
-    /// folding took of it.
+    /// What is left of this tick's folding and writing time, and of
+    /// folding's part of it.
     budget_us: u64,
-    folding_us: u64,
+    fold_budget_us: u64,
     /// Answers were folded since the last publication.
     folds_unpublished: bool,
     last_publish_ms: u64,
@@ -162,9 +165,24 @@ pub struct ReportService<H: ServiceHost> {
     zero_due: VecDeque<String>,
 }
 
-/// The service's tick period for `config`.
+/// The service's tick period for `config`: a replicated gateway's ticks at
+/// the peer pull gap, since a pull answered sooner than the gap after it
+/// was sent waits for the next tick (a busy peer answers every pull within
+/// its listener's 5 ms tick): at [`TICK_MS`] that alone was 25 ms of lag.
 pub fn tick_period_ms(config: &Config) -> u64 {
-    config.pod_report_interval_ms.min(TICK_MS)
+    let period = config.pod_report_interval_ms.min(TICK_MS);
+    if config.replicas.is_some() {
+        period.min(PEER_CALL_GAP_MS)
+    } else {
+        period
+    }
+}
+
+/// This tick's share of a bound per [`TICK_MS`] (`budget_us`, e.g.
+/// [`TICK_BUDGET_US`]): the same main-thread share whatever the tick
+/// period.
+fn tick_budget_us(config: &Config, budget_us: u64) -> u64 {
+    budget_us * tick_period_ms(config) / TICK_MS
 }
 
 impl<H: ServiceHost> ReportService<H> {
@@ -177,7 +195,7 @@ impl<H: ServiceHost> ReportService<H> {
             polling: None,
             next_round_ms: 0,
             budget_us: TICK_BUDGET_US,
-            folding_us: 0,
+            fold_budget_us: FOLD_SHARE_US,
             folds_unpublished: false,
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
@@ -236,9 +254,13 @@ impl<H: ServiceHost> ReportService<H> {
     pub fn on_tick(&mut self) {
         let started = Instant::now();
         if let Some(config) = self.config.clone() {
-            (self.budget_us, self.folding_us) = (TICK_BUDGET_US, 0);
-            let affordable = CALL_BUDGET_US / self.dispatch_us.max(1.0);
-            self.calls_left = (affordable as usize).clamp(4, CALLS_PER_TICK);
+            self.budget_us = tick_budget_us(&config, TICK_BUDGET_US);
+            self.fold_budget_us = tick_budget_us(&config, FOLD_SHARE_US);
+            // Pulls get this tick's share of their bounds too.
+            let most = (tick_budget_us(&config, CALLS_PER_TICK as u64) as usize).max(1);
+            let affordable =
+                tick_budget_us(&config, CALL_BUDGET_US) as f64 / self.dispatch_us.max(1.0);
+            self.calls_left = (affordable as usize).clamp(most.min(4), most);
             self.fold();
             let now = self.host.now_ms();
             if now >= self.next_round_ms {
@@ -254,7 +276,7 @@ impl<H: ServiceHost> ReportService<H> {
             self.poll_reports(&config, None);
             self.send_metrics(&config);
             self.pull_peers(&config);
-            self.export_gauges();
+            self.export_gauges(&config);
             self.metrics.flush(self.host.metric_sink());
         }
         self.busy(started);
@@ -488,9 +510,10 @@ impl<H: ServiceHost> ReportService<H> {
     /// pod a tick); the rest go on at the next tick. A per-pod gauge is
     /// set only when its value changed: a round sets four gauges per pod,
     /// 4,096 at 1,024 pods, most unchanged.
-    fn export_gauges(&mut self) {
+    fn export_gauges(&mut self, config: &Config) {
         let started = Instant::now();
-        let within = || started.elapsed().as_micros() < u128::from(GAUGE_BUDGET_US);
+        let budget = tick_budget_us(config, GAUGE_BUDGET_US);
+        let within = || started.elapsed().as_micros() < u128::from(budget);
         while let Some(pod) = self.zero_due.pop_front() {
             export_pod_from_zero(&pod, self.host.metric_sink());
             if !within() {
@@ -870,14 +893,14 @@ impl<H: ServiceHost> ReportService<H> {
         };
         let now = self.host.now_ms();
         let polling = &mut self.polling;
-        while self.budget_us > 0 && self.folding_us < FOLD_SHARE_US {
+        while self.budget_us > 0 && self.fold_budget_us > 0 {
             let started = Instant::now();
             let Some(step) = state.fold_step(now, FOLD_STEP_BLOCKS) else {
                 break;
             };
             let spent = started.elapsed().as_micros() as u64;
             self.budget_us = self.budget_us.saturating_sub(spent.max(1));
-            self.folding_us += spent.max(1);
+            self.fold_budget_us = self.fold_budget_us.saturating_sub(spent.max(1));
             let FoldStep::Done(folded) = step else {
                 continue;
             };

@@ -54,7 +54,7 @@ pub mod wire;
 pub use log::{LogHead, ReplicaLog};
 pub use peers::{PeerState, PeerTransition, Peers, Received};
 pub use serve::{parse_log_request, LogRequest, Refusal};
-pub use sync::{PeerCall, PeerOutcome, ReplicaSync};
+pub use sync::{PeerCall, PeerOutcome, ReplicaSync, PEER_CALL_GAP_MS};
 pub use wire::{
     encode_answer, parse_answer, AnswerLimits, LoggedDecision, PodInflight, ReplicaAnswer,
     REPLICA_KEY_HEADER,

@@ -167,8 +167,12 @@ impl ReplicaSync {
                         self.unpublished.push(decision.at_ms);
                     }
                 }
-                let changed = received.full || !received.decisions.is_empty();
-                self.polling.folded(address, now_ms, changed);
+                // A peer is kvroute: it holds a pull until it has news, its
+                // loads included, so a quick answer without decisions is
+                // never a peer ignoring `wait`. Counted as idle, two would
+                // drop the peer to interval polling: a lag of
+                // `podReportIntervalMs` (2 s shipped) instead of the gap.
+                self.polling.folded(address, now_ms, true);
                 PeerOutcome {
                     recorded,
                     transition: received.transition,
@@ -307,6 +311,48 @@ mod tests {
                 super::super::wire::loads_digest(&[])
             )
         );
+    }
+
+    /// A busy peer answers every pull at once with its loads only; it stays
+    /// long-polled at the gap, never falls back to the report interval.
+    #[test]
+    fn a_peer_answering_loads_only_is_pulled_again_after_the_gap() {
+        let config = config(&["127.0.0.1:9902"]);
+        let mut sync = ReplicaSync::new(&config, 1).expect("replicas");
+        let peer = ReplicaSync::new(&config, 2).expect("replicas");
+        let mut state = ClusterState::new(&config, 0);
+        let mut now = 1000;
+        for round in 0..10 {
+            let calls = sync.calls(now);
+            assert_eq!(calls.len(), 1, "round {round}: pulled again after the gap");
+            assert!(calls[0].path.contains("wait=200"), "{}", calls[0].path);
+            // The first answer is the peer's (empty) log in full, the
+            // others continue it.
+            let epoch = (round > 0).then(|| peer.head().replica_id());
+            let body = encode_answer(&answer(
+                peer.head(),
+                0,
+                epoch.as_deref(),
+                |_| None,
+                vec![super::super::PodInflight {
+                    pod: "a".to_string(),
+                    requests: round + 1,
+                    prefill_tokens: 0,
+                }],
+                now,
+                usize::MAX,
+            ));
+            let outcome = sync.answered(
+                "127.0.0.1:9902",
+                Some("200"),
+                body.len(),
+                |_| body.clone(),
+                &mut state,
+                now + 1,
+            );
+            assert_eq!(outcome.error, None);
+            now += PEER_CALL_GAP_MS;
+        }
     }
 
     #[test]
