@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_integration::bench::overhead::{envoy_pid, thread_cpu_s};
+use kvroute_integration::bench::overhead::thread_cpu_s;
 use kvroute_integration::harness::{filler_text as text, Cluster, ClusterSpec};
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -187,7 +187,7 @@ fn measure_main_thread_cpu() {
     let window = Duration::from_secs(20);
     for long_poll in [true, false] {
         let cluster = start(json!({"reportLongPoll": long_poll}), vec![]);
-        let pid = envoy_pid(&cluster.dir.join("envoy.yaml")).expect("envoy pid");
+        let pid = cluster.envoy.pid();
         let cpu = || thread_cpu_s(pid, pid).unwrap_or(0.0);
         let calls_per_pod_s = |before: &[u64]| {
             let after: u64 = report_requests(&cluster).iter().sum();

@@ -738,23 +738,6 @@ pub fn overhead_markdown(o: &Value) -> String {
     out
 }
 
-/// The pid of the Envoy whose command line names `config`.
-pub fn envoy_pid(config: &Path) -> Option<u32> {
-    let wanted = config.display().to_string();
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-            let cmdline = String::from_utf8_lossy(&cmdline);
-            if cmdline.contains("envoy") && cmdline.split('\0').any(|a| a == wanted) {
-                return Some(pid);
-            }
-        }
-    }
-    None
-}
-
 /// Nanoseconds thread `tid` of `pid` has run on a CPU (`schedstat`: exact,
 /// unlike `stat`'s 10 ms ticks).
 fn thread_run_ns(pid: u32, tid: u32) -> Option<u64> {
@@ -855,8 +838,7 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
     let started = Instant::now();
     let mut cluster = Cluster::start(sim_binary, spec)?;
     let startup_s = started.elapsed().as_secs_f64();
-    let pid = envoy_pid(&cluster.dir.join("envoy.yaml"))
-        .ok_or_else(|| io::Error::other("cannot find the Envoy process"))?;
+    let pid = cluster.envoy.pid();
     let expected = (per_pod * pods) as f64;
     let admin = cluster.envoy.admin.clone();
     let ingest_start = Instant::now();
