@@ -971,7 +971,7 @@ pub fn scale(sim_binary: &Path, quick: bool, pods: usize) -> io::Result<Value> {
                   "mainThreadCpuS": churn_cpu, "msPerTick": churn_cpu * 1000.0 / ticks},
         "filterUsAtFullIndex": stats(&mut filter),
         "native": native,
-        "method": "in Envoy: CPU time of Envoy's main thread (where the singleton service runs; it also flushes stats every 1 s and serves the admin page) from /proc/<pid>/task/<pid>/stat at 10 ms resolution, divided by the ticks in the window; native: the same ClusterState code (kvroute::cluster) on the host, timed with Instant, snapshot size = bytes of all published buckets + pod table + in-flight array",
+        "method": "in Envoy: CPU time of Envoy's main thread (where the report service runs in either build; it also flushes stats every 1 s and serves the admin page) from /proc/<pid>/task/<pid>/stat at 10 ms resolution, divided by the ticks in the window; native: the same ClusterState code (kvroute::cluster) on the host, timed with Instant, snapshot size = bytes of all published buckets + pod table + in-flight array",
     }))
 }
 
