@@ -192,7 +192,7 @@ pub fn render(deployment: &Deployment) -> Result<String, Error> {
     let documents = manifests(istio, &pieces, in_pod.replica_port);
     let mut out = String::from(
         "# kvroute on Istio 1.28 (Gateway API v1), rendered by kvroute-config; see\n\
-         # the README, \"Run it on your own cluster\". Before applying, create the\n\
+         # docs/deployment.md, \"Istio (1.28)\". Before applying, create the\n\
          # wasm ConfigMap:\n",
     );
     out.push_str(&format!(
