@@ -911,7 +911,11 @@ impl Drop for Cluster {
                 tail(&self.envoy.log(), 80)
             );
         }
-        let _ = fs::remove_dir_all(&self.dir);
+        if std::env::var_os("KVROUTE_KEEP_DIRS").is_some() {
+            eprintln!("kept {}", self.dir.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
