@@ -475,6 +475,12 @@ impl ClusterState {
         self.record(pod_id).map(|r| r.slot)
     }
 
+    /// Id of the pod at `slot`.
+    pub fn pod_id(&self, slot: usize) -> Option<&str> {
+        let i = self.pods.binary_search_by_key(&slot, |r| r.slot).ok()?;
+        self.pods.get(i).map(|r| r.config.id.as_str())
+    }
+
     /// Path and query of the next report request for `pod_id`.
     pub fn report_query(&self, pod_id: &str, report_path: &str) -> Option<String> {
         let record = self.record(pod_id)?;

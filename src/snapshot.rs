@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::index::holders::{CompactSet, Holder, HolderArena, INLINE};
 use crate::index::{match_by_bisection, PrefixLookup, PrefixMatch};
+use crate::scoring::answers::Answer;
 
 pub const POD_TABLE_KEY: &str = "kvroute/pods";
 /// The pod table's numbers of every generation ([`PodTable::encode_state`]).
@@ -519,12 +520,26 @@ pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
     }
 }
 
+/// One record of a worker's batch for the service.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BatchRecord {
+    /// A routing decision: pod slot and the request's chain.
+    Decision { slot: usize, chain: Vec<u64> },
+    /// A streamed answer's first byte, for every TTFT model
+    /// ([`crate::scoring::answers`]).
+    Answer(Answer),
+}
+
+const DECISION_RECORD: u8 = 0;
+const ANSWER_RECORD: u8 = 1;
+
 /// Appends a routing decision to a batch for the shared queue (a worker
 /// sends its decisions together: one wake-up of the service per batch, not
-/// per request): pod slot (u16 LE), chain length (u32 LE), then the
-/// chain's hashes (8 bytes LE each).
+/// per request): kind 0 (u8), pod slot (u16 LE), chain length (u32 LE),
+/// then the chain's hashes (8 bytes LE each).
 pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
-    batch.reserve(6 + chain.len() * 8);
+    batch.reserve(7 + chain.len() * 8);
+    batch.push(DECISION_RECORD);
     batch.extend_from_slice(&u16::try_from(slot).unwrap_or(u16::MAX).to_le_bytes());
     batch.extend_from_slice(&u32::try_from(chain.len()).unwrap_or(u32::MAX).to_le_bytes());
     for hash in chain {
@@ -532,22 +547,40 @@ pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
     }
 }
 
-/// The decisions of a batch, `None` if it is malformed.
-pub fn decode_decisions(mut bytes: &[u8]) -> Option<Vec<(usize, Vec<u64>)>> {
-    let mut decisions = Vec::new();
-    while !bytes.is_empty() {
-        let slot = le_u16(bytes, 0)?;
-        let rest = bytes.get(2..)?;
-        let len: [u8; 4] = rest.get(..4)?.try_into().ok()?;
-        let len = usize::try_from(u32::from_le_bytes(len)).ok()?;
-        let hashes = rest.get(4..4 + len.checked_mul(8)?)?;
-        let chain = (0..len)
-            .map(|i| le_u64(hashes, i * 8))
-            .collect::<Option<_>>()?;
-        decisions.push((usize::from(slot), chain));
-        bytes = rest.get(4 + hashes.len()..)?;
+/// Appends an answer's first byte to a batch: kind 1 (u8), then the
+/// answer ([`Answer::encode_into`]).
+pub fn push_answer(batch: &mut Vec<u8>, answer: &Answer) {
+    batch.push(ANSWER_RECORD);
+    answer.encode_into(batch);
+}
+
+/// The records of a batch, `None` if it is malformed.
+pub fn decode_batch(mut bytes: &[u8]) -> Option<Vec<BatchRecord>> {
+    let mut records = Vec::new();
+    while let Some((&kind, rest)) = bytes.split_first() {
+        match kind {
+            DECISION_RECORD => {
+                let slot = le_u16(rest, 0)?;
+                let len: [u8; 4] = rest.get(2..6)?.try_into().ok()?;
+                let len = usize::try_from(u32::from_le_bytes(len)).ok()?;
+                let hashes = rest.get(6..6 + len.checked_mul(8)?)?;
+                let chain = (0..len)
+                    .map(|i| le_u64(hashes, i * 8))
+                    .collect::<Option<_>>()?;
+                records.push(BatchRecord::Decision {
+                    slot: usize::from(slot),
+                    chain,
+                });
+                bytes = rest.get(6 + hashes.len()..)?;
+            }
+            ANSWER_RECORD => {
+                records.push(BatchRecord::Answer(Answer::decode(rest)?));
+                bytes = rest.get(Answer::BYTES..)?;
+            }
+            _ => return None,
+        }
     }
-    Some(decisions)
+    Some(records)
 }
 
 #[cfg(test)]
@@ -725,18 +758,27 @@ mod tests {
         let mut batch = Vec::new();
         push_decision(&mut batch, 3, &[1, 2]);
         push_decision(&mut batch, 0, &[]);
+        let answer = Answer::new(7, 1500, 42.5);
+        push_answer(&mut batch, &answer);
         push_decision(&mut batch, 1023, &[u64::MAX]);
+        let decision = |slot, chain: &[u64]| BatchRecord::Decision {
+            slot,
+            chain: chain.to_vec(),
+        };
         assert_eq!(
-            decode_decisions(&batch),
-            Some(vec![(3, vec![1, 2]), (0, vec![]), (1023, vec![u64::MAX])])
+            decode_batch(&batch),
+            Some(vec![
+                decision(3, &[1, 2]),
+                decision(0, &[]),
+                BatchRecord::Answer(answer),
+                decision(1023, &[u64::MAX])
+            ])
         );
-        assert_eq!(decode_decisions(&[]), Some(vec![]));
-        assert_eq!(decode_decisions(&batch[..batch.len() - 1]), None, "torn");
-        assert_eq!(
-            decode_decisions(&[1, 0, 9, 0, 0, 0, 1]),
-            None,
-            "short chain"
-        );
-        assert_eq!(decode_decisions(&[1]), None, "half a slot");
+        assert_eq!(decode_batch(&[]), Some(vec![]));
+        assert_eq!(decode_batch(&batch[..batch.len() - 1]), None, "torn");
+        assert_eq!(decode_batch(&[0, 1, 0, 9, 0, 0, 0, 1]), None, "short chain");
+        assert_eq!(decode_batch(&[0, 1]), None, "half a slot");
+        assert_eq!(decode_batch(&[1, 0, 0, 1]), None, "short answer");
+        assert_eq!(decode_batch(&[2]), None, "unknown kind");
     }
 }

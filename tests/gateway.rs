@@ -14,7 +14,11 @@ use kvroute::gateway::filter::{RequestFilter, Worker, OVERRIDE_HOST_HEADER};
 use kvroute::gateway::host::{Action, HostResult, Stream, WorkerHost};
 use kvroute::gateway::metrics::{Metric, MetricSink};
 use kvroute::index::PrefixLookup;
-use kvroute::snapshot::{decode_decisions, PodTable, PublishedPod, SlotLoad, SnapshotIndex};
+use kvroute::scoring::answers::AnswerFeed;
+use kvroute::scoring::ttft::TtftModel;
+use kvroute::snapshot::{
+    decode_batch, BatchRecord, PodTable, PublishedPod, SlotLoad, SnapshotIndex,
+};
 
 /// A request: its headers and body, and what the filter did to it.
 #[derive(Default)]
@@ -80,6 +84,7 @@ struct FakeWorker {
     decisions: Vec<Vec<u8>>,
     metrics: Vec<(Metric, String, i64)>,
     samples: Vec<(Metric, u64)>,
+    feed: Option<Vec<u8>>,
 }
 
 impl MetricSink for FakeWorker {
@@ -141,6 +146,9 @@ impl WorkerHost for FakeWorker {
     }
     fn send_decisions(&mut self, batch: &[u8]) {
         self.decisions.push(batch.to_vec());
+    }
+    fn answer_feed(&mut self) -> Option<Vec<u8>> {
+        self.feed.clone()
     }
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         self
@@ -278,7 +286,7 @@ fn a_request_is_routed_counted_in_flight_and_released() {
     filter.on_stream_end(&mut worker);
     assert!(worker.host.idle(), "released at the stream's end");
     // An idle worker flushes: the decision batch and the metrics.
-    let decisions = decode_decisions(&worker.host.decisions.concat()).unwrap();
+    let decisions = decode_batch(&worker.host.decisions.concat()).unwrap();
     assert_eq!(decisions.len(), 1);
     assert!(worker
         .host
@@ -366,4 +374,40 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
     serve(&mut worker, 2, true);
     serve(&mut worker, 3, true);
     assert_eq!(errors(&worker), 2);
+    // Each streamed answer goes to the service with the decisions; the
+    // worker's model learns it from the service's feed, as every other
+    // worker (and replica) does.
+    let answers: Vec<_> = decode_batch(&worker.host.decisions.concat())
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            BatchRecord::Answer(a) => Some(a),
+            BatchRecord::Decision { .. } => None,
+        })
+        .collect();
+    assert_eq!(answers.len(), 2);
+    assert!(
+        !worker.ttft_model().calibrated(),
+        "nothing learnt before the feed"
+    );
+    let mut feed = AnswerFeed::default();
+    let mut direct = TtftModel::new(config().balance.learning_window);
+    for answer in &answers {
+        feed.push(*answer);
+        let slot = usize::from(answer.slot);
+        direct.observe(slot, answer.work_tokens.into(), answer.ttft_ms.into());
+    }
+    let mut other = Worker::new(
+        config(),
+        FakeWorker {
+            table: Some(table(0)),
+            feed: Some(feed.encode()),
+            ..FakeWorker::default()
+        },
+    );
+    serve(&mut other, 4, false);
+    assert!(other.ttft_model().calibrated());
+    for slot in 0..2 {
+        assert_eq!(other.ttft_model().line(slot), direct.line(slot));
+    }
 }

@@ -1443,12 +1443,14 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 pod: "b".into(),
                 at_ms: 49_000,
                 chain: vec![30, 31, 32],
+                first_byte: None,
             },
             LoggedDecision {
                 seq: 2,
                 pod: "a pod this replica does not know".into(),
                 at_ms: 50_000,
                 chain: vec![40],
+                first_byte: None,
             },
         ],
         inflight: vec![

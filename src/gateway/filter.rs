@@ -16,9 +16,10 @@
 //!    (after a failover it takes over the in-flight count), and add the
 //!    decision headers when asked.
 //! 4. Response body: the first byte ends the queued-prefill count and, for
-//!    a streamed answer, teaches the worker's TTFT model
-//!    ([`crate::scoring::ttft`]); a sampled answer's `usage.cached_tokens`
-//!    checks the cache prediction.
+//!    a streamed answer, measures the TTFT model's error and goes to the
+//!    service, whose feed teaches every worker's model
+//!    ([`crate::scoring::answers`]); a sampled answer's
+//!    `usage.cached_tokens` checks the cache prediction.
 //! 5. Stream end: the in-flight count is released, waiting requests get a
 //!    dispatch round, and an idle worker flushes its batches.
 //!
@@ -49,8 +50,9 @@ use crate::queueing::{Priority, PRIORITY_HEADER};
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
+use crate::scoring::answers::{Answer, FeedReader};
 use crate::scoring::ttft::TtftModel;
-use crate::snapshot::push_decision;
+use crate::snapshot::{push_answer, push_decision};
 use crate::usage::CachedTokensScanner;
 
 /// Where an ORIGINAL_DST cluster connects (`upstreamMode` `originalDst`).
@@ -91,7 +93,8 @@ pub struct Worker<H: WorkerHost> {
     router: Router,
     /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
-    /// Decisions not yet sent to the service, and how many.
+    /// Decisions and answers' first bytes not yet sent to the service
+    /// ([`crate::snapshot::BatchRecord`]), and how many.
     decisions: (Vec<u8>, usize),
     requests: u64,
     /// Requests routed, for sampling the `route` log (`routeLogSample`).
@@ -102,11 +105,14 @@ pub struct Worker<H: WorkerHost> {
     /// Requests waiting for a pod ([`super::waiting`]).
     pub(super) waiting: Waiting,
     pub(super) metrics: MetricBatch,
-    /// The predicted-TTFT model, learned from this worker's streamed
-    /// answers ([`RequestFilter::on_response_body`]). Local to the worker
-    /// (and the replica): what it learns from, the prefill queued per pod,
+    /// The predicted-TTFT model, learned from every streamed answer of
+    /// every worker and replica through the service's feed
+    /// ([`crate::scoring::answers`]); the prefill queued per pod it reads
     /// is every worker's and every replica's ([`WorkerHost::inflight`]).
     ttft: TtftModel,
+    /// Which answers of the feed `ttft` learnt, and when to read it next.
+    feed: FeedReader,
+    next_feed_read_ms: u64,
 }
 
 /// A routed request, as its filter keeps it.
@@ -143,6 +149,8 @@ impl<H: WorkerHost> Worker<H> {
             recent: RecentDecisions::new(&config),
             waiting: Waiting::new(&config),
             ttft: TtftModel::new(config.balance.learning_window),
+            feed: FeedReader::default(),
+            next_feed_read_ms: 0,
             router: Router::new(config),
             decisions: (Vec::new(), 0),
             requests: 0,
@@ -154,6 +162,11 @@ impl<H: WorkerHost> Worker<H> {
 
     pub fn config(&self) -> &Config {
         self.router.config()
+    }
+
+    /// What this worker's TTFT model learnt.
+    pub fn ttft_model(&self) -> &TtftModel {
+        &self.ttft
     }
 
     /// Requests waiting on this worker.
@@ -169,6 +182,8 @@ impl<H: WorkerHost> Worker<H> {
 
     /// The worker's tick ([`TICK_MS`]): the wait queue, then the batches.
     pub fn on_tick(&mut self) {
+        let now_ms = self.host.now_ms();
+        self.learn_answers(now_ms);
         waiting::on_tick(self);
         self.flush();
     }
@@ -235,6 +250,7 @@ impl<H: WorkerHost> Worker<H> {
                 retry_after: Some(1),
             });
         };
+        self.learn_answers(now_ms);
         let inflight = self.host.inflight(table.slots());
         // Arrivals see time averages: how often each pod has prefill queued.
         if attempt == Attempt::Arrival {
@@ -304,10 +320,11 @@ impl<H: WorkerHost> Worker<H> {
     }
 
     /// A streamed answer's first byte, `ttft` after the request was sent
-    /// with `work_tokens` of prefill ahead of its first token: the TTFT
-    /// model learns from it ([`TtftModel::observe`]), its error goes to
+    /// with `work_tokens` of prefill ahead of its first token: its error
+    /// against this worker's model goes to
     /// `epp_ttft_prediction_error_percent` (and the DEBUG event
-    /// `ttft_prediction`).
+    /// `ttft_prediction`), and the answer to the service, whose feed
+    /// teaches every worker's model ([`crate::scoring::answers`]).
     fn first_byte(
         &mut self,
         routed: &RoutedRequest,
@@ -315,20 +332,41 @@ impl<H: WorkerHost> Worker<H> {
         request_id: &str,
     ) {
         let ttft_ms = sent.elapsed().as_secs_f64() * 1000.0;
-        let Some(seen) = self.ttft.observe(routed.slot, work_tokens, ttft_ms) else {
+        let Some(error) = self.ttft.relative_error(routed.slot, work_tokens, ttft_ms) else {
             return;
         };
         self.metrics.histogram(
             Metric::TtftPredictionErrorPercent,
-            (seen.relative_error * 100.0).round() as u64,
+            (error * 100.0).round() as u64,
         );
         if log::log_enabled!(log::Level::Debug) {
+            let predicted_ms = self.ttft.predict(routed.slot, work_tokens, 0);
             event(
                 log::Level::Debug,
                 "ttft_prediction",
                 json!({"requestId": request_id, "pod": routed.pod_id, "workTokens": work_tokens,
-                       "predictedTtftMs": round_ms(seen.predicted_ms), "ttftMs": round_ms(seen.actual_ms)}),
+                       "predictedTtftMs": round_ms(predicted_ms), "ttftMs": round_ms(ttft_ms)}),
             );
+        }
+        push_answer(
+            &mut self.decisions.0,
+            &Answer::new(routed.slot, work_tokens, ttft_ms),
+        );
+        self.decisions.1 += 1;
+        if self.decisions.1 >= FLUSH_DECISIONS {
+            self.send_decisions();
+        }
+    }
+
+    /// Teaches this worker's model the answers of the service's feed it has
+    /// not learnt, at most once per [`TICK_MS`].
+    fn learn_answers(&mut self, now_ms: u64) {
+        if now_ms < self.next_feed_read_ms {
+            return;
+        }
+        self.next_feed_read_ms = now_ms + TICK_MS;
+        if let Some(feed) = self.host.answer_feed() {
+            self.feed.read(&feed, &mut self.ttft);
         }
     }
 }

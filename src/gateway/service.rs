@@ -70,7 +70,8 @@ use crate::config::{Config, IndexMode, PodConfig};
 use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
 use crate::replica::{PeerState, ReplicaSync, PEER_CALL_GAP_MS, REPLICA_KEY_HEADER};
-use crate::snapshot::{decode_decisions, PodTable};
+use crate::scoring::answers::AnswerFeed;
+use crate::snapshot::{decode_batch, BatchRecord, PodTable};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
@@ -144,6 +145,9 @@ pub struct ReportService<H: ServiceHost> {
     metrics: MetricBatch,
     /// Replicated gateways: this replica's log and its peers.
     replicas: Option<ReplicaSync>,
+    /// The streamed answers' first bytes every worker's TTFT model learns
+    /// from ([`crate::scoring::answers`]): this replica's and its peers'.
+    answers: AnswerFeed,
     /// The members digest of the last table handed to the host whole.
     members_published: Option<u64>,
     /// Pulls this tick may still start ([`CALLS_PER_TICK`],
@@ -200,6 +204,7 @@ impl<H: ServiceHost> ReportService<H> {
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
             replicas: None,
+            answers: AnswerFeed::default(),
             members_published: None,
             calls_left: CALLS_PER_TICK,
             dispatch_us: 0.0,
@@ -232,6 +237,7 @@ impl<H: ServiceHost> ReportService<H> {
             self.host.store_replica_log(0, Vec::new(), sync.head());
         }
         self.config = Some(Arc::new(config));
+        self.answers = AnswerFeed::default();
         self.next_round_ms = 0;
         // The new view's calls, table and gauges start afresh.
         self.members_published = None;
@@ -282,31 +288,54 @@ impl<H: ServiceHost> ReportService<H> {
         self.busy(started);
     }
 
-    /// Batches of decisions from the filters
-    /// ([`crate::snapshot::push_decision`]): recorded, and their buckets
-    /// written at once (no new pod table), so every worker matches them
-    /// within milliseconds instead of at the next report.
+    /// Batches of decisions and answers from the filters
+    /// ([`crate::snapshot::BatchRecord`]): decisions recorded, and their
+    /// buckets written at once (no new pod table), so every worker matches
+    /// them within milliseconds instead of at the next report; answers
+    /// published in the feed every worker's TTFT model learns from. Both
+    /// go to the replica log when replicated.
     pub fn on_decisions(&mut self, messages: impl IntoIterator<Item = Vec<u8>>) {
         let started = Instant::now();
         if let Some(state) = self.state.as_mut() {
             let now = self.host.now_ms();
+            let mut answered = false;
             for message in messages {
-                match decode_decisions(&message) {
-                    Some(decisions) => {
-                        for (slot, chain) in decisions {
-                            let recorded = state.record_decision(slot, &chain, now);
-                            if let (Some(pod), Some(sync)) = (recorded, self.replicas.as_mut()) {
-                                let (seq, value) = sync.log_decision(pod, &chain, now);
-                                self.host.store_replica_log(seq, value, sync.head());
-                                self.metrics.increment(Metric::ReplicaDecisionsLogged);
-                            }
-                        }
-                    }
-                    None => log::warn!(
+                let Some(records) = decode_batch(&message) else {
+                    log::warn!(
                         "kvroute service: malformed decision message ({} bytes)",
                         message.len()
-                    ),
+                    );
+                    continue;
+                };
+                for record in records {
+                    let logged = match record {
+                        BatchRecord::Decision { slot, chain } => {
+                            let recorded = state.record_decision(slot, &chain, now);
+                            match (recorded, self.replicas.as_mut()) {
+                                (Some(pod), Some(sync)) => {
+                                    Some(sync.log_decision(pod, &chain, now))
+                                }
+                                _ => None,
+                            }
+                        }
+                        BatchRecord::Answer(answer) => {
+                            self.answers.push(answer);
+                            answered = true;
+                            let pod = state.pod_id(usize::from(answer.slot));
+                            match (pod, self.replicas.as_mut()) {
+                                (Some(pod), Some(sync)) => Some(sync.log_answer(pod, &answer, now)),
+                                _ => None,
+                            }
+                        }
+                    };
+                    if let (Some((seq, value)), Some(sync)) = (logged, self.replicas.as_ref()) {
+                        self.host.store_replica_log(seq, value, sync.head());
+                        self.metrics.increment(Metric::ReplicaDecisionsLogged);
+                    }
                 }
+            }
+            if answered {
+                self.host.publish_answer_feed(self.answers.encode());
             }
             self.write_buckets(now);
         }
@@ -816,6 +845,12 @@ impl<H: ServiceHost> ReportService<H> {
         // The peer's loads count at once (one write), not with the next
         // publication: they are what its answers are for between decisions.
         self.host.publish_peer_loads(sync.loads(state, now));
+        if !outcome.answers.is_empty() {
+            for answer in &outcome.answers {
+                self.answers.push(*answer);
+            }
+            self.host.publish_answer_feed(self.answers.encode());
+        }
         if outcome.recorded > 0 {
             self.metrics.add(
                 Metric::ReplicaDecisionsReceived,
@@ -996,7 +1031,9 @@ mod tests {
     use crate::gateway::replica::{loads_by_pod, ReplicaServer};
     use crate::index::PrefixLookup;
     use crate::replica::{LogHead, PodInflight};
-    use crate::snapshot::{push_decision, SlotLoad, SnapshotIndex};
+    use crate::scoring::answers::{Answer as FirstByte, FeedReader};
+    use crate::scoring::ttft::TtftModel;
+    use crate::snapshot::{push_answer, push_decision, SlotLoad, SnapshotIndex};
     use std::cell::RefCell;
     use std::collections::HashMap;
     use std::rc::Rc;
@@ -1020,6 +1057,7 @@ mod tests {
         head: Option<LogHead>,
         calls: Vec<(u64, Vec<(String, String)>)>,
         next_token: u64,
+        feed: Option<Vec<u8>>,
     }
 
     #[derive(Clone, Default)]
@@ -1060,6 +1098,9 @@ mod tests {
             store.head = Some(head);
         }
         fn publish_peer_loads(&mut self, _: Vec<SlotLoad>) {}
+        fn publish_answer_feed(&mut self, feed: Vec<u8>) {
+            self.0.borrow_mut().feed = Some(feed);
+        }
     }
 
     impl ReplicaHost for FakeHost {
@@ -1156,10 +1197,11 @@ mod tests {
         .expect("valid")
     }
 
-    /// Replica a routes a chain; replica b's service pulls a's replica
-    /// listener and publishes the chain for the pod a chose.
+    /// Replica a routes a chain and sees its answer's first byte; replica
+    /// b's service pulls a's replica listener and publishes the chain for
+    /// the pod a chose, and the answer in its own feed.
     #[test]
-    fn a_peer_decision_reaches_the_published_index() {
+    fn a_peer_decision_and_its_answer_reach_the_published_index_and_feed() {
         let (a_host, b_host) = (FakeHost::default(), FakeHost::default());
         let mut a = ReportService::new(a_host.clone());
         let mut b = ReportService::new(b_host.clone());
@@ -1172,15 +1214,20 @@ mod tests {
             let slot = (round % 2) as usize;
             let mut batch = Vec::new();
             push_decision(&mut batch, slot, &chain);
+            let work = 500 + 300 * round;
+            push_answer(
+                &mut batch,
+                &FirstByte::new(slot, work, 20.0 + 0.1 * work as f64),
+            );
             a.on_decisions([batch]);
             a_host.0.borrow_mut().now += 7;
-            // b's pulls: answered by a's listener (b's own address is a
-            // second peer id here).
+            // b's pulls of its first peer: answered by a's listener (the
+            // second is b's own address, as if it had no answer yet).
             let calls = std::mem::take(&mut b_host.0.borrow_mut().calls);
-            for (token, headers) in calls
-                .iter()
-                .filter(|(_, h)| h.iter().any(|(k, _)| k == REPLICA_KEY_HEADER))
-            {
+            for (token, headers) in calls.iter().filter(|(_, h)| {
+                h.iter().any(|(k, _)| k == REPLICA_KEY_HEADER)
+                    && h.iter().any(|(_, v)| v == "127.0.0.1:9902")
+            }) {
                 let mut call = Answer {
                     request: headers
                         .iter()
@@ -1210,5 +1257,14 @@ mod tests {
             };
             assert_eq!(index.lookup(&chain).blocks(slot), 40, "round {round}");
         }
+        // Both feeds hold the four answers, on the same slots: every
+        // worker of either replica learns the same lines.
+        let learnt = |host: &FakeHost| {
+            let mut model = TtftModel::new(64);
+            let feed = host.0.borrow().feed.clone().expect("a feed");
+            assert_eq!(FeedReader::default().read(&feed, &mut model), 4);
+            (model.line(0), model.line(1))
+        };
+        assert_eq!(learnt(&a_host), learnt(&b_host));
     }
 }

@@ -21,6 +21,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
+
 use super::abi::{self, FilterConfigEnvoy, ModuleBuffer, ModuleHeader, SchedulerPtr};
 use super::filter::{FilterHandle, NativeWorker, EVENT_SERVICE_TICK, EVENT_TICK};
 use super::metrics::NativeMetrics;
@@ -116,6 +118,10 @@ impl ServiceHost for NativeService {
     fn publish_peer_loads(&mut self, loads: Vec<SlotLoad>) {
         self.shared.replica.publish_peer_loads(loads);
     }
+
+    fn publish_answer_feed(&mut self, feed: Vec<u8>) {
+        self.shared.answer_feed.store(Some(Arc::new(feed)));
+    }
 }
 
 /// The module's side of one HTTP filter configuration.
@@ -150,6 +156,7 @@ impl FilterConfig {
             ejections: SharedEjections::default(),
             decisions: DecisionInbox::default(),
             replica: ReplicaShare::default(),
+            answer_feed: ArcSwapOption::empty(),
         });
         let workers = Workers::new(concurrency, || {
             Worker::new(

@@ -511,6 +511,10 @@ impl WorkerHost for NativeWorker {
         }
     }
 
+    fn answer_feed(&mut self) -> Option<Vec<u8>> {
+        self.shared.answer_feed.load().as_deref().cloned()
+    }
+
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         &mut self.metrics
     }

@@ -3,9 +3,11 @@
 //! The service appends every decision of its own filters that it recorded
 //! (new blocks for a pod: precise mode's pending entries, approximate
 //! mode's and report-fallback pods' decision-derived blocks) to a
-//! [`ReplicaLog`]; decisions learnt from peers are never logged again, so
-//! nothing echoes between replicas. The log is bounded twice: at most
-//! [`LOG_DECISIONS`] decisions and at most `max_blocks` hashes in all, the
+//! [`ReplicaLog`], and the first byte of each streamed answer its filters
+//! saw (what every replica's TTFT model learns from,
+//! [`crate::scoring::answers`]); entries learnt from peers are never
+//! logged again, so nothing echoes between replicas. The log is bounded
+//! twice: at most [`LOG_DECISIONS`] entries and at most `max_blocks` hashes in all, the
 //! oldest dropped first, so a replica's memory does not grow with its
 //! traffic or its peers.
 //!
@@ -20,7 +22,7 @@
 
 use std::collections::VecDeque;
 
-use super::wire::{LoggedDecision, PodInflight, ReplicaAnswer};
+use super::wire::{FirstByte, LoggedDecision, PodInflight, ReplicaAnswer};
 
 /// Most decisions a log holds.
 pub const LOG_DECISIONS: u64 = 4096;
@@ -39,6 +41,14 @@ const HEAD_BYTES: usize = 24;
 /// an answer's size bound counts.
 const DECISION_JSON_BYTES: usize = 96;
 const HASH_JSON_BYTES: usize = 19;
+const FIRST_BYTE_JSON_BYTES: usize = 56;
+
+/// Estimated JSON bytes of an entry in an answer.
+fn json_bytes(entry: &LoggedDecision) -> usize {
+    DECISION_JSON_BYTES
+        + entry.chain.len() * HASH_JSON_BYTES
+        + entry.first_byte.map_or(0, |_| FIRST_BYTE_JSON_BYTES)
+}
 
 /// What a log holds: its replica's id, and decisions `first..=last`
 /// (`first > last`: none yet).
@@ -121,6 +131,27 @@ impl ReplicaLog {
     /// Logs a decision; returns its seq and the value to store under
     /// [`log_slot`] of it (then store [`ReplicaLog::head`]).
     pub fn append(&mut self, pod: &str, chain: &[u64], at_ms: u64) -> (u64, Vec<u8>) {
+        self.append_entry(pod, chain, None, at_ms)
+    }
+
+    /// Logs the first byte of a streamed answer from `pod`, as
+    /// [`ReplicaLog::append`] does a decision.
+    pub fn append_first_byte(
+        &mut self,
+        pod: &str,
+        first_byte: FirstByte,
+        at_ms: u64,
+    ) -> (u64, Vec<u8>) {
+        self.append_entry(pod, &[], Some(first_byte), at_ms)
+    }
+
+    fn append_entry(
+        &mut self,
+        pod: &str,
+        chain: &[u64],
+        first_byte: Option<FirstByte>,
+        at_ms: u64,
+    ) -> (u64, Vec<u8>) {
         self.head.last += 1;
         self.lengths.push_back(chain.len());
         self.blocks += chain.len();
@@ -131,13 +162,28 @@ impl ReplicaLog {
             self.head.first += 1;
         }
         let seq = self.head.last;
-        (seq, encode_decision(seq, pod, at_ms, chain))
+        let entry = LoggedDecision {
+            seq,
+            pod: pod.to_string(),
+            at_ms,
+            chain: chain.to_vec(),
+            first_byte,
+        };
+        (seq, encode_decision(&entry))
     }
 }
 
-/// A logged decision as stored: seq, time, pod id length and bytes, chain
-/// length and hashes, little-endian.
-pub fn encode_decision(seq: u64, pod: &str, at_ms: u64, chain: &[u64]) -> Vec<u8> {
+/// A log entry as stored: seq, time, pod id length and bytes, chain length
+/// and hashes, then a first byte's work (u32) and TTFT (f32) if it is one,
+/// little-endian.
+pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
+    let LoggedDecision {
+        seq,
+        pod,
+        at_ms,
+        chain,
+        first_byte,
+    } = entry;
     // Pod ids are at most 255 bytes (configuration rules); the cut is
     // only a guard on the length field.
     let pod = pod.as_bytes();
@@ -151,16 +197,19 @@ pub fn encode_decision(seq: u64, pod: &str, at_ms: u64, chain: &[u64]) -> Vec<u8
     for hash in chain {
         bytes.extend_from_slice(&hash.to_le_bytes());
     }
+    if let Some(first_byte) = first_byte {
+        bytes.extend_from_slice(&first_byte.work_tokens.to_le_bytes());
+        bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
+    }
     bytes
 }
 
-/// The stored decision, `None` if the bytes are not one.
-pub fn decode_decision(bytes: &[u8]) -> Option<LoggedDecision> {
-    let mut at = 0;
+/// The stored entry, `None` if the bytes are not one.
+pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
     let mut take = |n: usize| {
-        let part = bytes.get(at..at + n);
-        at += n;
-        part
+        let (part, rest) = bytes.split_at_checked(n)?;
+        bytes = rest;
+        Some(part)
     };
     let u64_of = |b: &[u8]| b.try_into().ok().map(u64::from_le_bytes);
     let seq = u64_of(take(8)?)?;
@@ -169,15 +218,21 @@ pub fn decode_decision(bytes: &[u8]) -> Option<LoggedDecision> {
     let pod = String::from_utf8(take(pod_len)?.to_vec()).ok()?;
     let chain_len = usize::try_from(u32::from_le_bytes(take(4)?.try_into().ok()?)).ok()?;
     let hashes = take(chain_len.checked_mul(8)?)?;
-    if take(1).is_some() {
-        return None;
-    }
     let chain = hashes.chunks_exact(8).map(u64_of).collect::<Option<_>>()?;
+    let first_byte = match bytes.len() {
+        0 => None,
+        8 => Some(FirstByte {
+            work_tokens: u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?),
+            ttft_ms: f32::from_le_bytes(bytes.get(4..)?.try_into().ok()?),
+        }),
+        _ => return None,
+    };
     Some(LoggedDecision {
         seq,
         pod,
         at_ms,
         chain,
+        first_byte,
     })
 }
 
@@ -213,7 +268,7 @@ pub fn answer(
                 complete = false;
                 break;
             };
-            bytes += DECISION_JSON_BYTES + decision.chain.len() * HASH_JSON_BYTES;
+            bytes += json_bytes(&decision);
             if bytes > max_bytes && !decisions.is_empty() {
                 break;
             }
@@ -237,7 +292,7 @@ pub fn answer(
         let Some(decision) = read_seq(seq) else {
             break;
         };
-        bytes += DECISION_JSON_BYTES + decision.chain.len() * HASH_JSON_BYTES;
+        bytes += json_bytes(&decision);
         if bytes > max_bytes && !decisions.is_empty() {
             break;
         }
@@ -302,15 +357,29 @@ mod tests {
 
     #[test]
     fn a_decision_round_trips_and_garbage_does_not_decode() {
-        let bytes = encode_decision(7, "10.0.0.1:8000", 123, &[1, 2, u64::MAX]);
-        let decision = decode_decision(&bytes).expect("decodes");
-        assert_eq!(decision.chain, vec![1, 2, u64::MAX]);
-        assert_eq!((decision.seq, decision.at_ms), (7, 123));
-        assert_eq!(decision.pod, "10.0.0.1:8000");
-        assert_eq!(decode_decision(&bytes[..bytes.len() - 1]), None);
-        let mut longer = bytes.clone();
-        longer.push(0);
-        assert_eq!(decode_decision(&longer), None);
+        let entry = |chain: Vec<u64>, first_byte| LoggedDecision {
+            seq: 7,
+            pod: "10.0.0.1:8000".into(),
+            at_ms: 123,
+            chain,
+            first_byte,
+        };
+        let decision = entry(vec![1, 2, u64::MAX], None);
+        let answered = entry(
+            Vec::new(),
+            Some(FirstByte {
+                work_tokens: 900,
+                ttft_ms: 31.25,
+            }),
+        );
+        for entry in [decision, answered] {
+            let bytes = encode_decision(&entry);
+            assert_eq!(decode_decision(&bytes), Some(entry));
+            assert_eq!(decode_decision(&bytes[..bytes.len() - 1]), None);
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert_eq!(decode_decision(&longer), None);
+        }
         assert_eq!(decode_decision(&[]), None);
     }
 
@@ -390,7 +459,13 @@ mod tests {
         // Seq 3's slot now holds another seq (a writer raced the reader).
         store.values.insert(
             log_slot(3),
-            encode_decision(3 + LOG_DECISIONS, "pod-a", 0, &[9]),
+            encode_decision(&LoggedDecision {
+                seq: 3 + LOG_DECISIONS,
+                pod: "pod-a".into(),
+                at_ms: 0,
+                chain: vec![9],
+                first_byte: None,
+            }),
         );
         let answer = store.answer(1, Some(&epoch), usize::MAX);
         assert!(answer.full);

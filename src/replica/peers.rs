@@ -297,6 +297,7 @@ mod tests {
                     pod: "pod-a".into(),
                     at_ms: 10_000 - 5,
                     chain: vec![s],
+                    first_byte: None,
                 })
                 .collect(),
             inflight: vec![PodInflight {

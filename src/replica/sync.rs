@@ -9,7 +9,8 @@
 //!   pending per peer, the next sent as soon as the previous answer is
 //!   taken, at most one per [`PEER_CALL_GAP_MS`].
 //! - [`ReplicaSync::answered`] takes a pull's answer: a good one records
-//!   the peer's decisions in the cluster state and replaces its loads; a
+//!   the peer's decisions in the cluster state, hands over its answers'
+//!   first bytes (for the TTFT models' feed) and replaces its loads; a
 //!   bad one (no answer, a status, too large, malformed) is counted.
 //! - [`ReplicaSync::loads`] is what the live peers have in flight, per pod
 //!   slot, for the filters to add to their own; [`ReplicaSync::take_lags`]
@@ -19,10 +20,11 @@
 
 use super::log::{LogHead, ReplicaLog};
 use super::peers::{PeerState, PeerTransition, Peers};
-use super::wire::AnswerLimits;
+use super::wire::{AnswerLimits, FirstByte};
 use crate::cluster::{ClusterState, Failure};
 use crate::config::{Config, ReplicasConfig, MAX_PODS};
 use crate::polling::ReportPolling;
+use crate::scoring::answers::Answer;
 use crate::snapshot::SlotLoad;
 
 /// Least time between two pulls of one peer: a peer that always has news
@@ -45,6 +47,9 @@ pub struct PeerCall {
 pub struct PeerOutcome {
     /// Peer decisions recorded.
     pub recorded: usize,
+    /// The peer's answers' first bytes on pods this replica knows, by
+    /// local slot, for the TTFT models ([`crate::scoring::answers`]).
+    pub answers: Vec<Answer>,
     /// Why the answer was refused, if it was.
     pub error: Option<String>,
     /// The failure's counter label, if it failed.
@@ -101,6 +106,16 @@ impl ReplicaSync {
     /// the value to store under [`super::log::log_slot`] of its seq.
     pub fn log_decision(&mut self, pod: &str, chain: &[u64], now_ms: u64) -> (u64, Vec<u8>) {
         self.log.append(pod, chain, now_ms)
+    }
+
+    /// Logs the first byte of a streamed answer from `pod` that this
+    /// replica's filters saw, as [`ReplicaSync::log_decision`] does.
+    pub fn log_answer(&mut self, pod: &str, answer: &Answer, now_ms: u64) -> (u64, Vec<u8>) {
+        let first_byte = FirstByte {
+            work_tokens: answer.work_tokens,
+            ttft_ms: answer.ttft_ms,
+        };
+        self.log.append_first_byte(pod, first_byte, now_ms)
     }
 
     /// Follows exactly `addresses` (a discovered list of replicas).
@@ -161,8 +176,15 @@ impl ReplicaSync {
         match self.peers.accept(address, &body(body_size), now_ms) {
             Ok(received) => {
                 let mut recorded = 0;
+                let mut answers = Vec::new();
                 for (decision, at) in &received.decisions {
-                    if state.record_peer_decision(&decision.pod, &decision.chain, *at) {
+                    if let Some(first_byte) = decision.first_byte {
+                        answers.extend(state.slot(&decision.pod).map(|slot| Answer {
+                            slot: u16::try_from(slot).unwrap_or(u16::MAX),
+                            work_tokens: first_byte.work_tokens,
+                            ttft_ms: first_byte.ttft_ms,
+                        }));
+                    } else if state.record_peer_decision(&decision.pod, &decision.chain, *at) {
                         recorded += 1;
                         self.unpublished.push(decision.at_ms);
                     }
@@ -175,6 +197,7 @@ impl ReplicaSync {
                 self.polling.folded(address, now_ms, true);
                 PeerOutcome {
                     recorded,
+                    answers,
                     transition: received.transition,
                     ..PeerOutcome::default()
                 }

@@ -6,12 +6,18 @@
 //! {"version": 1, "replica": "5e0c9a1f2b3d4e6f", "seq": 42, "since": 40, "full": false,
 //!  "sentAtMs": 1764680000123,
 //!  "decisions": [{"seq": 41, "pod": "pod-a", "atMs": 1764680000101,
-//!                 "chain": ["0123456789abcdef", "..."]}],
+//!                 "chain": ["0123456789abcdef", "..."]},
+//!                {"seq": 42, "pod": "pod-b", "atMs": 1764680000110,
+//!                 "firstByte": {"workTokens": 1500, "ttftMs": 42.5}}],
 //!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024}]}
 //! ```
 //!
 //! - `replica` names the replica process (a random id drawn at start) and
-//!   doubles as the log's epoch; `seq` counts its logged decisions.
+//!   doubles as the log's epoch; `seq` counts its log's entries.
+//! - An entry is a routing decision (`chain`) or the first byte of one's
+//!   streamed answer (`firstByte`: the prefill work at its decision and
+//!   the TTFT it took, what every replica's TTFT model learns from,
+//!   [`crate::scoring::answers`]), never both.
 //! - A delta (`full: false`) carries the decisions after `since` of the
 //!   same replica; `full: true` carries every decision the log still holds
 //!   (a new peer, another epoch, or a `since` older than the log).
@@ -40,16 +46,32 @@ const MAX_POD_ID_BYTES: usize = 256;
 /// Longest replica id a peer may send.
 const MAX_REPLICA_ID_BYTES: usize = 64;
 
-/// One routing decision as a replica logs and serves it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One entry of a replica's log as it logs and serves it: a routing
+/// decision (its `chain`), or the first byte of one's streamed answer
+/// (`first_byte`, with an empty chain), which every replica's TTFT model
+/// learns from ([`crate::scoring::answers`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct LoggedDecision {
     pub seq: u64,
     /// The pod's id (slots differ between replicas).
     pub pod: String,
-    /// Wall-clock time of the decision on its replica, Unix ms.
+    /// Wall-clock time of the decision (or answer) on its replica, Unix ms.
     pub at_ms: u64,
     pub chain: Vec<u64>,
+    pub first_byte: Option<FirstByte>,
 }
+
+/// A streamed answer's first byte: `work_tokens` of prefill at its
+/// decision (queued ahead plus its own uncached) took `ttft_ms`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstByte {
+    pub work_tokens: u32,
+    pub ttft_ms: f32,
+}
+
+/// Longest TTFT a peer may report: an hour (anything longer is not a
+/// measurement the model should learn from).
+const MAX_TTFT_MS: f32 = 3_600_000.0;
 
 /// A replica's own requests in flight to one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,7 +82,7 @@ pub struct PodInflight {
 }
 
 /// One answer of a replica's log.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaAnswer {
     pub replica: String,
     pub seq: u64,
@@ -87,8 +109,17 @@ struct WireDecision<'a> {
     #[serde(borrow)]
     pod: &'a str,
     at_ms: u64,
-    #[serde(borrow)]
+    #[serde(borrow, default, skip_serializing_if = "Vec::is_empty")]
     chain: Vec<&'a str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    first_byte: Option<WireFirstByte>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WireFirstByte {
+    work_tokens: u32,
+    ttft_ms: f32,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -153,6 +184,10 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                 pod: &d.pod,
                 at_ms: d.at_ms,
                 chain: chain.iter().map(String::as_str).collect(),
+                first_byte: d.first_byte.map(|f| WireFirstByte {
+                    work_tokens: f.work_tokens,
+                    ttft_ms: f.ttft_ms,
+                }),
             })
             .collect(),
         inflight: answer
@@ -221,13 +256,31 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
         }
         previous = d.seq;
         check_pod_id(d.pod, &format!("decisions[{i}].pod"))?;
-        if d.chain.is_empty() || d.chain.len() > limits.max_chain {
-            return Err(format!(
-                "`decisions[{i}].chain` must hold 1 to {} hashes (got {})",
-                limits.max_chain,
-                d.chain.len()
-            ));
-        }
+        let first_byte = match &d.first_byte {
+            Some(_) if !d.chain.is_empty() => {
+                return Err(format!(
+                    "`decisions[{i}]` carries both a `chain` and a `firstByte`"
+                ))
+            }
+            Some(f) if !(f.ttft_ms > 0.0 && f.ttft_ms <= MAX_TTFT_MS) => {
+                return Err(format!(
+                    "`decisions[{i}].firstByte.ttftMs` must be in (0, {MAX_TTFT_MS}] (got {})",
+                    f.ttft_ms
+                ))
+            }
+            Some(f) => Some(FirstByte {
+                work_tokens: f.work_tokens,
+                ttft_ms: f.ttft_ms,
+            }),
+            None if d.chain.is_empty() || d.chain.len() > limits.max_chain => {
+                return Err(format!(
+                    "`decisions[{i}].chain` must hold 1 to {} hashes (got {})",
+                    limits.max_chain,
+                    d.chain.len()
+                ))
+            }
+            None => None,
+        };
         let chain = d
             .chain
             .iter()
@@ -239,6 +292,7 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
             pod: d.pod.to_string(),
             at_ms: d.at_ms,
             chain,
+            first_byte,
         });
     }
     let inflight = wire
@@ -287,12 +341,17 @@ mod tests {
                     pod: "pod-a".into(),
                     at_ms: 1_764_680_000_101,
                     chain: vec![1, u64::MAX, 0x0123_4567_89ab_cdef],
+                    first_byte: None,
                 },
                 LoggedDecision {
                     seq: 42,
                     pod: "10.0.0.7:8000".into(),
                     at_ms: 1_764_680_000_120,
-                    chain: vec![7],
+                    chain: Vec::new(),
+                    first_byte: Some(FirstByte {
+                        work_tokens: 1500,
+                        ttft_ms: 42.5,
+                    }),
                 },
             ],
             inflight: vec![PodInflight {
@@ -310,6 +369,7 @@ mod tests {
         assert!(
             text.contains(r#""chain":["0000000000000001","ffffffffffffffff","0123456789abcdef"]"#)
         );
+        assert!(text.contains(r#""firstByte":{"workTokens":1500,"ttftMs":42.5}"#));
         assert_eq!(parse_answer(&bytes, LIMITS), Ok(answer()));
     }
 
@@ -335,6 +395,23 @@ mod tests {
                 .contains("`decisions[0].chain` must hold 1 to 2048 hashes (got 0)")
         );
         assert!(refused(|v| v["decisions"][0]["pod"] = "".into()).contains("`decisions[0].pod`"));
+        assert!(
+            refused(|v| v["decisions"][1]["chain"] = serde_json::json!(["0000000000000001"]))
+                .contains("`decisions[1]` carries both a `chain` and a `firstByte`")
+        );
+        for bad in [0.0, -3.0, 4e6] {
+            assert!(
+                refused(|v| v["decisions"][1]["firstByte"]["ttftMs"] = bad.into())
+                    .contains("`decisions[1].firstByte.ttftMs` must be in (0, 3600000]")
+            );
+        }
+        assert!(
+            refused(|v| v["decisions"][1]["firstByte"]["workTokens"] = (-1).into())
+                .contains("malformed")
+        );
+        assert!(
+            refused(|v| v["decisions"][1]["firstByte"]["x"] = 1.into()).contains("unknown field")
+        );
         assert!(refused(|v| v["inflight"][0]["requests"] = (-1).into()).contains("malformed"));
         assert!(refused(|v| v["decisions"][0]["extra"] = 1.into()).contains("unknown field"));
         let many: Vec<serde_json::Value> = (0..65)

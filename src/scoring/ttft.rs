@@ -36,9 +36,11 @@
 //! ([`TtftModel::clearly_faster`]): so the cache is moved off a pod only
 //! when another pod is faster by more than the model's own error.
 //!
-//! Inputs are explicit and few, so that replicated gateways can share
-//! them: per pod the queued tokens (already shared by every worker), the
-//! five sums of its fit and its busy share ([`TtftModel::busy`]).
+//! Every worker of every replica learns from the same answers, the
+//! gateway's whole stream of first bytes ([`super::answers`]), so their
+//! lines and errors agree; the queued tokens are already every worker's
+//! and every replica's. Only the busy share ([`TtftModel::busy`]) is
+//! each worker's own: a time average of the same shared queues.
 
 /// Relative error assumed before the model has answers to measure it on:
 /// a third, so that an uncalibrated model tells two pods apart only when
@@ -156,8 +158,9 @@ pub struct Observation {
     pub relative_error: f64,
 }
 
-/// See the module documentation. One per filter worker (and one in the
-/// replay), indexed by pod slot.
+/// See the module documentation. One per filter worker, each learning
+/// every answer of the gateway ([`super::answers`]), and one in the
+/// replay; indexed by pod slot.
 #[derive(Debug, Clone)]
 pub struct TtftModel {
     decay: f64,
@@ -262,6 +265,13 @@ impl TtftModel {
     /// Whether `fast` is faster than `slow` by more than the model's error.
     pub fn clearly_faster(fast_ms: f64, slow_ms: f64, error: f64) -> bool {
         fast_ms * (1.0 + error) < slow_ms * (1.0 - error)
+    }
+
+    /// `|predicted − actual| / actual` of one answer, without learning
+    /// from it (`None` for a TTFT that is not a positive time).
+    pub fn relative_error(&self, slot: usize, work_tokens: u64, ttft_ms: f64) -> Option<f64> {
+        (ttft_ms.is_finite() && ttft_ms > 0.0)
+            .then(|| (self.line(slot).predict(work_tokens as f64) - ttft_ms).abs() / ttft_ms)
     }
 
     /// Learns from one answer of pod `slot`: `work_tokens` (queued plus

@@ -240,6 +240,10 @@ impl WorkerHost for WasmWorker {
         }
     }
 
+    fn answer_feed(&mut self) -> Option<Vec<u8>> {
+        shared::answer_feed()
+    }
+
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         &mut self.metrics
     }

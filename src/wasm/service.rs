@@ -79,6 +79,10 @@ impl ServiceHost for WasmService {
     fn publish_peer_loads(&mut self, loads: Vec<SlotLoad>) {
         shared::publish_peer_loads(&loads);
     }
+
+    fn publish_answer_feed(&mut self, feed: Vec<u8>) {
+        shared::publish_answer_feed(&feed);
+    }
 }
 
 pub struct ServiceRoot {

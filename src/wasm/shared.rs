@@ -96,6 +96,17 @@ pub fn add_peer_loads(total: &mut Vec<SlotLoad>) {
     }
 }
 
+/// The service's answer feed ([`crate::scoring::answers`]).
+const ANSWER_FEED_KEY: &str = "kvroute/answers";
+
+pub fn publish_answer_feed(feed: &[u8]) {
+    set(ANSWER_FEED_KEY, feed);
+}
+
+pub fn answer_feed() -> Option<Vec<u8>> {
+    get(ANSWER_FEED_KEY).0
+}
+
 /// One index bucket, as [`crate::snapshot::SnapshotIndex`] fetches it.
 pub fn bucket(bucket: u32) -> Option<Vec<u8>> {
     get(&bucket_key(bucket)).0
