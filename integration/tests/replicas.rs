@@ -386,3 +386,81 @@ fn a_flood_of_unique_prompts_keeps_the_log_and_the_index_bounded() {
         .expect("index size");
     assert!(nodes <= 4096.0, "the peer's index holds {nodes} blocks");
 }
+
+/// Every replica's TTFT model learns every replica's answers: replica b,
+/// which never saw an answer, predicts in milliseconds what a learnt.
+#[test]
+fn answers_on_one_replica_teach_the_other_s_ttft_model() {
+    let cluster = start(2, config());
+    let (a, b) = (&cluster.envoy, &cluster.other_replicas[0]);
+    poll(
+        "both replicas converged",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            cluster
+                .replicas()
+                .all(|e| e.metric("epp_replica_converged", &[]) == Some(1.0))
+                .then_some(())
+        },
+    );
+    // Streamed answers (their first byte is the first token) of varied
+    // prompt sizes, all through a.
+    for i in 0..12 {
+        let prompt = text(&format!("streamed {i}"), 1024 * (1 + i % 6));
+        let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2, "stream": true});
+        let answer = http::post_sse(&a.listen, "/v1/completions", &body.to_string()).expect("post");
+        assert_eq!(answer.status, 200);
+    }
+    let predicted = |envoy: &kvroute_integration::harness::Envoy, id: &str| {
+        envoy.log().lines().find_map(|line| {
+            let route: Value = serde_json::from_str(&line[line.find('{')?..]).ok()?;
+            (route["event"] == "route" && route["requestId"] == id).then(|| {
+                (
+                    route["predictedTtftMs"].as_f64().expect("a prediction"),
+                    route["blocks"].as_u64().expect("blocks"),
+                )
+            })
+        })
+    };
+    // b routes a fresh prompt of ~1,000 tokens. Uncalibrated, a model
+    // predicts in tokens (at least one a token); taught a's answers (pods
+    // at time scale 0.02: µs a token), a few milliseconds.
+    let started = Instant::now();
+    let (ms, blocks) = poll(
+        "b's model learnt a's answers",
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || {
+            let id = format!("on-b-{}", started.elapsed().as_millis());
+            let body = completion(&text(&id, 4 * 1024));
+            let headers = [
+                ("content-type", "application/json"),
+                ("x-request-id", id.as_str()),
+            ];
+            let answer = http::request(
+                &b.listen,
+                "POST",
+                "/v1/completions",
+                &headers,
+                Some(body.as_bytes()),
+                Duration::from_secs(5),
+            )
+            .expect("post");
+            assert_eq!(answer.status, 200);
+            let (ms, blocks) = poll(
+                "b's route line",
+                Duration::from_secs(2),
+                Duration::from_millis(20),
+                || predicted(b, &id),
+            );
+            (ms < 100.0).then_some((ms, blocks))
+        },
+    );
+    assert!(blocks >= 32, "a prompt of {blocks} blocks");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "learnt in {:?} ({ms} ms predicted)",
+        started.elapsed()
+    );
+}
