@@ -146,8 +146,10 @@ pub struct ReportService<H: ServiceHost> {
     /// Replicated gateways: this replica's log and its peers.
     replicas: Option<ReplicaSync>,
     /// The streamed answers' first bytes every worker's TTFT model learns
-    /// from ([`crate::scoring::answers`]): this replica's and its peers'.
-    answers: AnswerFeed,
+    /// from ([`crate::scoring::answers`]): this replica's and its peers',
+    /// and whether some are not published yet (the feed goes out once per
+    /// tick, not per answer: ≤ 10 KiB, copied per publication).
+    answers: (AnswerFeed, bool),
     /// The members digest of the last table handed to the host whole.
     members_published: Option<u64>,
     /// Pulls this tick may still start ([`CALLS_PER_TICK`],
@@ -204,7 +206,7 @@ impl<H: ServiceHost> ReportService<H> {
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
             replicas: None,
-            answers: AnswerFeed::default(),
+            answers: (AnswerFeed::default(), false),
             members_published: None,
             calls_left: CALLS_PER_TICK,
             dispatch_us: 0.0,
@@ -237,7 +239,7 @@ impl<H: ServiceHost> ReportService<H> {
             self.host.store_replica_log(0, Vec::new(), sync.head());
         }
         self.config = Some(Arc::new(config));
-        self.answers = AnswerFeed::default();
+        self.answers = (AnswerFeed::default(), false);
         self.next_round_ms = 0;
         // The new view's calls, table and gauges start afresh.
         self.members_published = None;
@@ -283,6 +285,9 @@ impl<H: ServiceHost> ReportService<H> {
             self.send_metrics(&config);
             self.pull_peers(&config);
             self.export_gauges(&config);
+            if std::mem::take(&mut self.answers.1) {
+                self.host.publish_answer_feed(self.answers.0.encode());
+            }
             self.metrics.flush(self.host.metric_sink());
         }
         self.busy(started);
@@ -292,13 +297,12 @@ impl<H: ServiceHost> ReportService<H> {
     /// ([`crate::snapshot::BatchRecord`]): decisions recorded, and their
     /// buckets written at once (no new pod table), so every worker matches
     /// them within milliseconds instead of at the next report; answers
-    /// published in the feed every worker's TTFT model learns from. Both
-    /// go to the replica log when replicated.
+    /// go to the feed every worker's TTFT model learns from (published on
+    /// the next tick). Both go to the replica log when replicated.
     pub fn on_decisions(&mut self, messages: impl IntoIterator<Item = Vec<u8>>) {
         let started = Instant::now();
         if let Some(state) = self.state.as_mut() {
             let now = self.host.now_ms();
-            let mut answered = false;
             for message in messages {
                 let Some(records) = decode_batch(&message) else {
                     log::warn!(
@@ -319,8 +323,8 @@ impl<H: ServiceHost> ReportService<H> {
                             }
                         }
                         BatchRecord::Answer(answer) => {
-                            self.answers.push(answer);
-                            answered = true;
+                            self.answers.0.push(answer);
+                            self.answers.1 = true;
                             let pod = state.pod_id(usize::from(answer.slot));
                             match (pod, self.replicas.as_mut()) {
                                 (Some(pod), Some(sync)) => Some(sync.log_answer(pod, &answer, now)),
@@ -333,9 +337,6 @@ impl<H: ServiceHost> ReportService<H> {
                         self.metrics.increment(Metric::ReplicaDecisionsLogged);
                     }
                 }
-            }
-            if answered {
-                self.host.publish_answer_feed(self.answers.encode());
             }
             self.write_buckets(now);
         }
@@ -845,11 +846,9 @@ impl<H: ServiceHost> ReportService<H> {
         // The peer's loads count at once (one write), not with the next
         // publication: they are what its answers are for between decisions.
         self.host.publish_peer_loads(sync.loads(state, now));
-        if !outcome.answers.is_empty() {
-            for answer in &outcome.answers {
-                self.answers.push(*answer);
-            }
-            self.host.publish_answer_feed(self.answers.encode());
+        for answer in &outcome.answers {
+            self.answers.0.push(*answer);
+            self.answers.1 = true;
         }
         if outcome.recorded > 0 {
             self.metrics.add(
@@ -1257,8 +1256,9 @@ mod tests {
             };
             assert_eq!(index.lookup(&chain).blocks(slot), 40, "round {round}");
         }
-        // Both feeds hold the four answers, on the same slots: every
-        // worker of either replica learns the same lines.
+        // Both feeds (published on the tick) hold the four answers, on the
+        // same slots: every worker of either replica learns the same lines.
+        a.on_tick();
         let learnt = |host: &FakeHost| {
             let mut model = TtftModel::new(64);
             let feed = host.0.borrow().feed.clone().expect("a feed");
