@@ -60,17 +60,7 @@ fn pull(address: &str, path: &str, key: Option<&str>) -> http::Response {
 fn a_decision_on_one_replica_is_followed_on_another() {
     let cluster = start(2, config());
     let (a, b) = (&cluster.envoy, &cluster.other_replicas[0]);
-    poll(
-        "both replicas converged",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || {
-            cluster
-                .replicas()
-                .all(|e| e.metric("epp_replica_converged", &[]) == Some(1.0))
-                .then_some(())
-        },
-    );
+    all_converged(&cluster);
     // Six conversations opened on replica a, each continued on replica b:
     // b never saw them, yet sends each to the pod a chose, with its cache.
     for i in 0..6 {
@@ -277,6 +267,15 @@ fn converged(envoy: &kvroute_integration::harness::Envoy) -> bool {
     envoy.metric("epp_replica_converged", &[]) == Some(1.0)
 }
 
+fn all_converged(cluster: &Cluster) {
+    poll(
+        "every replica converged",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || cluster.replicas().all(converged).then_some(()),
+    );
+}
+
 #[test]
 fn a_killed_replica_leaves_the_others_routing_and_catches_up_when_restarted() {
     let mut cluster = start(3, config());
@@ -393,17 +392,7 @@ fn a_flood_of_unique_prompts_keeps_the_log_and_the_index_bounded() {
 fn answers_on_one_replica_teach_the_other_s_ttft_model() {
     let cluster = start(2, config());
     let (a, b) = (&cluster.envoy, &cluster.other_replicas[0]);
-    poll(
-        "both replicas converged",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || {
-            cluster
-                .replicas()
-                .all(|e| e.metric("epp_replica_converged", &[]) == Some(1.0))
-                .then_some(())
-        },
-    );
+    all_converged(&cluster);
     // Streamed answers (their first byte is the first token) of varied
     // prompt sizes, all through a.
     for i in 0..12 {
