@@ -39,9 +39,10 @@
 //! decayed from its last report as the service would have done.
 
 use crate::chat_template::PromptRenderer;
-use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
+use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
-use crate::index::{PrefixLookup, PrefixMatch};
+use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
+use crate::scoring::factors::CachedPrefix;
 use crate::scoring::slo::{self, SloChoice};
 use crate::scoring::ttft::TtftModel;
 use crate::scoring::{Candidate, Decision, Exclusion, Pool, ScoringPolicy};
@@ -83,6 +84,12 @@ pub struct Routed {
     pub adapter_load_triggered: bool,
     pub chain: Vec<u64>,
     pub matched_blocks: u32,
+    /// Those blocks by the tier the pod holds them in.
+    pub matched_tiers: TierBlocks,
+    /// Every pod's match (what the explain line shows per candidate).
+    pub matches: PrefixMatch,
+    /// The cache factor: the matched share of the prompt, credited by
+    /// tier ([`CachedPrefix`]).
     pub cache_match: f64,
     pub composite: f64,
     /// Prompt tokens expected to be served from the pod's cache.
@@ -92,7 +99,9 @@ pub struct Routed {
     /// response byte.
     pub prefill_tokens: u32,
     /// Prefill ahead of its first token there: the pod's queued prefill
-    /// plus `prefill_tokens` (what [`TtftModel::observe`] learns from).
+    /// plus `prefill_tokens` plus the reload of its prefix cached outside
+    /// GPU memory, in prefill tokens (what [`TtftModel::observe`] learns
+    /// from).
     pub work_tokens: u64,
     /// Predicted TTFT on the chosen pod and on the runner-up (if any).
     pub predicted_ttft_ms: f64,
@@ -216,9 +225,17 @@ struct TablePool<'v, 'a> {
     view: &'v ClusterView<'a>,
     matches: &'v PrefixMatch,
     coverage: Coverage,
+    credits: &'v TierCredits,
     adapter: Option<&'v str>,
     stale_snapshot: bool,
     staleness: &'v Staleness,
+}
+
+impl TablePool<'_, '_> {
+    /// Pod slot `slot`'s cached prefix of the request, credited by tier.
+    fn cached_prefix(&self, slot: usize) -> CachedPrefix {
+        CachedPrefix::of(&self.coverage, self.matches.tiers(slot), self.credits)
+    }
 }
 
 impl<'a> Pool<'a> for TablePool<'_, 'a> {
@@ -232,22 +249,28 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
         let Some(pod) = table.pods.get(index) else {
             return [].candidate(index);
         };
-        let matched = self.matches.blocks(pod.slot);
+        let cached = self.cached_prefix(pod.slot);
         let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
         let inflight = load.requests;
-        let cached_tokens = self.coverage.tokens(matched);
-        let uncached_tokens = self.coverage.prompt_tokens().saturating_sub(cached_tokens);
+        let uncached_tokens = self
+            .coverage
+            .prompt_tokens()
+            .saturating_sub(cached.cached_tokens);
         let queued_prefill = u64::from(load.prefill_tokens);
         let line = view.ttft.line(pod.slot);
+        // A prefix cached outside GPU memory is reloaded before the prefill.
+        let work = queued_prefill
+            .saturating_add(uncached_tokens)
+            .saturating_add(cached.reload_tokens);
         Candidate {
             slot: pod.slot,
             id: &pod.id,
-            cache_match: self.coverage.fraction(matched),
-            cached_tokens,
+            cache_match: cached.cache_match,
+            cached_tokens: cached.cached_tokens,
             uncached_tokens,
             inflight,
             queued_prefill,
-            predicted_ttft_ms: line.predict(queued_prefill.saturating_add(uncached_tokens) as f64),
+            predicted_ttft_ms: line.predict(work as f64),
             prefill_ms_per_token: line.ms_per_token,
             busy: view.ttft.busy(pod.slot),
             health: if self.stale_snapshot {
@@ -270,9 +293,9 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
     fn holders(&self) -> Vec<(usize, f64)> {
         self.matches
             .iter()
-            .filter_map(|(slot, blocks)| {
+            .filter_map(|(slot, _)| {
                 let index = self.view.table.index_of_slot(slot)?;
-                Some((index, self.coverage.fraction(blocks)))
+                Some((index, self.cached_prefix(slot).cache_match))
             })
             .collect()
     }
@@ -453,6 +476,7 @@ impl Router {
             view,
             matches: &matches,
             coverage,
+            credits: &self.config.tier_credits,
             adapter: adapter.as_deref(),
             stale_snapshot,
             staleness: &self.staleness,
@@ -516,6 +540,7 @@ impl Router {
             });
         };
         let matched_blocks = matches.blocks(chosen.slot);
+        let reload_tokens = pool.cached_prefix(chosen.slot).reload_tokens;
         if !fallback {
             let hold = self.hold_out(&decision, view.table, &matches, matched_blocks);
             if let Some(hold) =
@@ -553,12 +578,15 @@ impl Router {
             cache_match: candidate.cache_match,
             chain,
             matched_blocks,
+            matched_tiers: matches.tiers(chosen.slot),
+            matches,
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
             work_tokens: candidate
                 .queued_prefill
-                .saturating_add(candidate.uncached_tokens),
+                .saturating_add(candidate.uncached_tokens)
+                .saturating_add(reload_tokens),
             predicted_ttft_ms: candidate.predicted_ttft_ms,
             runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
             streamed,
@@ -722,10 +750,12 @@ impl Router {
         }
     }
 
-    /// A JSON explanation of a decision: every candidate's factors,
-    /// composite, predicted TTFT and whether it lost its cache term to a
-    /// clearly faster pod, and the excluded pods with the reason.
-    pub fn explain(&self, table: &PodTable, decision: &Decision) -> String {
+    /// A JSON explanation of a routed request's decision: every
+    /// candidate's matched blocks by tier, factors, composite, predicted
+    /// TTFT and whether it lost its cache term to a clearly faster pod,
+    /// and the excluded pods with the reason.
+    pub fn explain(&self, table: &PodTable, routed: &Routed) -> String {
+        let decision = &routed.decision;
         let names = self.policy.scorer_names();
         let candidates: Vec<serde_json::Value> = decision
             .scored
@@ -736,7 +766,12 @@ impl Router {
                     .zip(&s.factors)
                     .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
                     .collect();
-                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite),
+                let matched = table
+                    .pods
+                    .get(s.index)
+                    .map_or_else(TierBlocks::default, |p| routed.matches.tiers(p.slot));
+                serde_json::json!({"pod": pod_id(table, s.index), "matchedBlocks": matched,
+                                   "factors": factors, "composite": round4(s.composite),
                                    "predictedTtftMs": round4(s.predicted_ttft_ms), "cacheWithheld": s.cache_withheld})
             })
             .collect();
