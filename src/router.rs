@@ -1079,6 +1079,135 @@ mod tests {
         assert_eq!(routed_to(case.route([2, 1], Attempt::Arrival)), "a");
     }
 
+    /// Routes a 1,280-byte prompt among idle pods `gpu` (holds it in GPU
+    /// memory), `cpu` (its last 15 of 20 blocks in CPU memory) and `none`,
+    /// through reports with tiers and the published snapshot.
+    /// Also its explain line.
+    fn route_among_tiers(credits: TierCredits, pods: &[&str]) -> (Routed, serde_json::Value) {
+        let mut config = Config::parse(
+            br#"{"pods": [{"id": "gpu", "address": "127.0.0.1:9001"},
+                          {"id": "cpu", "address": "127.0.0.1:9002"},
+                          {"id": "none", "address": "127.0.0.1:9003"}]}"#,
+        )
+        .unwrap();
+        config.tier_credits = credits;
+        let router = Router::new(config.clone());
+        let body = format!(r#"{{"model": "m", "prompt": "{}"}}"#, "y".repeat(1280));
+        let chain = router.prepare(body.as_bytes(), false).unwrap().chain;
+        assert_eq!(chain.len(), 20);
+        let hex = |hashes: &[u64]| {
+            hashes
+                .iter()
+                .map(|h| format!("\"{}\"", crate::report::hash_to_hex(*h)))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let report = |pod: &str, stored: String| {
+            format!(
+                r#"{{"version":1,"podId":"{pod}","epoch":"e","seq":1,"full":true,"queueDepth":0,
+                    "health":1.0,"stored":[{stored}]}}"#
+            )
+        };
+        let mut cluster = ClusterState::new(&config, 0);
+        let whole = format!(r#"{{"parent":null,"hashes":[{}]}}"#, hex(&chain));
+        let split = format!(
+            r#"{{"parent":null,"hashes":[{}]}},{{"parent":"{}","hashes":[{}],"tier":"cpu"}}"#,
+            hex(&chain[..5]),
+            crate::report::hash_to_hex(chain[4]),
+            hex(&chain[5..])
+        );
+        for (pod, stored) in [("gpu", whole), ("cpu", split), ("none", String::new())] {
+            let stored = if pods.contains(&pod) {
+                stored
+            } else {
+                String::new()
+            };
+            cluster
+                .apply_report(pod, report(pod, stored).as_bytes(), 1000, 0)
+                .0
+                .unwrap();
+        }
+        let publication = cluster.publish(1000);
+        let store: std::collections::HashMap<u32, Vec<u8>> =
+            publication.buckets.into_iter().collect();
+        let index = crate::snapshot::SnapshotIndex {
+            buckets: publication.table.buckets,
+            fetch: |b| store.get(&b).cloned(),
+        };
+        let inflight = [SlotLoad::default(); 3];
+        let ttft = TtftModel::new(64);
+        let view = ClusterView {
+            table: &publication.table,
+            index: &index,
+            inflight: &inflight,
+            ttft: &ttft,
+            now_ms: 1500,
+        };
+        match router.route(body.as_bytes(), false, &view, 0) {
+            Outcome::Routed(routed) => {
+                let explained = router.explain(&publication.table, &routed);
+                (*routed, serde_json::from_str(&explained).unwrap())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_gpu_hit_beats_a_cpu_hit_which_beats_none() {
+        let all = ["gpu", "cpu", "none"];
+        let (routed, explained) = route_among_tiers(TierCredits::default(), &all);
+        assert_eq!(routed.pod_id, "gpu");
+        assert_eq!(
+            routed.matched_tiers,
+            TierBlocks {
+                gpu: 20,
+                cpu: 0,
+                disk: 0
+            }
+        );
+        assert_eq!(routed.cache_match, 1.0);
+        // The CPU holder's reload is a tenth of a prefill of those 960
+        // bytes' 240 tokens (the uncalibrated model predicts in tokens):
+        // the GPU holder is clearly faster, and balance withholds the CPU
+        // holder's cache term.
+        let cpu = &routed.decision.scored[1];
+        assert_eq!((cpu.predicted_ttft_ms, cpu.cache_withheld), (24.0, true));
+        let matched = |pod: usize| explained["candidates"][pod]["matchedBlocks"].clone();
+        assert_eq!(
+            matched(0),
+            serde_json::json!({"gpu": 20, "cpu": 0, "disk": 0})
+        );
+        assert_eq!(
+            matched(1),
+            serde_json::json!({"gpu": 5, "cpu": 15, "disk": 0})
+        );
+        assert_eq!(
+            matched(2),
+            serde_json::json!({"gpu": 0, "cpu": 0, "disk": 0})
+        );
+
+        let (routed, _) = route_among_tiers(TierCredits::default(), &["cpu", "none"]);
+        assert_eq!(routed.pod_id, "cpu");
+        assert_eq!(
+            routed.matched_tiers,
+            TierBlocks {
+                gpu: 5,
+                cpu: 15,
+                disk: 0
+            }
+        );
+        // 5 blocks on the GPU, 15 in CPU memory at 0.9: 0.25 + 0.675.
+        assert!((routed.cache_match - 0.925).abs() < 1e-9);
+        assert_eq!(routed.predicted_cached_tokens, 320);
+        assert_eq!((routed.prefill_tokens, routed.work_tokens), (0, 24));
+
+        // Tier-blind: the two holders tie on every factor.
+        let (blind, _) = route_among_tiers(TierCredits::BLIND, &all);
+        let composites: Vec<f64> = blind.decision.scored.iter().map(|s| s.composite).collect();
+        assert_eq!(composites[0], composites[1]);
+        assert!(composites[2] < composites[0]);
+    }
+
     #[test]
     fn metric_labels_come_from_the_configuration_only() {
         let mut config = config();
