@@ -118,9 +118,9 @@ fn last_route_line(cluster: &Cluster, pod: &str) -> Value {
             .envoy
             .log()
             .lines()
+            .rev()
             .filter_map(kvroute_integration::harness::log_event)
-            .filter(|e| e["event"] == "route" && e["pod"] == pod)
-            .last();
+            .find(|e| e["event"] == "route" && e["pod"] == pod);
         if let Some(route) = found {
             return route;
         }

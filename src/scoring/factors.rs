@@ -150,3 +150,36 @@ impl Scorer for AdapterScorer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::hashing::BlockHasher;
+    use crate::request::Prompt;
+
+    #[test]
+    fn a_cached_prefix_is_credited_and_reloaded_by_tier() {
+        // 100 blocks of 16 tokens; 60 cached: 20 GPU, 30 CPU, 10 disk.
+        let coverage =
+            BlockHasher::from_config(&Config::default()).coverage(&Prompt::Tokens(vec![7; 1600]));
+        let matched = TierBlocks {
+            gpu: 20,
+            cpu: 30,
+            disk: 10,
+        };
+        let prefix = CachedPrefix::of(&coverage, matched, &TierCredits::default());
+        assert!((prefix.cache_match - (0.2 + 0.9 * 0.3 + 0.5 * 0.1)).abs() < 1e-9);
+        assert_eq!(prefix.cached_tokens, 960);
+        // A tenth of 480 CPU tokens and half of 160 disk tokens.
+        assert_eq!(prefix.reload_tokens, 48 + 80);
+        let blind = CachedPrefix::of(&coverage, matched, &TierCredits::BLIND);
+        assert!((blind.cache_match - 0.6).abs() < 1e-9);
+        assert_eq!(blind.reload_tokens, 0);
+        let none = CachedPrefix::of(&coverage, TierBlocks::default(), &TierCredits::default());
+        assert_eq!(
+            (none.cache_match, none.cached_tokens, none.reload_tokens),
+            (0.0, 0, 0)
+        );
+    }
+}

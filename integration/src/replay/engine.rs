@@ -1039,7 +1039,7 @@ mod tests {
             let requests = trace(30);
             let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
             let router = Router::new(config.clone());
-            let mut view = KvrouteView::new(&config, 3);
+            let mut view = KvrouteView::new(&config, 3, config.tier_credits.clone());
             let mut pods: Vec<Pod> = (0..3).map(|_| Pod::new(12, 0, 1000)).collect();
             for (i, (r, t)) in workload.requests.iter().zip(&requests).enumerate() {
                 if i % 4 == 0 {
