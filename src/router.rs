@@ -292,10 +292,11 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
 
     fn holders(&self) -> Vec<(usize, f64)> {
         self.matches
-            .iter()
-            .filter_map(|(slot, _)| {
+            .iter_tiers()
+            .filter_map(|(slot, tiers)| {
                 let index = self.view.table.index_of_slot(slot)?;
-                Some((index, self.cached_prefix(slot).cache_match))
+                let cached = CachedPrefix::of(&self.coverage, tiers, self.credits);
+                Some((index, cached.cache_match))
             })
             .collect()
     }

@@ -557,12 +557,17 @@ mod tests {
     use crate::report::Tier;
     use std::collections::HashMap;
 
+    /// A chain of `n` block hashes spread over the buckets.
+    fn spread_chain(n: u64) -> Vec<u64> {
+        (1..=n)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect()
+    }
+
     #[test]
     fn published_snapshot_answers_like_the_tree() {
         let mut tree = PrefixTree::with_change_log(10_000);
-        let chain: Vec<u64> = (1..=64u64)
-            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let chain = spread_chain(64);
         tree.insert_chain(0, None, &chain);
         tree.insert_chain(1, None, &chain[..40]);
         tree.insert_chain(2, None, &chain[..3]);
@@ -587,9 +592,7 @@ mod tests {
     #[test]
     fn the_snapshot_knows_tiers_like_the_tree_in_the_same_sixteen_bytes() {
         let mut tree = PrefixTree::with_change_log(10_000);
-        let chain: Vec<u64> = (1..=64u64)
-            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let chain = spread_chain(64);
         // 0: all on the GPU; 1: 40 blocks, the last 10 in CPU memory;
         // 2: 30 blocks, 10 GPU, 12 CPU, 8 disk; 3-7: the first 3 blocks
         // (a set past four holders, in the bucket's tail), 3 of them CPU.
@@ -633,9 +636,7 @@ mod tests {
     #[test]
     fn an_index_without_tiers_costs_no_probe_more() {
         let mut tree = PrefixTree::with_change_log(10_000);
-        let chain: Vec<u64> = (1..=256u64)
-            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let chain = spread_chain(256);
         tree.insert_chain(0, None, &chain[..200]);
         tree.insert_chain(1, None, &chain[..50]);
         let mut publisher = SnapshotPublisher::new(64);

@@ -80,6 +80,16 @@ fn nested(runs: Runs) -> Runs {
     [gpu.min(fast), fast, blocks]
 }
 
+/// Runs (nested) as blocks per tier.
+fn tier_blocks(runs: Runs) -> TierBlocks {
+    let [gpu, fast, blocks] = runs;
+    TierBlocks {
+        gpu,
+        cpu: fast.saturating_sub(gpu),
+        disk: blocks.saturating_sub(fast),
+    }
+}
+
 fn max_runs(a: Runs, b: Runs) -> Runs {
     let [a0, a1, a2] = a;
     let [b0, b1, b2] = b;
@@ -92,17 +102,17 @@ impl PrefixMatch {
     fn from_unordered(mut entries: Vec<(u16, Runs)>) -> PrefixMatch {
         entries.retain(|&(slot, runs)| runs[2] > 0 && usize::from(slot) < MAX_PODS);
         entries.sort_unstable_by_key(|e| e.0);
-        let mut merged: Vec<(u16, Runs)> = Vec::with_capacity(entries.len());
-        for (slot, runs) in entries {
-            match merged.last_mut() {
-                Some(last) if last.0 == slot => last.1 = max_runs(last.1, runs),
-                _ => merged.push((slot, runs)),
+        entries.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1 = max_runs(kept.1, later.1);
             }
-        }
-        for entry in &mut merged {
+            same
+        });
+        for entry in &mut entries {
             entry.1 = nested(entry.1);
         }
-        PrefixMatch { entries: merged }
+        PrefixMatch { entries }
     }
 
     fn runs(&self, pod: usize) -> Runs {
@@ -123,12 +133,7 @@ impl PrefixMatch {
 
     /// Matched blocks of pod slot `pod` by tier.
     pub fn tiers(&self, pod: usize) -> TierBlocks {
-        let [gpu, fast, blocks] = self.runs(pod);
-        TierBlocks {
-            gpu,
-            cpu: fast - gpu,
-            disk: blocks - fast,
-        }
+        tier_blocks(self.runs(pod))
     }
 
     /// Raises `pod`'s match to at least `blocks` held in GPU memory.
@@ -164,6 +169,14 @@ impl PrefixMatch {
         self.entries
             .iter()
             .map(|&(slot, runs)| (usize::from(slot), runs[2]))
+    }
+
+    /// (pod slot, matched blocks by tier) of every pod holding at least
+    /// one block, ordered by slot.
+    pub fn iter_tiers(&self) -> impl Iterator<Item = (usize, TierBlocks)> + '_ {
+        self.entries
+            .iter()
+            .map(|&(slot, runs)| (usize::from(slot), tier_blocks(runs)))
     }
 
     /// Pods holding at least one block.
@@ -261,36 +274,42 @@ impl PrefixLookup for Merged<'_> {
 ///
 /// Tiers: a pod's GPU run (and, if any holder is on disk, its GPU-or-CPU
 /// run) is bisected the same way over the holders of those tiers, each
-/// block probed at most once. A pod's chain leaves the GPU tail first, so
-/// its last matched block, which the first bisection probes, shows whether
-/// it holds anything outside GPU memory: an index without tiers costs no
-/// probe more.
+/// block fetched at most once more. A pod's chain leaves the GPU tail
+/// first, so its last matched block, which the first bisection probes,
+/// shows whether it holds anything outside GPU memory: an index without
+/// tiers costs no probe and no copy more.
 pub fn match_by_bisection(
     n: usize,
     mut holders_at: impl FnMut(usize) -> Vec<Holder>,
 ) -> PrefixMatch {
-    let mut probed: Vec<(usize, Vec<Holder>)> = Vec::new();
-    let mut probe = |i: usize| -> Vec<Holder> {
-        if let Some((_, set)) = probed.iter().find(|(at, _)| *at == i) {
-            return set.clone();
-        }
+    let mut slowest = Tier::Gpu;
+    let all = bisect_lengths(n, &mut |i: usize| {
         let set = holders_at(i);
-        probed.push((i, set.clone()));
+        for holder in &set {
+            slowest = slowest.max(holder.tier());
+        }
         set
-    };
-    let all = bisect_lengths(n, &mut probe);
-    let slowest = probe_tiers(&mut probe, &all);
+    });
     if slowest == Tier::Gpu {
         return all;
     }
-    let within = |probe: &mut dyn FnMut(usize) -> Vec<Holder>, tier: Tier| {
+    let mut probed: Vec<(usize, Vec<Holder>)> = Vec::new();
+    let mut within = |tier: Tier| {
         bisect_lengths(n, &mut |i: usize| {
-            probe(i).into_iter().filter(|h| h.tier() <= tier).collect()
+            let set = match probed.iter().find(|(at, _)| *at == i) {
+                Some((_, set)) => set.clone(),
+                None => {
+                    let set = holders_at(i);
+                    probed.push((i, set.clone()));
+                    set
+                }
+            };
+            set.into_iter().filter(|h| h.tier() <= tier).collect()
         })
     };
-    let gpu = within(&mut probe, Tier::Gpu);
+    let gpu = within(Tier::Gpu);
     let fast = if slowest == Tier::Disk {
-        within(&mut probe, Tier::Cpu)
+        within(Tier::Cpu)
     } else {
         all.clone()
     };
@@ -303,23 +322,6 @@ pub fn match_by_bisection(
             })
             .collect(),
     )
-}
-
-/// The slowest tier among the holders of each pod's last matched block
-/// (already probed).
-fn probe_tiers(probe: &mut impl FnMut(usize) -> Vec<Holder>, all: &PrefixMatch) -> Tier {
-    let mut slowest = Tier::Gpu;
-    let mut ends: Vec<u32> = all.iter().map(|(_, blocks)| blocks).collect();
-    ends.sort_unstable();
-    ends.dedup();
-    for end in ends {
-        for holder in probe(end as usize - 1) {
-            if all.blocks(holder.slot()) == end {
-                slowest = slowest.max(holder.tier());
-            }
-        }
-    }
-    slowest
 }
 
 /// [`match_by_bisection`] over the holders as given (tiers ignored).

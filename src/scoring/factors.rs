@@ -32,6 +32,13 @@ impl CachedPrefix {
     /// The prefix of `matched` blocks (by tier, GPU first: the blocks
     /// leave the GPU tail first) of a prompt `coverage` describes.
     pub fn of(coverage: &Coverage, matched: TierBlocks, credits: &TierCredits) -> CachedPrefix {
+        if matched.gpu == matched.total() {
+            return CachedPrefix {
+                cache_match: coverage.fraction(matched.gpu),
+                cached_tokens: coverage.tokens(matched.gpu),
+                reload_tokens: 0,
+            };
+        }
         let mut cache_match = 0.0;
         let mut reload = 0.0;
         let mut start = 0;
