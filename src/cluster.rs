@@ -10,9 +10,8 @@
 //! Folding rules:
 //! - a full report replaces the pod's blocks; a delta applies `stored` then
 //!   `removed`. Each stored segment carries its blocks' tier (protocol v1's
-//!   `tier`: GPU, CPU or disk); the index does not keep tiers yet, so a
-//!   block in any tier is held, as before tiers were reported, and a block
-//!   whose tier changed comes again in `stored` (a no-op for the index);
+//!   `tier`: GPU, CPU or disk), which the index keeps per (block, pod); a
+//!   block whose tier changed comes again in `stored` and moves there;
 //!   a delta that does not continue the last `seq` of the same
 //!   epoch (pod restart, missed report) drops the pod's blocks and asks for
 //!   a full resync next tick;
@@ -775,9 +774,7 @@ impl ClusterState {
                         None => stored.parent,
                         Some(last) => stored.hashes.get(last).copied(),
                     };
-                    // Tier hand-off: `stored.tier` is every block's tier in
-                    // `part`; held in any tier until the index keeps it.
-                    let outcome = tree.insert_chain(fold.slot, parent, part);
+                    let outcome = tree.insert_chain_in(fold.slot, parent, part, stored.tier);
                     fold.summary.stored += outcome.stored;
                     fold.summary.orphaned += outcome.orphaned;
                     budget -= part.len().min(budget);
@@ -917,7 +914,9 @@ impl ClusterState {
     /// `podCapacityBlocks`. Precise mode: it is pending — counted as held
     /// until it expires (a report confirms it meanwhile, or shows the pod
     /// never kept it), and no report erases it before. A chain the pod's
-    /// reports already hold whole is not recorded: its last block says so
+    /// reports already hold whole in GPU memory is not recorded (one held
+    /// in a slower tier is: the request reloads it to the GPU, and pending
+    /// it counts there until the report says so): its last block says so
     /// (a pod's reported blocks are prefix-closed), one lookup instead of
     /// one per block, which is most of what the service does for a cache
     /// hit.
@@ -929,7 +928,9 @@ impl ClusterState {
         let record = self.pods.get(i)?;
         let without_reports = record.without_reports;
         match &mut self.pending {
-            Some(_) if !without_reports && self.index.tree().holds(slot, chain) => return None,
+            Some(_) if !without_reports && self.index.tree().holds_on_gpu(slot, chain) => {
+                return None
+            }
             Some(pending) if !without_reports => pending.record_at(slot, chain, now_ms),
             // Approximate mode, or a pod in report fallback.
             _ => self.index.record(slot, chain),

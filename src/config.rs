@@ -89,6 +89,51 @@ impl Default for Weights {
     }
 }
 
+/// `tierCredits`: what a prompt block a pod holds outside GPU memory is
+/// worth to the cache factor, as a share of the same block in GPU memory
+/// (1). A hit in tier *t* saves the prefill but costs a reload, so it is
+/// worth `1 − r` of a GPU hit, `r` = reload time over prefill time per
+/// token; the predicted TTFT counts the reload as `r` of a prefill
+/// ([`crate::scoring::factors::CachedPrefix`]). Defaults from the measured
+/// costs of docs/tiers.md: a CPU hit is worth 0.84–0.98 of a GPU hit over
+/// PCIe 4 or 5 for 7–70B models on an H100 (0.976 in kvroute-sim), local
+/// NVMe 0.4–0.9, network storage 0.5 down to nothing: 0.9 and 0.5, inside
+/// those ranges. 1 and 1: tier-blind (every tier counts as GPU).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default, rename_all = "camelCase")]
+pub struct TierCredits {
+    /// A block in host memory (vLLM's `CPU` medium).
+    pub cpu: f64,
+    /// A block on local or shared storage.
+    pub disk: f64,
+}
+
+impl Default for TierCredits {
+    fn default() -> Self {
+        TierCredits {
+            cpu: 0.9,
+            disk: 0.5,
+        }
+    }
+}
+
+impl TierCredits {
+    /// Every tier worth a GPU block: today's tier-blind routing.
+    pub const BLIND: TierCredits = TierCredits {
+        cpu: 1.0,
+        disk: 1.0,
+    };
+
+    /// The credit of a block held in `tier`.
+    pub fn of(&self, tier: crate::report::Tier) -> f64 {
+        match tier {
+            crate::report::Tier::Gpu => 1.0,
+            crate::report::Tier::Cpu => self.cpu,
+            crate::report::Tier::Disk => self.disk,
+        }
+    }
+}
+
 /// Balance ([`crate::scoring::balance`]): a pod loses its cache term when
 /// another is predicted to answer clearly sooner ([`crate::scoring::ttft`]:
 /// queued and own uncached prefill over the pod's learned rate, plus
@@ -406,6 +451,8 @@ pub const MIN_REPLICA_SECRET_BYTES: usize = 32;
 #[serde(deny_unknown_fields, default, rename_all = "camelCase")]
 pub struct Config {
     pub weights: Weights,
+    /// What a cached block outside GPU memory is worth ([`TierCredits`]).
+    pub tier_credits: TierCredits,
     pub attribute_scorers: Vec<AttributeScorerConfig>,
     pub max_queue: u32,
     pub balance: BalanceConfig,
@@ -507,6 +554,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             weights: Weights::default(),
+            tier_credits: TierCredits::default(),
             attribute_scorers: Vec::new(),
             max_queue: 20,
             balance: BalanceConfig::default(),
@@ -611,6 +659,18 @@ impl Config {
             return Err(invalid(
                 "weights",
                 format!("must sum to 1.0 together with attributeScorers weights (got {sum:.6})"),
+            ));
+        }
+        let credits = &self.tier_credits;
+        check_unit("tierCredits.cpu", credits.cpu)?;
+        check_unit("tierCredits.disk", credits.disk)?;
+        if credits.disk > credits.cpu {
+            return Err(invalid(
+                "tierCredits.disk",
+                format!(
+                    "must be at most tierCredits.cpu (got disk {} > cpu {}): a disk reload is no faster than one from host memory",
+                    credits.disk, credits.cpu
+                ),
             ));
         }
         if self.max_queue < 1 {

@@ -39,9 +39,10 @@
 //! decayed from its last report as the service would have done.
 
 use crate::chat_template::PromptRenderer;
-use crate::config::{BadRequestPolicy, Config, NoPodPolicy};
+use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
-use crate::index::{PrefixLookup, PrefixMatch};
+use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
+use crate::scoring::factors::CachedPrefix;
 use crate::scoring::slo::{self, SloChoice};
 use crate::scoring::ttft::TtftModel;
 use crate::scoring::{Candidate, Decision, Exclusion, Pool, ScoringPolicy};
@@ -83,6 +84,12 @@ pub struct Routed {
     pub adapter_load_triggered: bool,
     pub chain: Vec<u64>,
     pub matched_blocks: u32,
+    /// Those blocks by the tier the pod holds them in.
+    pub matched_tiers: TierBlocks,
+    /// Every pod's match (what the explain line shows per candidate).
+    pub matches: PrefixMatch,
+    /// The cache factor: the matched share of the prompt, credited by
+    /// tier ([`CachedPrefix`]).
     pub cache_match: f64,
     pub composite: f64,
     /// Prompt tokens expected to be served from the pod's cache.
@@ -92,7 +99,9 @@ pub struct Routed {
     /// response byte.
     pub prefill_tokens: u32,
     /// Prefill ahead of its first token there: the pod's queued prefill
-    /// plus `prefill_tokens` (what [`TtftModel::observe`] learns from).
+    /// plus `prefill_tokens` plus the reload of its prefix cached outside
+    /// GPU memory, in prefill tokens (what [`TtftModel::observe`] learns
+    /// from).
     pub work_tokens: u64,
     /// Predicted TTFT on the chosen pod and on the runner-up (if any).
     pub predicted_ttft_ms: f64,
@@ -216,9 +225,17 @@ struct TablePool<'v, 'a> {
     view: &'v ClusterView<'a>,
     matches: &'v PrefixMatch,
     coverage: Coverage,
+    credits: &'v TierCredits,
     adapter: Option<&'v str>,
     stale_snapshot: bool,
     staleness: &'v Staleness,
+}
+
+impl TablePool<'_, '_> {
+    /// Pod slot `slot`'s cached prefix of the request, credited by tier.
+    fn cached_prefix(&self, slot: usize) -> CachedPrefix {
+        CachedPrefix::of(&self.coverage, self.matches.tiers(slot), self.credits)
+    }
 }
 
 impl<'a> Pool<'a> for TablePool<'_, 'a> {
@@ -232,22 +249,28 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
         let Some(pod) = table.pods.get(index) else {
             return [].candidate(index);
         };
-        let matched = self.matches.blocks(pod.slot);
+        let cached = self.cached_prefix(pod.slot);
         let load = view.inflight.get(pod.slot).copied().unwrap_or_default();
         let inflight = load.requests;
-        let cached_tokens = self.coverage.tokens(matched);
-        let uncached_tokens = self.coverage.prompt_tokens().saturating_sub(cached_tokens);
+        let uncached_tokens = self
+            .coverage
+            .prompt_tokens()
+            .saturating_sub(cached.cached_tokens);
         let queued_prefill = u64::from(load.prefill_tokens);
         let line = view.ttft.line(pod.slot);
+        // A prefix cached outside GPU memory is reloaded before the prefill.
+        let work = queued_prefill
+            .saturating_add(uncached_tokens)
+            .saturating_add(cached.reload_tokens);
         Candidate {
             slot: pod.slot,
             id: &pod.id,
-            cache_match: self.coverage.fraction(matched),
-            cached_tokens,
+            cache_match: cached.cache_match,
+            cached_tokens: cached.cached_tokens,
             uncached_tokens,
             inflight,
             queued_prefill,
-            predicted_ttft_ms: line.predict(queued_prefill.saturating_add(uncached_tokens) as f64),
+            predicted_ttft_ms: line.predict(work as f64),
             prefill_ms_per_token: line.ms_per_token,
             busy: view.ttft.busy(pod.slot),
             health: if self.stale_snapshot {
@@ -269,10 +292,11 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
 
     fn holders(&self) -> Vec<(usize, f64)> {
         self.matches
-            .iter()
-            .filter_map(|(slot, blocks)| {
+            .iter_tiers()
+            .filter_map(|(slot, tiers)| {
                 let index = self.view.table.index_of_slot(slot)?;
-                Some((index, self.coverage.fraction(blocks)))
+                let cached = CachedPrefix::of(&self.coverage, tiers, self.credits);
+                Some((index, cached.cache_match))
             })
             .collect()
     }
@@ -453,6 +477,7 @@ impl Router {
             view,
             matches: &matches,
             coverage,
+            credits: &self.config.tier_credits,
             adapter: adapter.as_deref(),
             stale_snapshot,
             staleness: &self.staleness,
@@ -516,6 +541,7 @@ impl Router {
             });
         };
         let matched_blocks = matches.blocks(chosen.slot);
+        let reload_tokens = pool.cached_prefix(chosen.slot).reload_tokens;
         if !fallback {
             let hold = self.hold_out(&decision, view.table, &matches, matched_blocks);
             if let Some(hold) =
@@ -553,12 +579,15 @@ impl Router {
             cache_match: candidate.cache_match,
             chain,
             matched_blocks,
+            matched_tiers: matches.tiers(chosen.slot),
+            matches,
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
             work_tokens: candidate
                 .queued_prefill
-                .saturating_add(candidate.uncached_tokens),
+                .saturating_add(candidate.uncached_tokens)
+                .saturating_add(reload_tokens),
             predicted_ttft_ms: candidate.predicted_ttft_ms,
             runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
             streamed,
@@ -722,10 +751,12 @@ impl Router {
         }
     }
 
-    /// A JSON explanation of a decision: every candidate's factors,
-    /// composite, predicted TTFT and whether it lost its cache term to a
-    /// clearly faster pod, and the excluded pods with the reason.
-    pub fn explain(&self, table: &PodTable, decision: &Decision) -> String {
+    /// A JSON explanation of a routed request's decision: every
+    /// candidate's matched blocks by tier, factors, composite, predicted
+    /// TTFT and whether it lost its cache term to a clearly faster pod,
+    /// and the excluded pods with the reason.
+    pub fn explain(&self, table: &PodTable, routed: &Routed) -> String {
+        let decision = &routed.decision;
         let names = self.policy.scorer_names();
         let candidates: Vec<serde_json::Value> = decision
             .scored
@@ -736,7 +767,12 @@ impl Router {
                     .zip(&s.factors)
                     .map(|(n, v)| (n.to_string(), serde_json::json!(round4(*v))))
                     .collect();
-                serde_json::json!({"pod": pod_id(table, s.index), "factors": factors, "composite": round4(s.composite),
+                let matched = table
+                    .pods
+                    .get(s.index)
+                    .map_or_else(TierBlocks::default, |p| routed.matches.tiers(p.slot));
+                serde_json::json!({"pod": pod_id(table, s.index), "matchedBlocks": matched,
+                                   "factors": factors, "composite": round4(s.composite),
                                    "predictedTtftMs": round4(s.predicted_ttft_ms), "cacheWithheld": s.cache_withheld})
             })
             .collect();
@@ -1042,6 +1078,135 @@ mod tests {
         assert_eq!(routed_to(case.route_with([2, 1], waited, &ttft)), "b");
         // An uncalibrated model predicts in tokens: no target applies.
         assert_eq!(routed_to(case.route([2, 1], Attempt::Arrival)), "a");
+    }
+
+    /// Routes a 1,280-byte prompt among idle pods `gpu` (holds it in GPU
+    /// memory), `cpu` (its last 15 of 20 blocks in CPU memory) and `none`,
+    /// through reports with tiers and the published snapshot.
+    /// Also its explain line.
+    fn route_among_tiers(credits: TierCredits, pods: &[&str]) -> (Routed, serde_json::Value) {
+        let mut config = Config::parse(
+            br#"{"pods": [{"id": "gpu", "address": "127.0.0.1:9001"},
+                          {"id": "cpu", "address": "127.0.0.1:9002"},
+                          {"id": "none", "address": "127.0.0.1:9003"}]}"#,
+        )
+        .unwrap();
+        config.tier_credits = credits;
+        let router = Router::new(config.clone());
+        let body = format!(r#"{{"model": "m", "prompt": "{}"}}"#, "y".repeat(1280));
+        let chain = router.prepare(body.as_bytes(), false).unwrap().chain;
+        assert_eq!(chain.len(), 20);
+        let hex = |hashes: &[u64]| {
+            hashes
+                .iter()
+                .map(|h| format!("\"{}\"", crate::report::hash_to_hex(*h)))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let report = |pod: &str, stored: String| {
+            format!(
+                r#"{{"version":1,"podId":"{pod}","epoch":"e","seq":1,"full":true,"queueDepth":0,
+                    "health":1.0,"stored":[{stored}]}}"#
+            )
+        };
+        let mut cluster = ClusterState::new(&config, 0);
+        let whole = format!(r#"{{"parent":null,"hashes":[{}]}}"#, hex(&chain));
+        let split = format!(
+            r#"{{"parent":null,"hashes":[{}]}},{{"parent":"{}","hashes":[{}],"tier":"cpu"}}"#,
+            hex(&chain[..5]),
+            crate::report::hash_to_hex(chain[4]),
+            hex(&chain[5..])
+        );
+        for (pod, stored) in [("gpu", whole), ("cpu", split), ("none", String::new())] {
+            let stored = if pods.contains(&pod) {
+                stored
+            } else {
+                String::new()
+            };
+            cluster
+                .apply_report(pod, report(pod, stored).as_bytes(), 1000, 0)
+                .0
+                .unwrap();
+        }
+        let publication = cluster.publish(1000);
+        let store: std::collections::HashMap<u32, Vec<u8>> =
+            publication.buckets.into_iter().collect();
+        let index = crate::snapshot::SnapshotIndex {
+            buckets: publication.table.buckets,
+            fetch: |b| store.get(&b).cloned(),
+        };
+        let inflight = [SlotLoad::default(); 3];
+        let ttft = TtftModel::new(64);
+        let view = ClusterView {
+            table: &publication.table,
+            index: &index,
+            inflight: &inflight,
+            ttft: &ttft,
+            now_ms: 1500,
+        };
+        match router.route(body.as_bytes(), false, &view, 0) {
+            Outcome::Routed(routed) => {
+                let explained = router.explain(&publication.table, &routed);
+                (*routed, serde_json::from_str(&explained).unwrap())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_gpu_hit_beats_a_cpu_hit_which_beats_none() {
+        let all = ["gpu", "cpu", "none"];
+        let (routed, explained) = route_among_tiers(TierCredits::default(), &all);
+        assert_eq!(routed.pod_id, "gpu");
+        assert_eq!(
+            routed.matched_tiers,
+            TierBlocks {
+                gpu: 20,
+                cpu: 0,
+                disk: 0
+            }
+        );
+        assert_eq!(routed.cache_match, 1.0);
+        // The CPU holder's reload is a tenth of a prefill of those 960
+        // bytes' 240 tokens (the uncalibrated model predicts in tokens):
+        // the GPU holder is clearly faster, and balance withholds the CPU
+        // holder's cache term.
+        let cpu = &routed.decision.scored[1];
+        assert_eq!((cpu.predicted_ttft_ms, cpu.cache_withheld), (24.0, true));
+        let matched = |pod: usize| explained["candidates"][pod]["matchedBlocks"].clone();
+        assert_eq!(
+            matched(0),
+            serde_json::json!({"gpu": 20, "cpu": 0, "disk": 0})
+        );
+        assert_eq!(
+            matched(1),
+            serde_json::json!({"gpu": 5, "cpu": 15, "disk": 0})
+        );
+        assert_eq!(
+            matched(2),
+            serde_json::json!({"gpu": 0, "cpu": 0, "disk": 0})
+        );
+
+        let (routed, _) = route_among_tiers(TierCredits::default(), &["cpu", "none"]);
+        assert_eq!(routed.pod_id, "cpu");
+        assert_eq!(
+            routed.matched_tiers,
+            TierBlocks {
+                gpu: 5,
+                cpu: 15,
+                disk: 0
+            }
+        );
+        // 5 blocks on the GPU, 15 in CPU memory at 0.9: 0.25 + 0.675.
+        assert!((routed.cache_match - 0.925).abs() < 1e-9);
+        assert_eq!(routed.predicted_cached_tokens, 320);
+        assert_eq!((routed.prefill_tokens, routed.work_tokens), (0, 24));
+
+        // Tier-blind: the two holders tie on every factor.
+        let (blind, _) = route_among_tiers(TierCredits::BLIND, &all);
+        let composites: Vec<f64> = blind.decision.scored.iter().map(|s| s.composite).collect();
+        assert_eq!(composites[0], composites[1]);
+        assert!(composites[2] < composites[0]);
     }
 
     #[test]

@@ -586,15 +586,21 @@ pub fn decode_batch(mut bytes: &[u8]) -> Option<Vec<BatchRecord>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::PrefixTree;
+    use crate::index::{PrefixTree, TierBlocks};
+    use crate::report::Tier;
     use std::collections::HashMap;
+
+    /// A chain of `n` block hashes spread over the buckets.
+    fn spread_chain(n: u64) -> Vec<u64> {
+        (1..=n)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect()
+    }
 
     #[test]
     fn published_snapshot_answers_like_the_tree() {
         let mut tree = PrefixTree::with_change_log(10_000);
-        let chain: Vec<u64> = (1..=64u64)
-            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let chain = spread_chain(64);
         tree.insert_chain(0, None, &chain);
         tree.insert_chain(1, None, &chain[..40]);
         tree.insert_chain(2, None, &chain[..3]);
@@ -614,6 +620,85 @@ mod tests {
         tree.remove_blocks(1, &[chain[10]]);
         publisher.apply_tree(&mut tree);
         assert!(!publisher.take_dirty(usize::MAX).is_empty());
+    }
+
+    #[test]
+    fn the_snapshot_knows_tiers_like_the_tree_in_the_same_sixteen_bytes() {
+        let mut tree = PrefixTree::with_change_log(10_000);
+        let chain = spread_chain(64);
+        // 0: all on the GPU; 1: 40 blocks, the last 10 in CPU memory;
+        // 2: 30 blocks, 10 GPU, 12 CPU, 8 disk; 3-7: the first 3 blocks
+        // (a set past four holders, in the bucket's tail), 3 of them CPU.
+        tree.insert_chain(0, None, &chain);
+        tree.insert_chain(1, None, &chain[..30]);
+        tree.insert_chain_in(1, Some(chain[29]), &chain[30..40], Tier::Cpu);
+        tree.insert_chain(2, None, &chain[..10]);
+        tree.insert_chain_in(2, Some(chain[9]), &chain[10..22], Tier::Cpu);
+        tree.insert_chain_in(2, Some(chain[21]), &chain[22..30], Tier::Disk);
+        for pod in 3..8 {
+            let tier = if pod < 6 { Tier::Cpu } else { Tier::Gpu };
+            tree.insert_chain_in(pod, None, &chain[..3], tier);
+        }
+        let mut publisher = SnapshotPublisher::new(64);
+        publisher.apply_tree(&mut tree);
+        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
+        let entries: usize = store
+            .values()
+            .map(|b| u32::from_le_bytes(b[..4].try_into().unwrap()) as usize)
+            .sum();
+        let bytes: usize = store.values().map(Vec::len).sum();
+        assert_eq!(bytes, 64 * 4 + entries * 16 + 3 * 2 * 8, "16 B an entry");
+        let snapshot = SnapshotIndex {
+            buckets: 64,
+            fetch: |b| store.get(&b).cloned(),
+        };
+        let (published, exact) = (snapshot.lookup(&chain), tree.lookup(&chain));
+        assert_eq!(published, exact);
+        let tiers = |gpu, cpu, disk| TierBlocks { gpu, cpu, disk };
+        assert_eq!(published.tiers(0), tiers(64, 0, 0));
+        assert_eq!(published.tiers(1), tiers(30, 10, 0));
+        assert_eq!(published.tiers(2), tiers(10, 12, 8));
+        assert_eq!(published.tiers(3), tiers(0, 3, 0));
+        assert_eq!(published.tiers(7), tiers(3, 0, 0));
+        // A tier change republishes the block.
+        tree.insert_chain(1, None, &chain[..40]);
+        publisher.apply_tree(&mut tree);
+        assert_eq!(publisher.take_dirty(usize::MAX).len(), 10);
+    }
+
+    #[test]
+    fn an_index_without_tiers_costs_no_probe_more() {
+        let mut tree = PrefixTree::with_change_log(10_000);
+        let chain = spread_chain(256);
+        tree.insert_chain(0, None, &chain[..200]);
+        tree.insert_chain(1, None, &chain[..50]);
+        let mut publisher = SnapshotPublisher::new(64);
+        publisher.apply_tree(&mut tree);
+        let store: HashMap<u32, Vec<u8>> = publisher.take_dirty(usize::MAX).into_iter().collect();
+        let probes = |store: &HashMap<u32, Vec<u8>>| {
+            let count = std::cell::Cell::new(0);
+            let snapshot = SnapshotIndex {
+                buckets: 64,
+                fetch: |b| {
+                    count.set(count.get() + 1);
+                    store.get(&b).cloned()
+                },
+            };
+            let m = snapshot.lookup(&chain);
+            (m.tiers(0), m.tiers(1), count.get())
+        };
+        let (zero, one, gpu_probes) = probes(&store);
+        assert_eq!((zero.gpu, one.gpu), (200, 50));
+        assert!(gpu_probes <= 20, "{gpu_probes} probes");
+        // The same index with pod 0's last 100 blocks in the CPU tier:
+        // one more bisection, over blocks mostly probed already.
+        tree.insert_chain_in(0, Some(chain[99]), &chain[100..200], Tier::Cpu);
+        publisher.apply_tree(&mut tree);
+        let mut store = store;
+        store.extend(publisher.take_dirty(usize::MAX));
+        let (zero, one, tiered_probes) = probes(&store);
+        assert_eq!((zero.gpu, zero.cpu, one.gpu), (100, 100, 50));
+        assert!(tiered_probes <= 2 * gpu_probes, "{tiered_probes} probes");
     }
 
     fn holders(slots: impl IntoIterator<Item = usize>) -> Vec<Holder> {

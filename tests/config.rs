@@ -4,7 +4,7 @@
 
 use kvroute::config::{
     BadRequestPolicy, Config, IndexMode, LogLevel, ModelTarget, NoPodPolicy, PassiveHealthConfig,
-    UpstreamMode, Weights,
+    TierCredits, UpstreamMode, Weights,
 };
 use kvroute::hashing::BlockHasher;
 use kvroute::request::Prompt;
@@ -924,5 +924,38 @@ fn every_removed_balance_key_is_refused_naming_its_replacement() {
     rejects(
         &with_pods(r#""balance": {"prefillSlackTokens": null}"#),
         "balance.prefillSlackTokens",
+    );
+}
+
+#[test]
+fn tier_credits_default_from_reload_costs_and_must_be_ordered_in_unit_range() {
+    let config = parse(&with_pods("")).unwrap();
+    assert_eq!(
+        (config.tier_credits.cpu, config.tier_credits.disk),
+        (0.9, 0.5)
+    );
+    let blind = parse(&with_pods(r#""tierCredits": {"cpu": 1.0, "disk": 1.0}"#)).unwrap();
+    assert_eq!(blind.tier_credits, TierCredits::BLIND);
+    let partial = parse(&with_pods(r#""tierCredits": {"disk": 0.2}"#)).unwrap();
+    assert_eq!(
+        (partial.tier_credits.cpu, partial.tier_credits.disk),
+        (0.9, 0.2)
+    );
+    rejects(
+        &with_pods(r#""tierCredits": {"cpu": 1.5}"#),
+        "tierCredits.cpu",
+    );
+    rejects(
+        &with_pods(r#""tierCredits": {"disk": -0.1}"#),
+        "tierCredits.disk",
+    );
+    let message = rejects(
+        &with_pods(r#""tierCredits": {"cpu": 0.4, "disk": 0.6}"#),
+        "tierCredits.disk",
+    );
+    assert!(message.contains("at most tierCredits.cpu"), "{message}");
+    rejects(
+        &with_pods(r#""tierCredits": {"gpu": 1.0}"#),
+        "tierCredits.gpu",
     );
 }

@@ -197,7 +197,7 @@ pub fn run(data: &[u8]) {
             };
             assert_eq!(routed.matched_blocks, matched);
             assert!((0.0..=1.0).contains(&routed.cache_match));
-            let explained = scenario.router.explain(table, &routed.decision);
+            let explained = scenario.router.explain(table, &routed);
             serde_json::from_str::<serde_json::Value>(&explained).expect("explanation is JSON");
         }
         Outcome::Rejected(rejected) => {

@@ -98,6 +98,117 @@ fn long_shared_prefix_goes_to_the_pod_that_holds_it() {
     assert_eq!(decisions, Some(11.0));
 }
 
+/// Sends `prompt` to pod `pod` directly (not through Envoy).
+fn warm_directly(cluster: &Cluster, pod: usize, prompt: &str) {
+    let warm = http::post_json(
+        &cluster.sims[pod].address,
+        "/v1/completions",
+        &completion(prompt, 1).to_string(),
+    )
+    .expect("warm a pod directly");
+    assert_eq!(warm.status, 200, "warming pod {pod}: {}", warm.body);
+}
+
+/// The `route` log line of the request routed to `pod` last (waiting for
+/// Envoy to write it).
+fn last_route_line(cluster: &Cluster, pod: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let found = cluster
+            .envoy
+            .log()
+            .lines()
+            .rev()
+            .filter_map(kvroute_integration::harness::log_event)
+            .find(|e| e["event"] == "route" && e["pod"] == pod);
+        if let Some(route) = found {
+            return route;
+        }
+        assert!(Instant::now() < deadline, "no route line for {pod}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Offload tiers end to end: pods with a small GPU cache and a CPU tier
+/// (kvroute-sim `--cpu-kv-blocks`), whose protocol-v1 reports carry each
+/// block's tier. `gpu` holds prefix P in GPU memory; `cpu` held P too,
+/// until a longer prompt pushed most of it into its CPU tier; `cpu-only`
+/// holds prefix R that way, and nobody else holds R. P goes to `gpu`,
+/// R to `cpu-only` (a CPU hit beats none), each route line and the
+/// explain metric split the match by tier, and R is served from the CPU
+/// tier.
+#[test]
+fn a_gpu_hit_beats_a_cpu_hit_which_beats_none() {
+    let mut config = base_config();
+    config["decisionHeaders"] = json!(true);
+    // 100 GPU blocks of 16 tokens: a 4 KiB prompt is 64 of them.
+    let cluster = start(
+        3,
+        config,
+        &["--kv-blocks", "100", "--cpu-kv-blocks", "400"],
+        vec![],
+    );
+    let ids: Vec<String> = cluster.sims.iter().map(|s| s.id.clone()).collect();
+    let prefix = text("tiered prefix", 4 * 1024);
+    let other = text("cpu only prefix", 4 * 1024);
+    warm_directly(&cluster, 0, &format!("{prefix} warm"));
+    for (pod, prompt) in [(1, &prefix), (2, &other)] {
+        warm_directly(&cluster, pod, &format!("{prompt} warm"));
+        // 96 more blocks: the GPU keeps the first few of the prompt's.
+        warm_directly(&cluster, pod, &text(&format!("evict {pod}"), 6 * 1024));
+        let cpu_blocks = cluster.sims[pod].stats()["kvCpuBlocks"].as_u64();
+        assert!(
+            cpu_blocks >= Some(50),
+            "pod {pod} offloaded {cpu_blocks:?} blocks"
+        );
+    }
+    cluster.wait_reports(3);
+
+    let r = cluster.post(
+        "/v1/completions",
+        &completion(&format!("{prefix} question"), 1),
+    );
+    assert_eq!(served_by(&r), ids[0], "the GPU holder");
+    let route = last_route_line(&cluster, &ids[0]);
+    assert_eq!(route["matchedTiers"]["cpu"], 0, "{route}");
+    assert!(route["matchedTiers"]["gpu"].as_u64() >= Some(60), "{route}");
+
+    let r = cluster.post(
+        "/v1/completions",
+        &completion(&format!("{other} question"), 1),
+    );
+    assert_eq!(
+        served_by(&r),
+        ids[2],
+        "the CPU holder, over pods holding nothing"
+    );
+    let route = last_route_line(&cluster, &ids[2]);
+    let cpu = route["matchedTiers"]["cpu"].as_u64().unwrap_or(0);
+    assert!(cpu >= 50, "{route}");
+    // Credited at 0.9 a CPU block: below a whole GPU match, far above none.
+    let cache_match: f64 = r.header("x-kvroute-cache-match").unwrap().parse().unwrap();
+    assert!((0.5..0.95).contains(&cache_match), "{cache_match}");
+    assert!(cluster.sims[2].stats()["cachedTokensCpu"].as_u64() >= Some(800));
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let blocks = |tier| {
+            cluster
+                .envoy
+                .metric("epp_cache_matched_blocks_total", &[("tier", tier)])
+        };
+        if blocks("cpu") >= Some(cpu as f64) && blocks("gpu") >= Some(60.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "gpu {:?} cpu {:?}",
+            blocks("gpu"),
+            blocks("cpu")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `routeLogSample` thins the INFO `route` lines only: with 0 no routed
 /// request logs one, other INFO lines still appear, and every decision is
 /// still counted (the worker's metric batch reaches Envoy within a tick).

@@ -860,6 +860,7 @@ fn check_logs(cluster: &Cluster) {
         "composite",
         "cacheMatch",
         "matchedBlocks",
+        "matchedTiers",
         "blocks",
         "candidates",
         "latencyUs",

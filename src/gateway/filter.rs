@@ -45,8 +45,9 @@ use super::metrics::{percent, Metric, MetricBatch};
 use super::waiting::{self, Waiting};
 use crate::config::{Config, UpstreamMode};
 use crate::ejection::UpstreamOutcome;
-use crate::index::{Merged, RecentDecisions};
+use crate::index::{Merged, RecentDecisions, TierBlocks};
 use crate::queueing::{Priority, PRIORITY_HEADER};
+use crate::report::Tier;
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
@@ -283,7 +284,7 @@ impl<H: WorkerHost> Worker<H> {
             event(
                 log::Level::Debug,
                 "candidates",
-                json!({"requestId": request_id, "explanation": serde_json::from_str::<serde_json::Value>(&self.router.explain(&table, &routed.decision)).unwrap_or_default()}),
+                json!({"requestId": request_id, "explanation": serde_json::from_str::<serde_json::Value>(&self.router.explain(&table, routed)).unwrap_or_default()}),
             );
         }
         if log::log_enabled!(log::Level::Trace) {
@@ -437,6 +438,12 @@ pub(super) fn deliver(
     }
     metrics.increment_labelled(Metric::RoutingDecisions, &model_label);
     metrics.histogram(Metric::CacheMatchRatio, percent(routed.cache_match));
+    for tier in Tier::ALL {
+        let blocks = routed.matched_tiers.of(tier);
+        if blocks > 0 {
+            metrics.add(Metric::CacheMatchedBlocks, tier.name(), i64::from(blocks));
+        }
+    }
     metrics.histogram(Metric::CompositeScore, percent(routed.composite));
     metrics.histogram(Metric::ScoringLatencyUs, elapsed_us);
     metrics.gauge(Metric::CandidatePods, routed.decision.scored.len() as u64);
@@ -467,6 +474,7 @@ pub(super) fn deliver(
                 composite: (routed.composite * 1e4).round() / 1e4,
                 cache_match: (routed.cache_match * 1e4).round() / 1e4,
                 matched_blocks: routed.matched_blocks,
+                matched_tiers: routed.matched_tiers,
                 blocks: routed.chain.len(),
                 candidates: routed.decision.scored.len(),
                 latency_us: elapsed_us,
@@ -500,6 +508,8 @@ struct RouteEvent<'a> {
     composite: f64,
     cache_match: f64,
     matched_blocks: u32,
+    /// `matchedBlocks` by the tier the pod holds them in.
+    matched_tiers: TierBlocks,
     blocks: usize,
     candidates: usize,
     latency_us: u64,

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 
 use crate::config::Config;
 use crate::queueing::WaitRejection;
+use crate::report::Tier;
 
 /// Pending histogram samples that trigger a flush (bounds the batch).
 pub const FLUSH_SAMPLES: usize = 512;
@@ -71,6 +72,7 @@ catalogue! {
     WaitRejected = ("epp_wait_rejected_total", Counter, Some("reason")),
     RoutingDecisions = ("epp_routing_decisions_total", Counter, Some("model")),
     AdapterLoadsTriggered = ("epp_adapter_loads_triggered_total", Counter, Some("adapter")),
+    CacheMatchedBlocks = ("epp_cache_matched_blocks_total", Counter, Some("tier")),
     ReportFailures = ("epp_report_failures_total", Counter, Some("pod")),
     PassiveEjections = ("epp_passive_ejections_total", Counter, Some("pod")),
     CandidatePods = ("epp_candidate_pods", Gauge, None),
@@ -223,6 +225,9 @@ pub fn export_from_zero(config: &Config, sink: &mut dyn MetricSink) {
     }
     for reason in WaitRejection::ALL {
         sink.define(Metric::WaitRejected, reason.name());
+    }
+    for tier in Tier::ALL {
+        sink.define(Metric::CacheMatchedBlocks, tier.name());
     }
     for (model, target) in &config.models {
         sink.define(Metric::RoutingDecisions, model);

@@ -11,18 +11,27 @@
 //! 40 bytes and a snapshot entry 16, whatever the pool's size; what a block
 //! costs grows only with the pods that hold it.
 //!
-//! A holder is 16 bits: the pod slot in the low [`SLOT_BITS`] (10), bits
-//! 10–14 spare (room for a small per-(block, pod) field such as an offload
-//! tier without changing any entry's size), bit 15 reserved for the inline
-//! storage's markers (empty, overflow), which are never holders. Sets are
-//! ordered by slot, so intersections and differences are linear merges.
+//! A holder is 16 bits: the pod slot in the low [`SLOT_BITS`] (10), the
+//! [`Tier`] the pod holds the block in at bits 10–11 ([`TIER_SHIFT`]: 0 GPU,
+//! 1 CPU, 2 disk; 3 is no holder), bits 12–14 spare, bit 15 reserved for
+//! the inline storage's markers (empty, overflow), which are never
+//! holders. So a block's tier per pod costs no byte: a tree node stays 40
+//! bytes and a snapshot entry 16. Sets are ordered by slot (one entry per
+//! slot, whatever its tier), so intersections and differences are linear
+//! merges.
 
 use crate::config::MAX_PODS;
+use crate::report::Tier;
 
 /// Bits of a [`Holder`] naming its pod slot (2^10 = [`MAX_PODS`]).
 pub const SLOT_BITS: u32 = 10;
 
 const SLOT_MASK: u16 = (1 << SLOT_BITS) - 1;
+
+/// Where a holder's [`Tier`] sits (2 bits).
+pub const TIER_SHIFT: u32 = SLOT_BITS;
+
+const TIER_MASK: u16 = 0b11 << TIER_SHIFT;
 
 /// Bit 15: set only in the inline storage's markers.
 const MARKER_BIT: u16 = 0x8000;
@@ -41,14 +50,25 @@ pub const INLINE: usize = 4;
 pub struct Holder(u16);
 
 impl Holder {
-    /// The holder of pod slot `slot`; `None` past [`MAX_PODS`].
+    /// The holder of pod slot `slot` in GPU memory; `None` past
+    /// [`MAX_PODS`].
     pub fn new(slot: usize) -> Option<Holder> {
-        (slot < MAX_PODS).then_some(Holder(slot as u16))
+        Holder::in_tier(slot, Tier::Gpu)
     }
 
-    /// A holder as encoded (`None`: a marker, or a slot past [`MAX_PODS`]).
+    /// The holder of pod slot `slot` in `tier`; `None` past [`MAX_PODS`].
+    pub fn in_tier(slot: usize, tier: Tier) -> Option<Holder> {
+        (slot < MAX_PODS).then_some(Holder(slot as u16 | (tier.index() as u16) << TIER_SHIFT))
+    }
+
+    /// A holder as encoded (`None`: a marker, a slot past [`MAX_PODS`], or
+    /// no tier).
     pub fn from_bits(bits: u16) -> Option<Holder> {
-        (bits & MARKER_BIT == 0 && usize::from(bits & SLOT_MASK) < MAX_PODS).then_some(Holder(bits))
+        let tier = usize::from((bits & TIER_MASK) >> TIER_SHIFT);
+        (bits & MARKER_BIT == 0
+            && usize::from(bits & SLOT_MASK) < MAX_PODS
+            && tier < Tier::ALL.len())
+        .then_some(Holder(bits))
     }
 
     /// Its 16 bits, as encoded in the snapshot.
@@ -58,6 +78,12 @@ impl Holder {
 
     pub fn slot(self) -> usize {
         usize::from(self.0 & SLOT_MASK)
+    }
+
+    /// The tier the pod holds the block in.
+    pub fn tier(self) -> Tier {
+        let index = usize::from((self.0 & TIER_MASK) >> TIER_SHIFT);
+        Tier::ALL.get(index).copied().unwrap_or(Tier::Disk)
     }
 }
 
@@ -73,22 +99,30 @@ pub fn contains(set: &[Holder], slot: usize) -> bool {
 
 /// Holders in both sets (each ordered by slot), in order.
 pub fn intersection(a: &[Holder], b: &[Holder]) -> Vec<Holder> {
-    merge(a, b, |in_a, in_b| in_a && in_b)
+    merge(a, b, false, |in_a, in_b| in_a && in_b)
 }
 
 /// Holders of `a` missing from `b`, in order.
 pub fn difference(a: &[Holder], b: &[Holder]) -> Vec<Holder> {
-    merge(a, b, |in_a, in_b| in_a && !in_b)
+    merge(a, b, false, |in_a, in_b| in_a && !in_b)
 }
 
-/// Holders of either set, in order (`a`'s entry where both hold a slot).
+/// Holders of either set, in order (where both hold a slot, the entry of
+/// the faster tier: a pod holding a block in two places can use the
+/// faster copy).
 pub fn union(a: &[Holder], b: &[Holder]) -> Vec<Holder> {
-    merge(a, b, |in_a, in_b| in_a || in_b)
+    merge(a, b, true, |in_a, in_b| in_a || in_b)
 }
 
 /// A linear merge of two sets ordered by slot, keeping the slots for which
-/// `keep(in a, in b)` holds.
-fn merge(a: &[Holder], b: &[Holder], keep: impl Fn(bool, bool) -> bool) -> Vec<Holder> {
+/// `keep(in a, in b)` holds; where both hold a slot, `a`'s entry, or with
+/// `faster` the entry of the faster tier.
+fn merge(
+    a: &[Holder],
+    b: &[Holder],
+    faster: bool,
+    keep: impl Fn(bool, bool) -> bool,
+) -> Vec<Holder> {
     let mut out = Vec::new();
     let (mut i, mut j) = (0, 0);
     loop {
@@ -100,6 +134,7 @@ fn merge(a: &[Holder], b: &[Holder], keep: impl Fn(bool, bool) -> bool) -> Vec<H
             (Some(&x), Some(&y)) => match x.slot().cmp(&y.slot()) {
                 std::cmp::Ordering::Less => (x, true, false),
                 std::cmp::Ordering::Greater => (y, false, true),
+                std::cmp::Ordering::Equal if faster && y.tier() < x.tier() => (y, true, true),
                 std::cmp::Ordering::Equal => (x, true, true),
             },
         };
@@ -372,18 +407,40 @@ mod tests {
     }
 
     #[test]
-    fn holders_carry_spare_bits_beside_the_slot() {
-        let tiered = Holder::from_bits(3 << SLOT_BITS | 17).unwrap();
-        assert_eq!(tiered.slot(), 17);
+    fn holders_carry_their_tier_beside_the_slot() {
+        let cpu = Holder::in_tier(17, Tier::Cpu).unwrap();
+        assert_eq!((cpu.slot(), cpu.tier()), (17, Tier::Cpu));
+        assert_eq!(Holder::from_bits(cpu.bits()), Some(cpu));
+        let disk = Holder::in_tier(1023, Tier::Disk).unwrap();
+        assert_eq!((disk.slot(), disk.tier()), (1023, Tier::Disk));
+        assert_eq!(Holder::new(5).unwrap().tier(), Tier::Gpu);
+        assert_eq!(
+            Holder::from_bits(3 << TIER_SHIFT | 17),
+            None,
+            "no fourth tier"
+        );
         assert_eq!(Holder::from_bits(EMPTY), None);
         assert_eq!(Holder::from_bits(OVERFLOW), None);
         assert_eq!(Holder::new(MAX_PODS), None);
-        // The same slot with other spare bits is the same holder in a set.
+        // The same slot in another tier replaces the holder in a set.
         let mut arena = HolderArena::default();
         let mut s = CompactSet::EMPTY;
         s.insert(&mut arena, Holder::new(17).unwrap());
-        assert!(!s.insert(&mut arena, tiered));
-        assert_eq!(s.holders(&arena), [tiered]);
+        assert!(!s.insert(&mut arena, cpu));
+        assert_eq!(s.holders(&arena), [cpu]);
+        assert_eq!(std::mem::size_of::<CompactSet>(), 8, "tiers cost no byte");
+    }
+
+    #[test]
+    fn a_union_keeps_the_faster_copy_an_intersection_the_first_set_s() {
+        let gpu = |s| Holder::new(s).unwrap();
+        let cpu = |s| Holder::in_tier(s, Tier::Cpu).unwrap();
+        assert_eq!(
+            union(&[cpu(1), gpu(2)], &[gpu(1), cpu(2)]),
+            [gpu(1), gpu(2)]
+        );
+        assert_eq!(intersection(&[cpu(1)], &[gpu(1)]), [cpu(1)]);
+        assert_eq!(intersection(&[gpu(1)], &[cpu(1)]), [gpu(1)]);
     }
 
     #[test]

@@ -29,37 +29,114 @@ pub use recorder::DecisionRecorder;
 pub use tree::{InsertOutcome, PrefixTree};
 
 use crate::config::MAX_PODS;
+use crate::report::Tier;
 
-/// Per pod slot, the number of leading blocks of a chain the pod holds:
-/// only the pods holding at least one, ordered by slot.
+/// One pod's matched blocks by the tier it holds them in (serialised as
+/// `{"gpu": …, "cpu": …, "disk": …}` in the explain and route logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct TierBlocks {
+    pub gpu: u32,
+    pub cpu: u32,
+    pub disk: u32,
+}
+
+impl TierBlocks {
+    /// Blocks matched in any tier.
+    pub fn total(&self) -> u32 {
+        self.gpu + self.cpu + self.disk
+    }
+
+    /// The blocks of `tier`.
+    pub fn of(&self, tier: Tier) -> u32 {
+        match tier {
+            Tier::Gpu => self.gpu,
+            Tier::Cpu => self.cpu,
+            Tier::Disk => self.disk,
+        }
+    }
+}
+
+/// A pod's leading-block runs: `runs[t]` = how many blocks from the start
+/// it holds, each in tier `Tier::ALL[t]` or a faster one (so the last is
+/// its whole match). A block counts in the slowest tier of it and the
+/// blocks before it: the engine reloads the prefix up to it anyway, and a
+/// pod's chain leaves the GPU tail first, so that is where it is (see
+/// docs/tiers.md).
+type Runs = [u32; 3];
+
+/// Per pod slot, the number of leading blocks of a chain the pod holds,
+/// and in which tiers: only the pods holding at least one, ordered by
+/// slot.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PrefixMatch {
-    /// (slot, blocks > 0), ordered by slot.
-    entries: Vec<(u16, u32)>,
+    /// (slot, runs with a whole match > 0), ordered by slot.
+    entries: Vec<(u16, Runs)>,
+}
+
+/// `runs` made consistent: each run within the slower tier's.
+fn nested(runs: Runs) -> Runs {
+    let [gpu, fast, blocks] = runs;
+    let fast = fast.min(blocks);
+    [gpu.min(fast), fast, blocks]
+}
+
+/// Runs (nested) as blocks per tier.
+fn tier_blocks(runs: Runs) -> TierBlocks {
+    let [gpu, fast, blocks] = runs;
+    TierBlocks {
+        gpu,
+        cpu: fast.saturating_sub(gpu),
+        disk: blocks.saturating_sub(fast),
+    }
+}
+
+fn max_runs(a: Runs, b: Runs) -> Runs {
+    let [a0, a1, a2] = a;
+    let [b0, b1, b2] = b;
+    [a0.max(b0), a1.max(b1), a2.max(b2)]
 }
 
 impl PrefixMatch {
-    /// From (slot, blocks) pairs in any order (a slot's largest count wins).
-    fn from_unordered(mut entries: Vec<(u16, u32)>) -> PrefixMatch {
-        entries.retain(|&(slot, blocks)| blocks > 0 && usize::from(slot) < MAX_PODS);
-        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        entries.dedup_by_key(|e| e.0);
+    /// From (slot, runs) pairs in any order (a slot's entries are merged
+    /// run by run, the longer each).
+    fn from_unordered(mut entries: Vec<(u16, Runs)>) -> PrefixMatch {
+        entries.retain(|&(slot, runs)| runs[2] > 0 && usize::from(slot) < MAX_PODS);
+        entries.sort_unstable_by_key(|e| e.0);
+        entries.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1 = max_runs(kept.1, later.1);
+            }
+            same
+        });
+        for entry in &mut entries {
+            entry.1 = nested(entry.1);
+        }
         PrefixMatch { entries }
     }
 
-    /// Matched blocks of pod slot `pod`.
-    pub fn blocks(&self, pod: usize) -> u32 {
+    fn runs(&self, pod: usize) -> Runs {
         let Ok(slot) = u16::try_from(pod) else {
-            return 0;
+            return Runs::default();
         };
         self.entries
             .binary_search_by_key(&slot, |e| e.0)
             .ok()
             .and_then(|at| self.entries.get(at))
-            .map_or(0, |e| e.1)
+            .map_or(Runs::default(), |e| e.1)
     }
 
-    /// Raises `pod`'s match to at least `blocks`.
+    /// Matched blocks of pod slot `pod`, in any tier.
+    pub fn blocks(&self, pod: usize) -> u32 {
+        self.runs(pod)[2]
+    }
+
+    /// Matched blocks of pod slot `pod` by tier.
+    pub fn tiers(&self, pod: usize) -> TierBlocks {
+        tier_blocks(self.runs(pod))
+    }
+
+    /// Raises `pod`'s match to at least `blocks` held in GPU memory.
     pub fn raise(&mut self, pod: usize, blocks: u32) {
         if blocks == 0 || pod >= MAX_PODS {
             return;
@@ -68,15 +145,15 @@ impl PrefixMatch {
         match self.entries.binary_search_by_key(&slot, |e| e.0) {
             Ok(at) => {
                 if let Some(entry) = self.entries.get_mut(at) {
-                    entry.1 = entry.1.max(blocks);
+                    entry.1 = max_runs(entry.1, [blocks; 3]);
                 }
             }
-            Err(at) => self.entries.insert(at, (slot, blocks)),
+            Err(at) => self.entries.insert(at, (slot, [blocks; 3])),
         }
     }
 
     /// Per pod, the larger of two matches (e.g. published index and a
-    /// worker's own recent decisions).
+    /// worker's own recent decisions), tier by tier.
     pub fn merge(&mut self, other: &PrefixMatch) {
         if other.entries.is_empty() {
             return;
@@ -91,7 +168,15 @@ impl PrefixMatch {
     pub fn iter(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
         self.entries
             .iter()
-            .map(|&(slot, blocks)| (usize::from(slot), blocks))
+            .map(|&(slot, runs)| (usize::from(slot), runs[2]))
+    }
+
+    /// (pod slot, matched blocks by tier) of every pod holding at least
+    /// one block, ordered by slot.
+    pub fn iter_tiers(&self) -> impl Iterator<Item = (usize, TierBlocks)> + '_ {
+        self.entries
+            .iter()
+            .map(|&(slot, runs)| (usize::from(slot), tier_blocks(runs)))
     }
 
     /// Pods holding at least one block.
@@ -105,25 +190,61 @@ impl PrefixMatch {
 
     /// The longest match of any pod.
     pub fn longest(&self) -> u32 {
-        self.entries.iter().map(|e| e.1).max().unwrap_or(0)
+        self.entries.iter().map(|e| e.1[2]).max().unwrap_or(0)
     }
 }
 
-/// Collects (slot, blocks) pairs while a lookup runs.
+/// Collects (slot, runs) pairs while a lookup runs.
 #[derive(Default)]
-struct MatchBuilder(Vec<(u16, u32)>);
+struct MatchBuilder {
+    entries: Vec<(u16, Runs)>,
+    /// Pods that met a block outside GPU memory, ordered by slot: the
+    /// first block index of a tier slower than GPU, and of one slower
+    /// than CPU (`u32::MAX`: none yet).
+    demoted: Vec<(u16, [u32; 2])>,
+}
 
 impl MatchBuilder {
     /// Every pod of `pods` holds `blocks` leading blocks.
     fn set_all(&mut self, pods: &[Holder], blocks: u32) {
-        if blocks > 0 {
-            self.0
-                .extend(pods.iter().map(|h| (h.slot() as u16, blocks)));
+        if blocks == 0 {
+            return;
+        }
+        for holder in pods {
+            let slot = holder.slot() as u16;
+            let [past_gpu, past_cpu] = match self.demoted.binary_search_by_key(&slot, |d| d.0) {
+                Ok(at) => self.demoted.get(at).map_or([u32::MAX; 2], |d| d.1),
+                Err(_) => [u32::MAX; 2],
+            };
+            self.entries
+                .push((slot, [past_gpu.min(blocks), past_cpu.min(blocks), blocks]));
+        }
+    }
+
+    /// Block `index` of the chain is held by `holder` (in its tier).
+    fn held_at(&mut self, holder: Holder, index: u32) {
+        let tier = holder.tier();
+        if tier == Tier::Gpu {
+            return;
+        }
+        let slot = holder.slot() as u16;
+        let at = match self.demoted.binary_search_by_key(&slot, |d| d.0) {
+            Ok(at) => at,
+            Err(at) => {
+                self.demoted.insert(at, (slot, [u32::MAX; 2]));
+                at
+            }
+        };
+        if let Some((_, [past_gpu, past_cpu])) = self.demoted.get_mut(at) {
+            *past_gpu = (*past_gpu).min(index);
+            if tier == Tier::Disk {
+                *past_cpu = (*past_cpu).min(index);
+            }
         }
     }
 
     fn finish(self) -> PrefixMatch {
-        PrefixMatch::from_unordered(self.0)
+        PrefixMatch::from_unordered(self.entries)
     }
 }
 
@@ -150,10 +271,61 @@ impl PrefixLookup for Merged<'_> {
 /// instead of one probe per block; a probe whose set is as large as the
 /// one it must lie within is taken as equal to it, so sets are compared
 /// element by element only where a pod's match ends.
+///
+/// Tiers: a pod's GPU run (and, if any holder is on disk, its GPU-or-CPU
+/// run) is bisected the same way over the holders of those tiers, each
+/// block fetched at most once more. A pod's chain leaves the GPU tail
+/// first, so its last matched block, which the first bisection probes,
+/// shows whether it holds anything outside GPU memory: an index without
+/// tiers costs no probe and no copy more.
 pub fn match_by_bisection(
     n: usize,
     mut holders_at: impl FnMut(usize) -> Vec<Holder>,
 ) -> PrefixMatch {
+    let mut slowest = Tier::Gpu;
+    let all = bisect_lengths(n, &mut |i: usize| {
+        let set = holders_at(i);
+        for holder in &set {
+            slowest = slowest.max(holder.tier());
+        }
+        set
+    });
+    if slowest == Tier::Gpu {
+        return all;
+    }
+    let mut probed: Vec<(usize, Vec<Holder>)> = Vec::new();
+    let mut within = |tier: Tier| {
+        bisect_lengths(n, &mut |i: usize| {
+            let set = match probed.iter().find(|(at, _)| *at == i) {
+                Some((_, set)) => set.clone(),
+                None => {
+                    let set = holders_at(i);
+                    probed.push((i, set.clone()));
+                    set
+                }
+            };
+            set.into_iter().filter(|h| h.tier() <= tier).collect()
+        })
+    };
+    let gpu = within(Tier::Gpu);
+    let fast = if slowest == Tier::Disk {
+        within(Tier::Cpu)
+    } else {
+        all.clone()
+    };
+    PrefixMatch::from_unordered(
+        all.entries
+            .iter()
+            .map(|&(slot, runs)| {
+                let pod = usize::from(slot);
+                (slot, [gpu.blocks(pod), fast.blocks(pod), runs[2]])
+            })
+            .collect(),
+    )
+}
+
+/// [`match_by_bisection`] over the holders as given (tiers ignored).
+fn bisect_lengths(n: usize, holders_at: &mut impl FnMut(usize) -> Vec<Holder>) -> PrefixMatch {
     let mut result = MatchBuilder::default();
     if n == 0 {
         return result.finish();
@@ -171,7 +343,7 @@ pub fn match_by_bisection(
     };
     result.set_all(&last, n as u32);
     if first.len() != last.len() {
-        bisect((0, &first), (n - 1, &last), &mut holders_at, &mut result);
+        bisect((0, &first), (n - 1, &last), holders_at, &mut result);
     }
     result.finish()
 }

@@ -37,6 +37,7 @@ use std::borrow::Cow;
 
 use super::holders::{self, CompactSet, Holder, HolderArena};
 use super::{MatchBuilder, PrefixLookup, PrefixMatch};
+use crate::report::Tier;
 
 const NIL: u32 = u32::MAX;
 
@@ -169,13 +170,15 @@ impl PrefixTree {
             .collect()
     }
 
-    /// Whether `pod` holds the whole of `chain`: its last block says so, as
-    /// a pod's blocks are prefix-closed (a block leaves with its subtree).
-    pub fn holds(&self, pod: usize, chain: &[u64]) -> bool {
+    /// Whether `pod` holds the whole of `chain` in GPU memory: its last
+    /// block says so, as a pod's blocks are prefix-closed (a block leaves
+    /// with its subtree) and leave the GPU tail first.
+    pub fn holds_on_gpu(&self, pod: usize, chain: &[u64]) -> bool {
         chain
             .last()
             .and_then(|&hash| self.holders(hash))
-            .is_some_and(|set| holders::contains(set, pod))
+            .and_then(|set| set.iter().find(|h| h.slot() == pod))
+            .is_some_and(|h| h.tier() == Tier::Gpu)
     }
 
     /// The parent block of `hash`, if indexed and not a root.
@@ -196,15 +199,29 @@ impl PrefixTree {
             .unwrap_or_default()
     }
 
-    /// Records that `pod` stores the chain `hashes`, continuing `parent`
-    /// (`None`: the chain starts at the first block of a prompt).
+    /// Records that `pod` stores the chain `hashes` in GPU memory,
+    /// continuing `parent` (`None`: the chain starts at the first block of
+    /// a prompt).
     pub fn insert_chain(
         &mut self,
         pod: usize,
         parent: Option<u64>,
         hashes: &[u64],
     ) -> InsertOutcome {
-        let Some(holder) = Holder::new(pod) else {
+        self.insert_chain_in(pod, parent, hashes, Tier::Gpu)
+    }
+
+    /// Like [`PrefixTree::insert_chain`], the blocks held in `tier`: a
+    /// block the pod already holds moves to `tier` (its copy was evicted
+    /// from the GPU, or reloaded to it).
+    pub fn insert_chain_in(
+        &mut self,
+        pod: usize,
+        parent: Option<u64>,
+        hashes: &[u64],
+        tier: Tier,
+    ) -> InsertOutcome {
+        let Some(holder) = Holder::in_tier(pod, tier) else {
             return InsertOutcome {
                 stored: 0,
                 orphaned: hashes.len(),
@@ -323,17 +340,28 @@ impl PrefixTree {
     }
 
     fn add_holder(&mut self, slot: u32, holder: Holder) {
-        if self.nodes[slot as usize]
-            .holders
-            .insert(&mut self.arena, holder)
-        {
-            let pod = holder.slot();
-            if self.pod_blocks.len() <= pod {
-                self.pod_blocks.resize(pod + 1, 0);
+        let set = &mut self.nodes[slot as usize].holders;
+        let pod = holder.slot();
+        let before = set
+            .holders(&self.arena)
+            .iter()
+            .find(|h| h.slot() == pod)
+            .copied();
+        match before {
+            Some(held) if held == holder => return,
+            // The pod holds it in another tier now.
+            Some(_) => {
+                set.insert(&mut self.arena, holder);
             }
-            self.pod_blocks[pod] += 1;
-            self.changed(slot);
+            None => {
+                set.insert(&mut self.arena, holder);
+                if self.pod_blocks.len() <= pod {
+                    self.pod_blocks.resize(pod + 1, 0);
+                }
+                self.pod_blocks[pod] += 1;
+            }
         }
+        self.changed(slot);
     }
 
     /// Removes `pod` from the node; whether it held it.
@@ -561,6 +589,9 @@ impl PrefixLookup for PrefixTree {
             if i > 0 && next.len() != running.len() {
                 result.set_all(&holders::difference(&running, &next), i as u32);
             }
+            for &holder in next.iter() {
+                result.held_at(holder, i as u32);
+            }
             // An intersection smaller than the node's holders breaks the
             // link to the node: the next block is intersected too.
             previous = if next.len() == held.len() { slot } else { NIL };
@@ -577,6 +608,7 @@ impl PrefixLookup for PrefixTree {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::TierBlocks;
 
     #[test]
     fn lookup_counts_consecutive_blocks_per_pod() {
@@ -678,5 +710,61 @@ mod tests {
         assert!(tree.len() <= 2);
         let m = tree.lookup(&[1, 2, 3, 4]);
         assert!(m.blocks(0) as usize <= tree.len());
+    }
+
+    #[test]
+    fn a_pod_s_blocks_carry_their_tier_and_move_between_tiers() {
+        let mut tree = PrefixTree::with_change_log(100);
+        tree.insert_chain(0, None, &[1, 2, 3, 4]);
+        tree.insert_chain(1, None, &[1, 2, 3]);
+        tree.take_changes();
+        // Pod 0's GPU evicts its tail into the CPU tier, the last block
+        // further down to disk.
+        tree.insert_chain_in(0, Some(2), &[3, 4], Tier::Cpu);
+        tree.insert_chain_in(0, Some(3), &[4], Tier::Disk);
+        let mut changes = tree.take_changes();
+        changes.sort_unstable();
+        changes.dedup();
+        assert_eq!(changes, [3, 4], "a tier change is a change to publish");
+        assert_eq!(tree.pod_block_count(0), 4, "moved, not added");
+        let m = tree.lookup(&[1, 2, 3, 4, 5]);
+        assert_eq!(m.blocks(0), 4);
+        assert_eq!(
+            m.tiers(0),
+            TierBlocks {
+                gpu: 2,
+                cpu: 1,
+                disk: 1
+            }
+        );
+        assert_eq!(
+            m.tiers(1),
+            TierBlocks {
+                gpu: 3,
+                cpu: 0,
+                disk: 0
+            }
+        );
+        // The same tier again changes nothing.
+        tree.insert_chain_in(0, Some(2), &[3], Tier::Cpu);
+        assert!(tree.take_changes().is_empty());
+        // A block counts in the slowest tier of its prefix: a GPU block
+        // after a CPU one needs that one reloaded first.
+        tree.insert_chain_in(1, None, &[1], Tier::Cpu);
+        assert_eq!(
+            tree.lookup(&[1, 2, 3]).tiers(1),
+            TierBlocks {
+                gpu: 0,
+                cpu: 3,
+                disk: 0
+            }
+        );
+        // Reloaded to the GPU.
+        tree.insert_chain(0, None, &[1, 2, 3, 4]);
+        assert_eq!(tree.lookup(&[1, 2, 3, 4]).tiers(0).gpu, 4);
+        assert!(tree.holds_on_gpu(0, &[1, 2, 3, 4]));
+        tree.insert_chain_in(0, Some(3), &[4], Tier::Cpu);
+        assert!(!tree.holds_on_gpu(0, &[1, 2, 3, 4]));
+        assert!(!tree.holds_on_gpu(2, &[1]));
     }
 }

@@ -12,6 +12,8 @@
 //!   prefill engine works through them before it reaches this request.
 //! - `uncached(pod)`: this request's own prompt tokens the pod does not
 //!   cache (the re-prefill a cache miss costs).
+//!   A prefix the pod holds outside GPU memory adds its reload, in prefill
+//!   tokens (`tierCredits`, [`super::factors::CachedPrefix`]).
 //! - `time_per_token` and `overhead`, per pod: an exponentially weighted
 //!   least-squares line through the pod's last `balance.learningWindow`
 //!   answers, `(work at the decision, observed TTFT)`: what the pod did

@@ -297,6 +297,24 @@ fn plugin_errors_name_the_field() {
     deployment["envoy"]["listenPrt"] = json!(80);
     let error = refusal(&kvroute_config(&[], &scratch.deployment(&deployment)));
     assert!(error.contains("unknown field `listenPrt`"), "{error}");
+    // Tier credits out of order are refused naming the field; in order
+    // they reach the rendered plugin.
+    let mut deployment = user_deployment(
+        json!([{"id": "vllm-0", "address": "10.0.0.1:8000"}]),
+        &wasm_path(),
+    );
+    deployment["kvroute"]["tierCredits"] = json!({"cpu": 0.5, "disk": 0.8});
+    let error = refusal(&kvroute_config(&[], &scratch.deployment(&deployment)));
+    assert!(
+        error.contains("`tierCredits.disk` must be at most tierCredits.cpu"),
+        "{error}"
+    );
+    deployment["kvroute"]["tierCredits"] = json!({"cpu": 0.95, "disk": 0.3});
+    let rendered = stdout(&kvroute_config(&[], &scratch.deployment(&deployment)));
+    assert_eq!(
+        embedded_plugin(&rendered)["tierCredits"],
+        json!({"cpu": 0.95, "disk": 0.3})
+    );
 }
 
 /// A user's pods in both upstream modes, and a `cluster` section's DNS and

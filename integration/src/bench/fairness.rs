@@ -27,6 +27,7 @@ fn idle_workload() -> Workload {
         max_loras: 4,
         time_scale: 0.0,
         kv_blocks: 4096,
+        cpu_kv_blocks: 0,
         working_set_blocks: 0,
         unique_blocks: 0,
         capacity_rps: 0.0,

@@ -136,6 +136,12 @@ pub struct BenchArgs {
     /// `replicas`: how many times each side runs.
     #[arg(long, default_value_t = 1)]
     pub runs: usize,
+    /// Pods with a CPU KV tier: each workload's GPU cache shrunk so its
+    /// working set is 1.5× the pods' GPU blocks, with a CPU tier as large
+    /// again (`kvroute-sim --cpu-kv-blocks`), and kvroute-tier-blind
+    /// (every tier credited as GPU) among the default policies.
+    #[arg(long)]
+    pub cpu_tier: bool,
 }
 
 fn default_trace() -> PathBuf {
@@ -230,7 +236,11 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
             }
         };
     let policies: Vec<String> = if args.policies.is_empty() {
-        stack::POLICIES.iter().map(|s| s.to_string()).collect()
+        stack::POLICIES
+            .iter()
+            .filter(|p| args.cpu_tier || **p != stack::TIER_BLIND)
+            .map(|s| s.to_string())
+            .collect()
     } else {
         args.policies.clone()
     };
@@ -251,6 +261,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         },
         stock_vllm: args.stock_vllm,
         prefill_speeds: args.prefill_speeds.clone(),
+        cpu_tier: args.cpu_tier,
     };
     let command = std::iter::once("kvroute-bench".to_string())
         .chain(std::env::args().skip(1))

@@ -53,6 +53,10 @@ pub fn policy_figures(
         .iter()
         .map(|s| s["cachedTokens"].as_u64().unwrap_or(0))
         .sum();
+    let cached_cpu: u64 = pod_stats
+        .iter()
+        .map(|s| s["cachedTokensCpu"].as_u64().unwrap_or(0))
+        .sum();
     let prompt: u64 = pod_stats
         .iter()
         .map(|s| s["promptTokens"].as_u64().unwrap_or(0))
@@ -105,6 +109,7 @@ pub fn policy_figures(
         "http503": outcomes.iter().filter(|o| o.status == 503).count(),
         "errorKinds": error_kinds,
         "hitRate": round(cached as f64 / prompt.max(1) as f64, 4),
+        "cpuHitRate": round(cached_cpu as f64 / prompt.max(1) as f64, 4),
         "hitRateUsage": round(usage_cached as f64 / usage_prompt.max(1) as f64, 4),
         "cachedTokens": cached,
         "promptTokens": prompt,
@@ -136,6 +141,7 @@ pub fn workload_json(workload: &Workload) -> Value {
         "maxBatch": workload.max_batch,
         "timeScale": workload.time_scale,
         "kvBlocksPerPod": workload.kv_blocks,
+        "cpuKvBlocksPerPod": workload.cpu_kv_blocks,
         "uniqueBlocks": workload.unique_blocks,
         "workingSetBlocks": workload.working_set_blocks,
         "workingSetShare": round(workload.working_set_blocks as f64 / (workload.kv_blocks * workload.pods) as f64, 3),

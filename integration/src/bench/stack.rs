@@ -14,8 +14,9 @@ use super::workload::{Workload, STOCK_VLLM_TOKENIZER};
 use crate::harness::{free_port, Bridge, BridgePorts, Cluster, ClusterSpec, Envoy, Sim};
 
 /// Policies in report order: kvroute, the peers, Envoy's balancers.
-pub const POLICIES: [&str; 10] = [
+pub const POLICIES: [&str; 11] = [
     "kvroute-precise",
+    TIER_BLIND,
     "kvroute-approx",
     "smg-cache-aware",
     "smg-power-of-two",
@@ -26,6 +27,10 @@ pub const POLICIES: [&str; 10] = [
     "random",
     "ring-hash",
 ];
+
+/// kvroute precise crediting a block in any tier as a GPU block
+/// (`tierCredits` 1, 1): run only with pods' CPU tiers (`--cpu-tier`).
+pub const TIER_BLIND: &str = "kvroute-tier-blind";
 
 /// Envoy's version (`make envoy` pins it).
 pub const ENVOY_VERSION: &str = "1.40.0";
@@ -156,6 +161,8 @@ pub fn sim_args(workload: &Workload) -> Vec<String> {
             workload.time_scale.to_string(),
             "--kv-blocks".into(),
             workload.kv_blocks.to_string(),
+            "--cpu-kv-blocks".into(),
+            workload.cpu_kv_blocks.to_string(),
             "--max-batch".into(),
             workload.max_batch.to_string(),
             "--max-loras".into(),
@@ -165,8 +172,12 @@ pub fn sim_args(workload: &Workload) -> Vec<String> {
 }
 
 /// The kvroute plugin configuration of `policy` for `workload`.
-pub fn kvroute_config(workload: &Workload, approximate: bool) -> Value {
+pub fn kvroute_config(workload: &Workload, policy: &str) -> Value {
+    let approximate = policy == "kvroute-approx";
     let mut config = workload.plugin.clone();
+    if policy == TIER_BLIND {
+        config["tierCredits"] = json!({"cpu": 1.0, "disk": 1.0});
+    }
     config["podReportIntervalMs"] = json!(REPORT_INTERVAL_MS);
     config["reportTimeoutMs"] = json!(2 * REPORT_INTERVAL_MS);
     config["decisionHeaders"] = json!(true);
@@ -202,7 +213,7 @@ pub fn start(
     let pod_args = sim_args(workload);
     if policy.starts_with("kvroute") {
         let approximate = policy == "kvroute-approx";
-        let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, approximate));
+        let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, policy));
         spec.sim_args = pod_args;
         spec.replicas = replicas.unwrap_or(1);
         spec.per_pod_args = (0..workload.pods)

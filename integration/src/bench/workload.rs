@@ -87,6 +87,8 @@ pub struct Workload {
     pub time_scale: f64,
     /// Per-pod KV cache, blocks.
     pub kv_blocks: usize,
+    /// Per-pod CPU tier, blocks (`kvroute-sim --cpu-kv-blocks`; 0: none).
+    pub cpu_kv_blocks: usize,
     /// The working set: smallest pooled LRU reaching 99% of the infinite
     /// cache's hits.
     pub working_set_blocks: usize,
@@ -129,7 +131,15 @@ pub struct GenOptions {
     /// Per pod, its prefill speed as a multiple of the cost model's
     /// (`kvroute-sim --prefill-speed`); empty: all 1.
     pub prefill_speeds: Vec<f64>,
+    /// Pods with a CPU KV tier ([`CPU_TIER_WORKING_SET`]).
+    pub cpu_tier: bool,
 }
+
+/// With a CPU tier ([`GenOptions::cpu_tier`]), the working set is this
+/// multiple of the pods' GPU blocks, and the CPU tier is as large as the
+/// GPU cache: the working set overflows the GPU into the CPU tier and
+/// fits both (0.75 of GPU + CPU).
+pub const CPU_TIER_WORKING_SET: f64 = 1.5;
 
 /// The tokenizer of the pods in stock-vLLM mode (`kvroute-sim --tokenizer`).
 pub const STOCK_VLLM_TOKENIZER: &str = "cl100k_base";
@@ -426,8 +436,14 @@ fn assemble(
     let unique_blocks = unique_blocks(&requests);
     let working_set_blocks = knee(&requests, unique_blocks);
     let longest = requests.iter().map(|r| r.chain.len()).max().unwrap_or(1);
-    let total = (working_set_blocks as f64 / WORKING_SET_SHARE).ceil() as usize;
+    let share = if opts.cpu_tier {
+        CPU_TIER_WORKING_SET
+    } else {
+        WORKING_SET_SHARE
+    };
+    let total = (working_set_blocks as f64 / share).ceil() as usize;
     let kv_blocks = total.div_ceil(opts.pods).max(longest + 1);
+    let cpu_kv_blocks = if opts.cpu_tier { kv_blocks } else { 0 };
     let bounds = Bounds {
         pooled: lru_hit_rate(&requests, kv_blocks * opts.pods),
         infinite: infinite_hit_rate(&requests),
@@ -442,6 +458,7 @@ fn assemble(
         max_loras,
         time_scale,
         kv_blocks,
+        cpu_kv_blocks,
         working_set_blocks,
         unique_blocks,
         capacity_rps,
@@ -1027,6 +1044,7 @@ mod tests {
             plugin_extra: json!({}),
             stock_vllm: false,
             prefill_speeds: Vec::new(),
+            cpu_tier: false,
         }
     }
 

@@ -49,7 +49,7 @@ use std::time::Duration;
 
 use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
 use kvroute::config::NoPodPolicy;
-use kvroute::config::{Config, IndexMode, PodConfig};
+use kvroute::config::{Config, IndexMode, PodConfig, TierCredits};
 use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
@@ -102,6 +102,9 @@ impl PodSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Policy {
     Kvroute,
+    /// kvroute crediting a block in any tier as a GPU block
+    /// (`tierCredits` 1, 1): what it did before it knew tiers.
+    KvrouteTierBlind,
     RoundRobin,
     LeastRequest,
     Random,
@@ -109,8 +112,9 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 6] = [
         Policy::Kvroute,
+        Policy::KvrouteTierBlind,
         Policy::RoundRobin,
         Policy::LeastRequest,
         Policy::Random,
@@ -120,11 +124,17 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Kvroute => "kvroute",
+            Policy::KvrouteTierBlind => "kvroute_tier_blind",
             Policy::RoundRobin => "round_robin",
             Policy::LeastRequest => "least_request",
             Policy::Random => "random",
             Policy::RingHash => "ring_hash",
         }
+    }
+
+    /// kvroute's router, whatever its credits.
+    pub fn is_kvroute(self) -> bool {
+        matches!(self, Policy::Kvroute | Policy::KvrouteTierBlind)
     }
 
     pub fn parse(name: &str) -> Result<Policy, String> {
@@ -451,7 +461,16 @@ impl<'a> Simulation<'a> {
             .map(|_| Pod::new(spec.kv_blocks, spec.cpu_kv_blocks, DEFAULT_LOG_EVENTS))
             .collect();
         let chooser = match policy {
-            Policy::Kvroute => Chooser::Kvroute(Box::new(KvrouteView::new(config, spec.count))),
+            Policy::Kvroute => Chooser::Kvroute(Box::new(KvrouteView::new(
+                config,
+                spec.count,
+                config.tier_credits.clone(),
+            ))),
+            Policy::KvrouteTierBlind => Chooser::Kvroute(Box::new(KvrouteView::new(
+                config,
+                spec.count,
+                TierCredits::BLIND,
+            ))),
             Policy::RoundRobin => Chooser::RoundRobin(0),
             Policy::LeastRequest => Chooser::LeastRequest,
             Policy::Random => Chooser::Random(seed ^ 0x5eed_0000_7a6d_0001),
@@ -488,7 +507,7 @@ impl<'a> Simulation<'a> {
             interval_us: config.pod_report_interval_ms * 1000,
             next_round_us: 0,
             report_calls: 0,
-            gateway: (policy == Policy::Kvroute && config.on_no_eligible_pod == NoPodPolicy::Wait)
+            gateway: (policy.is_kvroute() && config.on_no_eligible_pod == NoPodPolicy::Wait)
                 .then(|| WaitQueue::new(WaitPolicy::from_config(config))),
             queued_prefill: vec![0; workload.requests.len()],
             sent: vec![None; workload.requests.len()],
@@ -497,7 +516,7 @@ impl<'a> Simulation<'a> {
             sim.push(r.arrival_us, Kind::Arrival, i, 0);
             sim.pending_arrivals += 1;
         }
-        if policy == Policy::Kvroute && !workload.requests.is_empty() {
+        if policy.is_kvroute() && !workload.requests.is_empty() {
             sim.push(0, Kind::Tick, 0, 0);
         }
         sim
@@ -838,11 +857,16 @@ struct KvrouteView<'a> {
 }
 
 impl<'a> KvrouteView<'a> {
-    fn new(config: &'a Config, pods: usize) -> KvrouteView<'a> {
+    /// The router credits tiers by `credits` (the index keeps them
+    /// whatever they are).
+    fn new(config: &'a Config, pods: usize, credits: TierCredits) -> KvrouteView<'a> {
         KvrouteView {
             config,
             cluster: ClusterState::new(config, 0),
-            router: Router::new(config.clone()),
+            router: Router::new(Config {
+                tier_credits: credits,
+                ..config.clone()
+            }),
             table: PodTable::default(),
             buckets: HashMap::new(),
             recent: RecentDecisions::new(config),
@@ -1015,7 +1039,7 @@ mod tests {
             let requests = trace(30);
             let workload = Workload::from_mooncake(&requests, &config, DEFAULT_MODEL, 1.0);
             let router = Router::new(config.clone());
-            let mut view = KvrouteView::new(&config, 3);
+            let mut view = KvrouteView::new(&config, 3, config.tier_credits.clone());
             let mut pods: Vec<Pod> = (0..3).map(|_| Pod::new(12, 0, 1000)).collect();
             for (i, (r, t)) in workload.requests.iter().zip(&requests).enumerate() {
                 if i % 4 == 0 {

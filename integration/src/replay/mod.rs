@@ -163,6 +163,10 @@ pub struct ReplayArgs {
     /// the previous answer ends; adapters are not modelled).
     #[arg(long)]
     pub bench_workload: Option<String>,
+    /// With `--bench-workload`: its pods with a CPU KV tier, as
+    /// `kvroute-bench --cpu-tier` runs them.
+    #[arg(long)]
+    pub cpu_tier: bool,
     /// Also write the Mooncake trace as OpenAI JSONL (the bodies the
     /// real-Envoy benchmark sends) to this file.
     #[arg(long)]
@@ -471,6 +475,7 @@ fn run_bench_workload(
         plugin_extra: json!({}),
         stock_vllm: false,
         prefill_speeds: args.prefill_speeds.clone(),
+        cpu_tier: args.cpu_tier,
     };
     let bench = crate::bench::workload::build(name, &options)?;
     let mut plugin = bench.plugin.clone();
@@ -519,9 +524,9 @@ fn run_bench_workload(
     let pods = PodSpec {
         count: bench.pods,
         kv_blocks: bench.kv_blocks,
-        cpu_kv_blocks: 0,
+        cpu_kv_blocks: bench.cpu_kv_blocks,
         max_batch: bench.max_batch,
-        cost: CostModel::gpu_8b(bench.time_scale),
+        cost: CostModel::gpu_8b(bench.time_scale).with_reload_gbps(args.cpu_reload_gbps),
         prefill_speeds: args.prefill_speeds.clone(),
     };
     let runs: Vec<RunResult> = args
@@ -531,16 +536,23 @@ fn run_bench_workload(
         .collect();
     let pooled_bound = bench.bounds.pooled;
     let mut markdown = format!(
-        "## kvroute-replay: bench workload {name} (open loop, time scale {}, speedup {})\n\n{}\n\n| policy | hit rate | of pooled bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | max pod share (× fair) | prefill per pod % | TTFT model error p50 |\n|---|---:|---:|---:|---:|---:|---:|---|---:|\n",
-        bench.time_scale, args.speedup, bench.description
+        "## kvroute-replay: bench workload {name} (open loop, time scale {}, speedup {})\n\n{}\n\n{} pods × {} GPU KV blocks + {} CPU KV blocks, working set {} blocks\n\n| policy | hit rate (GPU + CPU) | CPU hit rate | of pooled bound | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | max pod share (× fair) | prefill per pod % | TTFT model error p50 |\n|---|---:|---:|---:|---:|---:|---:|---:|---|---:|\n",
+        bench.time_scale,
+        args.speedup,
+        bench.description,
+        bench.pods,
+        bench.kv_blocks,
+        bench.cpu_kv_blocks,
+        bench.working_set_blocks
     );
     for run in &runs {
         let m = &run.summary;
         let _ = writeln!(
             markdown,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2}× | {} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2}× | {} | {} |",
             run.policy.name(),
             pct(m.hit_rate),
+            pct(m.cpu_hit_rate),
             pct(m.hit_rate / pooled_bound.max(1e-9)),
             m.ttft_p50_ms,
             m.ttft_p90_ms,
