@@ -219,10 +219,39 @@ impl TtftModel {
         match self.pods.get(slot).filter(|fit| fit.weight > 0.0) {
             Some(fit) => fit
                 .line()
-                .or_else(|| fit.through_means(self.overhead_ms))
+                .or_else(|| self.shrunk_line(fit))
                 .unwrap_or(Line::UNCALIBRATED),
             None => self.pool_line().unwrap_or(Line::UNCALIBRATED),
         }
+    }
+
+    /// A pod's line from answers too alike to fit one: through its means
+    /// with the pool's overhead, its slope shrunk towards the pool's by
+    /// precision. A slope read off `n` answers at mean work `x̄` is as
+    /// precise as `n·x̄²` (TTFT noise alike); the pool's line is a prior
+    /// worth [`PRIOR_ERROR_SAMPLES`] answers at the pool's mean work. So a
+    /// pod whose answers were all cache hits (work near 0: TTFT is the
+    /// overhead, whatever the slope) keeps the pool's rate instead of
+    /// reading ~0 ms a token off them, and a pod with many answers at real
+    /// work keeps its own.
+    fn shrunk_line(&self, fit: &Fit) -> Option<Line> {
+        let own = fit.through_means(self.overhead_ms)?;
+        let (Some(pool), Some((pool_x, _))) = (self.pool_line(), self.pool.means()) else {
+            return Some(own);
+        };
+        let (mean_x, _) = fit.means()?;
+        let own_precision = fit.weight * mean_x * mean_x;
+        let prior_precision = PRIOR_ERROR_SAMPLES * pool_x * pool_x;
+        let total = own_precision + prior_precision;
+        if total <= 0.0 {
+            return Some(own);
+        }
+        Some(Line {
+            overhead_ms: own.overhead_ms,
+            ms_per_token: (own_precision * own.ms_per_token
+                + prior_precision * pool.ms_per_token)
+                / total,
+        })
     }
 
     /// Predicted TTFT (ms) on pod `slot` with `queued` tokens ahead and
@@ -342,14 +371,48 @@ mod tests {
             model.observe(0, work, 10.0 + 0.1 * work as f64);
         }
         // Pod 1 always gets 1,000 tokens: no spread to fit a slope on.
+        // Its slope through its means (0.3) is shrunk towards the pool's
+        // by precision: halfway after 10 answers, its own after a window.
         for _ in 0..10 {
+            model.observe(1, 1000, 10.0 + 0.3 * 1000.0);
+        }
+        let early = model.line(1);
+        assert!((early.overhead_ms - 10.0).abs() < 1.0, "{early:?}");
+        assert!(
+            early.ms_per_token > 0.15 && early.ms_per_token < 0.25,
+            "{early:?}"
+        );
+        for _ in 10..64 {
             model.observe(1, 1000, 10.0 + 0.3 * 1000.0);
         }
         let steady = model.line(1);
         assert!((steady.overhead_ms - 10.0).abs() < 1.0, "{steady:?}");
-        assert!((steady.ms_per_token - 0.3).abs() < 0.01, "{steady:?}");
+        // Within 10 %: the prior still weighs 4 answers at the pool's work.
+        assert!((steady.ms_per_token - 0.3).abs() < 0.035, "{steady:?}");
         assert!(model.observe(1, 1000, 0.0).is_none());
         assert!(model.observe(1, 1000, f64::NAN).is_none());
+    }
+
+    #[test]
+    fn a_pod_that_only_answered_hits_keeps_the_pools_rate() {
+        let mut model = TtftModel::new(64);
+        // The pool: 45 ms + 0.2 ms a token, over real work.
+        for i in 0..40u64 {
+            let work = 500 + (i % 7) * 700;
+            model.observe(0, work, 45.0 + 0.2 * work as f64);
+        }
+        // Pod 1 answered two cache hits: 100 tokens, TTFT the overhead.
+        model.observe(1, 100, 45.0);
+        model.observe(1, 100, 45.0);
+        // Through its means alone its slope would be ~0 (it would be
+        // predicted to answer 60,000 queued tokens in 45 ms); the pool's
+        // prior, worth 4 answers at ~2,600 tokens, outweighs two at 100.
+        let hits_only = model.line(1);
+        assert!(
+            (hits_only.ms_per_token - 0.2).abs() < 0.01,
+            "{hits_only:?}"
+        );
+        assert!(model.predict(1, 60_000, 0) > 10_000.0);
     }
 
     #[test]
