@@ -248,8 +248,7 @@ impl TtftModel {
         }
         Some(Line {
             overhead_ms: own.overhead_ms,
-            ms_per_token: (own_precision * own.ms_per_token
-                + prior_precision * pool.ms_per_token)
+            ms_per_token: (own_precision * own.ms_per_token + prior_precision * pool.ms_per_token)
                 / total,
         })
     }
@@ -408,10 +407,7 @@ mod tests {
         // predicted to answer 60,000 queued tokens in 45 ms); the pool's
         // prior, worth 4 answers at ~2,600 tokens, outweighs two at 100.
         let hits_only = model.line(1);
-        assert!(
-            (hits_only.ms_per_token - 0.2).abs() < 0.01,
-            "{hits_only:?}"
-        );
+        assert!((hits_only.ms_per_token - 0.2).abs() < 0.01, "{hits_only:?}");
         assert!(model.predict(1, 60_000, 0) > 10_000.0);
     }
 
