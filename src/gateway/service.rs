@@ -147,9 +147,8 @@ pub struct ReportService<H: ServiceHost> {
     replicas: Option<ReplicaSync>,
     /// The streamed answers' first bytes every worker's TTFT model learns
     /// from ([`crate::scoring::answers`]): this replica's and its peers',
-    /// and whether some are not published yet (the feed goes out once per
-    /// tick, not per answer: ≤ 10 KiB, copied per publication).
-    answers: (AnswerFeed, bool),
+    /// published once per tick.
+    answers: AnswerFeed,
     /// The members digest of the last table handed to the host whole.
     members_published: Option<u64>,
     /// Pulls this tick may still start ([`CALLS_PER_TICK`],
@@ -206,7 +205,7 @@ impl<H: ServiceHost> ReportService<H> {
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
             replicas: None,
-            answers: (AnswerFeed::default(), false),
+            answers: AnswerFeed::default(),
             members_published: None,
             calls_left: CALLS_PER_TICK,
             dispatch_us: 0.0,
@@ -239,7 +238,7 @@ impl<H: ServiceHost> ReportService<H> {
             self.host.store_replica_log(0, Vec::new(), sync.head());
         }
         self.config = Some(Arc::new(config));
-        self.answers = (AnswerFeed::default(), false);
+        self.answers = AnswerFeed::default();
         self.next_round_ms = 0;
         // The new view's calls, table and gauges start afresh.
         self.members_published = None;
@@ -285,8 +284,8 @@ impl<H: ServiceHost> ReportService<H> {
             self.send_metrics(&config);
             self.pull_peers(&config);
             self.export_gauges(&config);
-            if std::mem::take(&mut self.answers.1) {
-                self.host.publish_answer_feed(self.answers.0.encode());
+            if let Some(feed) = self.answers.take_unpublished() {
+                self.host.publish_answer_feed(feed);
             }
             self.metrics.flush(self.host.metric_sink());
         }
@@ -323,8 +322,7 @@ impl<H: ServiceHost> ReportService<H> {
                             }
                         }
                         BatchRecord::Answer(answer) => {
-                            self.answers.0.push(answer);
-                            self.answers.1 = true;
+                            self.answers.push(answer);
                             let pod = state.pod_id(usize::from(answer.slot));
                             match (pod, self.replicas.as_mut()) {
                                 (Some(pod), Some(sync)) => Some(sync.log_answer(pod, &answer, now)),
@@ -847,8 +845,7 @@ impl<H: ServiceHost> ReportService<H> {
         // publication: they are what its answers are for between decisions.
         self.host.publish_peer_loads(sync.loads(state, now));
         for answer in &outcome.answers {
-            self.answers.0.push(*answer);
-            self.answers.1 = true;
+            self.answers.push(*answer);
         }
         if outcome.recorded > 0 {
             self.metrics.add(

@@ -83,6 +83,8 @@ pub struct AnswerFeed {
     /// Seq of `answers[0]` (seqs start at 1).
     first: u64,
     answers: VecDeque<Answer>,
+    /// Answers were pushed since the last [`AnswerFeed::take_unpublished`].
+    unpublished: bool,
 }
 
 impl AnswerFeed {
@@ -90,11 +92,19 @@ impl AnswerFeed {
         if self.first == 0 {
             self.first = 1;
         }
+        self.unpublished = true;
         self.answers.push_back(answer);
         if self.answers.len() > FEED_ANSWERS {
             self.answers.pop_front();
             self.first += 1;
         }
+    }
+
+    /// The feed to publish when answers came since the last call: the
+    /// service publishes once per tick, not per answer (≤ 10 KiB copied
+    /// per publication).
+    pub fn take_unpublished(&mut self) -> Option<Vec<u8>> {
+        std::mem::take(&mut self.unpublished).then(|| self.encode())
     }
 
     /// The feed as the hosts publish it: the first answer's seq, then the
@@ -165,6 +175,7 @@ mod tests {
         // Empty and garbage feeds teach nothing.
         assert_eq!(a.read(&[], &mut model_a), 0);
         assert_eq!(a.read(&feed.encode(), &mut model_a), 0);
+        assert_eq!(feed.take_unpublished(), None, "nothing pushed yet");
         for i in 0..10u64 {
             feed.push(Answer::new(
                 0,
@@ -172,6 +183,8 @@ mod tests {
                 10.0 + 0.1 * (100 + i * 300) as f64,
             ));
         }
+        assert_eq!(feed.take_unpublished(), Some(feed.encode()));
+        assert_eq!(feed.take_unpublished(), None, "published once");
         assert_eq!(a.read(&feed.encode(), &mut model_a), 10);
         assert_eq!(a.read(&feed.encode(), &mut model_a), 0);
         for i in 0..5u64 {
