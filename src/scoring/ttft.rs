@@ -300,19 +300,25 @@ impl TtftModel {
     /// `|predicted − actual| / actual` of one answer, without learning
     /// from it (`None` for a TTFT that is not a positive time).
     pub fn relative_error(&self, slot: usize, work_tokens: u64, ttft_ms: f64) -> Option<f64> {
-        (ttft_ms.is_finite() && ttft_ms > 0.0)
-            .then(|| (self.line(slot).predict(work_tokens as f64) - ttft_ms).abs() / ttft_ms)
+        self.checked(slot, work_tokens, ttft_ms)
+            .map(|(_, error)| error)
+    }
+
+    /// The prediction for an answer and its relative error, `None` for a
+    /// TTFT that is not a positive time.
+    fn checked(&self, slot: usize, work_tokens: u64, ttft_ms: f64) -> Option<(f64, f64)> {
+        if !(ttft_ms.is_finite() && ttft_ms > 0.0) {
+            return None;
+        }
+        let predicted_ms = self.line(slot).predict(work_tokens as f64);
+        Some((predicted_ms, (predicted_ms - ttft_ms).abs() / ttft_ms))
     }
 
     /// Learns from one answer of pod `slot`: `work_tokens` (queued plus
     /// own uncached at the decision) took `ttft_ms` to the first byte.
     pub fn observe(&mut self, slot: usize, work_tokens: u64, ttft_ms: f64) -> Option<Observation> {
-        if !(ttft_ms.is_finite() && ttft_ms > 0.0) {
-            return None;
-        }
+        let (predicted_ms, relative_error) = self.checked(slot, work_tokens, ttft_ms)?;
         let x = work_tokens as f64;
-        let predicted_ms = self.line(slot).predict(x);
-        let relative_error = (predicted_ms - ttft_ms).abs() / ttft_ms;
         // Uncalibrated predictions are in tokens, not ms: no error to learn.
         if self.pool.weight > 0.0 {
             self.error.0 = self.error.0 * self.decay + relative_error.min(10.0);
