@@ -912,8 +912,10 @@ impl ClusterState {
     /// A filter routed `chain` to pod `slot` at `now_ms`. Approximate mode
     /// (and a pod in report fallback): the pod now holds it, within its
     /// `podCapacityBlocks`. Precise mode: it is pending — counted as held
-    /// until it expires (a report confirms it meanwhile, or shows the pod
-    /// never kept it), and no report erases it before. A chain the pod's
+    /// until `pendingDecisionMs` after the pod is predicted to have
+    /// prefilled it (`predicted_ttft_ms`, the router's prediction for the
+    /// chosen pod; a report confirms it meanwhile, or shows the pod never
+    /// kept it), and no report erases it before. A chain the pod's
     /// reports already hold whole in GPU memory is not recorded (one held
     /// in a slower tier is: the request reloads it to the GPU, and pending
     /// it counts there until the report says so): its last block says so
@@ -923,7 +925,13 @@ impl ClusterState {
     ///
     /// Returns the pod's id when the decision was recorded (what a replica
     /// logs for its peers, [`crate::replica`]).
-    pub fn record_decision(&mut self, slot: usize, chain: &[u64], now_ms: u64) -> Option<&str> {
+    pub fn record_decision(
+        &mut self,
+        slot: usize,
+        chain: &[u64],
+        now_ms: u64,
+        predicted_ttft_ms: u32,
+    ) -> Option<&str> {
         let i = self.pods.binary_search_by_key(&slot, |r| r.slot).ok()?;
         let record = self.pods.get(i)?;
         let without_reports = record.without_reports;
@@ -931,9 +939,13 @@ impl ClusterState {
             Some(_) if !without_reports && self.index.tree().holds_on_gpu(slot, chain) => {
                 return None
             }
-            Some(pending) if !without_reports => pending.record_at(slot, chain, now_ms),
+            Some(pending) if !without_reports => {
+                pending.record_at(slot, chain, now_ms, u64::from(predicted_ttft_ms));
+            }
             // Approximate mode, or a pod in report fallback.
-            _ => self.index.record(slot, chain),
+            _ => {
+                self.index.record(slot, chain);
+            }
         }
         Some(&record.config.id)
     }
@@ -941,10 +953,16 @@ impl ClusterState {
     /// A peer replica routed `chain` to pod `pod_id` at local time
     /// `at_ms`: recorded as this replica's own decisions are. A pod this
     /// replica does not know (yet) is skipped: `false`.
-    pub fn record_peer_decision(&mut self, pod_id: &str, chain: &[u64], at_ms: u64) -> bool {
+    pub fn record_peer_decision(
+        &mut self,
+        pod_id: &str,
+        chain: &[u64],
+        at_ms: u64,
+        predicted_ttft_ms: u32,
+    ) -> bool {
         match self.slot(pod_id) {
             Some(slot) => {
-                self.record_decision(slot, chain, at_ms);
+                self.record_decision(slot, chain, at_ms, predicted_ttft_ms);
                 true
             }
             None => false,

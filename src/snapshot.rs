@@ -523,8 +523,14 @@ pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
 /// One record of a worker's batch for the service.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BatchRecord {
-    /// A routing decision: pod slot and the request's chain.
-    Decision { slot: usize, chain: Vec<u64> },
+    /// A routing decision: pod slot, the request's chain, and its
+    /// predicted TTFT there (when the pod is expected to have prefilled
+    /// the chain, what a pending decision counts from).
+    Decision {
+        slot: usize,
+        chain: Vec<u64>,
+        predicted_ttft_ms: u32,
+    },
     /// A streamed answer's first byte, for every TTFT model
     /// ([`crate::scoring::answers`]).
     Answer(Answer),
@@ -535,12 +541,16 @@ const ANSWER_RECORD: u8 = 1;
 
 /// Appends a routing decision to a batch for the shared queue (a worker
 /// sends its decisions together: one wake-up of the service per batch, not
-/// per request): kind 0 (u8), pod slot (u16 LE), chain length (u32 LE),
-/// then the chain's hashes (8 bytes LE each).
-pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64]) {
-    batch.reserve(7 + chain.len() * 8);
+/// per request): kind 0 (u8), pod slot (u16 LE), predicted TTFT in whole
+/// ms (u32 LE), chain length (u32 LE), then the chain's hashes (8 bytes LE
+/// each).
+pub fn push_decision(batch: &mut Vec<u8>, slot: usize, chain: &[u64], predicted_ttft_ms: f64) {
+    batch.reserve(11 + chain.len() * 8);
     batch.push(DECISION_RECORD);
     batch.extend_from_slice(&u16::try_from(slot).unwrap_or(u16::MAX).to_le_bytes());
+    // `as` saturates: NaN or a negative prediction is 0, and one past u32
+    // ms (49 days) is no prediction anyway.
+    batch.extend_from_slice(&(predicted_ttft_ms as u32).to_le_bytes());
     batch.extend_from_slice(&u32::try_from(chain.len()).unwrap_or(u32::MAX).to_le_bytes());
     for hash in chain {
         batch.extend_from_slice(&hash.to_le_bytes());
@@ -561,17 +571,19 @@ pub fn decode_batch(mut bytes: &[u8]) -> Option<Vec<BatchRecord>> {
         match kind {
             DECISION_RECORD => {
                 let slot = le_u16(rest, 0)?;
-                let len: [u8; 4] = rest.get(2..6)?.try_into().ok()?;
+                let predicted_ttft_ms = u32::from_le_bytes(rest.get(2..6)?.try_into().ok()?);
+                let len: [u8; 4] = rest.get(6..10)?.try_into().ok()?;
                 let len = usize::try_from(u32::from_le_bytes(len)).ok()?;
-                let hashes = rest.get(6..6 + len.checked_mul(8)?)?;
+                let hashes = rest.get(10..10 + len.checked_mul(8)?)?;
                 let chain = (0..len)
                     .map(|i| le_u64(hashes, i * 8))
                     .collect::<Option<_>>()?;
                 records.push(BatchRecord::Decision {
                     slot: usize::from(slot),
                     chain,
+                    predicted_ttft_ms,
                 });
-                bytes = rest.get(6 + hashes.len()..)?;
+                bytes = rest.get(10 + hashes.len()..)?;
             }
             ANSWER_RECORD => {
                 records.push(BatchRecord::Answer(Answer::decode(rest)?));
@@ -841,27 +853,32 @@ mod tests {
             "grown to the longest; a short value adds nothing"
         );
         let mut batch = Vec::new();
-        push_decision(&mut batch, 3, &[1, 2]);
-        push_decision(&mut batch, 0, &[]);
+        push_decision(&mut batch, 3, &[1, 2], 8_500.7);
+        push_decision(&mut batch, 0, &[], f64::NAN);
         let answer = Answer::new(7, 1500, 42.5);
         push_answer(&mut batch, &answer);
-        push_decision(&mut batch, 1023, &[u64::MAX]);
-        let decision = |slot, chain: &[u64]| BatchRecord::Decision {
+        push_decision(&mut batch, 1023, &[u64::MAX], 1e12);
+        let decision = |slot, chain: &[u64], predicted_ttft_ms| BatchRecord::Decision {
             slot,
             chain: chain.to_vec(),
+            predicted_ttft_ms,
         };
         assert_eq!(
             decode_batch(&batch),
             Some(vec![
-                decision(3, &[1, 2]),
-                decision(0, &[]),
+                decision(3, &[1, 2], 8_500),
+                decision(0, &[], 0),
                 BatchRecord::Answer(answer),
-                decision(1023, &[u64::MAX])
+                decision(1023, &[u64::MAX], u32::MAX)
             ])
         );
         assert_eq!(decode_batch(&[]), Some(vec![]));
         assert_eq!(decode_batch(&batch[..batch.len() - 1]), None, "torn");
-        assert_eq!(decode_batch(&[0, 1, 0, 9, 0, 0, 0, 1]), None, "short chain");
+        assert_eq!(
+            decode_batch(&[0, 1, 0, 0, 0, 0, 0, 9, 0, 0, 0, 1]),
+            None,
+            "short chain"
+        );
         assert_eq!(decode_batch(&[0, 1]), None, "half a slot");
         assert_eq!(decode_batch(&[1, 0, 0, 1]), None, "short answer");
         assert_eq!(decode_batch(&[2]), None, "unknown kind");

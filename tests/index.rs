@@ -1184,9 +1184,9 @@ fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_report
         transitions.extend(folded.transition);
         cluster.apply_metrics("a", metrics, now, 0).0.unwrap();
         // Routed to a: the decision is a's block, with no expiry.
-        cluster.record_decision(a, &[10, 11, 12 + round], now);
+        cluster.record_decision(a, &[10, 11, 12 + round], now, 0);
         // b reports: its decisions are pending ones, which expire.
-        cluster.record_decision(b, &[20, 21], now);
+        cluster.record_decision(b, &[20, 21], now, 0);
     }
     assert_eq!(
         transitions,
@@ -1246,17 +1246,17 @@ fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_report
     assert_eq!(cluster.index().lookup(&[30]).blocks(a), 1);
     // Decisions are pending again, and the decisions' recency is gone: a's
     // reported blocks are never evicted by the recorder.
-    cluster.record_decision(a, &[40], now);
+    cluster.record_decision(a, &[40], now, 0);
     assert_eq!(cluster.pending().unwrap().lookup(&[40]).blocks(a), 1);
     assert_eq!(cluster.index().lookup(&[40]).blocks(a), 0);
     // A chain a's report holds whole needs no pending entry; one it holds
     // in part is pending whole (pending blocks stay prefix-closed).
-    cluster.record_decision(a, &[10, 11, 12], now);
+    cluster.record_decision(a, &[10, 11, 12], now, 0);
     assert_eq!(
         cluster.pending().unwrap().lookup(&[10, 11, 12]).blocks(a),
         0
     );
-    cluster.record_decision(a, &[10, 11, 12, 13], now);
+    cluster.record_decision(a, &[10, 11, 12, 13], now, 0);
     assert_eq!(
         cluster
             .pending()
@@ -1415,12 +1415,12 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
     let (a, b) = (cluster.slot("a").unwrap(), cluster.slot("b").unwrap());
     // This replica's own decisions: logged when recorded, not when a's
     // report already holds the chain.
-    assert_eq!(cluster.record_decision(a, &[1, 2], 0), Some("a"));
+    assert_eq!(cluster.record_decision(a, &[1, 2], 0, 0), Some("a"));
     let report_body = report("a", "e1", 1, 0, true, &[(None, &[7, 8])], &[], 1.0);
     assert!(report_answer(&mut cluster, "a", "200", report_body, 0)
         .result
         .is_ok());
-    assert_eq!(cluster.record_decision(a, &[7, 8], 0), None);
+    assert_eq!(cluster.record_decision(a, &[7, 8], 0, 0), None);
 
     let mut peers = kvroute::replica::Peers::new(
         "0000000000000001".into(),
@@ -1443,6 +1443,7 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 pod: "b".into(),
                 at_ms: 49_000,
                 chain: vec![30, 31, 32],
+                predicted_ttft_ms: 4_000,
                 first_byte: None,
             },
             LoggedDecision {
@@ -1450,6 +1451,7 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 pod: "a pod this replica does not know".into(),
                 at_ms: 50_000,
                 chain: vec![40],
+                predicted_ttft_ms: 0,
                 first_byte: None,
             },
         ],
@@ -1473,17 +1475,23 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
     let recorded: Vec<bool> = received
         .decisions
         .iter()
-        .map(|(d, at)| cluster.record_peer_decision(&d.pod, &d.chain, *at))
+        .map(|(d, at)| cluster.record_peer_decision(&d.pod, &d.chain, *at, d.predicted_ttft_ms))
         .collect();
     assert_eq!(recorded, vec![true, false]);
-    // Pending on b, made 1 s before it was sent: it expires 1 s early.
+    // Pending on b, made 1 s before it was sent and predicted to be
+    // prefilled 4 s after it was made: it counts until the TTL after that.
     let ttl = cluster_config().pending_decision_ttl_ms();
     cluster.publish(now);
     assert_eq!(
         cluster.pending().unwrap().lookup(&[30, 31, 32]).blocks(b),
         3
     );
-    cluster.publish(now + ttl - 1000 + 1);
+    cluster.publish(now - 1000 + 4000 + ttl - 1);
+    assert_eq!(
+        cluster.pending().unwrap().lookup(&[30, 31, 32]).blocks(b),
+        3
+    );
+    cluster.publish(now - 1000 + 4000 + ttl);
     assert_eq!(
         cluster.pending().unwrap().lookup(&[30, 31, 32]).blocks(b),
         0

@@ -297,7 +297,12 @@ impl<H: WorkerHost> Worker<H> {
         }
         self.recent.record(routed.slot, &routed.chain);
         if !routed.chain.is_empty() {
-            push_decision(&mut self.decisions.0, routed.slot, &routed.chain);
+            push_decision(
+                &mut self.decisions.0,
+                routed.slot,
+                &routed.chain,
+                routed.predicted_ttft_ms,
+            );
             self.decisions.1 += 1;
             // Replicated: the peers learn a decision from the service's
             // log, so it goes there at once (one queue message per

@@ -312,11 +312,16 @@ impl<H: ServiceHost> ReportService<H> {
                 };
                 for record in records {
                     let logged = match record {
-                        BatchRecord::Decision { slot, chain } => {
-                            let recorded = state.record_decision(slot, &chain, now);
+                        BatchRecord::Decision {
+                            slot,
+                            chain,
+                            predicted_ttft_ms,
+                        } => {
+                            let recorded =
+                                state.record_decision(slot, &chain, now, predicted_ttft_ms);
                             match (recorded, self.replicas.as_mut()) {
                                 (Some(pod), Some(sync)) => {
-                                    Some(sync.log_decision(pod, &chain, now))
+                                    Some(sync.log_decision(pod, &chain, predicted_ttft_ms, now))
                                 }
                                 _ => None,
                             }
@@ -1209,7 +1214,7 @@ mod tests {
             let chain: Vec<u64> = (1..=40).map(|h| h + 1000 * round).collect();
             let slot = (round % 2) as usize;
             let mut batch = Vec::new();
-            push_decision(&mut batch, slot, &chain);
+            push_decision(&mut batch, slot, &chain, 0.0);
             let work = 500 + 300 * round;
             push_answer(
                 &mut batch,

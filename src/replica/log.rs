@@ -42,12 +42,17 @@ const HEAD_BYTES: usize = 24;
 const DECISION_JSON_BYTES: usize = 96;
 const HASH_JSON_BYTES: usize = 19;
 const FIRST_BYTE_JSON_BYTES: usize = 56;
+const PREDICTED_TTFT_JSON_BYTES: usize = 28;
 
 /// Estimated JSON bytes of an entry in an answer.
 fn json_bytes(entry: &LoggedDecision) -> usize {
     DECISION_JSON_BYTES
         + entry.chain.len() * HASH_JSON_BYTES
-        + entry.first_byte.map_or(0, |_| FIRST_BYTE_JSON_BYTES)
+        + match entry.first_byte {
+            Some(_) => FIRST_BYTE_JSON_BYTES,
+            None if entry.predicted_ttft_ms != 0 => PREDICTED_TTFT_JSON_BYTES,
+            None => 0,
+        }
 }
 
 /// What a log holds: its replica's id, and decisions `first..=last`
@@ -130,8 +135,14 @@ impl ReplicaLog {
 
     /// Logs a decision; returns its seq and the value to store under
     /// [`log_slot`] of it (then store [`ReplicaLog::head`]).
-    pub fn append(&mut self, pod: &str, chain: &[u64], at_ms: u64) -> (u64, Vec<u8>) {
-        self.append_entry(pod, chain, None, at_ms)
+    pub fn append(
+        &mut self,
+        pod: &str,
+        chain: &[u64],
+        predicted_ttft_ms: u32,
+        at_ms: u64,
+    ) -> (u64, Vec<u8>) {
+        self.append_entry(pod, chain, predicted_ttft_ms, None, at_ms)
     }
 
     /// Logs the first byte of a streamed answer from `pod`, as
@@ -142,13 +153,14 @@ impl ReplicaLog {
         first_byte: FirstByte,
         at_ms: u64,
     ) -> (u64, Vec<u8>) {
-        self.append_entry(pod, &[], Some(first_byte), at_ms)
+        self.append_entry(pod, &[], 0, Some(first_byte), at_ms)
     }
 
     fn append_entry(
         &mut self,
         pod: &str,
         chain: &[u64],
+        predicted_ttft_ms: u32,
         first_byte: Option<FirstByte>,
         at_ms: u64,
     ) -> (u64, Vec<u8>) {
@@ -167,6 +179,7 @@ impl ReplicaLog {
             pod: pod.to_string(),
             at_ms,
             chain: chain.to_vec(),
+            predicted_ttft_ms,
             first_byte,
         };
         (seq, encode_decision(&entry))
@@ -175,13 +188,14 @@ impl ReplicaLog {
 
 /// A log entry as stored: seq, time, pod id length and bytes, chain length
 /// and hashes, then a first byte's work (u32) and TTFT (f32) if it is one,
-/// little-endian.
+/// else the decision's predicted TTFT (u32), little-endian.
 pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
     let LoggedDecision {
         seq,
         pod,
         at_ms,
         chain,
+        predicted_ttft_ms,
         first_byte,
     } = entry;
     // Pod ids are at most 255 bytes (configuration rules); the cut is
@@ -197,9 +211,12 @@ pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
     for hash in chain {
         bytes.extend_from_slice(&hash.to_le_bytes());
     }
-    if let Some(first_byte) = first_byte {
-        bytes.extend_from_slice(&first_byte.work_tokens.to_le_bytes());
-        bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
+    match first_byte {
+        Some(first_byte) => {
+            bytes.extend_from_slice(&first_byte.work_tokens.to_le_bytes());
+            bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
+        }
+        None => bytes.extend_from_slice(&predicted_ttft_ms.to_le_bytes()),
     }
     bytes
 }
@@ -219,12 +236,15 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
     let chain_len = usize::try_from(u32::from_le_bytes(take(4)?.try_into().ok()?)).ok()?;
     let hashes = take(chain_len.checked_mul(8)?)?;
     let chain = hashes.chunks_exact(8).map(u64_of).collect::<Option<_>>()?;
-    let first_byte = match bytes.len() {
-        0 => None,
-        8 => Some(FirstByte {
-            work_tokens: u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?),
-            ttft_ms: f32::from_le_bytes(bytes.get(4..)?.try_into().ok()?),
-        }),
+    let (predicted_ttft_ms, first_byte) = match bytes.len() {
+        4 => (u32::from_le_bytes(bytes.try_into().ok()?), None),
+        8 => (
+            0,
+            Some(FirstByte {
+                work_tokens: u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?),
+                ttft_ms: f32::from_le_bytes(bytes.get(4..)?.try_into().ok()?),
+            }),
+        ),
         _ => return None,
     };
     Some(LoggedDecision {
@@ -232,6 +252,7 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
         pod,
         at_ms,
         chain,
+        predicted_ttft_ms,
         first_byte,
     })
 }
@@ -329,7 +350,7 @@ mod tests {
         }
 
         fn append(&mut self, pod: &str, chain: &[u64]) -> u64 {
-            let (seq, value) = self.log.append(pod, chain, 1000 + seq_time(chain));
+            let (seq, value) = self.log.append(pod, chain, 0, 1000 + seq_time(chain));
             self.values.insert(log_slot(seq), value);
             seq
         }
@@ -357,16 +378,18 @@ mod tests {
 
     #[test]
     fn a_decision_round_trips_and_garbage_does_not_decode() {
-        let entry = |chain: Vec<u64>, first_byte| LoggedDecision {
+        let entry = |chain: Vec<u64>, predicted_ttft_ms, first_byte| LoggedDecision {
             seq: 7,
             pod: "10.0.0.1:8000".into(),
             at_ms: 123,
             chain,
+            predicted_ttft_ms,
             first_byte,
         };
-        let decision = entry(vec![1, 2, u64::MAX], None);
+        let decision = entry(vec![1, 2, u64::MAX], 8_500, None);
         let answered = entry(
             Vec::new(),
+            0,
             Some(FirstByte {
                 work_tokens: 900,
                 ttft_ms: 31.25,
@@ -464,6 +487,7 @@ mod tests {
                 pod: "pod-a".into(),
                 at_ms: 0,
                 chain: vec![9],
+                predicted_ttft_ms: 0,
                 first_byte: None,
             }),
         );

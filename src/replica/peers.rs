@@ -297,6 +297,7 @@ mod tests {
                     pod: "pod-a".into(),
                     at_ms: 10_000 - 5,
                     chain: vec![s],
+                    predicted_ttft_ms: 0,
                     first_byte: None,
                 })
                 .collect(),

@@ -104,8 +104,14 @@ impl ReplicaSync {
 
     /// Logs a decision of this replica's own filters for `pod`; returns
     /// the value to store under [`super::log::log_slot`] of its seq.
-    pub fn log_decision(&mut self, pod: &str, chain: &[u64], now_ms: u64) -> (u64, Vec<u8>) {
-        self.log.append(pod, chain, now_ms)
+    pub fn log_decision(
+        &mut self,
+        pod: &str,
+        chain: &[u64],
+        predicted_ttft_ms: u32,
+        now_ms: u64,
+    ) -> (u64, Vec<u8>) {
+        self.log.append(pod, chain, predicted_ttft_ms, now_ms)
     }
 
     /// Logs the first byte of a streamed answer from `pod` that this
@@ -184,7 +190,12 @@ impl ReplicaSync {
                             work_tokens: first_byte.work_tokens,
                             ttft_ms: first_byte.ttft_ms,
                         }));
-                    } else if state.record_peer_decision(&decision.pod, &decision.chain, *at) {
+                    } else if state.record_peer_decision(
+                        &decision.pod,
+                        &decision.chain,
+                        *at,
+                        decision.predicted_ttft_ms,
+                    ) {
                         recorded += 1;
                         self.unpublished.push(decision.at_ms);
                     }
@@ -274,10 +285,10 @@ mod tests {
         // Replica one routes a chain to b.
         let b = state_one.slot("b").expect("b");
         let pod = state_one
-            .record_decision(b, &[5, 6, 7], 1000)
+            .record_decision(b, &[5, 6, 7], 1000, 0)
             .expect("recorded")
             .to_string();
-        let (seq, value) = one.log_decision(&pod, &[5, 6, 7], 1000);
+        let (seq, value) = one.log_decision(&pod, &[5, 6, 7], 0, 1000);
         store_one.insert(log_slot(seq), value);
         // Replica two pulls both addresses; one of them is itself.
         let calls = two.calls(1000);
@@ -449,10 +460,10 @@ mod tests {
         assert_eq!(state_one.slot("pod-700"), Some(700));
         assert_eq!(state_two.slot("pod-700"), Some(323));
         let pod = state_one
-            .record_decision(700, &[5, 6, 7], 1000)
+            .record_decision(700, &[5, 6, 7], 1000, 0)
             .expect("recorded")
             .to_string();
-        let (seq, value) = one.log_decision(&pod, &[5, 6, 7], 1000);
+        let (seq, value) = one.log_decision(&pod, &[5, 6, 7], 0, 1000);
         let inflight: Vec<PodInflight> = (0..1024)
             .map(|i| PodInflight {
                 pod: format!("pod-{i}"),

@@ -6,7 +6,7 @@
 //! {"version": 1, "replica": "5e0c9a1f2b3d4e6f", "seq": 42, "since": 40, "full": false,
 //!  "sentAtMs": 1764680000123,
 //!  "decisions": [{"seq": 41, "pod": "pod-a", "atMs": 1764680000101,
-//!                 "chain": ["0123456789abcdef", "..."]},
+//!                 "chain": ["0123456789abcdef", "..."], "predictedTtftMs": 850},
 //!                {"seq": 42, "pod": "pod-b", "atMs": 1764680000110,
 //!                 "firstByte": {"workTokens": 1500, "ttftMs": 42.5}}],
 //!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024}]}
@@ -17,7 +17,11 @@
 //! - An entry is a routing decision (`chain`) or the first byte of one's
 //!   streamed answer (`firstByte`: the prefill work at its decision and
 //!   the TTFT it took, what every replica's TTFT model learns from,
-//!   [`crate::scoring::answers`]), never both.
+//!   [`crate::scoring::answers`]), never both. A decision's
+//!   `predictedTtftMs` (optional, 0 when absent) is when its pod is
+//!   predicted to have prefilled the chain: its pending entry counts until
+//!   `pendingDecisionMs` after that, on every replica
+//!   ([`crate::index::DecisionRecorder`]).
 //! - A delta (`full: false`) carries the decisions after `since` of the
 //!   same replica; `full: true` carries every decision the log still holds
 //!   (a new peer, another epoch, or a `since` older than the log).
@@ -58,6 +62,8 @@ pub struct LoggedDecision {
     /// Wall-clock time of the decision (or answer) on its replica, Unix ms.
     pub at_ms: u64,
     pub chain: Vec<u64>,
+    /// A decision's predicted TTFT on its pod (0 for a first byte).
+    pub predicted_ttft_ms: u32,
     pub first_byte: Option<FirstByte>,
 }
 
@@ -111,8 +117,14 @@ struct WireDecision<'a> {
     at_ms: u64,
     #[serde(borrow, default, skip_serializing_if = "Vec::is_empty")]
     chain: Vec<&'a str>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    predicted_ttft_ms: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     first_byte: Option<WireFirstByte>,
+}
+
+fn is_zero(value: &u32) -> bool {
+    *value == 0
 }
 
 #[derive(Serialize, Deserialize)]
@@ -184,6 +196,7 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                 pod: &d.pod,
                 at_ms: d.at_ms,
                 chain: chain.iter().map(String::as_str).collect(),
+                predicted_ttft_ms: d.predicted_ttft_ms,
                 first_byte: d.first_byte.map(|f| WireFirstByte {
                     work_tokens: f.work_tokens,
                     ttft_ms: f.ttft_ms,
@@ -262,6 +275,11 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
                     "`decisions[{i}]` carries both a `chain` and a `firstByte`"
                 ))
             }
+            Some(_) if d.predicted_ttft_ms != 0 => {
+                return Err(format!(
+                    "`decisions[{i}]` carries both a `predictedTtftMs` and a `firstByte`"
+                ))
+            }
             Some(f) if !(f.ttft_ms > 0.0 && f.ttft_ms <= MAX_TTFT_MS) => {
                 return Err(format!(
                     "`decisions[{i}].firstByte.ttftMs` must be in (0, {MAX_TTFT_MS}] (got {})",
@@ -279,6 +297,12 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
                     d.chain.len()
                 ))
             }
+            None if d.predicted_ttft_ms as f32 > MAX_TTFT_MS => {
+                return Err(format!(
+                    "`decisions[{i}].predictedTtftMs` must be at most {MAX_TTFT_MS} (got {})",
+                    d.predicted_ttft_ms
+                ))
+            }
             None => None,
         };
         let chain = d
@@ -292,6 +316,7 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
             pod: d.pod.to_string(),
             at_ms: d.at_ms,
             chain,
+            predicted_ttft_ms: d.predicted_ttft_ms,
             first_byte,
         });
     }
@@ -341,6 +366,7 @@ mod tests {
                     pod: "pod-a".into(),
                     at_ms: 1_764_680_000_101,
                     chain: vec![1, u64::MAX, 0x0123_4567_89ab_cdef],
+                    predicted_ttft_ms: 850,
                     first_byte: None,
                 },
                 LoggedDecision {
@@ -348,6 +374,7 @@ mod tests {
                     pod: "10.0.0.7:8000".into(),
                     at_ms: 1_764_680_000_120,
                     chain: Vec::new(),
+                    predicted_ttft_ms: 0,
                     first_byte: Some(FirstByte {
                         work_tokens: 1500,
                         ttft_ms: 42.5,

@@ -974,8 +974,12 @@ impl<'a> KvrouteView<'a> {
         self.recent.record(routed.slot, &routed.chain);
         // As the service does on the decision queue: recorded and its
         // buckets published at once.
-        self.cluster
-            .record_decision(routed.slot, &routed.chain, now_ms);
+        self.cluster.record_decision(
+            routed.slot,
+            &routed.chain,
+            now_ms,
+            routed.predicted_ttft_ms as u32,
+        );
         self.publish_buckets(now_ms);
         Ok((routed.slot, routed.prefill_tokens, routed.work_tokens))
     }
