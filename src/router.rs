@@ -10,7 +10,8 @@
 //!    view; each pod's cache match = the share of the whole prompt its
 //!    matched blocks cover ([`Coverage`]).
 //! 4. Candidates: the published pods, queue = reported queue + requests
-//!    routed to the pod since its report (the in-flight counters), so a
+//!    routed to the pod since its report (the in-flight counters; in
+//!    approximate mode, those not answered yet: [`SlotLoad::requests`]), so a
 //!    burst between two reports spreads instead of piling on the hot pod.
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
 //!    `onNoEligiblePod` hands the request back to wait in the gateway

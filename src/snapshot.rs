@@ -476,7 +476,9 @@ impl PartialEq for AdapterIndex {
 /// sums it over the workers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SlotLoad {
-    /// Requests routed to the pod and not finished.
+    /// Requests routed to the pod and not finished; in approximate mode,
+    /// where no report counts a pod's queue, those not answered yet (no
+    /// response byte): a pod streaming many answers is not a full one.
     pub requests: u32,
     /// Their prompt tokens the pod had not cached at the decision, counted
     /// until each request's first response byte: the prefill queued there.

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvroute::config::{Config, PassiveHealthConfig};
+use kvroute::config::{Config, IndexMode, PassiveHealthConfig};
 use kvroute::ejection::Ejection;
 use kvroute::gateway::filter::{RequestFilter, Worker, OVERRIDE_HOST_HEADER};
 use kvroute::gateway::host::{Action, HostResult, Stream, WorkerHost};
@@ -410,4 +410,65 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
     for slot in 0..2 {
         assert_eq!(other.ttft_model().line(slot), direct.line(slot));
     }
+}
+
+#[test]
+fn in_approximate_mode_an_answered_request_stops_counting_in_its_pods_queue() {
+    // maxQueue 1: a request waiting on each pod fills the pool.
+    let host = FakeWorker {
+        table: Some(table(0)),
+        ..FakeWorker::default()
+    };
+    let approximate = Config {
+        mode: IndexMode::Approximate,
+        ..config()
+    };
+    let mut worker = Worker::new(approximate, host);
+    let send = |worker: &mut Worker<FakeWorker>, id: u32| {
+        let mut stream = request(&format!("request {id} ").repeat(40));
+        let mut filter = RequestFilter::new(id);
+        filter.on_request_headers(worker, &mut stream, false);
+        let action = filter.on_request_body(worker, &mut stream, usize::MAX, true);
+        (filter, stream, action)
+    };
+    let waiting = |worker: &Worker<FakeWorker>| -> u32 {
+        worker.host.inflight.iter().map(|l| l.requests).sum()
+    };
+    let (mut first, mut first_stream, _) = send(&mut worker, 1);
+    let (mut second, _, _) = send(&mut worker, 2);
+    assert_eq!(waiting(&worker), 2);
+    assert_eq!(
+        send(&mut worker, 3).2,
+        Action::Pause,
+        "both pods at maxQueue"
+    );
+    // The first answer begins: its pod is streaming it, no longer queueing
+    // it, so the pod has room while the answer goes on.
+    first.on_response_headers(&mut worker, &mut first_stream);
+    assert!(first.wants_response_body());
+    first.on_response_body(&mut worker, &mut first_stream, 16);
+    assert_eq!(waiting(&worker), 1);
+    assert!(!first.wants_response_body());
+    let (_, _, action) = send(&mut worker, 4);
+    assert_eq!(action, Action::Continue, "routed to the answering pod");
+    // Ends release only what still counts.
+    first.on_stream_end(&mut worker);
+    second.on_stream_end(&mut worker);
+    assert_eq!(waiting(&worker), 1, "request 4 still waits for its answer");
+
+    // Precise mode: the pods' reports count their queues, and a request
+    // counts until its end (queue = reported + routed since the report).
+    let mut worker = Worker::new(
+        config(),
+        FakeWorker {
+            table: Some(table(0)),
+            ..FakeWorker::default()
+        },
+    );
+    let (mut first, mut first_stream, _) = send(&mut worker, 1);
+    first.on_response_headers(&mut worker, &mut first_stream);
+    first.on_response_body(&mut worker, &mut first_stream, 16);
+    assert_eq!(waiting(&worker), 1);
+    first.on_stream_end(&mut worker);
+    assert_eq!(waiting(&worker), 0);
 }

@@ -43,7 +43,7 @@ use super::events::{self, event};
 use super::host::{Action, HostError, Stream, WorkerHost};
 use super::metrics::{percent, Metric, MetricBatch};
 use super::waiting::{self, Waiting};
-use crate::config::{Config, UpstreamMode};
+use crate::config::{Config, IndexMode, UpstreamMode};
 use crate::ejection::UpstreamOutcome;
 use crate::index::{Merged, RecentDecisions, TierBlocks};
 use crate::queueing::{Priority, PRIORITY_HEADER};
@@ -126,6 +126,12 @@ pub struct RoutedRequest {
     composite: f64,
     cache_match: f64,
     predicted_cached_tokens: u64,
+    /// Counted in `slot`'s requests ([`SlotLoad::requests`]).
+    counted: bool,
+    /// It stops counting there at its first response byte, not its end:
+    /// in approximate mode no report says how many requests a pod queues,
+    /// and a pod streaming many answers is not a full one.
+    uncounted_when_answered: bool,
     /// Prompt tokens counted as queued prefill on `slot` until the first
     /// response byte (0 after it).
     queued_prefill: u32,
@@ -139,7 +145,11 @@ pub struct RoutedRequest {
 impl RoutedRequest {
     /// The in-flight change when this request leaves its pod.
     fn release(&self) -> (usize, i64, i64) {
-        (self.slot, -1, -i64::from(self.queued_prefill))
+        (
+            self.slot,
+            -i64::from(self.counted),
+            -i64::from(self.queued_prefill),
+        )
     }
 }
 
@@ -225,10 +235,14 @@ impl<H: WorkerHost> Worker<H> {
 
     /// What [`deliver`] needs of the router for a routed request: its
     /// model label, the upstream mode and whether to log its route.
-    pub(super) fn delivery(&mut self, routed: &Routed) -> (String, UpstreamMode, bool) {
-        let model_label = self.router.model_label(&routed.model).to_string();
-        let mode = self.router.config().upstream_mode;
-        (model_label, mode, self.sample_route_log())
+    pub(super) fn delivery(&mut self, routed: &Routed) -> Delivery {
+        let config = self.router.config();
+        Delivery {
+            model_label: self.router.model_label(&routed.model).to_string(),
+            mode: config.upstream_mode,
+            uncounted_when_answered: config.mode == IndexMode::Approximate,
+            log_route: self.sample_route_log(),
+        }
     }
 
     /// Routes a prepared request with the current snapshot; a routed one
@@ -419,11 +433,24 @@ pub(super) fn answer(
 /// `mode` and records the decision's metrics (under `model_label`, the
 /// decision taking `elapsed_us`) and, when `log_route`, its `route` log
 /// line. The caller counts it in flight ([`RoutedRequest::arrival`]).
+/// How a routed request is handed to its pod ([`Worker::delivery`]).
+pub(super) struct Delivery {
+    model_label: String,
+    mode: UpstreamMode,
+    uncounted_when_answered: bool,
+    log_route: bool,
+}
+
 pub(super) fn deliver(
     metrics: &mut MetricBatch,
     stream: &mut impl Stream,
     routed: &Routed,
-    (model_label, mode, log_route): (String, UpstreamMode, bool),
+    Delivery {
+        model_label,
+        mode,
+        uncounted_when_answered,
+        log_route,
+    }: Delivery,
     elapsed_us: u64,
     request_id: &str,
 ) -> Result<RoutedRequest, Rejected> {
@@ -495,6 +522,8 @@ pub(super) fn deliver(
         composite: routed.composite,
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
+        counted: true,
+        uncounted_when_answered,
         queued_prefill: routed.prefill_tokens,
         ttft: routed
             .streamed
@@ -525,7 +554,11 @@ struct RouteEvent<'a> {
 impl RoutedRequest {
     /// The in-flight change when this request is sent to its pod.
     pub(super) fn arrival(&self) -> (usize, i64, i64) {
-        (self.slot, 1, i64::from(self.queued_prefill))
+        (
+            self.slot,
+            i64::from(self.counted),
+            i64::from(self.queued_prefill),
+        )
     }
 }
 
@@ -692,9 +725,12 @@ impl RequestFilter {
     /// sampled answer is read until its `usage`. A host may skip the
     /// callback (and its costs) for every other chunk of a streamed answer.
     pub fn wants_response_body(&self) -> bool {
-        self.routed
-            .as_ref()
-            .is_some_and(|r| r.queued_prefill > 0 || r.ttft.is_some() || self.watches_usage(r))
+        self.routed.as_ref().is_some_and(|r| {
+            r.queued_prefill > 0
+                || (r.counted && r.uncounted_when_answered)
+                || r.ttft.is_some()
+                || self.watches_usage(r)
+        })
     }
 
     /// Whether this answer's chunks are read for `cached_tokens`.
@@ -715,11 +751,19 @@ impl RequestFilter {
     ) -> Action {
         // The first byte of the answer: the pod has prefilled the prompt.
         if let Some(routed) = self.routed.as_mut() {
-            if routed.queued_prefill > 0 {
+            let uncounted = routed.counted && routed.uncounted_when_answered;
+            if routed.queued_prefill > 0 || uncounted {
+                let requests = -i64::from(uncounted);
+                let prefill = -i64::from(routed.queued_prefill);
                 worker
                     .host
-                    .adjust_inflight(&[(routed.slot, 0, -i64::from(routed.queued_prefill))]);
+                    .adjust_inflight(&[(routed.slot, requests, prefill)]);
                 routed.queued_prefill = 0;
+                routed.counted &= !uncounted;
+                if uncounted {
+                    // The pod's queue just shrank: a waiting request may fit.
+                    waiting::dispatch(worker);
+                }
             }
             if let Some(sent) = routed.ttft.take().filter(|_| self.response_ok) {
                 worker.first_byte(routed, sent, &self.request_id);
@@ -743,7 +787,7 @@ impl RequestFilter {
         // A client that went away while waiting frees its place.
         waiting::leave(worker, self.id);
         self.pick_up_dispatched(worker);
-        if let Some(routed) = &self.routed {
+        if let Some(routed) = self.routed.as_ref().filter(|r| r.counted) {
             worker.host.adjust_inflight(&[routed.release()]);
             waiting::dispatch(worker);
         }
@@ -900,11 +944,9 @@ impl RequestFilter {
             "failover",
             json!({"requestId": self.request_id, "chosen": routed.pod_id, "servedBy": server.id, "attempts": outcome.attempts}),
         );
-        let queued = i64::from(routed.queued_prefill);
-        worker
-            .host
-            .adjust_inflight(&[routed.release(), (server.slot, 1, queued)]);
+        let released = routed.release();
         routed.slot = server.slot;
+        worker.host.adjust_inflight(&[released, routed.arrival()]);
         routed.pod_id = server.id.clone();
         // The cache and TTFT predictions were for the chosen pod.
         routed.predicted_cached_tokens = 0;

@@ -344,6 +344,8 @@ struct Pod {
     waiting: VecDeque<usize>,
     /// Requests holding a slot whose prefill has not started.
     prefill_queued: usize,
+    /// Sent and before their first token.
+    awaiting_answer: u32,
     /// Routed and not finished (the filter's in-flight counter).
     inflight: u32,
     /// Their prompt tokens the router expected to be prefilled here, until
@@ -369,6 +371,7 @@ impl Pod {
             slots_used: 0,
             waiting: VecDeque::new(),
             prefill_queued: 0,
+            awaiting_answer: 0,
             inflight: 0,
             queued_prefill: 0,
             report_call: None,
@@ -376,9 +379,14 @@ impl Pod {
     }
 
     /// What the filter's in-flight value says of this pod.
-    fn slot_load(&self) -> SlotLoad {
+    /// As the filter counts it: in approximate mode a request stops
+    /// counting at its first token ([`SlotLoad::requests`]).
+    fn slot_load(&self, mode: IndexMode) -> SlotLoad {
         SlotLoad {
-            requests: self.inflight,
+            requests: match mode {
+                IndexMode::Approximate => self.awaiting_answer,
+                IndexMode::Precise => self.inflight,
+            },
             prefill_tokens: self.queued_prefill,
         }
     }
@@ -553,6 +561,7 @@ impl<'a> Simulation<'a> {
                 Kind::FirstToken => {
                     let pod = &mut self.pods[event.pod];
                     pod.queued_prefill -= std::mem::take(&mut self.queued_prefill[event.request]);
+                    pod.awaiting_answer -= 1;
                     if let (Some((sent, work)), Chooser::Kvroute(view)) =
                         (self.sent[event.request], &mut self.chooser)
                     {
@@ -561,6 +570,12 @@ impl<'a> Simulation<'a> {
                             self.outcomes[event.request].predicted_ttft_us =
                                 Some((seen.predicted_ms * 1000.0) as u64);
                         }
+                    }
+                    // As the filter: in approximate mode the pod's queue
+                    // just shrank.
+                    if matches!(&self.chooser, Chooser::Kvroute(view) if view.config.mode == IndexMode::Approximate)
+                    {
+                        self.dispatch_gateway(now);
                     }
                 }
                 Kind::PrefillStart => {
@@ -727,7 +742,8 @@ impl<'a> Simulation<'a> {
         let mut prefill_tokens = 0;
         let pod = match &mut self.chooser {
             Chooser::Kvroute(view) => {
-                let loads: Vec<SlotLoad> = self.pods.iter().map(Pod::slot_load).collect();
+                let mode = view.config.mode;
+                let loads: Vec<SlotLoad> = self.pods.iter().map(|p| p.slot_load(mode)).collect();
                 match view.choose(request, &loads, now / 1000, attempt) {
                     Ok((pod, prefill, work)) => {
                         prefill_tokens = prefill;
@@ -759,6 +775,7 @@ impl<'a> Simulation<'a> {
         self.queued_prefill[index] = prefill_tokens;
         let state = &mut self.pods[pod];
         state.inflight += 1;
+        state.awaiting_answer += 1;
         state.queued_prefill += prefill_tokens;
         if state.slots_used < self.spec.max_batch && state.waiting.is_empty() {
             self.start(pod, index, now);
@@ -1055,7 +1072,7 @@ mod tests {
                     }
                     view.publish(now);
                 }
-                let inflight: Vec<SlotLoad> = pods.iter().map(Pod::slot_load).collect();
+                let inflight: Vec<SlotLoad> = pods.iter().map(|p| p.slot_load(mode)).collect();
                 let body = completions_body(t, DEFAULT_MODEL, false).to_string();
                 let expected = {
                     let snapshot = SnapshotIndex {
