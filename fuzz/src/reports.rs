@@ -13,7 +13,7 @@
 //! | `S` pod flags seq since segments | a report built from bytes (below), answered the same way |
 //! | `M` pod text | a `/metrics` answer, the same way |
 //! | `H` pod kind status body | any answer as the host hands it to the service: `kind` even a report, odd metrics; `status % 5`: no response, 200, Envoy's 503, 404, or 200 claiming 1000× its size |
-//! | `D` pod j n | a routing decision (pending in precise mode): `record_decision` of the first `n % 16 + 1` blocks of the `j`-th chain of generated reports |
+//! | `D` pod j n [t] | a routing decision (pending in precise mode): `record_decision` of the first `n % 16 + 1` blocks of the `j`-th chain of generated reports, predicted to be prefilled `t` × 250 ms later (0 without `t`) |
 //! | `B` pod k | a generated full report of `k · 16` blocks in chains of 16, up to 4080 blocks (~80 KB) and 4096 per input: reports far beyond the index bound (1024 blocks) without large seeds |
 //! | `T` k | the clock advances `k · 250` ms |
 //! | `P` | publish, then check |
@@ -99,6 +99,7 @@ enum Step<'a> {
         pod: Pod,
         first: usize,
         blocks: usize,
+        predicted_ttft_ms: u32,
     },
     Tick(u64),
     Publish,
@@ -176,13 +177,14 @@ impl<'a> Step<'a> {
                 }
             }
             b'D' => {
-                let &[pod, chain, length] = args else {
+                let &[pod, chain, length, ref ttft @ ..] = args else {
                     return None;
                 };
                 Step::Decision {
                     pod: Pod::from_byte(pod),
                     first: usize::from(chain) * GENERATED_CHAIN,
                     blocks: usize::from(length) % GENERATED_CHAIN + 1,
+                    predicted_ttft_ms: ttft.first().map_or(0, |&t| u32::from(t) * 250),
                 }
             }
             b'T' => Step::Tick(u64::from(*args.first()?) * 250),
@@ -294,7 +296,12 @@ impl Harness {
                 };
                 self.answer_claiming(&pod, kind, code, size, body)
             }
-            Step::Decision { pod, first, blocks } => {
+            Step::Decision {
+                pod,
+                first,
+                blocks,
+                predicted_ttft_ms,
+            } => {
                 let chain: Vec<u64> = (first..first + blocks).map(block).collect();
                 self.named.extend(
                     chain
@@ -302,7 +309,8 @@ impl Harness {
                         .take(MAX_CHECKED.saturating_sub(self.named.len())),
                 );
                 if let Some(slot) = self.state.slot(&pod.id) {
-                    self.state.record_decision(slot, &chain, self.now_ms);
+                    self.state
+                        .record_decision(slot, &chain, self.now_ms, predicted_ttft_ms);
                 }
             }
             Step::Tick(ms) => self.now_ms += ms,
