@@ -315,7 +315,7 @@ impl<H: WorkerHost> Worker<H> {
                 &mut self.decisions.0,
                 routed.slot,
                 &routed.chain,
-                routed.predicted_ttft_ms,
+                self.ttft.prefilled_after_ms(routed.predicted_ttft_ms),
             );
             self.decisions.1 += 1;
             // Replicated: the peers learn a decision from the service's

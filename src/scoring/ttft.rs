@@ -281,6 +281,17 @@ impl TtftModel {
         self.busy.get(slot).copied().unwrap_or(0.0)
     }
 
+    /// When a decision predicted at `predicted_ttft_ms` is expected to
+    /// have been prefilled, in ms from the decision: the prediction, or 0
+    /// before the model is calibrated (its predictions are tokens then).
+    pub fn prefilled_after_ms(&self, predicted_ttft_ms: f64) -> f64 {
+        if self.calibrated() {
+            predicted_ttft_ms
+        } else {
+            0.0
+        }
+    }
+
     /// Whether any answer taught the model: before, its predictions are in
     /// tokens, not ms.
     pub fn calibrated(&self) -> bool {

@@ -995,7 +995,7 @@ impl<'a> KvrouteView<'a> {
             routed.slot,
             &routed.chain,
             now_ms,
-            routed.predicted_ttft_ms as u32,
+            self.ttft.prefilled_after_ms(routed.predicted_ttft_ms) as u32,
         );
         self.publish_buckets(now_ms);
         Ok((routed.slot, routed.prefill_tokens, routed.work_tokens))
