@@ -20,12 +20,12 @@
 //! (`kvroute-replay`, 64 and 256 pods): long prompts queued behind others
 //! reach their first byte 8–15 s after the decision, and a fixed 5 s from
 //! the decision kept 92.7 / 92.5 % of the pooled bound where holding to
-//! the predicted TTFT keeps … (docs/design.md). A block's deadline is the
-//! latest of the decisions touching it, so a system prompt shared by many
-//! pending conversations stays. [`DecisionRecorder::expire`] pops a
-//! min-heap of deadlines with one live entry per block (a block touched
-//! since its entry was pushed is pushed again with its new deadline):
-//! O(log blocks) per expired block.
+//! the predicted TTFT keeps 98.8 / 99.7 % (docs/design.md). A block's
+//! deadline is the latest of the decisions touching it, so a system
+//! prompt shared by many pending conversations stays.
+//! [`DecisionRecorder::expire`] pops a min-heap of deadlines with one live
+//! entry per block (a block touched since its entry was pushed is pushed
+//! again with its new deadline): O(log blocks) per expired block.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
