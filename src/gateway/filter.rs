@@ -143,6 +143,12 @@ pub struct RoutedRequest {
 }
 
 impl RoutedRequest {
+    /// Whether its first response byte ends its count in `slot`'s
+    /// requests ([`RoutedRequest::uncounted_when_answered`]).
+    fn answer_uncounts(&self) -> bool {
+        self.counted && self.uncounted_when_answered
+    }
+
     /// The in-flight change when this request leaves its pod.
     fn release(&self) -> (usize, i64, i64) {
         (
@@ -234,7 +240,8 @@ impl<H: WorkerHost> Worker<H> {
     }
 
     /// What [`deliver`] needs of the router for a routed request: its
-    /// model label, the upstream mode and whether to log its route.
+    /// model label, the upstream mode, how it counts in flight and whether
+    /// to log its route.
     pub(super) fn delivery(&mut self, routed: &Routed) -> Delivery {
         let config = self.router.config();
         Delivery {
@@ -429,10 +436,6 @@ pub(super) fn answer(
     }
 }
 
-/// Sends `stream`'s request to its pod: sets the routing header of
-/// `mode` and records the decision's metrics (under `model_label`, the
-/// decision taking `elapsed_us`) and, when `log_route`, its `route` log
-/// line. The caller counts it in flight ([`RoutedRequest::arrival`]).
 /// How a routed request is handed to its pod ([`Worker::delivery`]).
 pub(super) struct Delivery {
     model_label: String,
@@ -441,6 +444,10 @@ pub(super) struct Delivery {
     log_route: bool,
 }
 
+/// Sends `stream`'s request to its pod: sets the routing header of
+/// `mode` and records the decision's metrics (under `model_label`, the
+/// decision taking `elapsed_us`) and, when `log_route`, its `route` log
+/// line. The caller counts it in flight ([`RoutedRequest::arrival`]).
 pub(super) fn deliver(
     metrics: &mut MetricBatch,
     stream: &mut impl Stream,
@@ -726,10 +733,7 @@ impl RequestFilter {
     /// callback (and its costs) for every other chunk of a streamed answer.
     pub fn wants_response_body(&self) -> bool {
         self.routed.as_ref().is_some_and(|r| {
-            r.queued_prefill > 0
-                || (r.counted && r.uncounted_when_answered)
-                || r.ttft.is_some()
-                || self.watches_usage(r)
+            r.queued_prefill > 0 || r.answer_uncounts() || r.ttft.is_some() || self.watches_usage(r)
         })
     }
 
@@ -751,7 +755,7 @@ impl RequestFilter {
     ) -> Action {
         // The first byte of the answer: the pod has prefilled the prompt.
         if let Some(routed) = self.routed.as_mut() {
-            let uncounted = routed.counted && routed.uncounted_when_answered;
+            let uncounted = routed.answer_uncounts();
             if routed.queued_prefill > 0 || uncounted {
                 let requests = -i64::from(uncounted);
                 let prefill = -i64::from(routed.queued_prefill);

@@ -378,9 +378,9 @@ impl Pod {
         }
     }
 
-    /// What the filter's in-flight value says of this pod.
-    /// As the filter counts it: in approximate mode a request stops
-    /// counting at its first token ([`SlotLoad::requests`]).
+    /// What the filter's in-flight value says of this pod: in approximate
+    /// mode a request stops counting at its first token
+    /// ([`SlotLoad::requests`]).
     fn slot_load(&self, mode: IndexMode) -> SlotLoad {
         SlotLoad {
             requests: match mode {
