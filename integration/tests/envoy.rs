@@ -529,27 +529,26 @@ fn thundering_herd_spreads_and_never_queues_past_max_queue() {
     );
     let per_pod = requests_per_pod(&cluster);
     let hot_index = cluster.pod_index(&hot);
-    let hot_stats = cluster.sims[hot_index].stats();
-    let max_queue_seen = hot_stats["maxQueueSeen"].as_u64().unwrap();
-    assert!(
-        max_queue_seen <= 20,
-        "hot pod queued {max_queue_seen} > maxQueue"
-    );
-    // Affinity yields to balance: the holder keeps a share, and no pod
-    // takes more than maxQueue's 20 of the 50. Within that bound a burst
-    // may leave a holder 1.6x its fair share: every pod is busy at every
-    // arrival (busy share near 1), so copying the document elsewhere
-    // counts as delaying all that is queued there (native's faster
-    // decisions show it more often than wasm's; see
-    // integration/results/costmodel.md, max pod share).
+    // maxQueue bounds what waits on a pod (the sim's waiting queue, as its
+    // reports count it), not what a pod serves: with 4 running beside 20
+    // waiting, a pod may serve 24 of the herd and still never queue past 20.
+    for (i, sim) in cluster.sims.iter().enumerate() {
+        let max_queue_seen = sim.stats()["maxQueueSeen"].as_u64().unwrap();
+        assert!(
+            max_queue_seen <= 20,
+            "pod {i} queued {max_queue_seen} > maxQueue (20): {per_pod:?}"
+        );
+    }
+    // Affinity yields to balance: the holder keeps a share, and the spill
+    // reaches every other pod. Within maxQueue a burst may leave a holder
+    // 1.6x its fair share: every pod is busy at every arrival (busy share
+    // near 1), so copying the document elsewhere counts as delaying all
+    // that is queued there (native's faster decisions show it more often
+    // than wasm's; see integration/results/costmodel.md, max pod share).
     assert!(
         per_pod[hot_index] >= 5,
         "hot pod took only {} of 50: {per_pod:?}",
         per_pod[hot_index]
-    );
-    assert!(
-        per_pod.iter().all(|&n| n <= 20),
-        "a pod took more than maxQueue (20) of the herd: {per_pod:?}"
     );
     let others: Vec<u64> = per_pod
         .iter()
