@@ -14,6 +14,8 @@
 //!   2.5× of the cache-blind capacity, and the highest load each sustains;
 //! - [`fairness`]: each router's added latency on an idle system;
 //! - [`overhead`]: proxy overhead and the 1M-block scale figures;
+//! - [`envoy_stats`]: kvroute's metrics as Envoy's admin page shows them
+//!   (stale routings, the TTFT model's error, the replicas' lag);
 //! - [`replicas`]: kvroute as N Envoys behind one round robin, against one;
 //! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
 //!
@@ -26,6 +28,7 @@
 //! own folder, `DIR/load-sweep/` (`load-sweep --policies P` replaces P's
 //! rows there).
 
+pub mod envoy_stats;
 pub mod fairness;
 pub mod load;
 pub mod load_sweep;
@@ -471,7 +474,7 @@ fn run_policy(
             stack
                 .envoys()
                 .iter()
-                .map(|envoy| overhead::metric(envoy, name))
+                .map(|envoy| envoy_stats::metric(envoy, name))
                 .sum::<Option<f64>>()
         };
         let stale = metric("epp_stale_cache_routing_total");
