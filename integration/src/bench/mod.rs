@@ -488,6 +488,13 @@ fn run_policy(
                 "share": (stale / checked * 1e4).round() / 1e4,
             });
         }
+        // The TTFT model's error on the answers it predicted (percent of
+        // the actual TTFT), once Envoy's stats flush (every 1 s) has
+        // brought the last samples to its admin page.
+        std::thread::sleep(Duration::from_millis(1200));
+        let errors = envoy_stats::histogram(&stack.envoys(), "epp_ttft_prediction_error_percent");
+        row["ttftModelErrorP50"] =
+            json!(envoy_stats::histogram_quantile(0.5, &errors).map(|p| report::round(p, 1)));
         let waited =
             report::sorted(overhead::event_field(&log, "wait_end", "waitedMs").into_iter());
         row["gatewayWaitMs"] = json!({
