@@ -743,6 +743,14 @@ pub struct Admission {
     pub prefill: Duration,
 }
 
+impl Admission {
+    /// The prompt tokens the prefill computes: those cached in no tier (a
+    /// CPU-tier hit is reloaded, not computed).
+    pub fn uncached_tokens(&self) -> u64 {
+        self.prompt_tokens - self.cached_tokens
+    }
+}
+
 /// One simulated pod: cache, adapters, costs and prefill engine together.
 #[derive(Debug, Clone)]
 pub struct PodModel {
@@ -820,7 +828,7 @@ impl PodModel {
         self.engine.schedule(
             &self.cost,
             ready,
-            admission.prompt_tokens - admission.cached_tokens,
+            admission.uncached_tokens(),
             &admission.chain,
         )
     }

@@ -375,6 +375,8 @@ struct Stats {
     errors: u64,
     cached_tokens: u64,
     prompt_tokens: u64,
+    /// Prompt tokens prefilled (computed, not cached in either tier).
+    prefill_tokens: u64,
     max_queue_seen: u32,
     ttft_ms_sum: f64,
     adapter_loads_at_reset: u64,
@@ -802,11 +804,13 @@ struct Scheduled {
 }
 
 impl Scheduled {
-    /// Prefill done: the blocks enter the cache.
+    /// Prefill done: the blocks enter the cache and its computed tokens
+    /// count (whether or not the client waits for the first token).
     fn finish(mut self) -> Admission {
         let admission = self.admission.take().expect("finished once");
         let mut inner = self.sim.lock();
         inner.pod.finish_prefill(&admission);
+        inner.stats.prefill_tokens += admission.uncached_tokens();
         self.sim.cache_changed(&inner);
         drop(inner);
         admission
@@ -1471,6 +1475,7 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Response {
         "cachedTokens": s.cached_tokens,
         "cachedTokensCpu": s.reloaded_tokens,
         "promptTokens": s.prompt_tokens,
+        "prefillTokens": s.prefill_tokens,
         "queueDepth": inner.waiting,
         "running": inner.running,
         "maxQueueSeen": s.max_queue_seen,

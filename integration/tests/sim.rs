@@ -454,6 +454,34 @@ fn queue_forms_behind_max_batch() {
     assert!(get(&addr, "/v1/models").unwrap().body.contains("sim-model"));
 }
 
+/// `prefillTokens` counts what the pod computed: all of a cold prompt,
+/// only the uncached tail of a repeated one; reset-stats zeroes it.
+#[test]
+fn prefill_tokens_count_the_uncached_part_of_each_prompt() {
+    let sim = Sim::start(&["--time-scale", "0.01"]);
+    // 337 tokens (4 bytes each), 21 full blocks of 16 tokens.
+    let body = format!(
+        r#"{{"model":"any","prompt":"{}","max_tokens":1}}"#,
+        "y".repeat(1350)
+    );
+    let complete = || {
+        let answer = post_json(&sim.addr, "/v1/completions", &body).unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer.json().unwrap()
+    };
+    let cold = complete();
+    assert_eq!(cold["usage"]["prompt_tokens"], 337);
+    assert_eq!(sim_stats(&sim.addr)["prefillTokens"], 337);
+    let repeated = complete();
+    assert_eq!(
+        repeated["usage"]["prompt_tokens_details"]["cached_tokens"],
+        21 * 16
+    );
+    assert_eq!(sim_stats(&sim.addr)["prefillTokens"], 337 + 1);
+    post_json(&sim.addr, "/admin/reset-stats", "{}").unwrap();
+    assert_eq!(sim_stats(&sim.addr)["prefillTokens"], 0);
+}
+
 /// `GET` a report, returning it and how long the answer took.
 fn timed_report(addr: &str, query: &str) -> (serde_json::Value, Duration) {
     let started = std::time::Instant::now();
@@ -782,6 +810,9 @@ fn a_cpu_tier_keeps_evicted_blocks_and_reports_their_tier() {
         ),
         (Some(64), Some(4))
     );
+    // A reload is no prefill: a and b cold (66 tokens each), then a's
+    // 2-token tail.
+    assert_eq!(stats["prefillTokens"], 66 + 66 + 2);
     let query = cluster.report_query("sim-a", "/kvroute/v1/report").unwrap();
     let delta = get(addr, &query).unwrap();
     let r = parse_report(delta.body.as_bytes()).unwrap();

@@ -14,6 +14,8 @@
 //!   2.5× of the cache-blind capacity, and the highest load each sustains;
 //! - [`fairness`]: each router's added latency on an idle system;
 //! - [`overhead`]: proxy overhead and the 1M-block scale figures;
+//! - [`envoy_stats`]: kvroute's metrics as Envoy's admin page shows them
+//!   (stale routings, the TTFT model's error, the replicas' lag);
 //! - [`replicas`]: kvroute as N Envoys behind one round robin, against one;
 //! - [`report`], [`plot`]: results.json, README.md and the PNG charts.
 //!
@@ -26,6 +28,7 @@
 //! own folder, `DIR/load-sweep/` (`load-sweep --policies P` replaces P's
 //! rows there).
 
+pub mod envoy_stats;
 pub mod fairness;
 pub mod load;
 pub mod load_sweep;
@@ -471,7 +474,7 @@ fn run_policy(
             stack
                 .envoys()
                 .iter()
-                .map(|envoy| overhead::metric(envoy, name))
+                .map(|envoy| envoy_stats::metric(envoy, name))
                 .sum::<Option<f64>>()
         };
         let stale = metric("epp_stale_cache_routing_total");
@@ -485,6 +488,13 @@ fn run_policy(
                 "share": (stale / checked * 1e4).round() / 1e4,
             });
         }
+        // The TTFT model's error on the answers it predicted (percent of
+        // the actual TTFT), once Envoy's stats flush (every 1 s) has
+        // brought the last samples to its admin page.
+        std::thread::sleep(Duration::from_millis(1200));
+        let errors = envoy_stats::histogram(&stack.envoys(), "epp_ttft_prediction_error_percent");
+        row["ttftModelErrorP50"] =
+            json!(envoy_stats::histogram_quantile(0.5, &errors).map(|p| report::round(p, 1)));
         let waited =
             report::sorted(overhead::event_field(&log, "wait_end", "waitedMs").into_iter());
         row["gatewayWaitMs"] = json!({

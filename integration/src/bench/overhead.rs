@@ -32,6 +32,7 @@ use kvroute::hashing::BlockHasher;
 use kvroute::request::Prompt;
 use serde_json::{json, Value};
 
+use super::envoy_stats::{filtered, metric};
 use super::report::percentile;
 use super::stack::render_baseline;
 use super::workload::words;
@@ -765,23 +766,11 @@ fn stat_cpu_s(path: &str) -> Option<f64> {
     Some((utime + stime) / 100.0) // USER_HZ
 }
 
-/// The series matching `name`, rendered alone: a full `/stats/prometheus`
-/// of 64 pods is itself a stall of the main thread the probe would measure.
-pub(super) fn prometheus_filtered(envoy: &Envoy, name: &str) -> String {
-    crate::http::get(&envoy.admin, &format!("/stats/prometheus?filter={name}"))
-        .map(|r| r.body)
-        .unwrap_or_default()
-}
-
-pub(super) fn metric(envoy: &Envoy, name: &str) -> Option<f64> {
-    prometheus_value(&prometheus_filtered(envoy, name), name, &[])
-}
-
 /// `epp_service_busy_us` since Envoy started: callbacks, how many took
 /// over 10 ms, and the upper bound of the highest bucket reached.
 fn service_busy(envoy: &Envoy) -> Value {
     let name = "epp_service_busy_us";
-    let page = prometheus_filtered(envoy, name);
+    let page = filtered(envoy, name);
     let bucket = |le: &str| prometheus_value(&page, &format!("{name}_bucket"), &[("le", le)]);
     let count = prometheus_value(&page, &format!("{name}_count"), &[]);
     let within_10ms = bucket("10000");

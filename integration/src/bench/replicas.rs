@@ -17,10 +17,10 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::overhead::prometheus_filtered;
+use super::envoy_stats;
 use super::workload::{self, GenOptions};
 use super::{print_row, run_policy, BenchArgs};
-use crate::harness::{prometheus_value, Envoy};
+use crate::harness::Envoy;
 
 /// The folder under the results directory.
 pub const FOLDER: &str = "replicas";
@@ -175,43 +175,18 @@ fn markdown(doc: &Value) -> String {
     md
 }
 
-/// `epp_replica_lag_ms`'s bucket bounds (envoy/envoy.template.yaml).
-const LAG_BUCKETS_MS: [f64; 13] = [
-    1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
-];
-
 /// The convergence lag over every replica (decision on one → published on
 /// another): how many, and the bucket bound each quantile falls within
 /// (Envoy keeps a histogram's buckets, not its samples).
 pub fn lag(envoys: &[&Envoy]) -> Value {
-    let name = "epp_replica_lag_ms";
-    let pages: Vec<String> = envoys
-        .iter()
-        .map(|e| prometheus_filtered(e, name))
-        .collect();
-    let total = |series: &str, labels: &[(&str, &str)]| -> f64 {
-        pages
-            .iter()
-            .filter_map(|page| prometheus_value(page, series, labels))
-            .sum()
-    };
-    let count = total(&format!("{name}_count"), &[]);
-    let cumulative: Vec<(f64, f64)> = LAG_BUCKETS_MS
-        .iter()
-        .map(|&bound| {
-            let le = if bound.fract() == 0.0 {
-                format!("{bound:.0}")
-            } else {
-                bound.to_string()
-            };
-            (bound, total(&format!("{name}_bucket"), &[("le", &le)]))
-        })
-        .collect();
+    let cumulative = envoy_stats::histogram(envoys, "epp_replica_lag_ms");
+    let count = cumulative.last().map_or(0.0, |&(_, n)| n);
     let within = |q: f64| {
         cumulative
             .iter()
             .find(|(_, n)| count > 0.0 && *n >= q * count)
             .map(|(bound, _)| *bound)
+            .filter(|bound| bound.is_finite())
     };
     json!({"count": count, "p50": within(0.5), "p90": within(0.9), "p99": within(0.99)})
 }

@@ -68,6 +68,19 @@ pub fn policy_figures(
         .map(|s| s["requests"].as_u64().unwrap_or(0))
         .collect();
     let total: u64 = per_pod.iter().sum();
+    // Prefill: the prompt tokens each pod computed (not cached in any
+    // tier), where the prefill engines' time went.
+    let prefilled: Vec<u64> = pod_stats
+        .iter()
+        .map(|s| s["prefillTokens"].as_u64().unwrap_or(0))
+        .collect();
+    let prefill_percent = |tokens: u64| {
+        round(
+            100.0 * tokens as f64 / prefilled.iter().sum::<u64>().max(1) as f64,
+            1,
+        )
+    };
+    let fast_pods = workload.fast_pods();
     let max_share = if total == 0 {
         0.0
     } else {
@@ -101,7 +114,7 @@ pub fn policy_figures(
             moved += usize::from(previous != pod);
         }
     }
-    json!({
+    let mut row = json!({
         "policy": policy,
         "requests": outcomes.len(),
         "completed": ok.len(),
@@ -120,13 +133,19 @@ pub fn policy_figures(
         "completedPerS": round(ok.len() as f64 / span, 2),
         "wallS": round(wall_s, 1),
         "perPodRequests": per_pod,
+        "prefillPerPod": prefilled.iter().map(|&t| prefill_percent(t)).collect::<Vec<_>>(),
         "maxPodShare": round(max_share, 4),
         "maxShareOverFair": round(max_share * workload.pods as f64, 3),
         "maxQueueSeen": pod_stats.iter().map(|s| s["maxQueueSeen"].as_u64().unwrap_or(0)).max(),
         "sessionMoves": round(moved as f64 / follow_ups.max(1) as f64, 4),
         "filterLatencyUs": {"p50": percentile(&filter, 50.0), "p99": percentile(&filter, 99.0), "samples": filter.len()},
         "ttftQuantilesMs": quantiles(&ttft, 100),
-    })
+    });
+    if !fast_pods.is_empty() {
+        let fast: u64 = fast_pods.iter().filter_map(|&pod| prefilled.get(pod)).sum();
+        row["fastPodsPrefillPercent"] = json!(prefill_percent(fast));
+    }
+    row
 }
 
 /// The workload's parameters as JSON.
@@ -150,6 +169,8 @@ pub fn workload_json(workload: &Workload) -> Value {
         "offeredLoad": round(workload.offered_rps / workload.capacity_rps, 3),
         "closedLoopAgents": workload.agents,
         "stockVllm": workload.stock_vllm,
+        "prefillSpeeds": workload.prefill_speeds,
+        "fastPods": workload.fast_pods(),
         "plugin": workload.plugin,
         "bounds": {"pooledLru": round(workload.bounds.pooled, 4), "infinite": round(workload.bounds.infinite, 4)},
     })
@@ -217,12 +238,12 @@ pub fn workload_markdown(w: &Value) -> String {
         w["kvBlocksPerPod"].as_u64().unwrap_or(0) * w["pods"].as_u64().unwrap_or(0),
         w["capacityRps"].as_f64().unwrap_or(0.0),
     ));
-    out.push_str("| policy | hit rate | of pooled bound | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | done req/s | errors | max pod share (× fair) | session moves | router CPU s / 1k req [Envoy main thread] |\n");
-    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| policy | hit rate | of pooled bound | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | done req/s | errors | max pod share (× fair) | prefill per pod % | session moves | router CPU s / 1k req [Envoy main thread] | TTFT model error p50 |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|\n");
     for r in w["policies"].as_array().into_iter().flatten() {
         if let Some(reason) = r["unavailable"].as_str() {
             out.push_str(&format!(
-                "| {} | *unavailable: {}* | | | | | | | | | | | |\n",
+                "| {} | *unavailable: {}* | | | | | | | | | | | | | |\n",
                 r["policy"].as_str().unwrap_or(""),
                 reason.replace('|', "/")
             ));
@@ -230,7 +251,7 @@ pub fn workload_markdown(w: &Value) -> String {
         }
         let hit = r["hitRate"].as_f64().unwrap_or(0.0);
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} ({:.2}×) | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} ({:.2}×) | {} | {} | {} | {} |\n",
             r["policy"].as_str().unwrap_or(""),
             pct(hit),
             if pooled > 0.0 {
@@ -247,17 +268,21 @@ pub fn workload_markdown(w: &Value) -> String {
             r["errors"],
             pct(r["maxPodShare"].as_f64().unwrap_or(0.0)),
             r["maxShareOverFair"].as_f64().unwrap_or(0.0),
+            prefill_per_pod(r),
             pct(r["sessionMoves"].as_f64().unwrap_or(0.0)),
             router_cpu(r),
+            r["ttftModelErrorP50"]
+                .as_f64()
+                .map_or("–".into(), |p| format!("{p:.1}%")),
         ));
     }
     out.push_str(&format!(
-        "| *bound: pooled LRU ({} blocks)* | {} | 100% | | | | | | | | | | |\n",
+        "| *bound: pooled LRU ({} blocks)* | {} | 100% | | | | | | | | | | | | |\n",
         w["kvBlocksPerPod"].as_u64().unwrap_or(0) * w["pods"].as_u64().unwrap_or(0),
         pct(pooled)
     ));
     out.push_str(&format!(
-        "| *bound: infinite cache* | {} | {} | | | | | | | | | | |\n\n",
+        "| *bound: infinite cache* | {} | {} | | | | | | | | | | | | |\n\n",
         pct(infinite),
         if pooled > 0.0 {
             pct(infinite / pooled)
@@ -291,7 +316,63 @@ pub fn workload_markdown(w: &Value) -> String {
             stale.join("; ")
         ));
     }
+    out.push_str(&fast_pods_markdown(w));
     out
+}
+
+/// Each pod's share of the prompt tokens prefilled, in percent, pod by pod
+/// ("–" for runs that did not count them).
+fn prefill_per_pod(r: &Value) -> String {
+    let shares: Vec<f64> = r["prefillPerPod"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_f64)
+        .collect();
+    if shares.iter().all(|&share| share == 0.0) {
+        return "–".into();
+    }
+    shares
+        .iter()
+        .map(|share| format!("{share:.0}"))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// In a mixed pool, each policy's share of the prefilled tokens on the
+/// pods with the highest prefill speed.
+fn fast_pods_markdown(w: &Value) -> String {
+    let fast: Vec<String> = w["fastPods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|pod| pod.to_string())
+        .collect();
+    let shares: Vec<String> = w["policies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| {
+            Some(format!(
+                "{} {:.1}%",
+                r["policy"].as_str()?,
+                r["fastPodsPrefillPercent"].as_f64()?
+            ))
+        })
+        .collect();
+    if fast.is_empty() || shares.is_empty() {
+        return String::new();
+    }
+    let pods = w["pods"].as_u64().unwrap_or(0) as usize;
+    let speeds: Vec<String> = (0..pods)
+        .map(|pod| w["prefillSpeeds"][pod].as_f64().unwrap_or(1.0).to_string())
+        .collect();
+    format!(
+        "Prefill tokens on the fast pods (pods {} of prefill speeds {}): {}.\n\n",
+        fast.join(", "),
+        speeds.join("/"),
+        shares.join("; ")
+    )
 }
 
 /// The whole results document.
@@ -659,5 +740,39 @@ mod tests {
         assert_eq!(percentile(&v, 100.0), Some(100.0));
         assert_eq!(percentile(&[], 50.0), None);
         assert_eq!(percentile(&[3.0], 1.0), Some(3.0));
+    }
+
+    #[test]
+    fn mixed_pools_show_prefill_per_pod_and_on_the_fast_pods() {
+        let w = json!({
+            "name": "trace", "pods": 4, "prefillSpeeds": [1.0, 1.0, 0.5, 0.5], "fastPods": [0, 1],
+            "bounds": {"pooledLru": 0.5},
+            "policies": [
+                {"policy": "kvroute-precise", "hitRate": 0.5, "prefillPerPod": [33.2, 29.0, 17.4, 20.4],
+                 "fastPodsPrefillPercent": 62.2, "ttftModelErrorP50": 12.34},
+                {"policy": "round-robin", "hitRate": 0.3, "prefillPerPod": [25.0, 25.0, 25.0, 25.0],
+                 "fastPodsPrefillPercent": 50.0},
+                {"policy": "smg-cache-aware", "unavailable": "not installed"},
+            ],
+        });
+        let md = workload_markdown(&w);
+        let row = |policy: &str| {
+            md.lines()
+                .find(|l| l.starts_with(&format!("| {policy} |")))
+                .unwrap()
+                .to_string()
+        };
+        let header = md.lines().find(|l| l.starts_with("| policy |")).unwrap();
+        let columns = header.matches('|').count();
+        for policy in ["kvroute-precise", "round-robin", "smg-cache-aware"] {
+            assert_eq!(row(policy).matches('|').count(), columns, "{md}");
+        }
+        assert!(row("kvroute-precise").contains("| 33/29/17/20 |"), "{md}");
+        assert!(row("kvroute-precise").ends_with("| 12.3% |"), "{md}");
+        assert!(row("round-robin").ends_with("| – |"), "{md}");
+        assert!(
+            md.contains("Prefill tokens on the fast pods (pods 0, 1 of prefill speeds 1/1/0.5/0.5): kvroute-precise 62.2%; round-robin 50.0%."),
+            "{md}"
+        );
     }
 }

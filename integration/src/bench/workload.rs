@@ -106,6 +106,22 @@ pub struct Workload {
     pub prefill_speeds: Vec<f64>,
 }
 
+impl Workload {
+    /// In a mixed pool, the pods whose prefill speed is the highest (pods
+    /// past [`Workload::prefill_speeds`] run at 1); empty when every pod
+    /// runs at one speed.
+    pub fn fast_pods(&self) -> Vec<usize> {
+        let speed = |pod: usize| self.prefill_speeds.get(pod).copied().unwrap_or(1.0);
+        let fastest = (0..self.pods).map(speed).fold(0.0, f64::max);
+        if (0..self.pods).all(|pod| speed(pod) == fastest) {
+            return Vec::new();
+        }
+        (0..self.pods)
+            .filter(|&pod| speed(pod) == fastest)
+            .collect()
+    }
+}
+
 /// Knobs shared by the generators.
 #[derive(Debug, Clone)]
 pub struct GenOptions {
@@ -1046,6 +1062,19 @@ mod tests {
             prefill_speeds: Vec::new(),
             cpu_tier: false,
         }
+    }
+
+    #[test]
+    fn fast_pods_are_the_fastest_of_a_mixed_pool() {
+        let mut w = build("shared-prefix", &opts()).unwrap();
+        assert_eq!(w.fast_pods(), Vec::<usize>::new(), "one speed");
+        w.prefill_speeds = vec![1.0, 1.0, 0.5, 0.5];
+        assert_eq!(w.fast_pods(), [0, 1]);
+        // Pods past the list run at 1.
+        w.prefill_speeds = vec![0.5];
+        assert_eq!(w.fast_pods(), [1, 2, 3]);
+        w.prefill_speeds = vec![2.0, 2.0, 2.0, 2.0];
+        assert_eq!(w.fast_pods(), Vec::<usize>::new(), "one speed");
     }
 
     #[test]
