@@ -52,6 +52,7 @@ use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
 use crate::scoring::answers::{Answer, FeedReader};
+use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::TtftModel;
 use crate::snapshot::{push_answer, push_decision};
 use crate::usage::CachedTokensScanner;
@@ -111,6 +112,9 @@ pub struct Worker<H: WorkerHost> {
     /// ([`crate::scoring::answers`]); the prefill queued per pod it reads
     /// is every worker's and every replica's ([`WorkerHost::inflight`]).
     ttft: TtftModel,
+    /// The sessions this worker's arrivals started per prefix
+    /// ([`PrefixDemand`]).
+    prefix_demand: PrefixDemand,
     /// Which answers of the feed `ttft` learnt, and when to read it next.
     feed: FeedReader,
     next_feed_read_ms: u64,
@@ -166,6 +170,7 @@ impl<H: WorkerHost> Worker<H> {
             recent: RecentDecisions::new(&config),
             waiting: Waiting::new(&config),
             ttft: TtftModel::new(config.balance.learning_window),
+            prefix_demand: PrefixDemand::default(),
             feed: FeedReader::default(),
             next_feed_read_ms: 0,
             router: Router::new(config),
@@ -286,6 +291,7 @@ impl<H: WorkerHost> Worker<H> {
                 index: &Merged(&index, &self.recent),
                 inflight: &inflight,
                 ttft: &self.ttft,
+                prefix_demand: &self.prefix_demand,
                 now_ms,
             };
             self.router
@@ -317,6 +323,11 @@ impl<H: WorkerHost> Worker<H> {
             );
         }
         self.recent.record(routed.slot, &routed.chain);
+        let window = f64::from(self.config().balance.learning_window) * table.pods.len() as f64;
+        self.prefix_demand.record(routed.match_end, window);
+        if routed.decision.spread {
+            self.metrics.increment(Metric::PrefixSpread);
+        }
         if !routed.chain.is_empty() {
             push_decision(
                 &mut self.decisions.0,

@@ -31,6 +31,7 @@ pub mod balance;
 pub mod candidates;
 pub mod factors;
 pub mod slo;
+pub mod spread;
 pub mod ttft;
 
 use std::collections::BTreeMap;
@@ -133,6 +134,29 @@ pub struct Decision {
     /// Pods of the set that cannot take requests, with the reason (every
     /// excluded pod of the pool when none can).
     pub excluded: Vec<(usize, Exclusion)>,
+    /// The chosen pod did not cache the request's shared prefix, which
+    /// had fewer holders than its sessions need ([`spread`]).
+    pub spread: bool,
+}
+
+/// What balances one decision (arrivals only, with `balance.enabled`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Balancing {
+    /// The TTFT model's relative error ([`ttft::TtftModel::error`]).
+    pub error: f64,
+    /// The request starts a session from a shared prefix: what its
+    /// sessions ask of the pool ([`spread::PrefixDemand`]).
+    pub demand: Option<spread::Demand>,
+}
+
+impl Balancing {
+    /// Balanced by predicted TTFT, no prefix shared.
+    pub fn with_error(error: f64) -> Balancing {
+        Balancing {
+            error,
+            demand: None,
+        }
+    }
 }
 
 impl Decision {
@@ -254,15 +278,14 @@ impl ScoringPolicy {
     /// Scores the pods of `pool` ([`candidates::select`] picks which) and
     /// picks one. `tie_breaker` (any per-request varying number, e.g. a
     /// counter) spreads exact ties evenly and seeds the candidate set's
-    /// draws; `balance_error`, the TTFT model's relative error
-    /// ([`ttft::TtftModel::error`]), applies [`balance`] over the pods
+    /// draws; `balancing` applies [`balance`] and [`spread`] over the pods
     /// scored (`None`: not for this request).
     pub fn decide<'a, P: Pool<'a> + ?Sized>(
         &self,
         pool: &P,
         needs_adapter: bool,
         tie_breaker: u64,
-        balance_error: Option<f64>,
+        balancing: Option<Balancing>,
     ) -> Decision {
         let set = candidates::select(pool, &self.candidates, needs_adapter, tie_breaker, |c| {
             self.exclusion(c).is_none()
@@ -290,10 +313,16 @@ impl ScoringPolicy {
                 )
             })
             .collect();
-        let withheld = match (&self.balance, balance_error) {
-            (Some(balance), Some(error)) => balance.withhold(&eligible_pods, error),
+        let balancing = balancing.filter(|_| self.balance.is_some());
+        let withheld = match (&self.balance, balancing) {
+            (Some(balance), Some(b)) => balance.withhold(&eligible_pods, b.error),
             _ => vec![false; eligible_pods.len()],
         };
+        let most_cached = eligible_pods.iter().map(|p| p.cached_tokens).max();
+        let holds_all: Vec<bool> = eligible_pods
+            .iter()
+            .map(|p| Some(p.cached_tokens) == most_cached)
+            .collect();
         for (pod, &withheld) in eligible_pods.iter_mut().zip(&withheld) {
             if withheld {
                 pod.cache_match = 0.0;
@@ -332,11 +361,30 @@ impl ScoringPolicy {
                 }
             })
             .collect();
-        let chosen = pick(&scored, &tie_keys, tie_breaker);
+        // A session start from an under-held prefix goes to the best pod
+        // without it ([`spread`]).
+        let pods_scored = eligible.len() + excluded.len();
+        let spread = balancing
+            .and_then(|b| b.demand)
+            .is_some_and(|d| d.wants_holder(pods_scored))
+            && holds_all.contains(&false);
+        let chosen = if spread {
+            let costs = balance::costs(&eligible_pods);
+            scored
+                .iter()
+                .zip(&costs)
+                .zip(&holds_all)
+                .filter(|(_, &holds)| !holds)
+                .min_by(|((_, a), _), ((_, b), _)| a.total_cmp(b))
+                .map(|((s, _), _)| s.index)
+        } else {
+            pick(&scored, &tie_keys, tie_breaker)
+        };
         Decision {
             chosen,
             scored,
             excluded,
+            spread,
         }
     }
 }
