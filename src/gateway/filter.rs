@@ -325,9 +325,6 @@ impl<H: WorkerHost> Worker<H> {
         self.recent.record(routed.slot, &routed.chain);
         let window = f64::from(self.config().balance.learning_window) * table.pods.len() as f64;
         self.prefix_demand.record(routed.match_end, window);
-        if routed.decision.spread {
-            self.metrics.increment(Metric::PrefixSpread);
-        }
         if !routed.chain.is_empty() {
             push_decision(
                 &mut self.decisions.0,
@@ -513,6 +510,9 @@ pub(super) fn deliver(
     if routed.fallback {
         metrics.increment(Metric::FallbackRouting);
     }
+    if routed.decision.spread {
+        metrics.increment(Metric::PrefixSpread);
+    }
     if log_route {
         events::record(
             log::Level::Info,
@@ -530,6 +530,7 @@ pub(super) fn deliver(
                 latency_us: elapsed_us,
                 predicted_ttft_ms: round_ms(routed.predicted_ttft_ms),
                 runner_up_ttft_ms: routed.runner_up_ttft_ms.map(round_ms),
+                spread: routed.decision.spread,
             },
         );
     }
@@ -567,6 +568,9 @@ struct RouteEvent<'a> {
     latency_us: u64,
     predicted_ttft_ms: f64,
     runner_up_ttft_ms: Option<f64>,
+    /// Sent to a pod without its shared prefix ([`crate::scoring::spread`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    spread: bool,
 }
 
 impl RoutedRequest {
