@@ -1268,7 +1268,7 @@ proptest! {
 }
 
 #[test]
-fn a_session_start_from_an_under_held_prefix_goes_to_the_cheapest_pod_without_it() {
+fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_the_seeds_score() {
     let policy = default_policy();
     let model = learned_model(1.0);
     // A 1,200-token first turn on a 1,000-token system prompt that only
@@ -1284,7 +1284,9 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_cheapest_pod_without_it
     let decision = policy.decide(&pods, false, 0, Some(balanced));
     assert_eq!((decision.chosen, decision.spread), (Some(0), false));
     // The prompt starts 90 % of the sessions: it needs 4 holders (3.6),
-    // it has 1. The cheapest pod without it takes this one.
+    // it has 1. The pod without it that the seed's score prefers takes
+    // this one: pods 1 and 3 tie (pod 2 has requests waiting), the
+    // tie-breaker picks pod 1.
     let demand = Demand {
         starts: 40.0,
         share: 0.9,
@@ -1296,6 +1298,13 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_cheapest_pod_without_it
     };
     let decision = policy.decide(&pods, false, 0, Some(spread));
     assert_eq!((decision.chosen, decision.spread), (Some(1), true));
+    // The sessions' later turns will follow them there: a busier pod
+    // (its reported load) yields to a less busy one, whatever its line
+    // predicts for this one request.
+    pods[1].load = 0.9;
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(3), true));
+    pods[1].load = 0.3;
     // Held by as many pods as its sessions need, or by as many as it had
     // sessions: affinity again.
     for enough in [

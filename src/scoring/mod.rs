@@ -362,24 +362,13 @@ impl ScoringPolicy {
             })
             .collect();
         // A session start from an under-held prefix goes to the best pod
-        // without it ([`spread`]).
+        // without it by the seed's score ([`spread`]).
         let pods_scored = eligible.len() + excluded.len();
         let spread = balancing
             .and_then(|b| b.demand)
             .is_some_and(|d| d.wants_holder(pods_scored))
             && holds_all.contains(&false);
-        let chosen = if spread {
-            let costs = balance::costs(&eligible_pods);
-            scored
-                .iter()
-                .zip(&costs)
-                .zip(&holds_all)
-                .filter(|(_, &holds)| !holds)
-                .min_by(|((_, a), _), ((_, b), _)| a.total_cmp(b))
-                .map(|((s, _), _)| s.index)
-        } else {
-            pick(&scored, &tie_keys, tie_breaker)
-        };
+        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| !(spread && holds_all[i]));
         Decision {
             chosen,
             scored,
@@ -389,10 +378,16 @@ impl ScoringPolicy {
     }
 }
 
-/// The highest composite, ties (within [`TIE_EPSILON`]) to the higher load
-/// score, then the higher queue score (`tie_keys`, aligned with `scored`),
-/// then rotating by `tie_breaker`.
-fn pick(scored: &[ScoredPod], tie_keys: &[(f64, f64)], tie_breaker: u64) -> Option<usize> {
+/// Of the pods `allowed` (by position in `scored`), the highest composite,
+/// ties (within [`TIE_EPSILON`]) to the higher load score, then the higher
+/// queue score (`tie_keys`, aligned with `scored`), then rotating by
+/// `tie_breaker`.
+fn pick(
+    scored: &[ScoredPod],
+    tie_keys: &[(f64, f64)],
+    tie_breaker: u64,
+    allowed: impl Fn(usize) -> bool,
+) -> Option<usize> {
     let key = |i: usize| {
         let (load, queue) = tie_keys.get(i).copied().unwrap_or((0.0, 0.0));
         (scored.get(i).map_or(0.0, |s| s.composite), load, queue)
@@ -409,10 +404,11 @@ fn pick(scored: &[ScoredPod], tie_keys: &[(f64, f64)], tie_breaker: u64) -> Opti
         None
     };
     let best = (0..scored.len())
+        .filter(|&i| allowed(i))
         .map(key)
         .reduce(|a, b| if better(b, a) == Some(true) { b } else { a })?;
     let ties: Vec<usize> = (0..scored.len())
-        .filter(|&i| better(key(i), best).is_none())
+        .filter(|&i| allowed(i) && better(key(i), best).is_none())
         .filter_map(|i| scored.get(i).map(|s| s.index))
         .collect();
     let turn = tie_breaker % (ties.len().max(1) as u64);
