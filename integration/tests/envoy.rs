@@ -377,6 +377,66 @@ fn multi_turn_conversations_stick_to_their_pod() {
     );
 }
 
+/// Conversations on one system prompt, opened one after another with no
+/// queue anywhere: each is answered sooner by a pod caching the prompt,
+/// so without spreading every one of them went to its first holder and
+/// the other pods never served one. The prompt starts every session, so
+/// it is copied until every pod holds it (`src/scoring/spread.rs`), and
+/// each conversation's next turn still follows its own history.
+#[test]
+fn sessions_on_one_system_prompt_spread_over_every_pod() {
+    let cluster = start(4, base_config(), &[], vec![]);
+    let system = text("system prompt", 4096);
+    let opening = |c: usize| {
+        vec![
+            json!({"role": "system", "content": system}),
+            json!({"role": "user", "content": text(&format!("user {c} opening"), 512)}),
+        ]
+    };
+    let send = |history: &[Value]| {
+        let body = json!({"model": "sim-model", "messages": history, "max_tokens": 4});
+        cluster.post("/v1/chat/completions", &body)
+    };
+    let conversations = 24;
+    let mut first_pod = Vec::new();
+    for c in 0..conversations {
+        let pod = served_by(&send(&opening(c)));
+        if c > 0 && !first_pod.contains(&pod) {
+            let route = last_route_line(&cluster, &pod);
+            assert_eq!(route["spread"], true, "conversation {c} on {pod}: {route}");
+        }
+        first_pod.push(pod);
+    }
+    let openings: Vec<usize> = (0..4)
+        .map(|i| {
+            first_pod
+                .iter()
+                .filter(|p| **p == format!("pod-{i}"))
+                .count()
+        })
+        .collect();
+    assert!(
+        openings.iter().all(|&n| n > 0),
+        "openings per pod {openings:?}"
+    );
+    let spread = cluster
+        .envoy
+        .metric("epp_prefix_spread_total", &[])
+        .unwrap_or(0.0);
+    assert!((3.0..=6.0).contains(&spread), "{spread} spread decisions");
+    cluster.wait_reports(2);
+    for (c, pod) in first_pod.iter().enumerate() {
+        let mut history = opening(c);
+        history.push(json!({"role": "assistant", "content": "ok"}));
+        history.push(json!({"role": "user", "content": "and then?"}));
+        assert_eq!(
+            &served_by(&send(&history)),
+            pod,
+            "conversation {c}'s turn 2"
+        );
+    }
+}
+
 #[test]
 fn long_conversations_follow_their_own_history_past_a_shared_head() {
     // 8 conversations share a 24 KiB head (system prompt, tool definitions)

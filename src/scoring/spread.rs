@@ -1,0 +1,264 @@
+//! Spread: a shared prefix gets holders in proportion to the sessions it
+//! starts.
+//!
+//! The balance ([`super::balance`]) moves a request off the pods caching
+//! its prefix only when another pod is predicted to answer it clearly
+//! sooner, re-prefill included. That is right for the request, and wrong
+//! for the sessions that branch from a shared prefix (a system prompt, a
+//! document, few-shot examples): each session's later turns follow its
+//! history to the pod it started on, so the prefix's first holder collects
+//! every session until its queue outgrows a whole copy of the prefix, and
+//! the pool's other pods stay empty. Measured with `kvroute-replay
+//! --bench-workload multi-turn` (128 chats of 6 rounds on one 1,000-token
+//! system prompt): at 4 pods one pod never prefilled a token (TTFT p90
+//! 66 ms against ring hash's 37), at 8 pods two (p90 117 against 45, 88 %
+//! of the pooled bound); with unbounded caches all went to one pod.
+//! Copying the system prompt once to every pod (the first decisions by
+//! load) removed it: 99.5 % of the bound, p90 37 ms.
+//!
+//! So the router counts, per prefix, the sessions that start from it: an
+//! arrival whose longest match ends at a block an earlier arrival's match
+//! also ended at branches there (a conversation's later turn does not: its
+//! match ends where its own previous prompt did, a block nobody else's
+//! match ended at). With `n(P)` the recent session starts at `P`, `N` of
+//! them in all (both decayed over `balance.learningWindow` starts per
+//! pod, the TTFT model's horizon), `pods` in the pool and `scored` the
+//! pods a decision scores (the pool, or a large pool's candidate set),
+//! `P` needs
+//!
+//! ```text
+//! share(P)   = n(P) / (N + pods)              one start per pod as prior
+//! holders(P) = min(n(P), share(P) × scored)
+//! ```
+//!
+//! pods: no holder starts more than its fair share of the sessions from
+//! it, and there are no more holders than sessions. The prior keeps a
+//! pool that has seen fewer starts than it has pods from reading a
+//! handful of them as a large share. While fewer pods cache all of `P`, a
+//! session start at `P` goes to the pod without it that is cheapest by
+//! the balance's cost (predicted TTFT, its copy of the prompt included,
+//! plus what the copy costs the requests behind it). So one system prompt
+//! is copied to every pod, three prompts of a third of the sessions each
+//! get two holders of four pods, and the copies are bounded:
+//! `Σ ⌈share(P) × scored⌉ ≤ scored + prefixes` per window. Exclusions hold
+//! exactly, and only arrivals spread (a request leaving the wait queue is
+//! not balanced either). O(1) per arrival, bounded by [`REMEMBERED`]
+//! blocks of each kind.
+//!
+//! Measured with `kvroute-replay` side by side with the rule off, every
+//! bench workload at 4 and 8 pods in both modes and both traces
+//! (integration/results/costmodel.md, "Spread"): multi-turn TTFT p90
+//! 66 → 37 ms at 4 pods and 117 → 41 at 8 (ring hash: 37 and 45), 96 →
+//! 99.5 % and 88 → 98.7 % of the pooled bound; agentic at 8 pods p50 127
+//! → 53 ms; LoRA at 8 pods 2.6 → 1.4× fair. It costs long context, whose
+//! shared documents are 28k tokens: at 8 pods in approximate mode p90
+//! 1.1 → 2.2 s (ring hash 3.0 s). Scoring the candidate set rather than
+//! the pool is what keeps the Mooncake trace at 1,024 pods unchanged
+//! (97.9 % of the bound; with the pool's size, 85.6 %: a prefix's few
+//! starts read as a share of 1,024 pods asked for copies the load never
+//! needed).
+
+use std::collections::VecDeque;
+
+use hashbrown::{HashMap, HashSet};
+
+/// Blocks remembered, of each kind: match ends seen once, and branch
+/// points with their session starts (each 8–24 bytes).
+pub const REMEMBERED: usize = 4096;
+
+/// What one session start's prefix asks of the pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Demand {
+    /// Recent session starts at the prefix.
+    pub starts: f64,
+    /// Their share of all recent session starts.
+    pub share: f64,
+    /// Pods caching the whole prefix.
+    pub holders: usize,
+}
+
+impl Demand {
+    /// Whether the prefix needs another holder among `pods` (module
+    /// documentation).
+    pub fn wants_holder(&self, pods: usize) -> bool {
+        (self.holders as f64) < self.starts.min(self.share * pods as f64)
+    }
+}
+
+/// Session starts at one branch point, decayed to `at` (the starts clock).
+#[derive(Debug, Clone, Copy)]
+struct Starts {
+    count: f64,
+    at: u64,
+}
+
+/// See the module documentation. One per filter worker (like the TTFT
+/// model, it sees this worker's arrivals), and one in the replay.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixDemand {
+    /// Match ends seen once, oldest first.
+    seen: HashSet<u64>,
+    seen_order: VecDeque<u64>,
+    branches: HashMap<u64, Starts>,
+    /// Decayed session starts, all prefixes (and none) together.
+    total: f64,
+    /// Session starts counted so far: the clock the decay runs on.
+    clock: u64,
+    /// Session starts averaged over: `balance.learningWindow` per pod.
+    window: f64,
+}
+
+fn decay(window: f64, steps: u64) -> f64 {
+    (1.0 - 1.0 / window.max(1.0)).powf(steps as f64)
+}
+
+impl PrefixDemand {
+    /// An arrival routed with its longest cached match ending at block
+    /// `end` (`None`: nothing cached anywhere, a session of its own).
+    pub fn record(&mut self, end: Option<u64>, window: f64) {
+        self.window = window;
+        let Some(end) = end else {
+            self.count_start();
+            return;
+        };
+        let known = self.branches.contains_key(&end);
+        let promoted = !known && self.seen.remove(&end);
+        if !known && !promoted {
+            // First time: a later turn of its own session, or a branch
+            // point's first start (counted once a second one comes).
+            self.seen.insert(end);
+            self.seen_order.push_back(end);
+            while self.seen_order.len() > REMEMBERED {
+                if let Some(oldest) = self.seen_order.pop_front() {
+                    self.seen.remove(&oldest);
+                }
+            }
+            return;
+        }
+        if promoted {
+            self.count_start();
+        }
+        self.count_start();
+        let clock = self.clock;
+        let starts = self.branches.entry(end).or_insert(Starts {
+            count: if promoted { 1.0 } else { 0.0 },
+            at: clock,
+        });
+        starts.count = starts.count * decay(window, clock - starts.at) + 1.0;
+        starts.at = clock;
+        if self.branches.len() > REMEMBERED {
+            // Keep the busier half.
+            let mut counts: Vec<f64> = self.branches.values().map(|s| self.decayed(s)).collect();
+            let middle = counts.len() / 2;
+            let (_, &mut median, _) = counts.select_nth_unstable_by(middle, f64::total_cmp);
+            let decayed = |s: &Starts| s.count * decay(window, clock - s.at);
+            self.branches.retain(|_, s| decayed(s) > median);
+        }
+    }
+
+    fn count_start(&mut self) {
+        self.clock += 1;
+        self.total = self.total * decay(self.window, 1) + 1.0;
+    }
+
+    fn decayed(&self, starts: &Starts) -> f64 {
+        starts.count * decay(self.window, self.clock - starts.at)
+    }
+
+    /// The recent session starts at the prefix ending at `end` and their
+    /// share of all, in a pool of `pods` (`None`: not a branch point).
+    pub fn demand(&self, end: u64, pods: usize) -> Option<Demand> {
+        let starts = self.decayed(self.branches.get(&end)?);
+        Some(Demand {
+            starts,
+            share: starts / (self.total + pods as f64),
+            holders: 0,
+        })
+    }
+
+    /// Branch points counted.
+    pub fn len(&self) -> usize {
+        self.branches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.branches.is_empty()
+    }
+}
+
+/// The block a request's longest cached match ends at: its last block
+/// held by any pod (`None` when no pod holds its first).
+pub fn match_end(chain: &[u64], longest_blocks: u32) -> Option<u64> {
+    let blocks = usize::try_from(longest_blocks).ok()?;
+    blocks
+        .checked_sub(1)
+        .and_then(|last| chain.get(last))
+        .copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wants(demand: &PrefixDemand, end: u64, holders: usize, pods: usize) -> bool {
+        demand
+            .demand(end, pods)
+            .is_some_and(|d| Demand { holders, ..d }.wants_holder(pods))
+    }
+
+    #[test]
+    fn one_system_prompt_wants_every_pod() {
+        let mut demand = PrefixDemand::default();
+        assert_eq!(match_end(&[10, 11, 12], 0), None);
+        assert_eq!(match_end(&[10, 11, 12], 2), Some(11));
+        assert_eq!(match_end(&[10, 11, 12], 9), None);
+        // The first session had nothing cached; the second matched the
+        // system prompt (ends at 11) first: not a branch point yet.
+        demand.record(None, 1e6);
+        demand.record(Some(11), 1e6);
+        assert!(!wants(&demand, 11, 1, 4));
+        // Later turns end at their own histories, once each.
+        for turn in 0..50 {
+            demand.record(Some(1_000 + turn), 1e6);
+        }
+        assert!(demand.is_empty());
+        // The third session makes it one, with two starts of three: two
+        // holders; then every pod.
+        demand.record(Some(11), 1e6);
+        assert!(wants(&demand, 11, 1, 4));
+        assert!(!wants(&demand, 11, 2, 4));
+        for _ in 0..100 {
+            demand.record(Some(11), 1e6);
+        }
+        assert!(wants(&demand, 11, 3, 4));
+        assert!(!wants(&demand, 11, 4, 4));
+        assert_eq!(demand.demand(99, 4), None);
+    }
+
+    #[test]
+    fn three_prompts_of_a_third_each_want_two_holders_of_four() {
+        let mut demand = PrefixDemand::default();
+        for round in 0..40 {
+            for prompt in [1, 2, 3] {
+                demand.record(Some(prompt), 1e6);
+            }
+            let _ = round;
+        }
+        for prompt in [1, 2, 3] {
+            assert!(wants(&demand, prompt, 1, 4));
+            assert!(!wants(&demand, prompt, 2, 4));
+        }
+    }
+
+    #[test]
+    fn memory_is_bounded() {
+        let mut demand = PrefixDemand::default();
+        for end in 0..(3 * REMEMBERED as u64) {
+            demand.record(Some(end), 1e6);
+            demand.record(Some(end), 1e6);
+        }
+        assert!(demand.len() <= REMEMBERED);
+        assert!(demand.seen.len() <= REMEMBERED);
+        assert!(demand.seen_order.len() <= REMEMBERED);
+    }
+}
