@@ -65,23 +65,6 @@ fn requests_delayed(busy: f64) -> f64 {
     busy / (1.0 - busy).max(1e-3)
 }
 
-/// Per candidate, its predicted TTFT plus what its copy of the prompt
-/// costs the requests after it (module documentation).
-pub fn costs(candidates: &[Candidate<'_>]) -> Vec<f64> {
-    let least_uncached = candidates
-        .iter()
-        .map(|c| c.uncached_tokens)
-        .min()
-        .unwrap_or(0);
-    candidates
-        .iter()
-        .map(|c| {
-            let copy = c.uncached_tokens.saturating_sub(least_uncached) as f64;
-            c.predicted_ttft_ms + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
-        })
-        .collect()
-}
-
 /// Which candidates lose their cache term for a decision.
 pub trait Balance: std::fmt::Debug + Send + Sync {
     fn name(&self) -> &'static str;
@@ -101,14 +84,19 @@ impl Balance for FastestWithinError {
     }
 
     fn withhold(&self, candidates: &[Candidate<'_>], error: f64) -> Vec<bool> {
-        let costs = costs(candidates);
-        let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let least_uncached = candidates
+            .iter()
+            .map(|c| c.uncached_tokens)
+            .min()
+            .unwrap_or(0);
+        let cost = |c: &Candidate<'_>| {
+            let copy = c.uncached_tokens.saturating_sub(least_uncached) as f64;
+            c.predicted_ttft_ms + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
+        };
+        let cheapest = candidates.iter().map(cost).fold(f64::INFINITY, f64::min);
         candidates
             .iter()
-            .zip(&costs)
-            .map(|(c, &cost)| {
-                c.cache_match > 0.0 && TtftModel::clearly_faster(cheapest, cost, error)
-            })
+            .map(|c| c.cache_match > 0.0 && TtftModel::clearly_faster(cheapest, cost(c), error))
             .collect()
     }
 }

@@ -35,28 +35,32 @@
 //! it, and there are no more holders than sessions. The prior keeps a
 //! pool that has seen fewer starts than it has pods from reading a
 //! handful of them as a large share. While fewer pods cache all of `P`, a
-//! session start at `P` goes to the pod without it that is cheapest by
-//! the balance's cost (predicted TTFT, its copy of the prompt included,
-//! plus what the copy costs the requests behind it). So one system prompt
-//! is copied to every pod, three prompts of a third of the sessions each
-//! get two holders of four pods, and the copies are bounded:
-//! `Σ ⌈share(P) × scored⌉ ≤ scored + prefixes` per window. Exclusions hold
-//! exactly, and only arrivals spread (a request leaving the wait queue is
-//! not balanced either). O(1) per arrival, bounded by [`REMEMBERED`]
-//! blocks of each kind.
+//! session start at `P` goes to the pod without it that the seed's score
+//! prefers (its reported load and queue first: the copy is bought for the
+//! sessions that will follow this one there, so what the pod carries
+//! counts, not what one request's predicted TTFT says; the learned lines
+//! of idle pods differ by noise, and ranking by them sent an agent to a
+//! pod already running eight while another idled, 4 of 6 real-Envoy
+//! agentic runs). So one system prompt is copied to every pod, three
+//! prompts of a third of the sessions each get two holders of four pods,
+//! and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
+//! prefixes` per window. Exclusions hold exactly, and only arrivals
+//! spread (a request leaving the wait queue is not balanced either). O(1)
+//! per arrival, bounded by [`REMEMBERED`] blocks of each kind.
 //!
-//! Measured with `kvroute-replay` side by side with the rule off, every
-//! bench workload at 4 and 8 pods in both modes and both traces
-//! (integration/results/costmodel.md, "Spread"): multi-turn TTFT p90
-//! 66 → 37 ms at 4 pods and 117 → 41 at 8 (ring hash: 37 and 45), 96 →
-//! 99.5 % and 88 → 98.7 % of the pooled bound; agentic at 8 pods p50 127
-//! → 53 ms; LoRA at 8 pods 2.6 → 1.4× fair. It costs long context, whose
-//! shared documents are 28k tokens: at 8 pods in approximate mode p90
-//! 1.1 → 2.2 s (ring hash 3.0 s). Scoring the candidate set rather than
-//! the pool is what keeps the Mooncake trace at 1,024 pods unchanged
-//! (97.9 % of the bound; with the pool's size, 85.6 %: a prefix's few
-//! starts read as a share of 1,024 pods asked for copies the load never
-//! needed).
+//! Measured side by side with the rule off (integration/results/
+//! costmodel.md, "Spread"): `kvroute-replay`, every bench workload at 4
+//! and 8 pods in both modes and both traces: multi-turn TTFT p90 66 → 37
+//! ms at 4 pods and 117 → 40 at 8 (ring hash: 37 and 45), 96 → 99.5 % and
+//! 88 → 98.9 % of the pooled bound; agentic at 8 pods precise p50 127 →
+//! 53 ms; LoRA at 8 pods 2.6–2.8 → 1.3–1.5× fair; both traces unchanged.
+//! It costs long context, whose sessions grow from 8,000-token shared
+//! heads to 50k tokens: p90 +10 to +58 % (8 pods, approximate: 1.1 → 1.8
+//! s; ring hash 3.0 s). Real Envoy: agentic (closed loop) at main's p90 in
+//! 10 of 10 runs. Scoring the candidate set rather than the pool is what
+//! keeps the Mooncake trace at 1,024 pods unchanged (97.9 % of the bound;
+//! with the pool's size, 85.6 %: a prefix's few starts read as a share of
+//! 1,024 pods asked for copies the load never needed).
 
 use std::collections::VecDeque;
 
