@@ -40,7 +40,7 @@
 //! decayed from its last report as the service would have done.
 
 use crate::chat_template::PromptRenderer;
-use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
+use crate::config::{BadRequestPolicy, Config, IndexMode, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
 use crate::scoring::factors::CachedPrefix;
@@ -502,7 +502,11 @@ impl Router {
             .count();
         let balancing = (attempt == Attempt::Arrival).then(|| Balancing {
             error: view.ttft.error(),
+            // Only where pods report what they hold and carry: in
+            // approximate mode a session start sees no load (spread there
+            // collapsed the agentic closed loop, design: Spread).
             demand: match_end
+                .filter(|_| self.config.mode == IndexMode::Precise)
                 .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
                 .map(|d| spread::Demand { holders, ..d }),
         });

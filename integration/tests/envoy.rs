@@ -386,24 +386,18 @@ fn multi_turn_conversations_stick_to_their_pod() {
 #[test]
 fn sessions_on_one_system_prompt_spread_over_every_pod() {
     let cluster = start(4, base_config(), &[], vec![]);
-    let system = text("system prompt", 4096);
-    let opening = |c: usize| {
-        vec![
-            json!({"role": "system", "content": system}),
-            json!({"role": "user", "content": text(&format!("user {c} opening"), 512)}),
-        ]
-    };
-    let send = |history: &[Value]| {
-        let body = json!({"model": "sim-model", "messages": history, "max_tokens": 4});
-        cluster.post("/v1/chat/completions", &body)
-    };
     let conversations = 24;
     let mut first_pod = Vec::new();
     for c in 0..conversations {
-        let pod = served_by(&send(&opening(c)));
+        let pod = served_by(&send_turns(&cluster, &opening(c)));
         if c > 0 && !first_pod.contains(&pod) {
             let route = last_route_line(&cluster, &pod);
             assert_eq!(route["spread"], true, "conversation {c} on {pod}: {route}");
+        }
+        if c == 0 {
+            // The prompt's first holder known to every worker (a pending
+            // decision is its own worker's until the pod reports).
+            cluster.wait_reports(2);
         }
         first_pod.push(pod);
     }
@@ -430,11 +424,40 @@ fn sessions_on_one_system_prompt_spread_over_every_pod() {
         history.push(json!({"role": "assistant", "content": "ok"}));
         history.push(json!({"role": "user", "content": "and then?"}));
         assert_eq!(
-            &served_by(&send(&history)),
+            &served_by(&send_turns(&cluster, &history)),
             pod,
             "conversation {c}'s turn 2"
         );
     }
+}
+
+#[test]
+fn approximate_mode_does_not_spread() {
+    // Without reports a session start sees nothing of what the pods carry
+    // (design: Spread): the same openings follow the system prompt.
+    let mut config = base_config();
+    config["mode"] = json!("approximate");
+    let cluster = start(4, config, &[], vec![]);
+    for c in 0..12 {
+        served_by(&send_turns(&cluster, &opening(c)));
+    }
+    assert_eq!(
+        cluster.envoy.metric("epp_prefix_spread_total", &[]),
+        Some(0.0)
+    );
+}
+
+/// Conversation `c`'s first turn on the shared system prompt.
+fn opening(c: usize) -> Vec<Value> {
+    vec![
+        json!({"role": "system", "content": text("system prompt", 4096)}),
+        json!({"role": "user", "content": text(&format!("user {c} opening"), 512)}),
+    ]
+}
+
+fn send_turns(cluster: &Cluster, history: &[Value]) -> http::Response {
+    let body = json!({"model": "sim-model", "messages": history, "max_tokens": 4});
+    cluster.post("/v1/chat/completions", &body)
 }
 
 #[test]

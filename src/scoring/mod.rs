@@ -368,7 +368,9 @@ impl ScoringPolicy {
             .and_then(|b| b.demand)
             .is_some_and(|d| d.wants_holder(pods_scored))
             && holds_all.contains(&false);
-        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| !(spread && holds_all[i]));
+        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| {
+            !(spread && holds_all.get(i).copied().unwrap_or(false))
+        });
         Decision {
             chosen,
             scored,

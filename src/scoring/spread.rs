@@ -46,18 +46,22 @@
 //! and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
 //! prefixes` per window. Exclusions hold exactly, and only arrivals
 //! spread (a request leaving the wait queue is not balanced either). O(1)
-//! per arrival, bounded by [`REMEMBERED`] blocks of each kind.
+//! per arrival, bounded by [`REMEMBERED`] blocks of each kind. Precise
+//! mode only ([`crate::router`]): in approximate mode nothing tells a
+//! session start what the pods carry (no reports: load 0, and 0–3
+//! requests awaiting a first token), the target rotates blindly, and the
+//! agentic closed loop collapsed in 6 of 12 real-Envoy runs.
 //!
 //! Measured side by side with the rule off (integration/results/
-//! costmodel.md, "Spread"): `kvroute-replay`, every bench workload at 4
-//! and 8 pods in both modes and both traces: multi-turn TTFT p90 66 → 37
+//! costmodel.md, "Spread adopted"): `kvroute-replay`, every bench
+//! workload at 4 and 8 pods and both traces: multi-turn TTFT p90 66 → 37
 //! ms at 4 pods and 117 → 40 at 8 (ring hash: 37 and 45), 96 → 99.5 % and
-//! 88 → 98.9 % of the pooled bound; agentic at 8 pods precise p50 127 →
-//! 53 ms; LoRA at 8 pods 2.6–2.8 → 1.3–1.5× fair; both traces unchanged.
-//! It costs long context, whose sessions grow from 8,000-token shared
-//! heads to 50k tokens: p90 +10 to +58 % (8 pods, approximate: 1.1 → 1.8
-//! s; ring hash 3.0 s). Real Envoy: agentic (closed loop) at main's p90 in
-//! 10 of 10 runs. Scoring the candidate set rather than the pool is what
+//! 88 → 98.9 % of the pooled bound; agentic at 8 pods p50 127 → 53 ms;
+//! LoRA at 8 pods 2.6 → 1.3× fair; both traces unchanged. It costs long
+//! context, whose sessions grow from 8,000-token shared heads to 50k
+//! tokens: p90 +11 to +24 % in the replay, unchanged in real Envoy. Real
+//! Envoy: multi-turn p90 52–56 → 42–46 ms, agentic (closed loop) at
+//! main's p90 in every run. Scoring the candidate set rather than the pool is what
 //! keeps the Mooncake trace at 1,024 pods unchanged (97.9 % of the bound;
 //! with the pool's size, 85.6 %: a prefix's few starts read as a share of
 //! 1,024 pods asked for copies the load never needed).
