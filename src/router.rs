@@ -40,14 +40,13 @@
 //! decayed from its last report as the service would have done.
 
 use crate::chat_template::PromptRenderer;
-use crate::config::{BadRequestPolicy, Config, IndexMode, NoPodPolicy, TierCredits};
+use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
 use crate::scoring::factors::CachedPrefix;
 use crate::scoring::slo::{self, SloChoice};
-use crate::scoring::spread::{self, PrefixDemand};
 use crate::scoring::ttft::TtftModel;
-use crate::scoring::{Balancing, Candidate, Decision, Exclusion, Pool, ScoringPolicy};
+use crate::scoring::{Candidate, Decision, Exclusion, Pool, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
 
@@ -59,9 +58,6 @@ pub struct ClusterView<'a> {
     pub inflight: &'a [SlotLoad],
     /// The predicted-TTFT model this router learned ([`TtftModel`]).
     pub ttft: &'a TtftModel,
-    /// The sessions this router's recent arrivals started per prefix
-    /// ([`PrefixDemand`]; the host records [`Routed::match_end`]).
-    pub prefix_demand: &'a PrefixDemand,
     /// Now, on the clock of `table.published_at_ms`.
     pub now_ms: u64,
 }
@@ -88,9 +84,6 @@ pub struct Routed {
     /// The chosen pod will have to load the adapter.
     pub adapter_load_triggered: bool,
     pub chain: Vec<u64>,
-    /// The block its longest cached match (any pod's) ended at, for
-    /// [`PrefixDemand::record`].
-    pub match_end: Option<u64>,
     pub matched_blocks: u32,
     /// Those blocks by the tier the pod holds them in.
     pub matched_tiers: TierBlocks,
@@ -494,25 +487,10 @@ impl Router {
         // pod has drained below `maxQueue`, one request per freed place:
         // the queue balances the pods already, and balance would only
         // trade its cache hit for a miss on another pod that has room.
-        let longest = matches.longest();
-        let match_end = spread::match_end(&chain, longest);
-        let holders = matches
-            .iter()
-            .filter(|&(_, blocks)| blocks == longest)
-            .count();
-        let balancing = (attempt == Attempt::Arrival).then(|| Balancing {
-            error: view.ttft.error(),
-            // Only where pods report what they hold and carry: in
-            // approximate mode a session start sees no load (spread there
-            // collapsed the agentic closed loop, design: Spread).
-            demand: match_end
-                .filter(|_| self.config.mode == IndexMode::Precise)
-                .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
-                .map(|d| spread::Demand { holders, ..d }),
-        });
+        let balance_error = (attempt == Attempt::Arrival).then(|| view.ttft.error());
         let mut decision = self
             .policy
-            .decide(&pool, adapter.is_some(), tie_breaker, balancing);
+            .decide(&pool, adapter.is_some(), tie_breaker, balance_error);
         let target = ttft_target_ms.filter(|_| view.ttft.calibrated());
         let waited_ms = attempt.holding_ms() as f64;
         match target.and_then(|t| slo::place(&decision, &pool, t, waited_ms)) {
@@ -601,7 +579,6 @@ impl Router {
             adapter,
             cache_match: candidate.cache_match,
             chain,
-            match_end,
             matched_blocks,
             matched_tiers: matches.tiers(chosen.slot),
             matches,
@@ -869,13 +846,11 @@ mod tests {
         tree.insert_chain(0, None, &chain);
         let inflight = [SlotLoad::default(); 2];
         let ttft = TtftModel::new(64);
-        let prefix_demand = PrefixDemand::default();
         let view = |now_ms| ClusterView {
             table: &published,
             index: &tree,
             inflight: &inflight,
             ttft: &ttft,
-            prefix_demand: &prefix_demand,
             now_ms,
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
@@ -976,7 +951,6 @@ mod tests {
                 index: &self.tree,
                 inflight: &inflight,
                 ttft,
-                prefix_demand: &Default::default(),
                 now_ms: 1000,
             };
             self.router
@@ -1169,7 +1143,6 @@ mod tests {
             index: &index,
             inflight: &inflight,
             ttft: &ttft,
-            prefix_demand: &Default::default(),
             now_ms: 1500,
         };
         match router.route(body.as_bytes(), false, &view, 0) {

@@ -31,7 +31,6 @@ pub mod balance;
 pub mod candidates;
 pub mod factors;
 pub mod slo;
-pub mod spread;
 pub mod ttft;
 
 use std::collections::BTreeMap;
@@ -134,29 +133,6 @@ pub struct Decision {
     /// Pods of the set that cannot take requests, with the reason (every
     /// excluded pod of the pool when none can).
     pub excluded: Vec<(usize, Exclusion)>,
-    /// The chosen pod did not cache the request's shared prefix, which
-    /// had fewer holders than its sessions need ([`spread`]).
-    pub spread: bool,
-}
-
-/// What balances one decision (arrivals only, with `balance.enabled`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Balancing {
-    /// The TTFT model's relative error ([`ttft::TtftModel::error`]).
-    pub error: f64,
-    /// The request starts a session from a shared prefix: what its
-    /// sessions ask of the pool ([`spread::PrefixDemand`]).
-    pub demand: Option<spread::Demand>,
-}
-
-impl Balancing {
-    /// Balanced by predicted TTFT, no prefix shared.
-    pub fn with_error(error: f64) -> Balancing {
-        Balancing {
-            error,
-            demand: None,
-        }
-    }
 }
 
 impl Decision {
@@ -278,14 +254,15 @@ impl ScoringPolicy {
     /// Scores the pods of `pool` ([`candidates::select`] picks which) and
     /// picks one. `tie_breaker` (any per-request varying number, e.g. a
     /// counter) spreads exact ties evenly and seeds the candidate set's
-    /// draws; `balancing` applies [`balance`] and [`spread`] over the pods
+    /// draws; `balance_error`, the TTFT model's relative error
+    /// ([`ttft::TtftModel::error`]), applies [`balance`] over the pods
     /// scored (`None`: not for this request).
     pub fn decide<'a, P: Pool<'a> + ?Sized>(
         &self,
         pool: &P,
         needs_adapter: bool,
         tie_breaker: u64,
-        balancing: Option<Balancing>,
+        balance_error: Option<f64>,
     ) -> Decision {
         let set = candidates::select(pool, &self.candidates, needs_adapter, tie_breaker, |c| {
             self.exclusion(c).is_none()
@@ -313,16 +290,10 @@ impl ScoringPolicy {
                 )
             })
             .collect();
-        let balancing = balancing.filter(|_| self.balance.is_some());
-        let withheld = match (&self.balance, balancing) {
-            (Some(balance), Some(b)) => balance.withhold(&eligible_pods, b.error),
+        let withheld = match (&self.balance, balance_error) {
+            (Some(balance), Some(error)) => balance.withhold(&eligible_pods, error),
             _ => vec![false; eligible_pods.len()],
         };
-        let most_cached = eligible_pods.iter().map(|p| p.cached_tokens).max();
-        let holds_all: Vec<bool> = eligible_pods
-            .iter()
-            .map(|p| Some(p.cached_tokens) == most_cached)
-            .collect();
         for (pod, &withheld) in eligible_pods.iter_mut().zip(&withheld) {
             if withheld {
                 pod.cache_match = 0.0;
@@ -361,35 +332,19 @@ impl ScoringPolicy {
                 }
             })
             .collect();
-        // A session start from an under-held prefix goes to the best pod
-        // without it by the seed's score ([`spread`]).
-        let pods_scored = eligible.len() + excluded.len();
-        let spread = balancing
-            .and_then(|b| b.demand)
-            .is_some_and(|d| d.wants_holder(pods_scored))
-            && holds_all.contains(&false);
-        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| {
-            !(spread && holds_all.get(i).copied().unwrap_or(false))
-        });
+        let chosen = pick(&scored, &tie_keys, tie_breaker);
         Decision {
             chosen,
             scored,
             excluded,
-            spread,
         }
     }
 }
 
-/// Of the pods `allowed` (by position in `scored`), the highest composite,
-/// ties (within [`TIE_EPSILON`]) to the higher load score, then the higher
-/// queue score (`tie_keys`, aligned with `scored`), then rotating by
-/// `tie_breaker`.
-fn pick(
-    scored: &[ScoredPod],
-    tie_keys: &[(f64, f64)],
-    tie_breaker: u64,
-    allowed: impl Fn(usize) -> bool,
-) -> Option<usize> {
+/// The highest composite, ties (within [`TIE_EPSILON`]) to the higher load
+/// score, then the higher queue score (`tie_keys`, aligned with `scored`),
+/// then rotating by `tie_breaker`.
+fn pick(scored: &[ScoredPod], tie_keys: &[(f64, f64)], tie_breaker: u64) -> Option<usize> {
     let key = |i: usize| {
         let (load, queue) = tie_keys.get(i).copied().unwrap_or((0.0, 0.0));
         (scored.get(i).map_or(0.0, |s| s.composite), load, queue)
@@ -406,11 +361,10 @@ fn pick(
         None
     };
     let best = (0..scored.len())
-        .filter(|&i| allowed(i))
         .map(key)
         .reduce(|a, b| if better(b, a) == Some(true) { b } else { a })?;
     let ties: Vec<usize> = (0..scored.len())
-        .filter(|&i| allowed(i) && better(key(i), best).is_none())
+        .filter(|&i| better(key(i), best).is_none())
         .filter_map(|i| scored.get(i).map(|s| s.index))
         .collect();
     let turn = tie_breaker % (ties.len().max(1) as u64);
