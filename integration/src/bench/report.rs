@@ -74,12 +74,8 @@ pub fn policy_figures(
         .iter()
         .map(|s| s["prefillTokens"].as_u64().unwrap_or(0))
         .collect();
-    let prefill_percent = |tokens: u64| {
-        round(
-            100.0 * tokens as f64 / prefilled.iter().sum::<u64>().max(1) as f64,
-            1,
-        )
-    };
+    let all_prefilled = prefilled.iter().sum::<u64>().max(1) as f64;
+    let prefill_percent = |tokens: u64| round(100.0 * tokens as f64 / all_prefilled, 1);
     let fast_pods = workload.fast_pods();
     let max_share = if total == 0 {
         0.0
