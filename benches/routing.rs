@@ -47,7 +47,7 @@ use kvroute::index::{PrefixLookup, PrefixMatch, PrefixTree};
 use kvroute::request::Prompt;
 use kvroute::router::{ClusterView, Outcome, Router};
 use kvroute::scoring::ttft::TtftModel;
-use kvroute::scoring::{Candidate, ScoringPolicy};
+use kvroute::scoring::{Balancing, Candidate, ScoringPolicy};
 use kvroute::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex, SnapshotPublisher};
 
 const POOLS: [usize; 2] = [64, 1024];
@@ -280,6 +280,7 @@ fn route(f: &Fixture, index: &dyn PrefixLookup, tie_breaker: u64) -> Outcome {
         index,
         inflight: &f.inflight,
         ttft: &f.ttft,
+        prefix_demand: &Default::default(),
         now_ms: 0,
     };
     f.router
@@ -325,7 +326,12 @@ fn routing(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("decide", pods), &cands, |b, cands| {
             b.iter(|| {
                 tie += 1;
-                f.policy.decide(black_box(cands), false, tie, Some(0.1))
+                f.policy.decide(
+                    black_box(cands),
+                    false,
+                    tie,
+                    Some(Balancing::with_error(0.1)),
+                )
             })
         });
         group.bench_with_input(BenchmarkId::new("route", pods), f, |b, f| {

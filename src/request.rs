@@ -56,6 +56,10 @@ pub struct ParsedRequest {
     /// `cached_tokens`): always unless streamed, and a streamed one only
     /// with `stream_options.include_usage` (or `continuous_usage_stats`).
     pub answer_reports_usage: bool,
+    /// A chat whose messages include an assistant turn continues a
+    /// conversation; one without opens it. A completion says neither
+    /// (`None`).
+    pub follows_up: Option<bool>,
 }
 
 /// Why a body could not be used for cache-aware routing. The message is
@@ -84,13 +88,24 @@ pub(crate) fn with_canonical_prompt(
     envelope: Envelope,
     chat: bool,
 ) -> Result<ParsedRequest, RequestError> {
-    let prompt = if chat {
-        canonical_messages(object.get("messages"))?
-    } else {
-        // Taken out of the parsed body: a 512 KiB prompt is not copied.
-        canonical_prompt(object.remove("prompt"))?
-    };
-    Ok(envelope.with_prompt(prompt))
+    if chat {
+        let messages = object.get("messages");
+        let prompt = canonical_messages(messages)?;
+        let roles = messages
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m.get("role").and_then(Value::as_str));
+        return Ok(envelope.with_chat(prompt, follows_up(roles)));
+    }
+    // Taken out of the parsed body: a 512 KiB prompt is not copied.
+    Ok(envelope.with_prompt(canonical_prompt(object.remove("prompt"))?))
+}
+
+/// Whether a chat with messages of these roles continues a conversation
+/// ([`ParsedRequest::follows_up`]).
+pub(crate) fn follows_up<'a>(mut roles: impl Iterator<Item = &'a str>) -> bool {
+    roles.any(|role| role == "assistant")
 }
 
 /// What routing reads from every request but its prompt.
@@ -103,6 +118,7 @@ pub(crate) struct Envelope {
 }
 
 impl Envelope {
+    /// A completion's request.
     pub fn with_prompt(self, prompt: Prompt) -> ParsedRequest {
         ParsedRequest {
             model: self.model,
@@ -110,6 +126,15 @@ impl Envelope {
             stream: self.stream,
             cache_salt: self.cache_salt,
             answer_reports_usage: self.answer_reports_usage,
+            follows_up: None,
+        }
+    }
+
+    /// A chat's request ([`ParsedRequest::follows_up`]).
+    pub fn with_chat(self, prompt: Prompt, follows_up: bool) -> ParsedRequest {
+        ParsedRequest {
+            follows_up: Some(follows_up),
+            ..self.with_prompt(prompt)
         }
     }
 }
@@ -243,6 +268,17 @@ pub(crate) fn canonical_messages(messages: Option<&Value>) -> Result<Prompt, Req
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chat_says_whether_it_continues_a_conversation() {
+        let follows_up =
+            |body: &str, chat| parse_request(body.as_bytes(), chat).unwrap().follows_up;
+        let opening = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"q"}]}"#;
+        let later = r#"{"model":"m","messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"r"}]}"#;
+        assert_eq!(follows_up(opening, true), Some(false));
+        assert_eq!(follows_up(later, true), Some(true));
+        assert_eq!(follows_up(r#"{"model":"m","prompt":"q"}"#, false), None);
+    }
 
     #[test]
     fn completions_forms() {

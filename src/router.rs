@@ -40,13 +40,14 @@
 //! decayed from its last report as the service would have done.
 
 use crate::chat_template::PromptRenderer;
-use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
+use crate::config::{BadRequestPolicy, Config, IndexMode, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
 use crate::scoring::factors::CachedPrefix;
 use crate::scoring::slo::{self, SloChoice};
+use crate::scoring::spread::{self, PrefixDemand};
 use crate::scoring::ttft::TtftModel;
-use crate::scoring::{Candidate, Decision, Exclusion, Pool, ScoringPolicy};
+use crate::scoring::{Balancing, Candidate, Decision, Exclusion, Pool, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
 
@@ -58,6 +59,9 @@ pub struct ClusterView<'a> {
     pub inflight: &'a [SlotLoad],
     /// The predicted-TTFT model this router learned ([`TtftModel`]).
     pub ttft: &'a TtftModel,
+    /// The sessions this router's recent arrivals started per prefix
+    /// ([`PrefixDemand`]; the host records each [`Routed`]).
+    pub prefix_demand: &'a PrefixDemand,
     /// Now, on the clock of `table.published_at_ms`.
     pub now_ms: u64,
 }
@@ -84,6 +88,10 @@ pub struct Routed {
     /// The chosen pod will have to load the adapter.
     pub adapter_load_triggered: bool,
     pub chain: Vec<u64>,
+    /// The block its longest cached match (any pod's) ended at, and
+    /// whether it continues a conversation, for [`PrefixDemand::record`].
+    pub match_end: Option<u64>,
+    pub follows_up: Option<bool>,
     pub matched_blocks: u32,
     /// Those blocks by the tier the pod holds them in.
     pub matched_tiers: TierBlocks,
@@ -346,6 +354,8 @@ pub struct RoutingRequest {
     pub streamed: bool,
     /// SLO mode's target ([`crate::scoring::slo`]), if any.
     pub ttft_target_ms: Option<f64>,
+    /// It continues a conversation ([`crate::request::ParsedRequest::follows_up`]).
+    pub follows_up: Option<bool>,
 }
 
 impl RoutingRequest {
@@ -361,6 +371,7 @@ impl RoutingRequest {
             answer_reports_usage: false,
             streamed: false,
             ttft_target_ms: None,
+            follows_up: None,
         }
     }
 }
@@ -441,6 +452,7 @@ impl Router {
             answer_reports_usage,
             streamed,
             ttft_target_ms,
+            follows_up,
         } = request;
         // A request that waits is routed again later, as it came.
         let waiting = |chain: Vec<u64>, rejected: Rejected, holding_out: Option<HoldOut>| {
@@ -454,6 +466,7 @@ impl Router {
                     answer_reports_usage,
                     streamed,
                     ttft_target_ms,
+                    follows_up,
                 },
                 rejected,
                 holding_out,
@@ -487,10 +500,27 @@ impl Router {
         // pod has drained below `maxQueue`, one request per freed place:
         // the queue balances the pods already, and balance would only
         // trade its cache hit for a miss on another pod that has room.
-        let balance_error = (attempt == Attempt::Arrival).then(|| view.ttft.error());
+        let longest = matches.longest();
+        let match_end = spread::match_end(&chain, longest);
+        let holders = matches
+            .iter()
+            .filter(|&(_, blocks)| blocks == longest)
+            .count();
+        let balancing = (attempt == Attempt::Arrival).then(|| Balancing {
+            error: view.ttft.error(),
+            // Only where pods report what they hold and carry (in
+            // approximate mode a session start sees no load, and spread
+            // collapsed the agentic closed loop, design: Spread), and never
+            // a conversation's later turn: it follows its history,
+            // whatever this router has seen of it.
+            demand: match_end
+                .filter(|_| self.config.mode == IndexMode::Precise && follows_up != Some(true))
+                .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
+                .map(|d| spread::Demand { holders, ..d }),
+        });
         let mut decision = self
             .policy
-            .decide(&pool, adapter.is_some(), tie_breaker, balance_error);
+            .decide(&pool, adapter.is_some(), tie_breaker, balancing);
         let target = ttft_target_ms.filter(|_| view.ttft.calibrated());
         let waited_ms = attempt.holding_ms() as f64;
         match target.and_then(|t| slo::place(&decision, &pool, t, waited_ms)) {
@@ -579,6 +609,8 @@ impl Router {
             adapter,
             cache_match: candidate.cache_match,
             chain,
+            match_end,
+            follows_up,
             matched_blocks,
             matched_tiers: matches.tiers(chosen.slot),
             matches,
@@ -738,6 +770,7 @@ impl Router {
                 degraded: None,
                 answer_reports_usage: request.answer_reports_usage,
                 streamed: request.stream,
+                follows_up: request.follows_up,
             }),
             None if self.config.on_unknown_model == BadRequestPolicy::Reject => Err(Rejected {
                 status: 404,
@@ -846,11 +879,13 @@ mod tests {
         tree.insert_chain(0, None, &chain);
         let inflight = [SlotLoad::default(); 2];
         let ttft = TtftModel::new(64);
+        let prefix_demand = PrefixDemand::default();
         let view = |now_ms| ClusterView {
             table: &published,
             index: &tree,
             inflight: &inflight,
             ttft: &ttft,
+            prefix_demand: &prefix_demand,
             now_ms,
         };
         let route = |now_ms| match router.route(body.as_bytes(), false, &view(now_ms), 1) {
@@ -951,6 +986,7 @@ mod tests {
                 index: &self.tree,
                 inflight: &inflight,
                 ttft,
+                prefix_demand: &Default::default(),
                 now_ms: 1000,
             };
             self.router
@@ -1143,6 +1179,7 @@ mod tests {
             index: &index,
             inflight: &inflight,
             ttft: &ttft,
+            prefix_demand: &Default::default(),
             now_ms: 1500,
         };
         match router.route(body.as_bytes(), false, &view, 0) {

@@ -368,3 +368,16 @@ fn the_router_hashes_the_rendered_prompt_and_rejects_what_fails_to_render() {
         rejected.message
     );
 }
+
+#[test]
+fn a_rendered_chat_says_whether_it_continues_a_conversation() {
+    let renderer = PromptRenderer::new(&config());
+    let follows_up = |messages: Value| {
+        let body = json!({"model": "llama", "messages": messages}).to_string();
+        renderer.prompt(body.as_bytes(), true).unwrap().follows_up
+    };
+    let opening = json!([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]);
+    let later = json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]);
+    assert_eq!(follows_up(opening), Some(false));
+    assert_eq!(follows_up(later), Some(true));
+}

@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 
 use kvroute::config::{BalanceConfig, Config, Weights};
+use kvroute::scoring::spread::Demand;
 use kvroute::scoring::ttft::TtftModel;
 use kvroute::scoring::{
-    Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy,
+    Balancing, Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy,
 };
 use proptest::prelude::*;
 
@@ -73,7 +74,12 @@ fn default_policy() -> ScoringPolicy {
 }
 
 fn decide(policy: &ScoringPolicy, pods: &[Pod], needs_adapter: bool) -> Decision {
-    policy.decide(&candidates(pods), needs_adapter, 0, Some(0.0))
+    policy.decide(
+        &candidates(pods),
+        needs_adapter,
+        0,
+        Some(Balancing::with_error(0.0)),
+    )
 }
 
 /// The scored entry of candidate `index` (panics if it was excluded).
@@ -466,14 +472,24 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
         ..IDLE
     };
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&[a, b]), false, tie_breaker, Some(0.0));
+        let d = policy.decide(
+            &candidates(&[a, b]),
+            false,
+            tie_breaker,
+            Some(Balancing::with_error(0.0)),
+        );
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
         assert_eq!(
             d.chosen,
             Some(1),
             "tie → higher load score (tie breaker {tie_breaker})"
         );
-        let d = policy.decide(&candidates(&[b, a]), false, tie_breaker, Some(0.0));
+        let d = policy.decide(
+            &candidates(&[b, a]),
+            false,
+            tie_breaker,
+            Some(Balancing::with_error(0.0)),
+        );
         assert_eq!(d.chosen, Some(0), "order does not matter");
     }
     // 0.1·(1−1/20) + 0.05·1 = 0.145 = 0.1·1 + 0.05·0.9: same composite and
@@ -484,7 +500,12 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
         ..IDLE
     };
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&[c, d_pod]), false, tie_breaker, Some(0.0));
+        let d = policy.decide(
+            &candidates(&[c, d_pod]),
+            false,
+            tie_breaker,
+            Some(Balancing::with_error(0.0)),
+        );
         assert!((composite(&d, 0) - composite(&d, 1)).abs() < EPS, "{d:?}");
         assert_eq!(
             d.chosen,
@@ -510,7 +531,7 @@ fn identical_pods_share_traffic_evenly_through_the_tie_breaker() {
         let rounds = 40 * n_pods as u64;
         let mut counts = vec![0u64; n_pods];
         for tie_breaker in 0..rounds {
-            let d = policy.decide(&cands, false, tie_breaker, Some(0.0));
+            let d = policy.decide(&cands, false, tie_breaker, Some(Balancing::with_error(0.0)));
             counts[d.chosen.expect("eligible")] += 1;
         }
         assert!(counts.iter().all(|&c| c == 40), "{n_pods} pods: {counts:?}");
@@ -521,7 +542,7 @@ fn identical_pods_share_traffic_evenly_through_the_tie_breaker() {
     let mut counts = [0u32; 3];
     for tie_breaker in 0..100 {
         counts[policy
-            .decide(&cands, false, tie_breaker, Some(0.0))
+            .decide(&cands, false, tie_breaker, Some(Balancing::with_error(0.0)))
             .chosen
             .unwrap()] += 1;
     }
@@ -534,7 +555,12 @@ fn cold_start_goes_to_the_least_loaded_pod() {
     let loads = [0.7, 0.35, 0.9, 0.1, 0.5];
     let pods: Vec<Pod> = loads.iter().map(|&load| Pod { load, ..IDLE }).collect();
     for tie_breaker in 0..5 {
-        let d = policy.decide(&candidates(&pods), false, tie_breaker, Some(0.0));
+        let d = policy.decide(
+            &candidates(&pods),
+            false,
+            tie_breaker,
+            Some(Balancing::with_error(0.0)),
+        );
         assert_eq!(d.chosen, Some(3), "no cache anywhere: least loaded wins");
         let ci = factor_index(&policy, "cache");
         assert!(d.scored.iter().all(|s| s.factors[ci] == 0.0));
@@ -551,7 +577,12 @@ fn adapter_affinity() {
     };
     let pods = [IDLE, IDLE, with, IDLE];
     for tie_breaker in 0..8 {
-        let d = policy.decide(&candidates(&pods), true, tie_breaker, Some(0.0));
+        let d = policy.decide(
+            &candidates(&pods),
+            true,
+            tie_breaker,
+            Some(Balancing::with_error(0.0)),
+        );
         assert_eq!(d.chosen, Some(2), "the pod with the adapter loaded wins");
         assert!(close(composite(&d, 2) - composite(&d, 0), 0.05));
         assert_eq!(scored(&d, 0).factors[ai], 0.0);
@@ -619,7 +650,12 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
 
     // Cheap pod 0.15 behind the best: within the window, cheaper → it wins.
     // cheap 0.5·0.85 + 0.1·1 = 0.525 > pricey 0.5·1.0 + 0.1·0 = 0.5.
-    let d = policy.decide(&cost_candidates(&config, 0.85, 1.0), false, 0, Some(0.0));
+    let d = policy.decide(
+        &cost_candidates(&config, 0.85, 1.0),
+        false,
+        0,
+        Some(Balancing::with_error(0.0)),
+    );
     assert_eq!(scored(&d, 0).factors[cost], 1.0);
     assert_eq!(scored(&d, 1).factors[cost], 0.0);
     assert!(close(composite(&d, 0) - composite(&d, 1), 0.025), "{d:?}");
@@ -631,7 +667,12 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
 
     // Cheap pod 0.3 behind: outside the window it earns no cost score, and
     // the pricey pod, alone in the window, earns the full 0.1.
-    let d = policy.decide(&cost_candidates(&config, 0.7, 1.0), false, 0, Some(0.0));
+    let d = policy.decide(
+        &cost_candidates(&config, 0.7, 1.0),
+        false,
+        0,
+        Some(Balancing::with_error(0.0)),
+    );
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(scored(&d, 1).factors[cost], 1.0);
     assert_eq!(
@@ -641,13 +682,18 @@ fn attribute_scorer_prefers_the_cheap_pod_within_the_cache_window() {
     );
 
     // Both cold: both in the window, cheap wins on cost alone.
-    let d = policy.decide(&cost_candidates(&config, 0.0, 0.0), false, 0, Some(0.0));
+    let d = policy.decide(
+        &cost_candidates(&config, 0.0, 0.0),
+        false,
+        0,
+        Some(Balancing::with_error(0.0)),
+    );
     assert_eq!(d.chosen, Some(0));
 
     // A pod without the attribute scores 0 on it.
     let mut no_attr = cost_candidates(&config, 0.9, 0.9);
     no_attr[0].attributes = &NO_ATTRIBUTES;
-    let d = policy.decide(&no_attr, false, 0, Some(0.0));
+    let d = policy.decide(&no_attr, false, 0, Some(Balancing::with_error(0.0)));
     assert_eq!(scored(&d, 0).factors[cost], 0.0);
     assert_eq!(
         scored(&d, 1).factors[cost],
@@ -825,7 +871,7 @@ proptest! {
         let config = config_with(weights.clone(), max_queue);
         prop_assert!(config.validate().is_ok(), "normalised weights are valid: {:?}", config.validate());
         let policy = ScoringPolicy::from_config(&config);
-        let d = policy.decide(&candidates(&pods), needs_adapter, tie_breaker, Some(0.0));
+        let d = policy.decide(&candidates(&pods), needs_adapter, tie_breaker, Some(Balancing::with_error(0.0)));
         prop_assert_eq!(d.scored.len() + d.excluded.len(), pods.len());
         let w = [weights.cache, weights.load, weights.queue, weights.health, weights.adapter];
         for s in &d.scored {
@@ -863,7 +909,7 @@ proptest! {
             .collect();
         let at = position.index(pods.len() + 1);
         pods.insert(at, hot);
-        let d = default_policy().decide(&candidates(&pods), needs_adapter, tie_breaker, Some(0.0));
+        let d = default_policy().decide(&candidates(&pods), needs_adapter, tie_breaker, Some(Balancing::with_error(0.0)));
         prop_assert_eq!(d.chosen, Some(at), "{:?}", d);
     }
 
@@ -878,7 +924,7 @@ proptest! {
     ) {
         let policy = ScoringPolicy::from_config(&config_with(weights, 20));
         let i = which.index(pods.len());
-        let before = policy.decide(&candidates(&pods), needs_adapter, 0, Some(0.0));
+        let before = policy.decide(&candidates(&pods), needs_adapter, 0, Some(Balancing::with_error(0.0)));
         let mut better = pods.clone();
         let p = &mut better[i];
         match factor {
@@ -888,7 +934,7 @@ proptest! {
             3 => p.health += (1.0 - p.health) * amount,
             _ => p.adapter = true,
         }
-        let after = policy.decide(&candidates(&better), needs_adapter, 0, Some(0.0));
+        let after = policy.decide(&candidates(&better), needs_adapter, 0, Some(Balancing::with_error(0.0)));
         prop_assert!(
             composite(&after, i) + 1e-12 >= composite(&before, i),
             "factor {} raised on pod {}: {} → {}", factor, i, composite(&before, i), composite(&after, i)
@@ -995,7 +1041,7 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
         ttft_pod(&model, 0, 8_500, 8_000, 2_000),
         ttft_pod(&model, 1, 8_500, 0, 0),
     ];
-    let decision = policy.decide(&close, false, 0, Some(model.error()));
+    let decision = policy.decide(&close, false, 0, Some(Balancing::with_error(model.error())));
     assert_eq!(decision.chosen, Some(0));
     assert!((decision.scored[0].predicted_ttft_ms - 260.0).abs() < 1.0);
     // Two long tool outputs queued (18,000 tokens): 1,860 ms against
@@ -1004,7 +1050,12 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
         ttft_pod(&model, 0, 8_500, 8_000, 18_000),
         ttft_pod(&model, 1, 8_500, 0, 0),
     ];
-    let decision = policy.decide(&behind, false, 0, Some(model.error()));
+    let decision = policy.decide(
+        &behind,
+        false,
+        0,
+        Some(Balancing::with_error(model.error())),
+    );
     assert_eq!(decision.chosen, Some(1));
     assert_eq!(
         decision.scored[0].factors[0], 0.0,
@@ -1021,7 +1072,13 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
         ..Config::default()
     });
     assert_eq!(
-        off.decide(&behind, false, 0, Some(model.error())).chosen,
+        off.decide(
+            &behind,
+            false,
+            0,
+            Some(Balancing::with_error(model.error()))
+        )
+        .chosen,
         Some(0)
     );
 }
@@ -1043,7 +1100,14 @@ fn a_busy_pool_counts_the_copy_it_would_make() {
         ttft_pod(&model, 1, 8_500, 0, 0),
     ];
     assert_eq!(
-        policy.decide(&behind, false, 0, Some(model.error())).chosen,
+        policy
+            .decide(
+                &behind,
+                false,
+                0,
+                Some(Balancing::with_error(model.error()))
+            )
+            .chosen,
         Some(0)
     );
     // Twice the queue: 3,660 ms, the copy is worth it.
@@ -1052,7 +1116,14 @@ fn a_busy_pool_counts_the_copy_it_would_make() {
         ttft_pod(&model, 1, 8_500, 0, 0),
     ];
     assert_eq!(
-        policy.decide(&longer, false, 0, Some(model.error())).chosen,
+        policy
+            .decide(
+                &longer,
+                false,
+                0,
+                Some(Balancing::with_error(model.error()))
+            )
+            .chosen,
         Some(1)
     );
 }
@@ -1070,13 +1141,18 @@ fn a_slow_pod_is_predicted_slow() {
         ttft_pod(&model, 0, 2_000, 0, 2_000),
         ttft_pod(&model, 1, 2_000, 0, 2_000),
     ];
-    let decision = policy.decide(&cold, false, 0, Some(model.error()));
+    let decision = policy.decide(&cold, false, 0, Some(Balancing::with_error(model.error())));
     assert!(decision.scored[1].predicted_ttft_ms > 1.9 * decision.scored[0].predicted_ttft_ms);
     let cached_on_slow = [
         ttft_pod(&model, 0, 2_000, 0, 0),
         ttft_pod(&model, 1, 2_000, 1_800, 6_000),
     ];
-    let decision = policy.decide(&cached_on_slow, false, 0, Some(model.error()));
+    let decision = policy.decide(
+        &cached_on_slow,
+        false,
+        0,
+        Some(Balancing::with_error(model.error())),
+    );
     assert_eq!(decision.chosen, Some(0), "1,250 ms against 210 ms");
 }
 
@@ -1091,7 +1167,9 @@ fn an_uncalibrated_model_moves_only_for_large_differences() {
         ttft_pod(&model, 1, 8_500, 0, 0),
     ];
     assert_eq!(
-        policy.decide(&close, false, 0, Some(model.error())).chosen,
+        policy
+            .decide(&close, false, 0, Some(Balancing::with_error(model.error())))
+            .chosen,
         Some(0)
     );
     // 40,500 against 8,500 is not.
@@ -1100,7 +1178,9 @@ fn an_uncalibrated_model_moves_only_for_large_differences() {
         ttft_pod(&model, 1, 8_500, 0, 0),
     ];
     assert_eq!(
-        policy.decide(&far, false, 0, Some(model.error())).chosen,
+        policy
+            .decide(&far, false, 0, Some(Balancing::with_error(model.error())))
+            .chosen,
         Some(1)
     );
 }
@@ -1157,8 +1237,8 @@ proptest! {
             candidates: kvroute::config::CandidatesConfig { exact_up_to: 1024, ..Default::default() },
             ..Config::default()
         });
-        let d = set.decide(&pool, needs_adapter, tie_breaker, Some(0.1));
-        let e = exact.decide(&pool, needs_adapter, tie_breaker, Some(0.1));
+        let d = set.decide(&pool, needs_adapter, tie_breaker, Some(Balancing::with_error(0.1)));
+        let e = exact.decide(&pool, needs_adapter, tie_breaker, Some(Balancing::with_error(0.1)));
         prop_assert_eq!(e.scored.len() + e.excluded.len(), pods.len());
         prop_assert_eq!(d.chosen.is_none(), e.chosen.is_none(), "refused iff every pod is excluded");
         if let Some(chosen) = d.chosen {
@@ -1185,4 +1265,89 @@ proptest! {
             prop_assert_eq!(d.excluded.len(), pods.len(), "every exclusion listed");
         }
     }
+}
+
+#[test]
+fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_the_seeds_score() {
+    let policy = default_policy();
+    let model = learned_model(1.0);
+    // A 1,200-token first turn on a 1,000-token system prompt that only
+    // pod 0 caches; pod 2 has 500 tokens of prefill queued.
+    let mut pods = [
+        ttft_pod(&model, 0, 1_200, 1_000, 0),
+        ttft_pod(&model, 1, 1_200, 0, 0),
+        ttft_pod(&model, 2, 1_200, 0, 500),
+        ttft_pod(&model, 3, 1_200, 0, 0),
+    ];
+    let balanced = Balancing::with_error(model.error());
+    // Affinity: pod 0 answers sooner (30 ms against 130 ms).
+    let decision = policy.decide(&pods, false, 0, Some(balanced));
+    assert_eq!((decision.chosen, decision.spread), (Some(0), false));
+    // The prompt starts 90 % of the sessions: it needs 4 holders (3.6),
+    // it has 1. While that holder is idle, it answers this one at once.
+    let demand = Demand {
+        starts: 40.0,
+        share: 0.9,
+        holders: 1,
+    };
+    let spread = Balancing {
+        demand: Some(demand),
+        ..balanced
+    };
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(0), false));
+    // Hot (all the requests in flight are there): the pod without it that
+    // the seed's score prefers takes this one. Pods 1 and 3 tie (pod 2
+    // has requests waiting), the tie-breaker picks pod 1.
+    pods[0].inflight = 3;
+    pods[2].inflight = 0;
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(1), true));
+    // As hot with as many in flight elsewhere: no more than its share.
+    pods[2].inflight = 9;
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(0), false));
+    pods[2].inflight = 0;
+    // The sessions' later turns will follow them there: a busier pod
+    // (its reported load) yields to a less busy one, whatever its line
+    // predicts for this one request.
+    pods[1].load = 0.9;
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(3), true));
+    pods[1].load = 0.3;
+    // Not behind another pod's whole request: pod 1 with more prefill
+    // queued than pod 3's none plus this request's 1,200 tokens.
+    pods[1].queued_prefill = 1_300;
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(3), true));
+    pods[1].queued_prefill = 0;
+    // Held by as many pods as its sessions need, or by as many as it had
+    // sessions: affinity again.
+    for enough in [
+        Demand {
+            holders: 4,
+            ..demand
+        },
+        Demand {
+            starts: 1.0,
+            ..demand
+        },
+    ] {
+        let decision = policy.decide(
+            &pods,
+            false,
+            0,
+            Some(Balancing {
+                demand: Some(enough),
+                ..balanced
+            }),
+        );
+        assert_eq!((decision.chosen, decision.spread), (Some(0), false));
+    }
+    // The exclusions hold: a pod at maxQueue is never the one spread to.
+    pods[1].queue = 20;
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(3), true));
+    // Not for a request leaving the wait queue (no balancing at all).
+    assert_eq!(policy.decide(&pods, false, 0, None).chosen, Some(0));
 }

@@ -172,6 +172,7 @@ pub fn run(data: &[u8]) {
         index: &index,
         inflight: &scenario.inflight,
         ttft: &scenario.ttft,
+        prefix_demand: &Default::default(),
         now_ms: table.published_at_ms + tie_breaker * 1000,
     };
     match scenario

@@ -377,6 +377,101 @@ fn multi_turn_conversations_stick_to_their_pod() {
     );
 }
 
+/// Conversations on one system prompt opening together once one pod
+/// holds it: each opening alone is answered sooner by that holder (a
+/// 1,000-token copy against 128 tokens of its own), so the holder took
+/// the sessions until its queue outgrew the copy, and their later turns
+/// followed them there. The holder is hot (more than its share of the
+/// requests in flight), so the prompt is copied (`src/scoring/spread.rs`)
+/// and each conversation's next turn follows its own opening. (Questions
+/// sent one at a time to an idle holder are not spread:
+/// `long_shared_prefix_goes_to_the_pod_that_holds_it`.)
+#[test]
+fn conversations_opening_together_spread_a_hot_system_prompt() {
+    let cluster = start(4, base_config(), &["--time-scale", "0.2"], vec![]);
+    let first_pod = open_together(&cluster, 16);
+    let distinct: std::collections::HashSet<_> = first_pod.iter().collect();
+    assert!(distinct.len() >= 3, "openings on {distinct:?}");
+    let spread = cluster
+        .envoy
+        .metric("epp_prefix_spread_total", &[])
+        .unwrap_or(0.0);
+    assert!(spread >= 1.0, "{spread} spread decisions");
+    let route = cluster
+        .envoy
+        .log()
+        .lines()
+        .filter_map(kvroute_integration::harness::log_event)
+        .find(|e| e["event"] == "route" && e["spread"] == true);
+    assert!(route.is_some(), "no route line says spread");
+    cluster.wait_reports(2);
+    for (c, pod) in first_pod.iter().enumerate() {
+        let mut history = opening(c);
+        history.push(json!({"role": "assistant", "content": "ok"}));
+        history.push(json!({"role": "user", "content": "and then?"}));
+        assert_eq!(
+            &served_by(&send_turns(&cluster, &history)),
+            pod,
+            "conversation {c}'s turn 2"
+        );
+    }
+    // Later turns never spread, whatever the router saw of them.
+    assert_eq!(
+        cluster.envoy.metric("epp_prefix_spread_total", &[]),
+        Some(spread)
+    );
+}
+
+#[test]
+fn approximate_mode_does_not_spread() {
+    // Without reports a session start sees nothing of what the pods carry
+    // (design: Spread): the same burst of openings spreads nothing.
+    let mut config = base_config();
+    config["mode"] = json!("approximate");
+    let cluster = start(4, config, &["--time-scale", "0.2"], vec![]);
+    open_together(&cluster, 16);
+    assert_eq!(
+        cluster.envoy.metric("epp_prefix_spread_total", &[]),
+        Some(0.0)
+    );
+}
+
+/// Opens conversation 0 on the shared system prompt, waits for its pod to
+/// report it, then opens `conversations` more at once; their pods.
+fn open_together(cluster: &Cluster, conversations: usize) -> Vec<String> {
+    let first = served_by(&send_turns(cluster, &opening(0)));
+    cluster.wait_reports(2);
+    let start_together = Arc::new(Barrier::new(conversations));
+    let handles: Vec<_> = (1..=conversations)
+        .map(|c| {
+            let body = json!({"model": "sim-model", "messages": opening(c), "max_tokens": 4});
+            let listen = cluster.envoy.listen.clone();
+            let start_together = start_together.clone();
+            std::thread::spawn(move || {
+                start_together.wait();
+                http::post_json(&listen, "/v1/chat/completions", &body.to_string())
+                    .expect("response")
+            })
+        })
+        .collect();
+    let mut pods = vec![first];
+    pods.extend(handles.into_iter().map(|h| served_by(&h.join().unwrap())));
+    pods
+}
+
+/// Conversation `c`'s first turn on the shared system prompt.
+fn opening(c: usize) -> Vec<Value> {
+    vec![
+        json!({"role": "system", "content": text("system prompt", 4096)}),
+        json!({"role": "user", "content": text(&format!("user {c} opening"), 512)}),
+    ]
+}
+
+fn send_turns(cluster: &Cluster, history: &[Value]) -> http::Response {
+    let body = json!({"model": "sim-model", "messages": history, "max_tokens": 4});
+    cluster.post("/v1/chat/completions", &body)
+}
+
 #[test]
 fn long_conversations_follow_their_own_history_past_a_shared_head() {
     // 8 conversations share a 24 KiB head (system prompt, tool definitions)

@@ -324,7 +324,16 @@ impl PromptRenderer {
                     request::canonical_messages(messages.as_ref())?
                 }
             };
-            return Ok(envelope.with_prompt(prompt));
+            let roles: Vec<Value> = request
+                .get_attr("messages")
+                .ok()
+                .and_then(|m| m.try_iter().ok())
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m.get_attr("role").ok())
+                .collect();
+            let follows_up = request::follows_up(roles.iter().filter_map(Value::as_str));
+            return Ok(envelope.with_chat(prompt, follows_up));
         }
         let (mut object, envelope) = request::parse_envelope(body)?;
         let Some(model) = self.by_model.get(&envelope.model) else {

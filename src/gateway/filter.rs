@@ -52,6 +52,7 @@ use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
 use crate::scoring::answers::{Answer, FeedReader};
+use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::TtftModel;
 use crate::snapshot::{push_answer, push_decision};
 use crate::usage::CachedTokensScanner;
@@ -111,6 +112,9 @@ pub struct Worker<H: WorkerHost> {
     /// ([`crate::scoring::answers`]); the prefill queued per pod it reads
     /// is every worker's and every replica's ([`WorkerHost::inflight`]).
     ttft: TtftModel,
+    /// The sessions this worker's arrivals started per prefix
+    /// ([`PrefixDemand`]).
+    prefix_demand: PrefixDemand,
     /// Which answers of the feed `ttft` learnt, and when to read it next.
     feed: FeedReader,
     next_feed_read_ms: u64,
@@ -166,6 +170,7 @@ impl<H: WorkerHost> Worker<H> {
             recent: RecentDecisions::new(&config),
             waiting: Waiting::new(&config),
             ttft: TtftModel::new(config.balance.learning_window),
+            prefix_demand: PrefixDemand::default(),
             feed: FeedReader::default(),
             next_feed_read_ms: 0,
             router: Router::new(config),
@@ -286,6 +291,7 @@ impl<H: WorkerHost> Worker<H> {
                 index: &Merged(&index, &self.recent),
                 inflight: &inflight,
                 ttft: &self.ttft,
+                prefix_demand: &self.prefix_demand,
                 now_ms,
             };
             self.router
@@ -317,6 +323,9 @@ impl<H: WorkerHost> Worker<H> {
             );
         }
         self.recent.record(routed.slot, &routed.chain);
+        let window = f64::from(self.config().balance.learning_window) * table.pods.len() as f64;
+        self.prefix_demand
+            .record(routed.match_end, routed.follows_up, window);
         if !routed.chain.is_empty() {
             push_decision(
                 &mut self.decisions.0,
@@ -502,6 +511,9 @@ pub(super) fn deliver(
     if routed.fallback {
         metrics.increment(Metric::FallbackRouting);
     }
+    if routed.decision.spread {
+        metrics.increment(Metric::PrefixSpread);
+    }
     if log_route {
         events::record(
             log::Level::Info,
@@ -519,6 +531,7 @@ pub(super) fn deliver(
                 latency_us: elapsed_us,
                 predicted_ttft_ms: round_ms(routed.predicted_ttft_ms),
                 runner_up_ttft_ms: routed.runner_up_ttft_ms.map(round_ms),
+                spread: routed.decision.spread,
             },
         );
     }
@@ -556,6 +569,9 @@ struct RouteEvent<'a> {
     latency_us: u64,
     predicted_ttft_ms: f64,
     runner_up_ttft_ms: Option<f64>,
+    /// Sent to a pod without its shared prefix ([`crate::scoring::spread`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    spread: bool,
 }
 
 impl RoutedRequest {

@@ -66,6 +66,7 @@ catalogue! {
     StaleCacheRouting = ("epp_stale_cache_routing_total", Counter, None),
     DegradedRouting = ("epp_degraded_routing_total", Counter, None),
     FallbackRouting = ("epp_fallback_routing_total", Counter, None),
+    PrefixSpread = ("epp_prefix_spread_total", Counter, None),
     SnapshotStale = ("epp_snapshot_stale_total", Counter, None),
     Failovers = ("epp_failovers_total", Counter, None),
     RequestsRejected = ("epp_requests_rejected_total", Counter, Some("status")),

@@ -31,6 +31,7 @@ pub mod balance;
 pub mod candidates;
 pub mod factors;
 pub mod slo;
+pub mod spread;
 pub mod ttft;
 
 use std::collections::BTreeMap;
@@ -133,6 +134,29 @@ pub struct Decision {
     /// Pods of the set that cannot take requests, with the reason (every
     /// excluded pod of the pool when none can).
     pub excluded: Vec<(usize, Exclusion)>,
+    /// The chosen pod did not cache the request's shared prefix, which
+    /// had fewer holders than its sessions need ([`spread`]).
+    pub spread: bool,
+}
+
+/// What balances one decision (arrivals only, with `balance.enabled`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Balancing {
+    /// The TTFT model's relative error ([`ttft::TtftModel::error`]).
+    pub error: f64,
+    /// The request starts a session from a shared prefix: what its
+    /// sessions ask of the pool ([`spread::PrefixDemand`]).
+    pub demand: Option<spread::Demand>,
+}
+
+impl Balancing {
+    /// Balanced by predicted TTFT, no prefix shared.
+    pub fn with_error(error: f64) -> Balancing {
+        Balancing {
+            error,
+            demand: None,
+        }
+    }
 }
 
 impl Decision {
@@ -254,15 +278,14 @@ impl ScoringPolicy {
     /// Scores the pods of `pool` ([`candidates::select`] picks which) and
     /// picks one. `tie_breaker` (any per-request varying number, e.g. a
     /// counter) spreads exact ties evenly and seeds the candidate set's
-    /// draws; `balance_error`, the TTFT model's relative error
-    /// ([`ttft::TtftModel::error`]), applies [`balance`] over the pods
+    /// draws; `balancing` applies [`balance`] and [`spread`] over the pods
     /// scored (`None`: not for this request).
     pub fn decide<'a, P: Pool<'a> + ?Sized>(
         &self,
         pool: &P,
         needs_adapter: bool,
         tie_breaker: u64,
-        balance_error: Option<f64>,
+        balancing: Option<Balancing>,
     ) -> Decision {
         let set = candidates::select(pool, &self.candidates, needs_adapter, tie_breaker, |c| {
             self.exclusion(c).is_none()
@@ -290,8 +313,9 @@ impl ScoringPolicy {
                 )
             })
             .collect();
-        let withheld = match (&self.balance, balance_error) {
-            (Some(balance), Some(error)) => balance.withhold(&eligible_pods, error),
+        let balancing = balancing.filter(|_| self.balance.is_some());
+        let withheld = match (&self.balance, balancing) {
+            (Some(balance), Some(b)) => balance.withhold(&eligible_pods, b.error),
             _ => vec![false; eligible_pods.len()],
         };
         for (pod, &withheld) in eligible_pods.iter_mut().zip(&withheld) {
@@ -332,19 +356,35 @@ impl ScoringPolicy {
                 }
             })
             .collect();
-        let chosen = pick(&scored, &tie_keys, tie_breaker);
+        // A session start from an under-held prefix whose holders are hot
+        // goes to a pod without it ([`spread`]).
+        let spread_to = balancing.and_then(|b| b.demand).and_then(|demand| {
+            spread::targets(&eligible_pods, demand, eligible.len() + excluded.len())
+        });
+        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| {
+            spread_to
+                .as_ref()
+                .is_none_or(|to| to.get(i).copied().unwrap_or(false))
+        });
         Decision {
             chosen,
             scored,
             excluded,
+            spread: spread_to.is_some(),
         }
     }
 }
 
-/// The highest composite, ties (within [`TIE_EPSILON`]) to the higher load
-/// score, then the higher queue score (`tie_keys`, aligned with `scored`),
-/// then rotating by `tie_breaker`.
-fn pick(scored: &[ScoredPod], tie_keys: &[(f64, f64)], tie_breaker: u64) -> Option<usize> {
+/// Of the pods `allowed` (by position in `scored`), the highest composite,
+/// ties (within [`TIE_EPSILON`]) to the higher load score, then the higher
+/// queue score (`tie_keys`, aligned with `scored`), then rotating by
+/// `tie_breaker`.
+fn pick(
+    scored: &[ScoredPod],
+    tie_keys: &[(f64, f64)],
+    tie_breaker: u64,
+    allowed: impl Fn(usize) -> bool,
+) -> Option<usize> {
     let key = |i: usize| {
         let (load, queue) = tie_keys.get(i).copied().unwrap_or((0.0, 0.0));
         (scored.get(i).map_or(0.0, |s| s.composite), load, queue)
@@ -361,10 +401,11 @@ fn pick(scored: &[ScoredPod], tie_keys: &[(f64, f64)], tie_breaker: u64) -> Opti
         None
     };
     let best = (0..scored.len())
+        .filter(|&i| allowed(i))
         .map(key)
         .reduce(|a, b| if better(b, a) == Some(true) { b } else { a })?;
     let ties: Vec<usize> = (0..scored.len())
-        .filter(|&i| better(key(i), best).is_none())
+        .filter(|&i| allowed(i) && better(key(i), best).is_none())
         .filter_map(|i| scored.get(i).map(|s| s.index))
         .collect();
     let turn = tie_breaker % (ties.len().max(1) as u64);

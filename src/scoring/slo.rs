@@ -110,6 +110,7 @@ mod tests {
             chosen: Some(0),
             scored: pods.iter().map(|(_, s)| s.clone()).collect(),
             excluded: Vec::new(),
+            spread: false,
         };
         (pods.iter().map(|(c, _)| c.clone()).collect(), decision)
     }
@@ -145,6 +146,7 @@ mod tests {
             chosen: None,
             scored: Vec::new(),
             excluded: Vec::new(),
+            spread: false,
         };
         assert_eq!(place(&empty, &[][..], 150.0, 0.0), None);
     }

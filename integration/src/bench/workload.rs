@@ -55,6 +55,8 @@ pub struct BenchRequest {
     pub prompt_tokens: u64,
     pub coverage: Coverage,
     pub output_tokens: u64,
+    /// It continues a conversation ([`kvroute::request::ParsedRequest::follows_up`]).
+    pub follows_up: Option<bool>,
 }
 
 impl BenchRequest {
@@ -316,6 +318,7 @@ fn finish(
                 prompt_tokens: prompt_tokens(&parsed.prompt),
                 coverage: hasher.coverage(&parsed.prompt),
                 output_tokens: d.output_tokens,
+                follows_up: parsed.follows_up,
             }
         })
         .collect()

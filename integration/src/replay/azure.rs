@@ -93,6 +93,7 @@ pub fn from_csv(
                 // A token prompt's body is ~6 bytes a token.
                 routable: (turn.context as usize).saturating_mul(6) + 128 <= config.max_body_bytes,
                 session_key: turn.conversation,
+                follows_up: None,
             }
         })
         .collect();

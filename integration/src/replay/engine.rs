@@ -54,6 +54,7 @@ use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
 use kvroute::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
+use kvroute::scoring::spread::PrefixDemand;
 use kvroute::scoring::ttft::TtftModel;
 use kvroute::snapshot::{PodTable, SlotLoad, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
@@ -871,6 +872,9 @@ struct KvrouteView<'a> {
     requests: u64,
     /// The filter's predicted-TTFT model, learned from first tokens.
     ttft: TtftModel,
+    /// The sessions arrivals started per prefix, as a filter worker
+    /// counts them.
+    prefix_demand: PrefixDemand,
 }
 
 impl<'a> KvrouteView<'a> {
@@ -892,6 +896,7 @@ impl<'a> KvrouteView<'a> {
             pod_ids: config.pods.iter().map(|p| p.id.clone()).collect(),
             requests: 0,
             ttft: TtftModel::new(config.balance.learning_window),
+            prefix_demand: PrefixDemand::default(),
         }
     }
 
@@ -956,6 +961,7 @@ impl<'a> KvrouteView<'a> {
                     .ttft_target_ms
                     .as_ref()
                     .and_then(|t| t.of(super::workload::DEFAULT_MODEL)),
+                follows_up: request.follows_up,
             }
         } else {
             RoutingRequest::by_load(String::new(), "request body exceeds maxBodyBytes".into())
@@ -974,6 +980,7 @@ impl<'a> KvrouteView<'a> {
             index: &Merged(&snapshot, &self.recent),
             inflight,
             ttft: &self.ttft,
+            prefix_demand: &self.prefix_demand,
             // The simulated service publishes every interval and never
             // freezes, so its snapshot is never stale.
             now_ms: self.table.published_at_ms,
@@ -989,6 +996,9 @@ impl<'a> KvrouteView<'a> {
             Outcome::NoEligiblePod(_) | Outcome::Rejected(_) => return Err(Placement::Wait),
         };
         self.recent.record(routed.slot, &routed.chain);
+        let window = f64::from(self.config.balance.learning_window) * self.table.pods.len() as f64;
+        self.prefix_demand
+            .record(routed.match_end, routed.follows_up, window);
         // As the service does on the decision queue: recorded and its
         // buckets published at once.
         self.cluster.record_decision(
@@ -1084,6 +1094,7 @@ mod tests {
                         index: &Merged(&snapshot, &view.recent),
                         inflight: &inflight,
                         ttft: &view.ttft,
+                        prefix_demand: &view.prefix_demand,
                         now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {

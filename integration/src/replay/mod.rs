@@ -517,6 +517,7 @@ fn run_bench_workload(
                 coverage: r.coverage,
                 routable: true,
                 session_key: xxhash_rust::xxh64::xxh64(r.session.as_bytes(), 0),
+                follows_up: r.follows_up,
             })
             .collect(),
         reordered: 0,

@@ -36,6 +36,10 @@ pub struct Request {
     /// Key of the ring-hash baseline: the first Mooncake hash id (Mooncake
     /// has no session id), or the first block hash for OpenAI bodies.
     pub session_key: u64,
+    /// As the filter reads it from a chat body
+    /// ([`kvroute::request::ParsedRequest::follows_up`]; `None` for
+    /// completions and token traces).
+    pub follows_up: Option<bool>,
 }
 
 /// The requests of a trace in arrival order.
@@ -109,6 +113,7 @@ impl Workload {
                     session_key: r.hash_ids.first().copied().unwrap_or(r.line as u64),
                     coverage: hasher.coverage(&prompt),
                     chain,
+                    follows_up: None,
                 }
             })
             .collect();
@@ -195,6 +200,7 @@ impl Workload {
                 session_key: chain.first().copied().unwrap_or(line as u64),
                 coverage: hasher.coverage(&parsed.prompt),
                 chain,
+                follows_up: parsed.follows_up,
             });
         }
         Ok(Workload::sorted(out))

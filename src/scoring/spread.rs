@@ -1,0 +1,341 @@
+//! Spread: a shared prefix gets holders in proportion to the sessions it
+//! starts.
+//!
+//! The balance ([`super::balance`]) moves a request off the pods caching
+//! its prefix only when another pod is predicted to answer it clearly
+//! sooner, re-prefill included. That is right for the request, and wrong
+//! for the sessions that branch from a shared prefix (a system prompt, a
+//! document, few-shot examples): each session's later turns follow its
+//! history to the pod it started on, so the prefix's first holder collects
+//! every session until its queue outgrows a whole copy of the prefix, and
+//! the pool's other pods stay empty. Measured with `kvroute-replay
+//! --bench-workload multi-turn` (128 chats of 6 rounds on one 1,000-token
+//! system prompt): at 4 pods one pod never prefilled a token (TTFT p90
+//! 66 ms against ring hash's 37), at 8 pods two (p90 117 against 45, 88 %
+//! of the pooled bound); with unbounded caches all went to one pod.
+//! Copying the system prompt once to every pod (the first decisions by
+//! load) removed it: 99.5 % of the bound, p90 37 ms.
+//!
+//! So the router counts, per prefix, the sessions that start from it: an
+//! arrival whose longest match ends at a block an earlier arrival's match
+//! also ended at branches there. A conversation's later turn does not: a
+//! chat says so itself (it carries an assistant message), and is never
+//! counted or spread, however little of its own history this router has
+//! seen yet (another worker's decision, a pod that has not reported); a
+//! completion's later turn matches to where its own previous prompt
+//! ended, a block nobody else's match ended at. With `n(P)` the recent
+//! session starts at `P`, `N` of them in all (both decayed over
+//! `balance.learningWindow` starts per pod, the TTFT model's horizon),
+//! `pods` in the pool and `scored` the pods a decision scores (the pool,
+//! or a large pool's candidate set), `P` needs
+//!
+//! ```text
+//! share(P)   = n(P) / (N + pods)              one start per pod as prior
+//! holders(P) = min(n(P), share(P) × scored)
+//! ```
+//!
+//! pods: no holder starts more than its fair share of the sessions from
+//! it, and there are no more holders than sessions. The prior keeps a
+//! pool that has seen fewer starts than it has pods from reading a
+//! handful of them as a large share.
+//!
+//! A copy is bought only while `P`'s holders are hot: they carry more
+//! than their share of the requests in flight on the pods scored. Idle
+//! holders answer a session start at once, and so will its later turns:
+//! eleven questions on one document sent one at a time went to its idle
+//! holder, where the rule counting starts alone had copied the document
+//! for the third (CI, `long_shared_prefix_goes_to_the_pod_that_holds_it`).
+//!
+//! While fewer pods cache all of `P`, a hot holder's session start at `P`
+//! goes to a pod without it, among those with no more prefill queued than
+//! the least queued of them plus this request's own (a copy is not sent
+//! behind another pod's whole request: in the long-context burst, 16
+//! sessions of 8,000-token heads opening at once, that took its TTFT p50
+//! at 4 pods from 2.2 s back to 1.4 s, main 1.5 s), the one the seed's
+//! score prefers (its reported load and queue first: the copy is bought
+//! for the sessions that will follow this one there, so what the pod
+//! carries counts, not what one request's predicted TTFT says; the
+//! learned lines of idle pods differ by noise, and ranking by them sent
+//! an agent to a pod already running eight while another idled, 4 of 6
+//! real-Envoy agentic runs). So one system prompt is copied to every pod,
+//! three prompts of a third of the sessions each get two holders of four
+//! pods, and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
+//! prefixes` per window. Exclusions hold exactly, and only arrivals
+//! spread (a request leaving the wait queue is not balanced either). O(1)
+//! per arrival, bounded by [`REMEMBERED`] blocks of each kind. Precise
+//! mode only ([`crate::router`]): in approximate mode nothing tells a
+//! session start what the pods carry (no reports: load 0, and 0–3
+//! requests awaiting a first token), the target rotates blindly, and the
+//! agentic closed loop collapsed in 6 of 12 real-Envoy runs.
+//!
+//! Measured side by side with the rule off (integration/results/
+//! costmodel.md, "Spread on main"): `kvroute-replay`, every bench
+//! workload at 4 and 8 pods: multi-turn TTFT p90 66 → 37 ms at 4 pods and
+//! 117 → 40 at 8 (ring hash: 37 and 45), 96 → 99.5 % and 88 → 98.9 % of
+//! the pooled bound; agentic p90 100 → 72 ms at 4 pods, p50 127 → 53 at
+//! 8; LoRA at 8 pods 2.6 → 1.3× fair; long context at 4 pods p50/p90/p99
+//! −7 to −14 %; shared prefix, the trace workload, approximate mode and
+//! both shared traces unchanged. It loses long context at 8 pods (p50
+//! 610 → 868 ms, 96.7 → 93.4 % of the bound), where a head's copy fills
+//! most of a pod's cache and evicts the sessions' histories: the rule
+//! prices a copy's prefill, not its cache, which the pods do not report.
+//! Real Envoy: multi-turn p90 49–57 → 40–45 ms, p99 127–132 → 83–94.
+//! Scoring the candidate set rather than the pool is what keeps the
+//! Mooncake trace at 1,024 pods unchanged (97.9 % of the bound; with the
+//! pool's size, 85.6 %: a prefix's few starts read as a share of 1,024
+//! pods asked for copies the load never needed).
+
+use std::collections::VecDeque;
+
+use hashbrown::{HashMap, HashSet};
+
+use super::Candidate;
+
+/// Blocks remembered, of each kind: match ends seen once, and branch
+/// points with their session starts (each 8–24 bytes).
+pub const REMEMBERED: usize = 4096;
+
+/// What one session start's prefix asks of the pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Demand {
+    /// Recent session starts at the prefix.
+    pub starts: f64,
+    /// Their share of all recent session starts.
+    pub share: f64,
+    /// Pods caching the whole prefix.
+    pub holders: usize,
+}
+
+impl Demand {
+    /// Whether the prefix needs another holder among `pods`, its holders
+    /// `hot` or not (module documentation).
+    pub fn wants_holder(&self, pods: usize, hot: bool) -> bool {
+        hot && (self.holders as f64) < self.starts.min(self.share * pods as f64)
+    }
+}
+
+/// The pods of `pods` (a decision's eligible ones) a session start may go
+/// to when its prefix wants another holder among the `scored` pods and
+/// its holders are hot; `None` when the rule does not apply (module
+/// documentation). The holders are the pods caching the most of it.
+pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<Vec<bool>> {
+    let most_cached = pods.iter().map(|p| p.cached_tokens).max()?;
+    let holds: Vec<bool> = pods
+        .iter()
+        .map(|p| p.cached_tokens == most_cached)
+        .collect();
+    let inflight = |holding: bool| -> f64 {
+        pods.iter()
+            .zip(&holds)
+            .filter(|&(_, &h)| h == holding)
+            .map(|(pod, _)| f64::from(pod.inflight))
+            .sum()
+    };
+    let holders = holds.iter().filter(|&&h| h).count() as f64;
+    let (held, elsewhere) = (inflight(true), inflight(false));
+    let hot = held > 0.0 && held / (held + elsewhere) > holders / pods.len() as f64;
+    if !demand.wants_holder(scored, hot) {
+        return None;
+    }
+    // Not behind another pod's whole request.
+    let least_queued = pods
+        .iter()
+        .zip(&holds)
+        .filter(|&(_, &h)| !h)
+        .map(|(pod, _)| pod.queued_prefill)
+        .min()?;
+    Some(
+        pods.iter()
+            .zip(&holds)
+            .map(|(pod, &h)| !h && pod.queued_prefill <= least_queued + pod.uncached_tokens)
+            .collect(),
+    )
+}
+
+/// Session starts at one branch point, decayed to `at` (the starts clock).
+#[derive(Debug, Clone, Copy)]
+struct Starts {
+    count: f64,
+    at: u64,
+}
+
+/// See the module documentation. One per filter worker (like the TTFT
+/// model, it sees this worker's arrivals), and one in the replay.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixDemand {
+    /// Match ends seen once, oldest first.
+    seen: HashSet<u64>,
+    seen_order: VecDeque<u64>,
+    branches: HashMap<u64, Starts>,
+    /// Decayed session starts, all prefixes (and none) together.
+    total: f64,
+    /// Session starts counted so far: the clock the decay runs on.
+    clock: u64,
+    /// Session starts averaged over: `balance.learningWindow` per pod.
+    window: f64,
+}
+
+fn decay(window: f64, steps: u64) -> f64 {
+    (1.0 - 1.0 / window.max(1.0)).powf(steps as f64)
+}
+
+impl PrefixDemand {
+    /// An arrival routed with its longest cached match ending at block
+    /// `end` (`None`: nothing cached anywhere, a session of its own), and
+    /// `follows_up` as its request says
+    /// ([`crate::request::ParsedRequest::follows_up`]).
+    pub fn record(&mut self, end: Option<u64>, follows_up: Option<bool>, window: f64) {
+        self.window = window;
+        if follows_up == Some(true) {
+            return;
+        }
+        let Some(end) = end else {
+            self.count_start();
+            return;
+        };
+        let known = self.branches.contains_key(&end);
+        let promoted = !known && self.seen.remove(&end);
+        if !known && !promoted {
+            // First time: a later turn of its own session, or a branch
+            // point's first start (counted once a second one comes).
+            self.seen.insert(end);
+            self.seen_order.push_back(end);
+            while self.seen_order.len() > REMEMBERED {
+                if let Some(oldest) = self.seen_order.pop_front() {
+                    self.seen.remove(&oldest);
+                }
+            }
+            return;
+        }
+        if promoted {
+            self.count_start();
+        }
+        self.count_start();
+        let clock = self.clock;
+        let starts = self.branches.entry(end).or_insert(Starts {
+            count: if promoted { 1.0 } else { 0.0 },
+            at: clock,
+        });
+        starts.count = starts.count * decay(window, clock - starts.at) + 1.0;
+        starts.at = clock;
+        if self.branches.len() > REMEMBERED {
+            // Keep the busier half.
+            let mut counts: Vec<f64> = self.branches.values().map(|s| self.decayed(s)).collect();
+            let middle = counts.len() / 2;
+            let (_, &mut median, _) = counts.select_nth_unstable_by(middle, f64::total_cmp);
+            let decayed = |s: &Starts| s.count * decay(window, clock - s.at);
+            self.branches.retain(|_, s| decayed(s) > median);
+        }
+    }
+
+    fn count_start(&mut self) {
+        self.clock += 1;
+        self.total = self.total * decay(self.window, 1) + 1.0;
+    }
+
+    fn decayed(&self, starts: &Starts) -> f64 {
+        starts.count * decay(self.window, self.clock - starts.at)
+    }
+
+    /// The recent session starts at the prefix ending at `end` and their
+    /// share of all, in a pool of `pods` (`None`: not a branch point).
+    pub fn demand(&self, end: u64, pods: usize) -> Option<Demand> {
+        let starts = self.decayed(self.branches.get(&end)?);
+        Some(Demand {
+            starts,
+            share: starts / (self.total + pods as f64),
+            holders: 0,
+        })
+    }
+
+    /// Branch points counted.
+    pub fn len(&self) -> usize {
+        self.branches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.branches.is_empty()
+    }
+}
+
+/// The block a request's longest cached match ends at: its last block
+/// held by any pod (`None` when no pod holds its first).
+pub fn match_end(chain: &[u64], longest_blocks: u32) -> Option<u64> {
+    let blocks = usize::try_from(longest_blocks).ok()?;
+    blocks
+        .checked_sub(1)
+        .and_then(|last| chain.get(last))
+        .copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With the prefix's holders hot.
+    fn wants(demand: &PrefixDemand, end: u64, holders: usize, pods: usize) -> bool {
+        demand
+            .demand(end, pods)
+            .is_some_and(|d| Demand { holders, ..d }.wants_holder(pods, true))
+    }
+
+    #[test]
+    fn one_system_prompt_wants_every_pod() {
+        let mut demand = PrefixDemand::default();
+        assert_eq!(match_end(&[10, 11, 12], 0), None);
+        assert_eq!(match_end(&[10, 11, 12], 2), Some(11));
+        assert_eq!(match_end(&[10, 11, 12], 9), None);
+        // The first session had nothing cached; the second matched the
+        // system prompt (ends at 11) first: not a branch point yet.
+        demand.record(None, None, 1e6);
+        demand.record(Some(11), None, 1e6);
+        assert!(!wants(&demand, 11, 1, 4));
+        // Later turns: a chat says so; a completion's ends at its own
+        // history, once each.
+        for turn in 0..50 {
+            demand.record(Some(11), Some(true), 1e6);
+            demand.record(Some(1_000 + turn), None, 1e6);
+        }
+        assert!(demand.is_empty());
+        // The third session makes it one, with two starts of three: two
+        // holders; then every pod.
+        demand.record(Some(11), Some(false), 1e6);
+        assert!(wants(&demand, 11, 1, 4));
+        assert!(!wants(&demand, 11, 2, 4));
+        for _ in 0..100 {
+            demand.record(Some(11), None, 1e6);
+        }
+        assert!(wants(&demand, 11, 3, 4));
+        assert!(!wants(&demand, 11, 4, 4));
+        assert_eq!(demand.demand(99, 4), None);
+        // Never while its holders are not hot.
+        let d = demand.demand(11, 4).unwrap();
+        assert!(!Demand { holders: 1, ..d }.wants_holder(4, false));
+    }
+
+    #[test]
+    fn three_prompts_of_a_third_each_want_two_holders_of_four() {
+        let mut demand = PrefixDemand::default();
+        for _ in 0..40 {
+            for prompt in [1, 2, 3] {
+                demand.record(Some(prompt), Some(false), 1e6);
+            }
+        }
+        for prompt in [1, 2, 3] {
+            assert!(wants(&demand, prompt, 1, 4));
+            assert!(!wants(&demand, prompt, 2, 4));
+        }
+    }
+
+    #[test]
+    fn memory_is_bounded() {
+        let mut demand = PrefixDemand::default();
+        for end in 0..(3 * REMEMBERED as u64) {
+            demand.record(Some(end), None, 1e6);
+            demand.record(Some(end), None, 1e6);
+        }
+        assert!(demand.len() <= REMEMBERED);
+        assert!(demand.seen.len() <= REMEMBERED);
+        assert!(demand.seen_order.len() <= REMEMBERED);
+    }
+}
