@@ -308,22 +308,10 @@ fn multi_turn_conversations_stick_to_their_pod() {
         // The conversations open together (concurrent users sharing the
         // system prompt); later turns come one at a time.
         let responses: Vec<http::Response> = if turn == 1 {
-            let listen = cluster.envoy.listen.clone();
-            let start_together = Arc::new(Barrier::new(conversations));
-            let handles: Vec<_> = histories
-                .iter()
-                .map(|history| {
-                    let body = json!({"model": "sim-model", "messages": history, "max_tokens": 16});
-                    let listen = listen.clone();
-                    let start_together = start_together.clone();
-                    std::thread::spawn(move || {
-                        start_together.wait();
-                        http::post_json(&listen, "/v1/chat/completions", &body.to_string())
-                            .expect("response")
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let bodies = histories.iter().map(
+                |history| json!({"model": "sim-model", "messages": history, "max_tokens": 16}),
+            );
+            post_together(&cluster, "/v1/chat/completions", bodies)
         } else {
             histories
                 .iter()
@@ -441,22 +429,38 @@ fn approximate_mode_does_not_spread() {
 fn open_together(cluster: &Cluster, conversations: usize) -> Vec<String> {
     let first = served_by(&send_turns(cluster, &opening(0)));
     cluster.wait_reports(2);
-    let start_together = Arc::new(Barrier::new(conversations));
-    let handles: Vec<_> = (1..=conversations)
-        .map(|c| {
-            let body = json!({"model": "sim-model", "messages": opening(c), "max_tokens": 4});
+    let bodies = (1..=conversations)
+        .map(|c| json!({"model": "sim-model", "messages": opening(c), "max_tokens": 4}));
+    let mut pods = vec![first];
+    pods.extend(
+        post_together(cluster, "/v1/chat/completions", bodies)
+            .iter()
+            .map(served_by),
+    );
+    pods
+}
+
+/// Posts `bodies` to `path` at once (one thread each, released together);
+/// their responses in order.
+fn post_together(
+    cluster: &Cluster,
+    path: &'static str,
+    bodies: impl Iterator<Item = Value>,
+) -> Vec<http::Response> {
+    let bodies: Vec<Value> = bodies.collect();
+    let start_together = Arc::new(Barrier::new(bodies.len()));
+    let handles: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
             let listen = cluster.envoy.listen.clone();
             let start_together = start_together.clone();
             std::thread::spawn(move || {
                 start_together.wait();
-                http::post_json(&listen, "/v1/chat/completions", &body.to_string())
-                    .expect("response")
+                http::post_json(&listen, path, &body.to_string()).expect("response")
             })
         })
         .collect();
-    let mut pods = vec![first];
-    pods.extend(handles.into_iter().map(|h| served_by(&h.join().unwrap())));
-    pods
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
 /// Conversation `c`'s first turn on the shared system prompt.
