@@ -502,10 +502,6 @@ impl Router {
         // trade its cache hit for a miss on another pod that has room.
         let longest = matches.longest();
         let match_end = spread::match_end(&chain, longest);
-        let holders = matches
-            .iter()
-            .filter(|&(_, blocks)| blocks == longest)
-            .count();
         let balancing = (attempt == Attempt::Arrival).then(|| Balancing {
             error: view.ttft.error(),
             // Only where pods report what they hold and carry (in
@@ -516,7 +512,14 @@ impl Router {
             demand: match_end
                 .filter(|_| self.config.mode == IndexMode::Precise && follows_up != Some(true))
                 .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
-                .map(|d| spread::Demand { holders, ..d }),
+                .map(|d| spread::Demand {
+                    // Counted only for a session start at a branch point.
+                    holders: matches
+                        .iter()
+                        .filter(|&(_, blocks)| blocks == longest)
+                        .count(),
+                    ..d
+                }),
         });
         let mut decision = self
             .policy
