@@ -259,7 +259,7 @@ fn candidates<'a>(f: &'a Fixture, matched: &PrefixMatch, blocks: usize) -> Vec<C
             cache_match: f64::from(matched.blocks(pod.slot)) / blocks.max(1) as f64,
             cached_tokens: 0,
             uncached_tokens: 0,
-            inflight: 0,
+            streams: 0,
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,

@@ -978,8 +978,11 @@ impl ClusterState {
                 .slot(&inflight.pod)
                 .and_then(|slot| loads.get_mut(slot))
             {
-                load.requests = load.requests.saturating_add(inflight.requests);
-                load.prefill_tokens = load.prefill_tokens.saturating_add(inflight.prefill_tokens);
+                load.add(SlotLoad {
+                    requests: inflight.requests,
+                    prefill_tokens: inflight.prefill_tokens,
+                    streams: inflight.streams,
+                });
             }
         }
         loads

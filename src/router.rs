@@ -40,7 +40,7 @@
 //! decayed from its last report as the service would have done.
 
 use crate::chat_template::PromptRenderer;
-use crate::config::{BadRequestPolicy, Config, IndexMode, NoPodPolicy, TierCredits};
+use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
 use crate::scoring::factors::CachedPrefix;
@@ -277,7 +277,7 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             cache_match: cached.cache_match,
             cached_tokens: cached.cached_tokens,
             uncached_tokens,
-            inflight,
+            streams: load.streams,
             queued_prefill,
             predicted_ttft_ms: line.predict(work as f64),
             prefill_ms_per_token: line.ms_per_token,
@@ -504,13 +504,10 @@ impl Router {
         let match_end = spread::match_end(&chain, longest);
         let balancing = (attempt == Attempt::Arrival).then(|| Balancing {
             error: view.ttft.error(),
-            // Only where pods report what they hold and carry (in
-            // approximate mode a session start sees no load, and spread
-            // collapsed the agentic closed loop, design: Spread), and never
-            // a conversation's later turn: it follows its history,
-            // whatever this router has seen of it.
+            // Never for a conversation's later turn: it follows its
+            // history, whatever this router has seen of it.
             demand: match_end
-                .filter(|_| self.config.mode == IndexMode::Precise && follows_up != Some(true))
+                .filter(|_| follows_up != Some(true))
                 .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
                 .map(|d| spread::Demand {
                     // Counted only for a session start at a branch point.
@@ -983,6 +980,7 @@ mod tests {
             let inflight = inflight.map(|requests| SlotLoad {
                 requests,
                 prefill_tokens: requests * 1000,
+                streams: requests,
             });
             let view = ClusterView {
                 table: &self.table,

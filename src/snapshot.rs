@@ -11,7 +11,7 @@
 //! | `kvroute/generation`    | the table's generation, 8 bytes LE             | once |
 //! | `kvroute/idx/{b:x}`     | bucket `b`: entry count (u32 LE), then per block ordered by hash its hash (u64 LE) and holders (4 × u16 LE, [`encode_bucket`]), 16 B each, then the holder lists of blocks with more than four | O(k log n) buckets |
 //! | `kvroute/workers`       | how many workers claimed an in-flight key, u32 LE | only when the generation changes |
-//! | `kvroute/inflight/{w}`  | worker `w`'s in-flight load ([`SlotLoad`]): its nonce (u64 LE), then per pod slot the requests routed and not finished (u32 LE) and their prompt tokens still to prefill (u32 LE); written only by that worker | every other worker's, once |
+//! | `kvroute/inflight/{w}`  | worker `w`'s in-flight load ([`SlotLoad`]): its nonce (u64 LE), then per pod slot the requests routed and not finished (u32 LE), their prompt tokens still to prefill (u32 LE) and the streams open (u32 LE); written only by that worker | every other worker's, once |
 //!
 //! A block hash lives in bucket `hash & (buckets − 1)`, `buckets` a power of
 //! two ≈ `maxIndexBlocks / 16`, so a bucket holds ~16 entries (~256 B) at a
@@ -483,19 +483,71 @@ pub struct SlotLoad {
     /// Their prompt tokens the pod had not cached at the decision, counted
     /// until each request's first response byte: the prefill queued there.
     pub prefill_tokens: u32,
+    /// Requests routed to the pod whose stream has not ended, in every
+    /// mode: what the pod carries, answering or not (in precise mode the
+    /// same as `requests`).
+    pub streams: u32,
 }
 
-const SLOT_LOAD_BYTES: usize = 8;
+impl SlotLoad {
+    /// Adds `other` (saturating).
+    pub fn add(&mut self, other: SlotLoad) {
+        self.requests = self.requests.saturating_add(other.requests);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(other.prefill_tokens);
+        self.streams = self.streams.saturating_add(other.streams);
+    }
+}
+
+const SLOT_LOAD_BYTES: usize = 12;
+
+/// A change to one pod slot's in-flight load: what a request adds when it
+/// is sent, and takes back at its first byte or its end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InflightChange {
+    pub slot: usize,
+    pub requests: i64,
+    pub prefill_tokens: i64,
+    pub streams: i64,
+}
+
+impl InflightChange {
+    /// From `from` to `to` on `slot`.
+    pub fn between(slot: usize, from: SlotLoad, to: SlotLoad) -> InflightChange {
+        let delta = |from: u32, to: u32| i64::from(to) - i64::from(from);
+        InflightChange {
+            slot,
+            requests: delta(from.requests, to.requests),
+            prefill_tokens: delta(from.prefill_tokens, to.prefill_tokens),
+            streams: delta(from.streams, to.streams),
+        }
+    }
+
+    /// Whether it adds to the load (what other workers must see at once).
+    pub fn grows(&self) -> bool {
+        self.requests > 0 || self.prefill_tokens > 0 || self.streams > 0
+    }
+
+    /// Applied to `load`, clamped at 0 and `u32::MAX`.
+    pub fn apply(&self, load: &mut SlotLoad) {
+        let add = |value: u32, delta: i64| {
+            (i64::from(value) + delta).clamp(0, i64::from(u32::MAX)) as u32
+        };
+        load.requests = add(load.requests, self.requests);
+        load.prefill_tokens = add(load.prefill_tokens, self.prefill_tokens);
+        load.streams = add(load.streams, self.streams);
+    }
+}
 
 /// One worker's in-flight loads as published: the nonce of the worker
 /// that wrote them (so a worker can tell its key was claimed twice), then
-/// each slot's [`SlotLoad`], 8 bytes.
+/// each slot's [`SlotLoad`], 12 bytes.
 pub fn encode_inflight(nonce: u64, loads: &[SlotLoad]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(8 + loads.len() * SLOT_LOAD_BYTES);
     bytes.extend_from_slice(&nonce.to_le_bytes());
     for load in loads {
         bytes.extend_from_slice(&load.requests.to_le_bytes());
         bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
+        bytes.extend_from_slice(&load.streams.to_le_bytes());
     }
     bytes
 }
@@ -514,11 +566,20 @@ pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
     if total.len() < loads.len() {
         total.resize(loads.len(), SlotLoad::default());
     }
-    let word = |bytes: &[u8]| bytes.iter().rev().fold(0, |w, &b| w << 8 | u32::from(b));
+    let word = |at: usize, bytes: &[u8]| {
+        bytes
+            .get(at..at + 4)
+            .unwrap_or_default()
+            .iter()
+            .rev()
+            .fold(0, |w, &b| w << 8 | u32::from(b))
+    };
     for (sum, load) in total.iter_mut().zip(loads) {
-        let (requests, prefill) = load.split_at(4);
-        sum.requests = sum.requests.saturating_add(word(requests));
-        sum.prefill_tokens = sum.prefill_tokens.saturating_add(word(prefill));
+        sum.add(SlotLoad {
+            requests: word(0, load),
+            prefill_tokens: word(4, load),
+            streams: word(8, load),
+        });
     }
 }
 
@@ -819,12 +880,13 @@ mod tests {
 
     #[test]
     fn inflight_and_decisions_round_trip() {
-        let load = |requests, prefill_tokens| SlotLoad {
+        let load = |requests, prefill_tokens, streams| SlotLoad {
             requests,
             prefill_tokens,
+            streams,
         };
-        let a = encode_inflight(11, &[load(1, 500), load(0, 0), load(7, u32::MAX)]);
-        let b = encode_inflight(12, &[load(2, 100)]);
+        let a = encode_inflight(11, &[load(1, 500, 4), load(0, 0, 0), load(7, u32::MAX, 9)]);
+        let b = encode_inflight(12, &[load(2, 100, 2)]);
         assert_eq!(
             (inflight_nonce(&a), inflight_nonce(&b)),
             (Some(11), Some(12))
@@ -836,22 +898,22 @@ mod tests {
         assert_eq!(
             total,
             vec![
-                load(3, 600),
-                load(0, 0),
-                load(7, u32::MAX),
-                load(0, 0),
-                load(0, 0)
+                load(3, 600, 6),
+                load(0, 0, 0),
+                load(7, u32::MAX, 9),
+                load(0, 0, 0),
+                load(0, 0, 0)
             ],
             "summed per slot, missing slots 0"
         );
         add_inflight(&mut total, &b);
-        assert_eq!(total[0], load(5, 700));
+        assert_eq!(total[0], load(5, 700, 8));
         let mut grown = Vec::new();
         add_inflight(&mut grown, &a);
         add_inflight(&mut grown, &[1, 2, 3]);
         assert_eq!(
             grown,
-            vec![load(1, 500), load(0, 0), load(7, u32::MAX)],
+            vec![load(1, 500, 4), load(0, 0, 0), load(7, u32::MAX, 9)],
             "grown to the longest; a short value adds nothing"
         );
         let mut batch = Vec::new();

@@ -17,7 +17,7 @@ use kvroute::index::PrefixLookup;
 use kvroute::scoring::answers::AnswerFeed;
 use kvroute::scoring::ttft::TtftModel;
 use kvroute::snapshot::{
-    decode_batch, BatchRecord, PodTable, PublishedPod, SlotLoad, SnapshotIndex,
+    decode_batch, BatchRecord, InflightChange, PodTable, PublishedPod, SlotLoad, SnapshotIndex,
 };
 
 /// A request: its headers and body, and what the filter did to it.
@@ -122,18 +122,17 @@ impl WorkerHost for FakeWorker {
         loads.resize(slots.max(loads.len()), SlotLoad::default());
         loads
     }
-    fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]) {
-        for &(slot, requests, _) in changes {
-            if self.inflight.len() <= slot {
-                self.inflight.resize(slot + 1, SlotLoad::default());
+    fn adjust_inflight(&mut self, changes: &[InflightChange]) {
+        for change in changes {
+            if self.inflight.len() <= change.slot {
+                self.inflight.resize(change.slot + 1, SlotLoad::default());
             }
-            let load = &mut self.inflight[slot];
-            load.requests = (i64::from(load.requests) + requests).max(0) as u32;
+            change.apply(&mut self.inflight[change.slot]);
         }
     }
     fn publish_releases(&mut self) {}
     fn idle(&self) -> bool {
-        self.inflight.iter().all(|l| l.requests == 0)
+        self.inflight.iter().all(|l| l.streams == 0)
     }
     fn eject(
         &mut self,

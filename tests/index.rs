@@ -1460,11 +1460,13 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 pod: "b".into(),
                 requests: 3,
                 prefill_tokens: 900,
+                streams: 1,
             },
             PodInflight {
                 pod: "gone".into(),
                 requests: 5,
                 prefill_tokens: 5,
+                streams: 1,
             },
         ],
     };

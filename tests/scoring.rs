@@ -55,7 +55,7 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             cache_match: p.cache,
             cached_tokens: 0,
             uncached_tokens: 0,
-            inflight: 0,
+            streams: 0,
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
@@ -624,7 +624,7 @@ fn cost_candidates<'a>(
             cache_match: cache[slot],
             cached_tokens: 0,
             uncached_tokens: 0,
-            inflight: 0,
+            streams: 0,
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
@@ -1015,7 +1015,7 @@ fn ttft_pod(
         cache_match: cached as f64 / prompt as f64,
         cached_tokens: cached,
         uncached_tokens: uncached,
-        inflight: 0,
+        streams: 0,
         queued_prefill: queued,
         predicted_ttft_ms: line.predict((queued + uncached) as f64),
         prefill_ms_per_token: line.ms_per_token,
@@ -1196,7 +1196,7 @@ fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
             cache_match: cache,
             cached_tokens: (cache * 4096.0) as u64,
             uncached_tokens: ((1.0 - cache) * 4096.0) as u64,
-            inflight: queue,
+            streams: queue,
             queued_prefill: 0,
             // 0.1 ms a token of the prompt to prefill and of the queue's.
             predicted_ttft_ms: 10.0 + 0.1 * ((1.0 - cache) * 4096.0 + f64::from(queue) * 512.0),
@@ -1299,15 +1299,15 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_
     // Hot (all the requests in flight are there): the pod without it that
     // the seed's score prefers takes this one. Pods 1 and 3 tie (pod 2
     // has requests waiting), the tie-breaker picks pod 1.
-    pods[0].inflight = 3;
-    pods[2].inflight = 0;
+    pods[0].streams = 3;
+    pods[2].streams = 0;
     let decision = policy.decide(&pods, false, 0, Some(spread));
     assert_eq!((decision.chosen, decision.spread), (Some(1), true));
     // As hot with as many in flight elsewhere: no more than its share.
-    pods[2].inflight = 9;
+    pods[2].streams = 9;
     let decision = policy.decide(&pods, false, 0, Some(spread));
     assert_eq!((decision.chosen, decision.spread), (Some(0), false));
-    pods[2].inflight = 0;
+    pods[2].streams = 0;
     // The sessions' later turns will follow them there: a busier pod
     // (its reported load) yields to a less busy one, whatever its line
     // predicts for this one request.

@@ -109,6 +109,7 @@ impl Scenario {
                 .map(|(requests, prefill_tokens)| SlotLoad {
                     requests,
                     prefill_tokens,
+                    streams: requests,
                 })
                 .to_vec(),
             // Calibrated (pod 1 twice as slow) and pods busy, so balance

@@ -54,7 +54,7 @@ use crate::router::{
 use crate::scoring::answers::{Answer, FeedReader};
 use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::TtftModel;
-use crate::snapshot::{push_answer, push_decision};
+use crate::snapshot::{push_answer, push_decision, InflightChange, SlotLoad};
 use crate::usage::CachedTokensScanner;
 
 /// Where an ORIGINAL_DST cluster connects (`upstreamMode` `originalDst`).
@@ -130,15 +130,15 @@ pub struct RoutedRequest {
     composite: f64,
     cache_match: f64,
     predicted_cached_tokens: u64,
-    /// Counted in `slot`'s requests ([`SlotLoad::requests`]).
-    counted: bool,
-    /// It stops counting there at its first response byte, not its end:
-    /// in approximate mode no report says how many requests a pod queues,
-    /// and a pod streaming many answers is not a full one.
+    /// What it adds to `slot`'s in-flight load now: one request, one
+    /// stream and its uncached prompt tokens as queued prefill until its
+    /// first response byte; then the stream, and the request unless
+    /// `uncounted_when_answered`.
+    load: SlotLoad,
+    /// It stops counting in `slot`'s requests at its first response byte,
+    /// not its end: in approximate mode no report says how many requests a
+    /// pod queues, and a pod streaming many answers is not a full one.
     uncounted_when_answered: bool,
-    /// Prompt tokens counted as queued prefill on `slot` until the first
-    /// response byte (0 after it).
-    queued_prefill: u32,
     /// What the TTFT model learns from at the first byte, while it is
     /// still to come: when the request was sent and the prefill work ahead
     /// of its first token. `None` for an answer that does not stream (its
@@ -147,19 +147,38 @@ pub struct RoutedRequest {
 }
 
 impl RoutedRequest {
-    /// Whether its first response byte ends its count in `slot`'s
-    /// requests ([`RoutedRequest::uncounted_when_answered`]).
-    fn answer_uncounts(&self) -> bool {
-        self.counted && self.uncounted_when_answered
+    /// The in-flight change when this request leaves its pod.
+    fn release(&self) -> InflightChange {
+        InflightChange::between(self.slot, self.load, SlotLoad::default())
     }
 
-    /// The in-flight change when this request leaves its pod.
-    fn release(&self) -> (usize, i64, i64) {
-        (
-            self.slot,
-            -i64::from(self.counted),
-            -i64::from(self.queued_prefill),
-        )
+    /// Its load once answering: the stream, and the request unless
+    /// `uncounted_when_answered`.
+    fn answering_load(&self) -> SlotLoad {
+        SlotLoad {
+            requests: if self.uncounted_when_answered {
+                0
+            } else {
+                self.load.requests
+            },
+            prefill_tokens: 0,
+            streams: self.load.streams,
+        }
+    }
+
+    /// Whether its first response byte changes its load.
+    fn answer_changes_load(&self) -> bool {
+        self.answering_load() != self.load
+    }
+
+    /// Its first response byte: the pod has prefilled its prompt. The
+    /// in-flight change, `None` when there is none.
+    fn answered(&mut self) -> Option<InflightChange> {
+        let answering = self.answering_load();
+        let change = (answering != self.load)
+            .then(|| InflightChange::between(self.slot, self.load, answering));
+        self.load = answering;
+        change
     }
 }
 
@@ -542,9 +561,12 @@ pub(super) fn deliver(
         composite: routed.composite,
         cache_match: routed.cache_match,
         predicted_cached_tokens: routed.predicted_cached_tokens,
-        counted: true,
+        load: SlotLoad {
+            requests: 1,
+            prefill_tokens: routed.prefill_tokens,
+            streams: 1,
+        },
         uncounted_when_answered,
-        queued_prefill: routed.prefill_tokens,
         ttft: routed
             .streamed
             .then(|| (Instant::now(), routed.work_tokens)),
@@ -576,12 +598,8 @@ struct RouteEvent<'a> {
 
 impl RoutedRequest {
     /// The in-flight change when this request is sent to its pod.
-    pub(super) fn arrival(&self) -> (usize, i64, i64) {
-        (
-            self.slot,
-            i64::from(self.counted),
-            i64::from(self.queued_prefill),
-        )
+    pub(super) fn arrival(&self) -> InflightChange {
+        InflightChange::between(self.slot, SlotLoad::default(), self.load)
     }
 }
 
@@ -749,7 +767,7 @@ impl RequestFilter {
     /// callback (and its costs) for every other chunk of a streamed answer.
     pub fn wants_response_body(&self) -> bool {
         self.routed.as_ref().is_some_and(|r| {
-            r.queued_prefill > 0 || r.answer_uncounts() || r.ttft.is_some() || self.watches_usage(r)
+            r.answer_changes_load() || r.ttft.is_some() || self.watches_usage(r)
         })
     }
 
@@ -771,16 +789,9 @@ impl RequestFilter {
     ) -> Action {
         // The first byte of the answer: the pod has prefilled the prompt.
         if let Some(routed) = self.routed.as_mut() {
-            let uncounted = routed.answer_uncounts();
-            if routed.queued_prefill > 0 || uncounted {
-                let requests = -i64::from(uncounted);
-                let prefill = -i64::from(routed.queued_prefill);
-                worker
-                    .host
-                    .adjust_inflight(&[(routed.slot, requests, prefill)]);
-                routed.queued_prefill = 0;
-                routed.counted &= !uncounted;
-                if uncounted {
+            if let Some(change) = routed.answered() {
+                worker.host.adjust_inflight(&[change]);
+                if change.requests < 0 {
                     // The pod's queue just shrank: a waiting request may fit.
                     waiting::dispatch(worker);
                 }
@@ -807,7 +818,7 @@ impl RequestFilter {
         // A client that went away while waiting frees its place.
         waiting::leave(worker, self.id);
         self.pick_up_dispatched(worker);
-        if let Some(routed) = self.routed.as_ref().filter(|r| r.counted) {
+        if let Some(routed) = self.routed.as_ref() {
             worker.host.adjust_inflight(&[routed.release()]);
             waiting::dispatch(worker);
         }

@@ -13,7 +13,7 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::Ejection;
 use crate::index::PrefixLookup;
 use crate::replica::{LogHead, PodInflight};
-use crate::snapshot::{PodTable, PublishedPod, SlotLoad};
+use crate::snapshot::{InflightChange, PodTable, PublishedPod, SlotLoad};
 
 use super::metrics::MetricSink;
 
@@ -96,9 +96,8 @@ pub trait WorkerHost {
     /// In-flight load per pod slot over every worker and every live peer
     /// replica ([`ServiceHost::publish_peer_loads`]), at least `slots`.
     fn inflight(&mut self, slots: usize) -> Vec<SlotLoad>;
-    /// Adds each `(slot, requests, prefill tokens)` change to this
-    /// worker's in-flight loads.
-    fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]);
+    /// Adds each change to this worker's in-flight loads.
+    fn adjust_inflight(&mut self, changes: &[InflightChange]);
     /// Makes this worker's pending in-flight releases visible to the
     /// others (a host that publishes them at once has none).
     fn publish_releases(&mut self);

@@ -64,10 +64,11 @@ pub fn loads_by_pod(table: &PodTable, loads: &[SlotLoad]) -> Vec<PodInflight> {
         .iter()
         .filter_map(|pod| {
             let load = loads.get(pod.slot)?;
-            (load.requests > 0 || load.prefill_tokens > 0).then(|| PodInflight {
+            (*load != SlotLoad::default()).then(|| PodInflight {
                 pod: pod.id.clone(),
                 requests: load.requests,
                 prefill_tokens: load.prefill_tokens,
+                streams: load.streams,
             })
         })
         .collect()

@@ -34,7 +34,7 @@ use crate::ejection::{Ejection, RoutableTable};
 use crate::gateway::host::{HostError, HostResult, Stream, WorkerHost};
 use crate::gateway::metrics::MetricSink;
 use crate::index::PrefixLookup;
-use crate::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex};
+use crate::snapshot::{InflightChange, PodTable, PublishedPod, SlotLoad, SnapshotIndex};
 
 /// A filter scheduler event: run the worker's tick.
 pub const EVENT_TICK: u64 = 1;
@@ -404,8 +404,8 @@ pub struct NativeWorker {
     /// This worker's live requests, by id.
     pub filters: HashMap<u32, FilterHandle>,
     routable: RoutableTable,
-    /// Requests this worker counted in flight and has not released.
-    own_requests: i64,
+    /// Streams this worker counted open and has not released.
+    own_streams: i64,
     metrics: NativeMetrics,
     /// Wakes the service on the main thread (config scheduler).
     service_scheduler: usize,
@@ -437,7 +437,7 @@ impl NativeWorker {
             shared,
             filters: HashMap::new(),
             routable: RoutableTable::default(),
-            own_requests: 0,
+            own_streams: 0,
             metrics,
             service_scheduler: service_scheduler as usize,
             wake_service: replicated && !service_scheduler.is_null(),
@@ -477,15 +477,15 @@ impl WorkerHost for NativeWorker {
         loads
     }
 
-    fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]) {
+    fn adjust_inflight(&mut self, changes: &[InflightChange]) {
         self.shared.inflight.adjust(changes);
-        self.own_requests += changes.iter().map(|c| c.1).sum::<i64>();
+        self.own_streams += changes.iter().map(|c| c.streams).sum::<i64>();
     }
 
     fn publish_releases(&mut self) {}
 
     fn idle(&self) -> bool {
-        self.own_requests <= 0
+        self.own_streams <= 0
     }
 
     fn eject(

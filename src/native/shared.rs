@@ -20,8 +20,8 @@
 //! applies too) once no reader holds it any more: at 1,024 pods a copy
 //! would clone 2,048 strings, and a table is published up to every few ms.
 //!
-//! In-flight loads are two atomics per pod slot (requests, queued prefill
-//! tokens), added to by every worker and read by every decision: each
+//! In-flight loads are three atomics per pod slot (requests, queued
+//! prefill tokens, open streams), added to by every worker and read by every decision: each
 //! decision sees every request routed before it, on any worker, and a
 //! release is seen at once (proxy-wasm defers releases to a tick).
 
@@ -34,7 +34,7 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::{Ejection, Ejections};
 use crate::replica::log::LOG_DECISIONS;
 use crate::replica::LogHead;
-use crate::snapshot::{PodTable, PublishedPod, SlotLoad};
+use crate::snapshot::{InflightChange, PodTable, PublishedPod, SlotLoad};
 
 /// The published index buckets and pod table.
 pub struct Snapshot {
@@ -100,10 +100,11 @@ impl Snapshot {
     }
 }
 
-/// Requests in flight and their queued prefill per pod slot.
+/// In-flight loads per pod slot ([`SlotLoad`]), one atomic per field.
 pub struct Inflight {
     requests: Box<[AtomicU32]>,
     prefill_tokens: Box<[AtomicU32]>,
+    streams: Box<[AtomicU32]>,
 }
 
 fn add(counter: &AtomicU32, delta: i64) {
@@ -116,21 +117,31 @@ fn add(counter: &AtomicU32, delta: i64) {
     });
 }
 
+fn read(counters: &[AtomicU32], slot: usize) -> u32 {
+    counters.get(slot).map_or(0, |c| c.load(Ordering::Acquire))
+}
+
 impl Inflight {
     pub fn new(slots: usize) -> Inflight {
+        let counters = || (0..slots).map(|_| AtomicU32::new(0)).collect();
         Inflight {
-            requests: (0..slots).map(|_| AtomicU32::new(0)).collect(),
-            prefill_tokens: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            requests: counters(),
+            prefill_tokens: counters(),
+            streams: counters(),
         }
     }
 
-    /// Each `(slot, requests, prefill tokens)` change; a slot outside the
-    /// pool is ignored.
-    pub fn adjust(&self, changes: &[(usize, i64, i64)]) {
-        for &(slot, requests, prefill) in changes {
-            if let (Some(r), Some(p)) = (self.requests.get(slot), self.prefill_tokens.get(slot)) {
-                add(r, requests);
-                add(p, prefill);
+    /// Applies each change; a slot outside the pool is ignored.
+    pub fn adjust(&self, changes: &[InflightChange]) {
+        for change in changes.iter().filter(|c| c.slot < self.requests.len()) {
+            for (counters, delta) in [
+                (&self.requests, change.requests),
+                (&self.prefill_tokens, change.prefill_tokens),
+                (&self.streams, change.streams),
+            ] {
+                if let Some(counter) = counters.get(change.slot) {
+                    add(counter, delta);
+                }
             }
         }
     }
@@ -139,22 +150,15 @@ impl Inflight {
     pub fn loads(&self, slots: usize) -> Vec<SlotLoad> {
         (0..slots)
             .map(|slot| SlotLoad {
-                requests: self
-                    .requests
-                    .get(slot)
-                    .map_or(0, |r| r.load(Ordering::Acquire)),
-                prefill_tokens: self
-                    .prefill_tokens
-                    .get(slot)
-                    .map_or(0, |p| p.load(Ordering::Acquire)),
+                requests: read(&self.requests, slot),
+                prefill_tokens: read(&self.prefill_tokens, slot),
+                streams: read(&self.streams, slot),
             })
             .collect()
     }
 
     pub fn requests(&self, slot: usize) -> u32 {
-        self.requests
-            .get(slot)
-            .map_or(0, |r| r.load(Ordering::Acquire))
+        read(&self.requests, slot)
     }
 }
 
@@ -258,9 +262,8 @@ impl ReplicaShare {
         if total.len() < peers.len() {
             total.resize(peers.len(), SlotLoad::default());
         }
-        for (sum, load) in total.iter_mut().zip(peers.iter()) {
-            sum.requests = sum.requests.saturating_add(load.requests);
-            sum.prefill_tokens = sum.prefill_tokens.saturating_add(load.prefill_tokens);
+        for (sum, &load) in total.iter_mut().zip(peers.iter()) {
+            sum.add(load);
         }
     }
 }
@@ -283,14 +286,21 @@ mod tests {
     #[test]
     fn inflight_counts_clamp_and_read_per_slot() {
         let inflight = Inflight::new(4);
-        inflight.adjust(&[(1, 2, 300), (3, 1, 10), (9, 1, 1)]);
-        inflight.adjust(&[(1, -1, -500)]);
+        let change = |slot, requests, prefill_tokens, streams| InflightChange {
+            slot,
+            requests,
+            prefill_tokens,
+            streams,
+        };
+        inflight.adjust(&[change(1, 2, 300, 2), change(3, 1, 10, 1), change(9, 1, 1, 1)]);
+        inflight.adjust(&[change(1, -1, -500, 0)]);
         let loads = inflight.loads(4);
         assert_eq!(
             loads[1],
             SlotLoad {
                 requests: 1,
-                prefill_tokens: 0
+                prefill_tokens: 0,
+                streams: 2,
             }
         );
         assert_eq!(loads[3].requests, 1);

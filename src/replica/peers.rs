@@ -305,6 +305,7 @@ mod tests {
                 pod: "pod-a".into(),
                 requests: 2,
                 prefill_tokens: 300,
+                streams: 1,
             }],
         })
     }
@@ -339,7 +340,8 @@ mod tests {
                 loads_digest(&[PodInflight {
                     pod: "pod-a".into(),
                     requests: 2,
-                    prefill_tokens: 300
+                    prefill_tokens: 300,
+                    streams: 1,
                 }])
             ))
             .as_deref()
@@ -404,7 +406,8 @@ mod tests {
                 loads_digest(&[PodInflight {
                     pod: "pod-a".into(),
                     requests: 2,
-                    prefill_tokens: 300
+                    prefill_tokens: 300,
+                    streams: 1,
                 }])
             ))
             .as_deref()

@@ -372,6 +372,7 @@ mod tests {
                     pod: "a".to_string(),
                     requests: round + 1,
                     prefill_tokens: 0,
+                    streams: 1,
                 }],
                 now,
                 usize::MAX,
@@ -469,6 +470,7 @@ mod tests {
                 pod: format!("pod-{i}"),
                 requests: 1,
                 prefill_tokens: i,
+                streams: 1,
             })
             .collect();
         let body = encode_answer(&answer(

@@ -9,7 +9,8 @@
 //!                 "chain": ["0123456789abcdef", "..."], "predictedTtftMs": 850},
 //!                {"seq": 42, "pod": "pod-b", "atMs": 1764680000110,
 //!                 "firstByte": {"workTokens": 1500, "ttftMs": 42.5}}],
-//!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024}]}
+//!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024,
+//!   "streams": 5}]}
 //! ```
 //!
 //! - `replica` names the replica process (a random id drawn at start) and
@@ -30,7 +31,10 @@
 //!   sender's clock (`sentAtMs − atMs`) without trusting clock agreement.
 //! - `inflight` is the sender's own requests in flight per pod (state, not
 //!   events: each answer replaces the last), with their prompt tokens still
-//!   to prefill.
+//!   to prefill and the streams open (`streams`: answering or not; absent,
+//!   as from a replica that predates it, it reads as `requests`; such a
+//!   replica refuses answers that carry it, so a rollout's mixed replicas
+//!   do not share state until it ends).
 //! - Hashes are 16 lowercase hex digits, as in report protocol v1.
 //!
 //! Parsing is strict and bounded ([`AnswerLimits`]): a peer is as untrusted
@@ -85,6 +89,8 @@ pub struct PodInflight {
     pub pod: String,
     pub requests: u32,
     pub prefill_tokens: u32,
+    /// Requests whose stream is open ([`crate::snapshot::SlotLoad::streams`]).
+    pub streams: u32,
 }
 
 /// One answer of a replica's log.
@@ -141,6 +147,9 @@ struct WireInflight<'a> {
     pod: &'a str,
     requests: u32,
     prefill_tokens: u32,
+    /// Absent from a replica that predates it (counted as `requests`).
+    #[serde(default)]
+    streams: Option<u32>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -169,6 +178,7 @@ pub fn loads_digest(loads: &[PodInflight]) -> u64 {
         bytes.push(0);
         bytes.extend_from_slice(&load.requests.to_le_bytes());
         bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
+        bytes.extend_from_slice(&load.streams.to_le_bytes());
     }
     xxhash_rust::xxh64::xxh64(&bytes, 0)
 }
@@ -210,6 +220,7 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                 pod: &i.pod,
                 requests: i.requests,
                 prefill_tokens: i.prefill_tokens,
+                streams: Some(i.streams),
             })
             .collect(),
     };
@@ -330,6 +341,7 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
                 pod: p.pod.to_string(),
                 requests: p.requests,
                 prefill_tokens: p.prefill_tokens,
+                streams: p.streams.unwrap_or(p.requests),
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -385,6 +397,7 @@ mod tests {
                 pod: "pod-a".into(),
                 requests: 3,
                 prefill_tokens: 1024,
+                streams: 1,
             }],
         }
     }

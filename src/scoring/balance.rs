@@ -119,7 +119,7 @@ mod tests {
             cache_match: cached as f64 / 10_000.0,
             cached_tokens: cached,
             uncached_tokens: uncached,
-            inflight: 0,
+            streams: 0,
             queued_prefill: queued,
             predicted_ttft_ms: 10.0 + 0.1 * (queued + uncached) as f64,
             prefill_ms_per_token: 0.1,

@@ -54,8 +54,9 @@ pub struct Candidate<'a> {
     pub cached_tokens: u64,
     /// The rest of the prompt's tokens: what the pod would prefill.
     pub uncached_tokens: u64,
-    /// Requests routed to the pod and not finished (all workers).
-    pub inflight: u32,
+    /// Requests routed to the pod whose stream has not ended, answering
+    /// or not (all workers and replicas): what the pod carries.
+    pub streams: u32,
     /// Their prompt tokens still to prefill ([`crate::snapshot::SlotLoad`]).
     pub queued_prefill: u64,
     /// Time to first token predicted for the request there ([`ttft`]).
@@ -303,14 +304,13 @@ impl ScoringPolicy {
             }
         }
         // Ties are decided on the pods' own load and queue (balance
-        // changes only their cache term).
-        let tie_keys: Vec<(f64, f64)> = eligible_pods
+        // changes only their cache term), then on the streams they carry.
+        let tie_keys: Vec<TieKey> = eligible_pods
             .iter()
-            .map(|p| {
-                (
-                    unit(1.0 - p.load),
-                    factors::queue_score(p.queue, self.max_queue),
-                )
+            .map(|p| TieKey {
+                load: unit(1.0 - p.load),
+                queue: factors::queue_score(p.queue, self.max_queue),
+                streams: p.streams,
             })
             .collect();
         let balancing = balancing.filter(|_| self.balance.is_some());
@@ -375,22 +375,34 @@ impl ScoringPolicy {
     }
 }
 
+/// What decides between pods whose composites tie: their load score, then
+/// their queue score, then the fewer streams open. In approximate mode no
+/// report carries a load and a request leaves the queue at its first byte,
+/// so fresh pods tie on both, and only the streams tell the pod carrying
+/// eight answers from an idle one.
+#[derive(Debug, Clone, Copy, Default)]
+struct TieKey {
+    load: f64,
+    queue: f64,
+    streams: u32,
+}
+
 /// Of the pods `allowed` (by position in `scored`), the highest composite,
-/// ties (within [`TIE_EPSILON`]) to the higher load score, then the higher
-/// queue score (`tie_keys`, aligned with `scored`), then rotating by
-/// `tie_breaker`.
+/// ties (within [`TIE_EPSILON`]) by their [`TieKey`]s (aligned with
+/// `scored`), then rotating by `tie_breaker`.
 fn pick(
     scored: &[ScoredPod],
-    tie_keys: &[(f64, f64)],
+    tie_keys: &[TieKey],
     tie_breaker: u64,
     allowed: impl Fn(usize) -> bool,
 ) -> Option<usize> {
     let key = |i: usize| {
-        let (load, queue) = tie_keys.get(i).copied().unwrap_or((0.0, 0.0));
-        (scored.get(i).map_or(0.0, |s| s.composite), load, queue)
+        let tie = tie_keys.get(i).copied().unwrap_or_default();
+        let composite = scored.get(i).map_or(0.0, |s| s.composite);
+        [composite, tie.load, tie.queue, -f64::from(tie.streams)]
     };
-    let better = |a: (f64, f64, f64), b: (f64, f64, f64)| {
-        for (x, y) in [(a.0, b.0), (a.1, b.1), (a.2, b.2)] {
+    let better = |a: [f64; 4], b: [f64; 4]| {
+        for (x, y) in a.into_iter().zip(b) {
             if x > y + TIE_EPSILON {
                 return Some(true);
             }

@@ -84,7 +84,7 @@ mod tests {
             cache_match: cached as f64 / 4_000.0,
             cached_tokens: cached,
             uncached_tokens: uncached,
-            inflight: 0,
+            streams: 0,
             queued_prefill: queued,
             predicted_ttft_ms: predicted,
             prefill_ms_per_token: 0.1,

@@ -124,15 +124,15 @@ pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<
         .iter()
         .map(|p| p.cached_tokens == most_cached)
         .collect();
-    let inflight = |holding: bool| -> f64 {
+    let streams = |holding: bool| -> f64 {
         pods.iter()
             .zip(&holds)
             .filter(|&(_, &h)| h == holding)
-            .map(|(pod, _)| f64::from(pod.inflight))
+            .map(|(pod, _)| f64::from(pod.streams))
             .sum()
     };
     let holders = holds.iter().filter(|&&h| h).count() as f64;
-    let (held, elsewhere) = (inflight(true), inflight(false));
+    let (held, elsewhere) = (streams(true), streams(false));
     let hot = held > 0.0 && held / (held + elsewhere) > holders / pods.len() as f64;
     if !demand.wants_holder(scored, hot) {
         return None;

@@ -71,7 +71,9 @@ use crate::gateway::filter::{RequestFilter, Worker, TICK_MS};
 use crate::gateway::host::{self as gateway, HostError, HostResult, Stream, WorkerHost};
 use crate::gateway::metrics::MetricSink;
 use crate::index::PrefixLookup;
-use crate::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex, DECISION_QUEUE};
+use crate::snapshot::{
+    InflightChange, PodTable, PublishedPod, SlotLoad, SnapshotIndex, DECISION_QUEUE,
+};
 
 fn error(status: Status) -> HostError {
     HostError(status.to_string())
@@ -207,7 +209,7 @@ impl WorkerHost for WasmWorker {
         loads
     }
 
-    fn adjust_inflight(&mut self, changes: &[(usize, i64, i64)]) {
+    fn adjust_inflight(&mut self, changes: &[InflightChange]) {
         shared::adjust_inflight(changes);
     }
 

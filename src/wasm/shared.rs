@@ -4,8 +4,8 @@
 //! callers read only what a request needs and cache the pod table per
 //! generation and the ejections per CAS token.
 //!
-//! In-flight loads (requests and their queued prefill per pod, see
-//! [`SlotLoad`]) are kept per worker VM, with no compare-and-swap on the
+//! In-flight loads (requests, their queued prefill and open streams per
+//! pod, see [`SlotLoad`]) are kept per worker VM, with no compare-and-swap on the
 //! request path: each VM claims an index `w` once (a CAS increment of
 //! `kvroute/workers`), keeps its own loads locally and writes them whole
 //! to `kvroute/inflight/{w}` whenever they grow — one plain write, as no
@@ -39,7 +39,7 @@ use crate::ejection::{Ejection, Ejections, RoutableTable, EJECTIONS_KEY};
 use crate::replica::LogHead;
 use crate::snapshot::{
     add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, state_members_digest,
-    PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY, WORKERS_KEY,
+    InflightChange, PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY, WORKERS_KEY,
 };
 
 /// Retries of a compare-and-swap update under contention.
@@ -316,35 +316,28 @@ pub fn idle() -> bool {
     INFLIGHT.with(|cell| {
         cell.borrow()
             .as_ref()
-            .is_none_or(|i| i.loads.iter().all(|c| c.requests == 0))
+            .is_none_or(|i| i.loads.iter().all(|c| c.streams == 0))
     })
 }
 
-/// Adds each `(slot, requests, prefill tokens)` change to this VM's
-/// in-flight loads; publishes them (one write) if any grows, and leaves
-/// releases to the next growth or tick (see the module documentation).
-pub fn adjust_inflight(changes: &[(usize, i64, i64)]) {
+/// Applies each change to this VM's in-flight loads; publishes them (one
+/// write) if any grows, and leaves releases to the next growth or tick
+/// (see the module documentation).
+pub fn adjust_inflight(changes: &[InflightChange]) {
     INFLIGHT.with(|cell| {
         let mut cell = cell.borrow_mut();
         let Some(inflight) = cell.as_mut() else {
             return;
         };
-        let add = |value: u32, delta: i64| {
-            (i64::from(value) + delta).clamp(0, i64::from(u32::MAX)) as u32
-        };
-        for &(slot, requests, prefill) in changes {
-            if inflight.loads.len() <= slot {
-                inflight.loads.resize(slot + 1, SlotLoad::default());
+        for change in changes {
+            if inflight.loads.len() <= change.slot {
+                inflight.loads.resize(change.slot + 1, SlotLoad::default());
             }
-            if let Some(load) = inflight.loads.get_mut(slot) {
-                load.requests = add(load.requests, requests);
-                load.prefill_tokens = add(load.prefill_tokens, prefill);
+            if let Some(load) = inflight.loads.get_mut(change.slot) {
+                change.apply(load);
             }
         }
-        if changes
-            .iter()
-            .any(|&(_, requests, prefill)| requests > 0 || prefill > 0)
-        {
+        if changes.iter().any(InflightChange::grows) {
             inflight.publish();
         } else {
             inflight.released = true;

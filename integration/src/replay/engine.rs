@@ -389,6 +389,7 @@ impl Pod {
                 IndexMode::Precise => self.inflight,
             },
             prefill_tokens: self.queued_prefill,
+            streams: self.inflight,
         }
     }
 
