@@ -216,9 +216,13 @@ fn build(pods: usize) -> Fixture {
         ..PodTable::default()
     };
     let inflight: Vec<SlotLoad> = (0..pods)
-        .map(|_| SlotLoad {
-            requests: rng.range(0, 8) as u32,
-            prefill_tokens: rng.range(0, 4096) as u32,
+        .map(|_| {
+            let requests = rng.range(0, 8) as u32;
+            SlotLoad {
+                requests,
+                prefill_tokens: rng.range(0, 4096) as u32,
+                streams: requests,
+            }
         })
         .collect();
     let policy = ScoringPolicy::from_config(&config);

@@ -12,7 +12,9 @@
 //! 4. Candidates: the published pods, queue = reported queue + requests
 //!    routed to the pod since its report (the in-flight counters; in
 //!    approximate mode, those not answered yet: [`SlotLoad::requests`]), so a
-//!    burst between two reports spreads instead of piling on the hot pod.
+//!    burst between two reports spreads instead of piling on the hot pod;
+//!    and the streams open there ([`SlotLoad::streams`]), what spread and
+//!    exact ties read.
 //! 5. [`ScoringPolicy::decide`] picks; with every pod excluded,
 //!    `onNoEligiblePod` hands the request back to wait in the gateway
 //!    ([`Outcome::NoEligiblePod`], the default), answers 503 with

@@ -433,6 +433,9 @@ fn in_approximate_mode_an_answered_request_stops_counting_in_its_pods_queue() {
     let waiting = |worker: &Worker<FakeWorker>| -> u32 {
         worker.host.inflight.iter().map(|l| l.requests).sum()
     };
+    let streams = |worker: &Worker<FakeWorker>| -> u32 {
+        worker.host.inflight.iter().map(|l| l.streams).sum()
+    };
     let (mut first, mut first_stream, _) = send(&mut worker, 1);
     let (mut second, _, _) = send(&mut worker, 2);
     assert_eq!(waiting(&worker), 2);
@@ -447,13 +450,16 @@ fn in_approximate_mode_an_answered_request_stops_counting_in_its_pods_queue() {
     assert!(first.wants_response_body());
     first.on_response_body(&mut worker, &mut first_stream, 16);
     assert_eq!(waiting(&worker), 1);
+    assert_eq!(streams(&worker), 2, "what the pods carry: both streams");
     assert!(!first.wants_response_body());
     let (_, _, action) = send(&mut worker, 4);
     assert_eq!(action, Action::Continue, "routed to the answering pod");
+    assert_eq!(streams(&worker), 3);
     // Ends release only what still counts.
     first.on_stream_end(&mut worker);
     second.on_stream_end(&mut worker);
     assert_eq!(waiting(&worker), 1, "request 4 still waits for its answer");
+    assert_eq!(streams(&worker), 1);
 
     // Precise mode: the pods' reports count their queues, and a request
     // counts until its end (queue = reported + routed since the report).

@@ -458,7 +458,7 @@ fn counterintuitive_case_follows_the_arithmetic_not_the_design_claim() {
 }
 
 #[test]
-fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
+fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score_then_fewer_streams() {
     let policy = default_policy();
     // 0.6·0.1 + 0.2·0.5 = 0.16 = 0.6·0 + 0.2·0.8: same composite, B less loaded.
     let a = Pod {
@@ -512,6 +512,16 @@ fn exact_ties_go_to_the_higher_load_score_then_the_higher_queue_score() {
             Some(1),
             "tie → higher queue score (tie breaker {tie_breaker})"
         );
+    }
+    // Same composite, load and queue (approximate mode's fresh pods): the
+    // pod with fewer streams open, not the rotation.
+    let mut idle = candidates(&[IDLE, IDLE, IDLE]);
+    idle[0].streams = 8;
+    idle[1].streams = 3;
+    idle[2].streams = 5;
+    for tie_breaker in 0..8 {
+        let d = policy.decide(&idle, false, tie_breaker, Some(Balancing::with_error(0.0)));
+        assert_eq!(d.chosen, Some(1), "tie → fewer streams ({tie_breaker})");
     }
 }
 

@@ -766,9 +766,9 @@ impl RequestFilter {
     /// sampled answer is read until its `usage`. A host may skip the
     /// callback (and its costs) for every other chunk of a streamed answer.
     pub fn wants_response_body(&self) -> bool {
-        self.routed.as_ref().is_some_and(|r| {
-            r.answer_changes_load() || r.ttft.is_some() || self.watches_usage(r)
-        })
+        self.routed
+            .as_ref()
+            .is_some_and(|r| r.answer_changes_load() || r.ttft.is_some() || self.watches_usage(r))
     }
 
     /// Whether this answer's chunks are read for `cached_tokens`.

@@ -292,7 +292,11 @@ mod tests {
             prefill_tokens,
             streams,
         };
-        inflight.adjust(&[change(1, 2, 300, 2), change(3, 1, 10, 1), change(9, 1, 1, 1)]);
+        inflight.adjust(&[
+            change(1, 2, 300, 2),
+            change(3, 1, 10, 1),
+            change(9, 1, 1, 1),
+        ]);
         inflight.adjust(&[change(1, -1, -500, 0)]);
         let loads = inflight.loads(4);
         assert_eq!(

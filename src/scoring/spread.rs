@@ -40,7 +40,9 @@
 //! handful of them as a large share.
 //!
 //! A copy is bought only while `P`'s holders are hot: they carry more
-//! than their share of the requests in flight on the pods scored. Idle
+//! than their share of the streams open on the pods scored (requests
+//! routed there whose answer has not ended, counted by every worker and
+//! replica, [`crate::snapshot::SlotLoad::streams`]). Idle
 //! holders answer a session start at once, and so will its later turns:
 //! eleven questions on one document sent one at a time went to its idle
 //! holder, where the rule counting starts alone had copied the document
@@ -52,21 +54,26 @@
 //! behind another pod's whole request: in the long-context burst, 16
 //! sessions of 8,000-token heads opening at once, that took its TTFT p50
 //! at 4 pods from 2.2 s back to 1.4 s, main 1.5 s), the one the seed's
-//! score prefers (its reported load and queue first: the copy is bought
-//! for the sessions that will follow this one there, so what the pod
-//! carries counts, not what one request's predicted TTFT says; the
-//! learned lines of idle pods differ by noise, and ranking by them sent
-//! an agent to a pod already running eight while another idled, 4 of 6
-//! real-Envoy agentic runs). So one system prompt is copied to every pod,
+//! score prefers (its reported load and queue first, then the fewer
+//! streams open: the copy is bought for the sessions that will follow
+//! this one there, so what the pod carries counts, not what one request's
+//! predicted TTFT says; the learned lines of idle pods differ by noise,
+//! and ranking by them sent an agent to a pod already running eight while
+//! another idled, 4 of 6 real-Envoy agentic runs). So one system prompt is copied to every pod,
 //! three prompts of a third of the sessions each get two holders of four
 //! pods, and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
 //! prefixes` per window. Exclusions hold exactly, and only arrivals
 //! spread (a request leaving the wait queue is not balanced either). O(1)
-//! per arrival, bounded by [`REMEMBERED`] blocks of each kind. Precise
-//! mode only ([`crate::router`]): in approximate mode nothing tells a
-//! session start what the pods carry (no reports: load 0, and 0–3
-//! requests awaiting a first token), the target rotates blindly, and the
-//! agentic closed loop collapsed in 6 of 12 real-Envoy runs.
+//! per arrival, bounded by [`REMEMBERED`] blocks of each kind. Both
+//! modes: in approximate mode no report carries a load and a request
+//! leaves a pod's queue at its first byte, so only the open streams tell
+//! what a pod carries. Before they were counted the rule ran in precise
+//! mode only: hot read requests awaiting a first token (0–3 per pod), the
+//! target rotated blindly among pods tied at load 0, and the agentic
+//! closed loop collapsed in 6 of 12 real-Envoy runs. With the streams
+//! (costmodel.md, "Streams"): approximate multi-turn 86.0 → 98.8 % of the
+//! bound and p90 110 → 37 ms at 8 pods in the replay, and in real Envoy
+//! hit 0.75–0.82 → 0.84, p90 50–119 → 40–44 ms; agentic unchanged.
 //!
 //! Measured side by side with the rule off (integration/results/
 //! costmodel.md, "Spread on main"): `kvroute-replay`, every bench

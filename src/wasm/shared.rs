@@ -39,7 +39,8 @@ use crate::ejection::{Ejection, Ejections, RoutableTable, EJECTIONS_KEY};
 use crate::replica::LogHead;
 use crate::snapshot::{
     add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, state_members_digest,
-    InflightChange, PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY, WORKERS_KEY,
+    InflightChange, PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY,
+    WORKERS_KEY,
 };
 
 /// Retries of a compare-and-swap update under contention.
