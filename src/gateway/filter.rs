@@ -175,10 +175,8 @@ impl RoutedRequest {
     /// in-flight change, `None` when there is none.
     fn answered(&mut self) -> Option<InflightChange> {
         let answering = self.answering_load();
-        let change = (answering != self.load)
-            .then(|| InflightChange::between(self.slot, self.load, answering));
-        self.load = answering;
-        change
+        let before = std::mem::replace(&mut self.load, answering);
+        (before != self.load).then(|| InflightChange::between(self.slot, before, self.load))
     }
 }
 
