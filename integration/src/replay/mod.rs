@@ -885,12 +885,15 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
     )?;
     for run in &report.runs {
         let mut csv = String::from(
-            "line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms\n",
+            "line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms,prefilled_tokens,predicted_ttft_ms\n",
         );
         for o in &run.outcomes {
+            let predicted = o
+                .predicted_ttft_us
+                .map_or(String::new(), |us| format!("{:.3}", us as f64 / 1000.0));
             let _ = writeln!(
                 csv,
-                "{},{},{:.3},{:.3},{},{},{},{:.3}",
+                "{},{},{:.3},{:.3},{},{},{},{:.3},{},{predicted}",
                 o.line,
                 o.pod,
                 o.arrival_us as f64 / 1000.0,
@@ -898,7 +901,8 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
                 o.prompt_tokens,
                 o.cached_tokens,
                 o.rejections,
-                o.wait_us as f64 / 1000.0
+                o.wait_us as f64 / 1000.0,
+                o.prefilled_tokens,
             );
         }
         std::fs::write(dir.join(format!("requests-{}.csv", run.policy.name())), csv)?;
