@@ -106,9 +106,10 @@ pub struct BenchArgs {
     /// (e.g. '{"maxQueue": 4}'); recorded in the results.
     #[arg(long)]
     pub kvroute_config: Option<String>,
-    /// Copy each run's router log (kvroute's decision events, a peer's own
-    /// log) to DIR/WORKLOAD-POLICY.log (load sweep:
-    /// DIR/load-sweep-LOAD-POLICY.log), for decision analysis.
+    /// Copy each run's router log (kvroute's decision events, every
+    /// replica's; a peer's own log) to DIR/WORKLOAD-POLICY.log (load
+    /// sweep: DIR/load-sweep-LOAD-POLICY.log; replicas:
+    /// DIR/WORKLOAD-POLICY-xN-runR.log), for decision analysis.
     #[arg(long)]
     pub keep_logs: Option<PathBuf>,
     /// The kvroute-sim binary (default: next to this one).
@@ -448,7 +449,13 @@ fn run_policy(
         if let Some(dir) = kept.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         }
-        std::fs::copy(stack.log_path(), kept).map_err(|e| format!("{}: {e}", kept.display()))?;
+        // kvroute: this run's lines of every replica's Envoy.
+        let kept_result = if log.is_empty() {
+            std::fs::copy(stack.log_path(), kept).map(|_| ())
+        } else {
+            std::fs::write(kept, &log)
+        };
+        kept_result.map_err(|e| format!("{}: {e}", kept.display()))?;
     }
     let filter = overhead::event_field(&log, "route", "latencyUs");
     let mut row = report::policy_figures(policy, w, &outcomes, wall, &stats, &filter);

@@ -67,7 +67,11 @@ pub fn run(
         for run in 1..=args.runs.max(1) {
             for policy in policies {
                 for &replicas in &counts {
-                    let mut row = run_policy(policy, &w, sim, None, Some(replicas))?;
+                    let kept_log = args
+                        .keep_logs
+                        .as_ref()
+                        .map(|dir| dir.join(format!("{name}-{policy}-x{replicas}-run{run}.log")));
+                    let mut row = run_policy(policy, &w, sim, kept_log.as_deref(), Some(replicas))?;
                     eprint!("   ×{replicas} run {run}: ");
                     print_row(&row, started);
                     row["workload"] = json!(name);
