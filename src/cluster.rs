@@ -978,11 +978,7 @@ impl ClusterState {
                 .slot(&inflight.pod)
                 .and_then(|slot| loads.get_mut(slot))
             {
-                load.add(SlotLoad {
-                    requests: inflight.requests,
-                    prefill_tokens: inflight.prefill_tokens,
-                    streams: inflight.streams,
-                });
+                load.add(inflight.load);
             }
         }
         loads

@@ -529,13 +529,16 @@ impl InflightChange {
 
     /// Applied to `load`, clamped at 0 and `u32::MAX`.
     pub fn apply(&self, load: &mut SlotLoad) {
-        let add = |value: u32, delta: i64| {
-            (i64::from(value) + delta).clamp(0, i64::from(u32::MAX)) as u32
-        };
-        load.requests = add(load.requests, self.requests);
-        load.prefill_tokens = add(load.prefill_tokens, self.prefill_tokens);
-        load.streams = add(load.streams, self.streams);
+        load.requests = clamped_add(load.requests, self.requests);
+        load.prefill_tokens = clamped_add(load.prefill_tokens, self.prefill_tokens);
+        load.streams = clamped_add(load.streams, self.streams);
     }
+}
+
+/// `value + delta` clamped at 0 and `u32::MAX`: a count every host keeps
+/// the same way, so a release that outruns its add never wraps.
+pub fn clamped_add(value: u32, delta: i64) -> u32 {
+    (i64::from(value) + delta).clamp(0, i64::from(u32::MAX)) as u32
 }
 
 /// One worker's in-flight loads as published: the nonce of the worker

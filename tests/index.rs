@@ -10,7 +10,7 @@ use kvroute::index::{
     DecisionRecorder, Holder, InsertOutcome, PrefixLookup, PrefixMatch, PrefixTree,
 };
 use kvroute::report::hash_to_hex;
-use kvroute::snapshot::{SnapshotIndex, SnapshotPublisher};
+use kvroute::snapshot::{SlotLoad, SnapshotIndex, SnapshotPublisher};
 use proptest::prelude::*;
 
 /// Hashes of the model universe are 1..=UNIVERSE.
@@ -1458,15 +1458,19 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
         inflight: vec![
             PodInflight {
                 pod: "b".into(),
-                requests: 3,
-                prefill_tokens: 900,
-                streams: 1,
+                load: SlotLoad {
+                    requests: 3,
+                    prefill_tokens: 900,
+                    streams: 1,
+                },
             },
             PodInflight {
                 pod: "gone".into(),
-                requests: 5,
-                prefill_tokens: 5,
-                streams: 1,
+                load: SlotLoad {
+                    requests: 5,
+                    prefill_tokens: 5,
+                    streams: 1,
+                },
             },
         ],
     };

@@ -63,12 +63,10 @@ pub fn loads_by_pod(table: &PodTable, loads: &[SlotLoad]) -> Vec<PodInflight> {
         .pods
         .iter()
         .filter_map(|pod| {
-            let load = loads.get(pod.slot)?;
-            (*load != SlotLoad::default()).then(|| PodInflight {
+            let load = *loads.get(pod.slot)?;
+            (load != SlotLoad::default()).then(|| PodInflight {
                 pod: pod.id.clone(),
-                requests: load.requests,
-                prefill_tokens: load.prefill_tokens,
-                streams: load.streams,
+                load,
             })
         })
         .collect()

@@ -34,7 +34,7 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::{Ejection, Ejections};
 use crate::replica::log::LOG_DECISIONS;
 use crate::replica::LogHead;
-use crate::snapshot::{InflightChange, PodTable, PublishedPod, SlotLoad};
+use crate::snapshot::{clamped_add, InflightChange, PodTable, PublishedPod, SlotLoad};
 
 /// The published index buckets and pod table.
 pub struct Snapshot {
@@ -111,9 +111,8 @@ fn add(counter: &AtomicU32, delta: i64) {
     if delta == 0 {
         return;
     }
-    // Clamped at 0 and u32::MAX, as the proxy-wasm counts are.
     let _ = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
-        Some((i64::from(value) + delta).clamp(0, i64::from(u32::MAX)) as u32)
+        Some(clamped_add(value, delta))
     });
 }
 
@@ -133,7 +132,7 @@ impl Inflight {
 
     /// Applies each change; a slot outside the pool is ignored.
     pub fn adjust(&self, changes: &[InflightChange]) {
-        for change in changes.iter().filter(|c| c.slot < self.requests.len()) {
+        for change in changes {
             for (counters, delta) in [
                 (&self.requests, change.requests),
                 (&self.prefill_tokens, change.prefill_tokens),

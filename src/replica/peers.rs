@@ -272,6 +272,7 @@ impl Peers {
 mod tests {
     use super::super::wire::{encode_answer, ReplicaAnswer};
     use super::*;
+    use crate::snapshot::SlotLoad;
 
     const LIMITS: AnswerLimits = AnswerLimits {
         max_chain: 2048,
@@ -303,9 +304,11 @@ mod tests {
                 .collect(),
             inflight: vec![PodInflight {
                 pod: "pod-a".into(),
-                requests: 2,
-                prefill_tokens: 300,
-                streams: 1,
+                load: SlotLoad {
+                    requests: 2,
+                    prefill_tokens: 300,
+                    streams: 1,
+                },
             }],
         })
     }
@@ -339,9 +342,11 @@ mod tests {
                 "/log?since=3&epoch=bbb&loads={:x}",
                 loads_digest(&[PodInflight {
                     pod: "pod-a".into(),
-                    requests: 2,
-                    prefill_tokens: 300,
-                    streams: 1,
+                    load: SlotLoad {
+                        requests: 2,
+                        prefill_tokens: 300,
+                        streams: 1,
+                    },
                 }])
             ))
             .as_deref()
@@ -382,7 +387,10 @@ mod tests {
             .expect("good");
         let loads: Vec<&PodInflight> = peers.loads(1500).collect();
         assert_eq!(loads.len(), 1);
-        assert_eq!((loads[0].requests, loads[0].prefill_tokens), (2, 300));
+        assert_eq!(
+            (loads[0].load.requests, loads[0].load.prefill_tokens),
+            (2, 300)
+        );
         assert_eq!(peers.loads(2001).count(), 0, "silent past the ttl");
     }
 
@@ -405,9 +413,11 @@ mod tests {
                 "/log?since=2&epoch=ccc&loads={:x}",
                 loads_digest(&[PodInflight {
                     pod: "pod-a".into(),
-                    requests: 2,
-                    prefill_tokens: 300,
-                    streams: 1,
+                    load: SlotLoad {
+                        requests: 2,
+                        prefill_tokens: 300,
+                        streams: 1,
+                    },
                 }])
             ))
             .as_deref()

@@ -256,6 +256,7 @@ mod tests {
     use super::super::wire::{encode_answer, PodInflight};
     use super::*;
     use crate::index::PrefixLookup;
+    use crate::snapshot::SlotLoad;
     use std::collections::HashMap;
 
     fn config(peers: &[&str]) -> Config {
@@ -370,9 +371,11 @@ mod tests {
                 |_| None,
                 vec![super::super::PodInflight {
                     pod: "a".to_string(),
-                    requests: round + 1,
-                    prefill_tokens: 0,
-                    streams: 1,
+                    load: SlotLoad {
+                        requests: round + 1,
+                        prefill_tokens: 0,
+                        streams: 1,
+                    },
                 }],
                 now,
                 usize::MAX,
@@ -468,9 +471,11 @@ mod tests {
         let inflight: Vec<PodInflight> = (0..1024)
             .map(|i| PodInflight {
                 pod: format!("pod-{i}"),
-                requests: 1,
-                prefill_tokens: i,
-                streams: 1,
+                load: SlotLoad {
+                    requests: 1,
+                    prefill_tokens: i,
+                    streams: 1,
+                },
             })
             .collect();
         let body = encode_answer(&answer(

@@ -44,6 +44,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::report::hash_to_hex;
+use crate::snapshot::SlotLoad;
 
 /// The request header carrying the replicas' shared secret.
 pub const REPLICA_KEY_HEADER: &str = "x-kvroute-replica-key";
@@ -87,10 +88,7 @@ const MAX_TTFT_MS: f32 = 3_600_000.0;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInflight {
     pub pod: String,
-    pub requests: u32,
-    pub prefill_tokens: u32,
-    /// Requests whose stream is open ([`crate::snapshot::SlotLoad::streams`]).
-    pub streams: u32,
+    pub load: SlotLoad,
 }
 
 /// One answer of a replica's log.
@@ -176,9 +174,9 @@ pub fn loads_digest(loads: &[PodInflight]) -> u64 {
     for load in loads {
         bytes.extend_from_slice(load.pod.as_bytes());
         bytes.push(0);
-        bytes.extend_from_slice(&load.requests.to_le_bytes());
-        bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
-        bytes.extend_from_slice(&load.streams.to_le_bytes());
+        bytes.extend_from_slice(&load.load.requests.to_le_bytes());
+        bytes.extend_from_slice(&load.load.prefill_tokens.to_le_bytes());
+        bytes.extend_from_slice(&load.load.streams.to_le_bytes());
     }
     xxhash_rust::xxh64::xxh64(&bytes, 0)
 }
@@ -218,9 +216,9 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
             .iter()
             .map(|i| WireInflight {
                 pod: &i.pod,
-                requests: i.requests,
-                prefill_tokens: i.prefill_tokens,
-                streams: Some(i.streams),
+                requests: i.load.requests,
+                prefill_tokens: i.load.prefill_tokens,
+                streams: Some(i.load.streams),
             })
             .collect(),
     };
@@ -339,9 +337,11 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
             check_pod_id(p.pod, &format!("inflight[{i}].pod"))?;
             Ok(PodInflight {
                 pod: p.pod.to_string(),
-                requests: p.requests,
-                prefill_tokens: p.prefill_tokens,
-                streams: p.streams.unwrap_or(p.requests),
+                load: SlotLoad {
+                    requests: p.requests,
+                    prefill_tokens: p.prefill_tokens,
+                    streams: p.streams.unwrap_or(p.requests),
+                },
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -395,9 +395,11 @@ mod tests {
             ],
             inflight: vec![PodInflight {
                 pod: "pod-a".into(),
-                requests: 3,
-                prefill_tokens: 1024,
-                streams: 1,
+                load: SlotLoad {
+                    requests: 3,
+                    prefill_tokens: 1024,
+                    streams: 1,
+                },
             }],
         }
     }
