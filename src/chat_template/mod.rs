@@ -317,16 +317,15 @@ impl PromptRenderer {
         if chat {
             // Parsed once, in order, as the template reads it.
             let (request, envelope) = ordered_envelope(body)?;
+            let messages = request.get_attr("messages").ok();
             let prompt = match self.by_model.get(&envelope.model) {
                 Some(model) => Prompt::Text(model.render_chat(&request)?.into_bytes()),
                 None => {
-                    let messages = request.get_attr("messages").ok().and_then(|m| to_json(&m));
-                    request::canonical_messages(messages.as_ref())?
+                    let json = messages.as_ref().and_then(to_json);
+                    request::canonical_messages(json.as_ref())?
                 }
             };
-            let roles: Vec<Value> = request
-                .get_attr("messages")
-                .ok()
+            let roles: Vec<Value> = messages
                 .and_then(|m| m.try_iter().ok())
                 .into_iter()
                 .flatten()
