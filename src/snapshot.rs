@@ -496,6 +496,33 @@ impl SlotLoad {
         self.prefill_tokens = self.prefill_tokens.saturating_add(other.prefill_tokens);
         self.streams = self.streams.saturating_add(other.streams);
     }
+
+    /// Its fields as little-endian bytes, in declaration order: the form
+    /// workers publish and replicas digest.
+    pub fn to_le_bytes(&self) -> [u8; SLOT_LOAD_BYTES] {
+        let mut bytes = [0; SLOT_LOAD_BYTES];
+        for (chunk, field) in
+            bytes
+                .chunks_exact_mut(4)
+                .zip([self.requests, self.prefill_tokens, self.streams])
+        {
+            chunk.copy_from_slice(&field.to_le_bytes());
+        }
+        bytes
+    }
+
+    /// The inverse of [`SlotLoad::to_le_bytes`].
+    pub fn from_le_bytes(bytes: [u8; SLOT_LOAD_BYTES]) -> SlotLoad {
+        let mut words = bytes
+            .chunks_exact(4)
+            .map(|word| word.try_into().map_or(0, u32::from_le_bytes));
+        let mut next = || words.next().unwrap_or_default();
+        SlotLoad {
+            requests: next(),
+            prefill_tokens: next(),
+            streams: next(),
+        }
+    }
 }
 
 const SLOT_LOAD_BYTES: usize = 12;
@@ -548,9 +575,7 @@ pub fn encode_inflight(nonce: u64, loads: &[SlotLoad]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(8 + loads.len() * SLOT_LOAD_BYTES);
     bytes.extend_from_slice(&nonce.to_le_bytes());
     for load in loads {
-        bytes.extend_from_slice(&load.requests.to_le_bytes());
-        bytes.extend_from_slice(&load.prefill_tokens.to_le_bytes());
-        bytes.extend_from_slice(&load.streams.to_le_bytes());
+        bytes.extend_from_slice(&load.to_le_bytes());
     }
     bytes
 }
@@ -569,20 +594,10 @@ pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
     if total.len() < loads.len() {
         total.resize(loads.len(), SlotLoad::default());
     }
-    let word = |at: usize, bytes: &[u8]| {
-        bytes
-            .get(at..at + 4)
-            .unwrap_or_default()
-            .iter()
-            .rev()
-            .fold(0, |w, &b| w << 8 | u32::from(b))
-    };
     for (sum, load) in total.iter_mut().zip(loads) {
-        sum.add(SlotLoad {
-            requests: word(0, load),
-            prefill_tokens: word(4, load),
-            streams: word(8, load),
-        });
+        if let Ok(load) = load.try_into() {
+            sum.add(SlotLoad::from_le_bytes(load));
+        }
     }
 }
 

@@ -174,9 +174,7 @@ pub fn loads_digest(loads: &[PodInflight]) -> u64 {
     for load in loads {
         bytes.extend_from_slice(load.pod.as_bytes());
         bytes.push(0);
-        bytes.extend_from_slice(&load.load.requests.to_le_bytes());
-        bytes.extend_from_slice(&load.load.prefill_tokens.to_le_bytes());
-        bytes.extend_from_slice(&load.load.streams.to_le_bytes());
+        bytes.extend_from_slice(&load.load.to_le_bytes());
     }
     xxhash_rust::xxh64::xxh64(&bytes, 0)
 }
