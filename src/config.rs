@@ -325,13 +325,27 @@ pub enum BadRequestPolicy {
 pub enum NoPodPolicy {
     /// Hold the request in the gateway until a pod can take it, at most
     /// `maxWaitMs`, at most `maxWaitingRequests` per worker
-    /// ([`crate::queueing`]); then 503 with `retry-after`.
+    /// ([`crate::queueing`]); then as `onWaitLimit` says.
     #[default]
     Wait,
     /// 503 with `retry-after` at once.
     Reject,
     /// Send to `fallbackPod` anyway.
     Fallback,
+}
+
+/// What becomes of a waiting request the gateway cannot hold any longer:
+/// it waited `maxWaitMs`, or the queue is full.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum WaitLimitPolicy {
+    /// To the healthy pod the score prefers, past `maxQueue`: the pod
+    /// queues it, as vLLM queues any request. A 503 only when no pod is
+    /// healthy.
+    #[default]
+    Route,
+    /// 503 with `retry-after`.
+    Reject,
 }
 
 /// How the filter hands its choice to Envoy.
@@ -512,8 +526,12 @@ pub struct Config {
     pub on_no_eligible_pod: NoPodPolicy,
     /// Most requests waiting for a pod, per proxy worker (`"wait"`).
     pub max_waiting_requests: usize,
-    /// Longest a request waits for a pod before its 503 (`"wait"`).
+    /// Longest a request waits in the gateway for a pod below `maxQueue`
+    /// (`"wait"`).
     pub max_wait_ms: u64,
+    /// A waiting request past `maxWaitMs`, or one a full queue cannot
+    /// hold: routed past `maxQueue`, or answered 503.
+    pub on_wait_limit: WaitLimitPolicy,
     /// How long a request may hold out for a full pod that caches its
     /// whole prompt rather than go to a pod with room that caches none
     /// (`"wait"`; 0: never); less cache to gain, proportionally less (see
@@ -586,6 +604,7 @@ impl Default for Config {
             on_no_eligible_pod: NoPodPolicy::Wait,
             max_waiting_requests: 256,
             max_wait_ms: 30_000,
+            on_wait_limit: WaitLimitPolicy::Route,
             affinity_wait_ms: None,
             affinity_window: 32,
             fallback_pod: None,

@@ -14,14 +14,19 @@
 //!   before `sheddable`; FIFO inside a class. A class is served only when
 //!   every higher class is empty.
 //! - **Bound.** At most `maxWaitingRequests` entries
-//!   ([`WaitPolicy::max_waiting`]). An arrival when the queue is full
+//!   ([`WaitPolicy::max_waiting`]), so memory is bounded whatever the
+//!   load. An arrival when the queue is full, under `onWaitLimit: "route"`
+//!   ([`WaitPolicy::on_limit`]), joins it and the entry next in line (the
+//!   head of the highest class) leaves for a pod past `maxQueue`: the
+//!   order of service is kept and nothing is refused. Under `"reject"` it
 //!   displaces the *newest* entry of the lowest class strictly below its
 //!   own (that entry is answered `queue_full`); with no such entry the
-//!   arrival itself is refused (`queue_full`). So sheddable traffic is the
-//!   first dropped, and memory is bounded whatever the load.
+//!   arrival itself is refused (`queue_full`), so sheddable traffic is the
+//!   first dropped.
 //! - **Deadline.** An entry that has waited `maxWaitMs`
-//!   ([`WaitPolicy::max_wait_ms`]) is answered (`deadline`). Within a class
-//!   entries are in arrival order, so only each class's head is checked.
+//!   ([`WaitPolicy::max_wait_ms`]) leaves (`deadline`): for a pod past
+//!   `maxQueue`, or with a 503. Within a class entries are in arrival
+//!   order, so only each class's head is checked.
 //! - **Dispatch** ([`WaitQueue::dispatch`]), run when capacity may have
 //!   freed (a request on this worker ended, or a periodic tick): the first
 //!   `affinityWindow` entries ([`WaitPolicy::window`]) of the highest
@@ -67,7 +72,7 @@
 
 use std::collections::VecDeque;
 
-use crate::config::Config;
+use crate::config::{Config, WaitLimitPolicy};
 
 /// Request header naming a request's [`Priority`].
 pub const PRIORITY_HEADER: &str = "x-kvroute-priority";
@@ -107,7 +112,8 @@ impl Priority {
     }
 }
 
-/// Why a waiting (or arriving) request was answered instead of routed.
+/// Why a waiting (or arriving) request left the queue unrouted: for a pod
+/// past `maxQueue`, or with a 503 (`onWaitLimit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitRejection {
     /// It waited `maxWaitMs`.
@@ -138,6 +144,10 @@ pub struct WaitPolicy {
     /// Entries of the head class a dispatch round offers room to
     /// (`affinityWindow`).
     pub window: usize,
+    /// What leaves a full queue (`onWaitLimit`): `Route`, the entry next
+    /// in line, to a pod past `maxQueue`; `Reject`, the newest entry of a
+    /// lower class than the arrival, or the arrival, with a 503.
+    pub on_limit: WaitLimitPolicy,
 }
 
 impl WaitPolicy {
@@ -146,6 +156,7 @@ impl WaitPolicy {
             max_waiting: config.max_waiting_requests,
             max_wait_ms: config.max_wait_ms,
             window: config.affinity_window,
+            on_limit: config.on_wait_limit,
         }
     }
 }
@@ -180,8 +191,10 @@ impl<T> Waiter<T> {
 pub enum Admission<T> {
     /// Waiting now.
     Queued,
-    /// Waiting now, in place of this lower-class entry (to be answered
-    /// [`WaitRejection::QueueFull`]).
+    /// Waiting now, in place of this entry, which leaves the queue
+    /// ([`WaitRejection::QueueFull`]): under `onWaitLimit: "route"` the
+    /// entry next in line, for a pod past `maxQueue`; under `"reject"` the
+    /// newest entry of a lower class, for its 503.
     Displaced(Waiter<T>),
     /// Not admitted: the queue is full of entries of its class or higher.
     Refused(T),
@@ -278,6 +291,11 @@ impl<T> WaitQueue<T> {
             self.class(priority).push_back(waiter);
             return Admission::Queued;
         }
+        if self.policy.on_limit == WaitLimitPolicy::Route {
+            let next = self.head_class().and_then(VecDeque::pop_front);
+            self.class(priority).push_back(waiter);
+            return next.map_or(Admission::Queued, Admission::Displaced);
+        }
         let victim_class = Priority::ALL
             .into_iter()
             .rev()
@@ -300,7 +318,7 @@ impl<T> WaitQueue<T> {
     }
 
     /// Removes and returns every entry that has waited `maxWaitMs` at
-    /// `now_ms`, to be answered [`WaitRejection::Deadline`].
+    /// `now_ms` ([`WaitRejection::Deadline`]).
     pub fn expire(&mut self, now_ms: u64) -> Vec<Waiter<T>> {
         let max_wait_ms = self.policy.max_wait_ms;
         let mut expired = Vec::new();
@@ -372,11 +390,13 @@ impl<T> WaitQueue<T> {
 mod tests {
     use super::*;
 
+    /// Under `onWaitLimit: "reject"`.
     fn queue(max_waiting: usize, max_wait_ms: u64) -> WaitQueue<&'static str> {
         WaitQueue::new(WaitPolicy {
             max_waiting,
             max_wait_ms,
             window: 4,
+            on_limit: WaitLimitPolicy::Reject,
         })
     }
 
@@ -471,6 +491,30 @@ mod tests {
         );
         assert_eq!(q.len(), 3);
         assert_eq!(dispatch(&mut q, 10), vec!["crit", "crit-2", "std"]);
+    }
+
+    #[test]
+    fn a_full_queue_routing_past_the_limit_lets_the_next_in_line_go_and_admits_every_arrival() {
+        let mut q = WaitQueue::new(WaitPolicy {
+            on_limit: WaitLimitPolicy::Route,
+            ..queue(3, 1000).policy()
+        });
+        q.admit(1, Priority::Sheddable, 0, false, "shed");
+        q.admit(2, Priority::Standard, 1, false, "std-old");
+        q.admit(3, Priority::Standard, 2, false, "std-new");
+        // The entry a round would offer room first leaves, whatever the
+        // arrival's class: order is kept, nothing is refused.
+        for (id, class, item, next) in [
+            (4, Priority::Sheddable, "shed-late", "std-old"),
+            (5, Priority::Critical, "crit", "std-new"),
+            (6, Priority::Standard, "std-late", "crit"),
+        ] {
+            match q.admit(id, class, 3, false, item) {
+                Admission::Displaced(leaving) => assert_eq!(leaving.item, next, "{item}"),
+                other => panic!("{item}: {other:?}"),
+            }
+        }
+        assert_eq!(dispatch(&mut q, 10), vec!["std-late", "shed", "shed-late"]);
     }
 
     #[test]

@@ -193,12 +193,16 @@ pub enum Attempt {
     Waiting {
         holding_ms: u64,
     },
+    /// The gateway can hold it no longer (it waited `maxWaitMs`, or the
+    /// queue is full) and `onWaitLimit` is `"route"`: any healthy pod may
+    /// take it, at `maxQueue` or not, and it holds out for none.
+    PastWaitLimit,
 }
 
 impl Attempt {
     fn holding_ms(self) -> u64 {
         match self {
-            Attempt::Arrival => 0,
+            Attempt::Arrival | Attempt::PastWaitLimit => 0,
             Attempt::Waiting { holding_ms } => holding_ms,
         }
     }
@@ -520,10 +524,15 @@ impl Router {
                     ..d
                 }),
         });
-        let mut decision = self
-            .policy
-            .decide(&pool, adapter.is_some(), tie_breaker, balancing);
-        let target = ttft_target_ms.filter(|_| view.ttft.calibrated());
+        let past_limit = attempt == Attempt::PastWaitLimit;
+        let mut decision = if past_limit {
+            self.policy
+                .decide_past_max_queue(&pool, adapter.is_some(), tie_breaker)
+        } else {
+            self.policy
+                .decide(&pool, adapter.is_some(), tie_breaker, balancing)
+        };
+        let target = ttft_target_ms.filter(|_| view.ttft.calibrated() && !past_limit);
         let waited_ms = attempt.holding_ms() as f64;
         match target.and_then(|t| slo::place(&decision, &pool, t, waited_ms)) {
             Some(SloChoice::Route(index)) => decision.chosen = Some(index),
@@ -557,7 +566,7 @@ impl Router {
                 Some(index) => (index, true),
                 None => {
                     let rejected = self.no_eligible_pod(&decision, view.table);
-                    if self.config.on_no_eligible_pod != NoPodPolicy::Wait {
+                    if self.config.on_no_eligible_pod != NoPodPolicy::Wait || past_limit {
                         return Outcome::Rejected(rejected);
                     }
                     return waiting(chain, rejected, None);
@@ -575,7 +584,7 @@ impl Router {
         };
         let matched_blocks = matches.blocks(chosen.slot);
         let reload_tokens = pool.cached_prefix(chosen.slot).reload_tokens;
-        if !fallback {
+        if !fallback && !past_limit {
             let hold = self.hold_out(&decision, view.table, &matches, matched_blocks);
             if let Some(hold) =
                 hold.filter(|h| attempt.holding_ms() < self.hold_bound_ms(h, &coverage))

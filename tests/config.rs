@@ -4,7 +4,7 @@
 
 use kvroute::config::{
     BadRequestPolicy, Config, IndexMode, LogLevel, ModelTarget, NoPodPolicy, PassiveHealthConfig,
-    TierCredits, UpstreamMode, Weights,
+    TierCredits, UpstreamMode, WaitLimitPolicy, Weights,
 };
 use kvroute::hashing::BlockHasher;
 use kvroute::request::Prompt;
@@ -537,6 +537,11 @@ fn waiting_in_the_gateway_is_bounded() {
     );
     let reject = parse(&with_pods(r#""onNoEligiblePod": "reject""#)).unwrap();
     assert_eq!(reject.on_no_eligible_pod, NoPodPolicy::Reject);
+    // Past the wait's limits a request goes to a pod unless told to 503.
+    assert_eq!(config.on_wait_limit, WaitLimitPolicy::Route);
+    let shed = parse(&with_pods(r#""onWaitLimit": "reject""#)).unwrap();
+    assert_eq!(shed.on_wait_limit, WaitLimitPolicy::Reject);
+    rejects(&with_pods(r#""onWaitLimit": "drop""#), "onWaitLimit");
     rejects(
         &with_pods(r#""maxWaitingRequests": 0"#),
         "maxWaitingRequests",

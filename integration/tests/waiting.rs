@@ -276,6 +276,8 @@ fn critical_requests_are_dispatched_before_sheddable_ones_that_came_first() {
 
 #[test]
 fn a_full_queue_and_the_deadline_answer_503_with_retry_after() {
+    // No pod is healthy: past the limit there is no pod to send a request
+    // to ("route", the default), so the request next in line gets the 503.
     let cluster = start(json!({"maxWaitingRequests": 2, "maxWaitMs": 800}));
     for reason in ["deadline", "queue_full"] {
         assert_eq!(
@@ -345,9 +347,76 @@ fn a_full_queue_and_the_deadline_answer_503_with_retry_after() {
 }
 
 #[test]
+fn requests_the_gateway_cannot_hold_go_to_a_pod_past_max_queue() {
+    // One worker, one place: an arrival sends the waiting request on; the
+    // last one goes at maxWaitMs. `onWaitLimit` is "route" by default.
+    let mut spec = ClusterSpec::new(
+        2,
+        config(json!({"maxWaitingRequests": 1, "maxWaitMs": 800})),
+    );
+    spec.envoy_workers = 1;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    for sim in &cluster.sims {
+        sim.fault(json!({"queueDepth": 20}));
+    }
+    cluster.wait_reports(3);
+    let first = spawn_request(&cluster, "limit", 0);
+    wait_until("1 waiting request", Duration::from_secs(5), || {
+        waiting(&cluster) == 1.0
+    });
+    let second = spawn_request(&cluster, "limit", 1);
+    let (response, took) = first.join().expect("client");
+    assert_eq!(response.status, 200, "{}", response.body);
+    assert!(
+        took < Duration::from_millis(780),
+        "sent on by the arrival: {took:?}"
+    );
+    let (response, took) = second.join().expect("client");
+    assert_eq!(response.status, 200, "{}", response.body);
+    assert!(
+        took >= Duration::from_millis(780) && took < Duration::from_millis(2500),
+        "sent at maxWaitMs: {took:?}"
+    );
+    assert_eq!(pod_requests(&cluster), 2);
+    wait_until(
+        "both wait_end events logged",
+        Duration::from_secs(5),
+        || {
+            cluster
+                .envoy
+                .log()
+                .matches("\"event\":\"wait_end\"")
+                .count()
+                == 2
+        },
+    );
+    assert_eq!(
+        wait_end(&cluster, "limit-0")["outcome"],
+        "routed_past_queue_full"
+    );
+    assert_eq!(
+        wait_end(&cluster, "limit-1")["outcome"],
+        "routed_past_deadline"
+    );
+    for reason in ["queue_full", "deadline"] {
+        let metric = |name: &str| cluster.envoy.metric(name, &[("reason", reason)]);
+        assert_eq!(
+            metric("epp_wait_routed_past_limit_total"),
+            Some(1.0),
+            "{reason}"
+        );
+        assert_eq!(metric("epp_wait_rejected_total"), Some(0.0), "{reason}");
+    }
+    assert_eq!(waiting(&cluster), 0.0);
+}
+
+#[test]
 fn a_full_queue_drops_sheddable_requests_first() {
     // One worker, so the two places are one queue.
-    let mut spec = ClusterSpec::new(2, config(json!({"maxWaitingRequests": 2})));
+    let mut spec = ClusterSpec::new(
+        2,
+        config(json!({"maxWaitingRequests": 2, "onWaitLimit": "reject"})),
+    );
     spec.envoy_workers = 1;
     let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
     set_health(&cluster, 0.1);

@@ -71,6 +71,7 @@ catalogue! {
     Failovers = ("epp_failovers_total", Counter, None),
     RequestsRejected = ("epp_requests_rejected_total", Counter, Some("status")),
     WaitRejected = ("epp_wait_rejected_total", Counter, Some("reason")),
+    WaitRoutedPastLimit = ("epp_wait_routed_past_limit_total", Counter, Some("reason")),
     RoutingDecisions = ("epp_routing_decisions_total", Counter, Some("model")),
     AdapterLoadsTriggered = ("epp_adapter_loads_triggered_total", Counter, Some("adapter")),
     CacheMatchedBlocks = ("epp_cache_matched_blocks_total", Counter, Some("tier")),
@@ -226,6 +227,7 @@ pub fn export_from_zero(config: &Config, sink: &mut dyn MetricSink) {
     }
     for reason in WaitRejection::ALL {
         sink.define(Metric::WaitRejected, reason.name());
+        sink.define(Metric::WaitRoutedPastLimit, reason.name());
     }
     for tier in Tier::ALL {
         sink.define(Metric::CacheMatchedBlocks, tier.name());

@@ -13,9 +13,11 @@
 //!   one holding out for the pod that caches its prefix stays (policy in
 //!   [`crate::queueing`]), and an arrival behind the window waits its turn
 //!   without being routed;
-//! - **answered** 503 + `retry-after` when it waited `maxWaitMs`
-//!   (`deadline`, on the tick), or when the queue is full (`queue_full`:
-//!   the arrival, or a lower-priority entry it displaces);
+//! - **past the limit**, when it waited `maxWaitMs` (`deadline`, on the
+//!   tick) or the queue is full (`queue_full`): under `onWaitLimit:
+//!   "route"` the request next in line is routed past `maxQueue` (answered
+//!   503 only when no pod is healthy); under `"reject"` it is answered 503
+//!   + `retry-after` (the arrival, or a lower-priority entry it displaces);
 //! - **gone**, when its client disconnects (its stream ends).
 //!
 //! Acting on a waiting request from another callback goes through
@@ -26,7 +28,8 @@
 //! the next tick.
 //!
 //! Every leave updates the gauge `epp_waiting_requests` (summed over
-//! workers), records `epp_wait_time_ms`; answers count
+//! workers), records `epp_wait_time_ms`; routing past the limit counts
+//! `epp_wait_routed_past_limit_total{reason}`, answers
 //! `epp_wait_rejected_total{reason}` and `epp_requests_rejected_total`.
 
 use std::collections::HashMap;
@@ -38,7 +41,7 @@ use super::events::event;
 use super::filter::{answer, deliver, internal_error, RoutedRequest, Worker};
 use super::host::{HostError, Stream, WorkerHost};
 use super::metrics::{Metric, MetricBatch};
-use crate::config::Config;
+use crate::config::{Config, WaitLimitPolicy};
 use crate::queueing::{
     Admission, Placement, Priority, WaitPolicy, WaitQueue, WaitRejection, Waiter,
 };
@@ -171,16 +174,8 @@ pub fn admit<H: WorkerHost>(
         .admit(id, priority, now_ms, holding_out.is_some(), item);
     let admitted = match admission {
         Admission::Queued => Ok(()),
-        Admission::Displaced(victim) => {
-            count(&mut worker.metrics, WaitRejection::QueueFull);
-            log_end(
-                &mut worker.metrics,
-                &victim,
-                WaitRejection::QueueFull.name(),
-                now_ms,
-            );
-            let rejected = rejection(WaitRejection::QueueFull, policy, &victim.item.rejected);
-            answer_other(worker, victim.id, victim.item.request_id, rejected);
+        Admission::Displaced(leaving) => {
+            past_limit(worker, leaving, WaitRejection::QueueFull);
             Ok(())
         }
         Admission::Refused(item) => {
@@ -244,14 +239,61 @@ pub fn dispatch<H: WorkerHost>(worker: &mut Worker<H>) {
     let policy = worker.waiting.queue.policy();
     let mut queue = std::mem::replace(&mut worker.waiting.queue, WaitQueue::new(policy));
     let now_ms = worker.host.now_ms();
-    queue.dispatch(now_ms, |waiter| place(worker, waiter));
+    queue.dispatch(now_ms, |waiter| {
+        let attempt = Attempt::Waiting {
+            holding_ms: waiter.holding_ms(now_ms),
+        };
+        place(worker, waiter, attempt, "routed")
+    });
     worker.waiting.queue = queue;
     worker.waiting.export_len(&mut worker.metrics);
     worker.bound_metrics();
 }
 
-/// Routes one waiting request again and resumes it if a pod takes it.
-fn place<H: WorkerHost>(worker: &mut Worker<H>, waiter: &Waiter<WaitingRequest>) -> Placement {
+/// A request the queue can hold no longer (`reason`), as `onWaitLimit`
+/// says: routed past `maxQueue`, or answered 503.
+fn past_limit<H: WorkerHost>(
+    worker: &mut Worker<H>,
+    waiter: Waiter<WaitingRequest>,
+    reason: WaitRejection,
+) {
+    let policy = worker.waiting.queue.policy();
+    if policy.on_limit == WaitLimitPolicy::Route {
+        let outcome = match reason {
+            WaitRejection::Deadline => "routed_past_deadline",
+            WaitRejection::QueueFull => "routed_past_queue_full",
+        };
+        match place(worker, &waiter, Attempt::PastWaitLimit, outcome) {
+            Placement::Placed => {
+                worker
+                    .metrics
+                    .increment_labelled(Metric::WaitRoutedPastLimit, reason.name());
+                return;
+            }
+            Placement::Gone => return,
+            // No pod is healthy: the 503.
+            Placement::Wait | Placement::HoldingOut => {}
+        }
+    }
+    count(&mut worker.metrics, reason);
+    log_end(
+        &mut worker.metrics,
+        &waiter,
+        reason.name(),
+        worker.host.now_ms(),
+    );
+    let rejected = rejection(reason, policy, &waiter.item.rejected);
+    answer_other(worker, waiter.id, waiter.item.request_id, rejected);
+}
+
+/// Routes one waiting request again (`attempt`) and resumes it if a pod
+/// takes it; `routed` names that outcome in its `wait_end` event.
+fn place<H: WorkerHost>(
+    worker: &mut Worker<H>,
+    waiter: &Waiter<WaitingRequest>,
+    attempt: Attempt,
+    routed: &str,
+) -> Placement {
     let now_ms = worker.host.now_ms();
     if worker.host.other(waiter.id).is_none() {
         log::warn!(
@@ -263,14 +305,13 @@ fn place<H: WorkerHost>(worker: &mut Worker<H>, waiter: &Waiter<WaitingRequest>)
     }
     let started = Instant::now();
     let request_id = &waiter.item.request_id;
-    let attempt = Attempt::Waiting {
-        holding_ms: waiter.holding_ms(now_ms),
-    };
-    let routed = match worker.decide(waiter.item.request.clone(), request_id, attempt) {
+    let delivered = match worker.decide(waiter.item.request.clone(), request_id, attempt) {
         Outcome::NoEligiblePod(no_pod) if no_pod.holding_out.is_some() => {
             return Placement::HoldingOut
         }
         Outcome::NoEligiblePod(_) => return Placement::Wait,
+        // Past the limit no pod is healthy: the caller answers why.
+        Outcome::Rejected(_) if attempt == Attempt::PastWaitLimit => return Placement::Wait,
         Outcome::Rejected(rejected) => Err(rejected),
         Outcome::Routed(routed) => {
             let elapsed_us = started.elapsed().as_micros() as u64;
@@ -288,7 +329,7 @@ fn place<H: WorkerHost>(worker: &mut Worker<H>, waiter: &Waiter<WaitingRequest>)
             }
         }
     };
-    match routed {
+    match delivered {
         Ok(delivered) => {
             worker.host.adjust_inflight(&[delivered.arrival()]);
             // Taken over by the request, which releases the in-flight
@@ -305,7 +346,7 @@ fn place<H: WorkerHost>(worker: &mut Worker<H>, waiter: &Waiter<WaitingRequest>)
                 log_end(&mut worker.metrics, waiter, "failed", now_ms);
                 return Placement::Gone;
             }
-            log_end(&mut worker.metrics, waiter, "routed", now_ms);
+            log_end(&mut worker.metrics, waiter, routed, now_ms);
             Placement::Placed
         }
         Err(rejected) => {
@@ -332,24 +373,8 @@ pub fn on_tick<H: WorkerHost>(worker: &mut Worker<H>) {
         }
     }
     let now_ms = worker.host.now_ms();
-    let policy = worker.waiting.queue.policy();
     for waiter in worker.waiting.queue.expire(now_ms) {
-        count(&mut worker.metrics, WaitRejection::Deadline);
-        log_end(
-            &mut worker.metrics,
-            &waiter,
-            WaitRejection::Deadline.name(),
-            now_ms,
-        );
-        let rejected = rejection(WaitRejection::Deadline, policy, &waiter.item.rejected);
-        if let Some(mut stream) = worker.host.other(waiter.id) {
-            answer(
-                &mut worker.metrics,
-                &mut stream,
-                &waiter.item.request_id,
-                &rejected,
-            );
-        }
+        past_limit(worker, waiter, WaitRejection::Deadline);
     }
     worker.waiting.export_len(&mut worker.metrics);
     dispatch(worker);

@@ -267,11 +267,15 @@ impl ScoringPolicy {
 
     /// Why `candidate` cannot take requests, if it cannot.
     pub fn exclusion(&self, candidate: &Candidate<'_>) -> Option<Exclusion> {
+        self.exclusion_within(candidate, QueueLimit::Enforced)
+    }
+
+    fn exclusion_within(&self, candidate: &Candidate<'_>, limit: QueueLimit) -> Option<Exclusion> {
         if candidate.health.is_nan() || candidate.health < self.health_threshold {
             Some(Exclusion::Unhealthy {
                 health: candidate.health,
             })
-        } else if candidate.queue >= self.max_queue {
+        } else if limit == QueueLimit::Enforced && candidate.queue >= self.max_queue {
             Some(Exclusion::QueueFull {
                 queue: candidate.queue,
             })
@@ -292,14 +296,43 @@ impl ScoringPolicy {
         tie_breaker: u64,
         balancing: Option<Balancing>,
     ) -> Decision {
+        self.decide_within(
+            pool,
+            needs_adapter,
+            tie_breaker,
+            balancing,
+            QueueLimit::Enforced,
+        )
+    }
+
+    /// [`ScoringPolicy::decide`] for a request the gateway can hold no
+    /// longer (`onWaitLimit: "route"`): a pod at `maxQueue` may take it,
+    /// an unhealthy one still may not.
+    pub fn decide_past_max_queue<'a, P: Pool<'a> + ?Sized>(
+        &self,
+        pool: &P,
+        needs_adapter: bool,
+        tie_breaker: u64,
+    ) -> Decision {
+        self.decide_within(pool, needs_adapter, tie_breaker, None, QueueLimit::Lifted)
+    }
+
+    fn decide_within<'a, P: Pool<'a> + ?Sized>(
+        &self,
+        pool: &P,
+        needs_adapter: bool,
+        tie_breaker: u64,
+        balancing: Option<Balancing>,
+        limit: QueueLimit,
+    ) -> Decision {
         let set = candidates::select(pool, &self.candidates, needs_adapter, tie_breaker, |c| {
-            self.exclusion(c).is_none()
+            self.exclusion_within(c, limit).is_none()
         });
         let mut excluded = Vec::new();
         let mut eligible = Vec::with_capacity(set.len());
         let mut eligible_pods: Vec<Candidate<'a>> = Vec::with_capacity(set.len());
         for (index, pod) in set {
-            match self.exclusion(&pod) {
+            match self.exclusion_within(&pod, limit) {
                 Some(reason) => excluded.push((index, reason)),
                 None => {
                     eligible.push(index);
@@ -377,6 +410,13 @@ impl ScoringPolicy {
             spread: spread_to.is_some(),
         }
     }
+}
+
+/// Whether a pod at `maxQueue` is excluded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QueueLimit {
+    Enforced,
+    Lifted,
 }
 
 /// What decides between pods whose composites tie: their load score, then

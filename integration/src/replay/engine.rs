@@ -37,8 +37,10 @@
 //! [`WaitQueue`] (the proxy's own policy, one queue as for one worker) and
 //! is routed again when a request ends or a report arrives — the moments
 //! the router's view of a pod's queue changes — in the queue's order; a
-//! request the queue refuses, displaces or holds past `maxWaitMs` gets the
-//! 503 and is retried (deadlines are checked at those same moments).
+//! request a full queue sends on, or one held past `maxWaitMs`, goes to a
+//! pod past `maxQueue` (`onWaitLimit: "route"`), or gets the 503 and is
+//! retried (`"reject"`, or no healthy pod; deadlines are checked at those
+//! same moments).
 //!
 //! Same workload, configuration and seed → same numbers: no wall clock,
 //! no hash-order iteration, ties broken by sequence numbers.
@@ -48,8 +50,8 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
 use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
-use kvroute::config::NoPodPolicy;
 use kvroute::config::{Config, IndexMode, PodConfig, TierCredits};
+use kvroute::config::{NoPodPolicy, WaitLimitPolicy};
 use kvroute::index::{Merged, RecentDecisions};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
@@ -705,8 +707,17 @@ impl<'a> Simulation<'a> {
             index,
         ) {
             Admission::Queued => {}
-            Admission::Displaced(victim) => self.reject(victim.item, now),
-            Admission::Refused(index) => self.reject(index, now),
+            Admission::Displaced(victim) => self.wait_limit(victim.item, now),
+            Admission::Refused(index) => self.wait_limit(index, now),
+        }
+    }
+
+    /// The gateway can hold request `index` no longer: as `onWaitLimit`
+    /// says, routed past `maxQueue` or answered 503.
+    fn wait_limit(&mut self, index: usize, now: u64) {
+        let route = matches!(&self.chooser, Chooser::Kvroute(view) if view.config.on_wait_limit == WaitLimitPolicy::Route);
+        if !route || self.choose(index, now, Attempt::PastWaitLimit) != Placement::Placed {
+            self.reject(index, now);
         }
     }
 
@@ -725,7 +736,7 @@ impl<'a> Simulation<'a> {
         // The queue keeps time in milliseconds.
         let now_ms = now / 1000;
         for waiter in gateway.expire(now_ms) {
-            self.reject(waiter.item, now);
+            self.wait_limit(waiter.item, now);
         }
         gateway.dispatch(now_ms, |waiter| {
             let holding_ms = waiter.holding_ms(now_ms);
@@ -1240,19 +1251,22 @@ mod tests {
 
     /// A burst far above capacity: under "reject" it is answered with 503s
     /// (then retried); under "wait" it waits in the gateway and none is
-    /// refused while the queue has room; with a small queue the overflow
-    /// is refused and retried. Every request is served in the end.
+    /// refused while the queue has room; with a small queue the request
+    /// next in line goes to a pod past `maxQueue` (`onWaitLimit: "route"`)
+    /// or is refused and retried (`"reject"`). Every request is served in
+    /// the end.
     #[test]
     fn a_burst_waits_in_the_gateway_instead_of_503s() {
         let mut requests = trace(60);
         for (i, r) in requests.iter_mut().enumerate() {
             r.timestamp_ms = i as f64 * 10.0;
         }
-        let run = |policy: NoPodPolicy, max_waiting: usize| {
+        let run = |policy: NoPodPolicy, max_waiting: usize, on_wait_limit: WaitLimitPolicy| {
             let config = Config {
                 max_queue: 2,
                 on_no_eligible_pod: policy,
                 max_waiting_requests: max_waiting,
+                on_wait_limit,
                 pod_report_interval_ms: 200,
                 ..config(IndexMode::Precise)
             };
@@ -1272,9 +1286,11 @@ mod tests {
             );
             result.summary.rejections
         };
-        assert!(run(NoPodPolicy::Reject, 256) > 0);
-        assert_eq!(run(NoPodPolicy::Wait, 256), 0);
-        assert!(run(NoPodPolicy::Wait, 4) > 0);
+        let (route, reject) = (WaitLimitPolicy::Route, WaitLimitPolicy::Reject);
+        assert!(run(NoPodPolicy::Reject, 256, route) > 0);
+        assert_eq!(run(NoPodPolicy::Wait, 256, route), 0);
+        assert_eq!(run(NoPodPolicy::Wait, 4, route), 0);
+        assert!(run(NoPodPolicy::Wait, 4, reject) > 0);
     }
 
     /// Two fast and two half-speed pods: the slow ones prefill at half
