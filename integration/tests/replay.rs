@@ -401,3 +401,38 @@ fn azure_conversations_replay_through_their_openai_bodies() {
     assert!(hit(0) >= 0.95 * from_csv.pooled_bound, "kvroute {}", hit(0));
     assert!(hit(1) < 0.8 * hit(0), "round robin {}", hit(1));
 }
+
+#[test]
+fn a_bench_workload_replay_writes_its_per_request_csv() {
+    let scratch = Scratch::new("bench-out");
+    let out = scratch.0.join("out");
+    let out_arg = out.to_str().unwrap();
+    let report = replay::run(
+        &args(&[
+            "--trace",
+            "unused",
+            "--bench-workload",
+            "shared-prefix",
+            "--pods",
+            "4",
+            "--policies",
+            "kvroute",
+            "--out",
+            out_arg,
+        ]),
+        &mut Vec::new(),
+    )
+    .unwrap();
+    let csv = std::fs::read_to_string(out.join("requests-kvroute.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert_eq!(rows.len(), report.requests);
+    // Once the model is calibrated each request carries its prediction
+    // and the work it counted.
+    for row in rows.iter().rev().take(10) {
+        let fields: Vec<&str> = row.split(',').collect();
+        assert_eq!(fields.len(), 12, "{row}");
+        assert!(fields[9].parse::<f64>().is_ok_and(|ms| ms > 0.0), "{row}");
+        assert!(fields[11].parse::<u64>().is_ok(), "{row}");
+    }
+    assert!(out.join("results.json").exists());
+}

@@ -177,6 +177,12 @@ pub struct RequestOutcome {
     /// its first token), made as its first token arrived and before the
     /// model learned from it ([`kvroute::scoring::ttft::Observation`]).
     pub predicted_ttft_us: Option<u64>,
+    /// kvroute: what the router expected its pod to prefill for it, and
+    /// the work the prediction counts (that plus the prefill queued
+    /// ahead), at the decision: set against `prefilled_tokens` and the
+    /// TTFT they tell where the model's error comes from.
+    pub routed_prefill_tokens: u64,
+    pub work_tokens: u64,
 }
 
 /// The numbers of one run.
@@ -503,6 +509,8 @@ impl<'a> Simulation<'a> {
                 wait_us: 0,
                 prefilled_tokens: 0,
                 predicted_ttft_us: None,
+                routed_prefill_tokens: 0,
+                work_tokens: 0,
             })
             .collect();
         let mut sim = Simulation {
@@ -761,6 +769,9 @@ impl<'a> Simulation<'a> {
                     Ok((pod, prefill, work)) => {
                         prefill_tokens = prefill;
                         self.sent[index] = Some((now, work));
+                        let outcome = &mut self.outcomes[index];
+                        outcome.routed_prefill_tokens = u64::from(prefill);
+                        outcome.work_tokens = work;
                         pod
                     }
                     Err(placement) => return placement,

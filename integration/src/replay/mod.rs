@@ -293,7 +293,12 @@ pub fn router_config(args: &ReplayArgs) -> Result<Config, String> {
 /// the `--out` files.
 pub fn run(args: &ReplayArgs, stdout: &mut dyn Write) -> Result<Report, String> {
     if let Some(name) = &args.bench_workload {
-        return run_bench_workload(args, name, stdout);
+        let report = run_bench_workload(args, name, stdout)?;
+        if let Some(dir) = &args.out {
+            write_outputs(dir, args, &report)
+                .map_err(|e| format!("--out {}: {e}", dir.display()))?;
+        }
+        return Ok(report);
     }
     let started = Instant::now();
     if !(args.speedup.is_finite() && args.speedup > 0.0) {
@@ -885,7 +890,7 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
     )?;
     for run in &report.runs {
         let mut csv = String::from(
-            "line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms,prefilled_tokens,predicted_ttft_ms\n",
+            "line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms,prefilled_tokens,predicted_ttft_ms,routed_prefill_tokens,work_tokens\n",
         );
         for o in &run.outcomes {
             let predicted = o
@@ -893,7 +898,7 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
                 .map_or(String::new(), |us| format!("{:.3}", us as f64 / 1000.0));
             let _ = writeln!(
                 csv,
-                "{},{},{:.3},{:.3},{},{},{},{:.3},{},{predicted}",
+                "{},{},{:.3},{:.3},{},{},{},{:.3},{},{predicted},{},{}",
                 o.line,
                 o.pod,
                 o.arrival_us as f64 / 1000.0,
@@ -903,6 +908,8 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
                 o.rejections,
                 o.wait_us as f64 / 1000.0,
                 o.prefilled_tokens,
+                o.routed_prefill_tokens,
+                o.work_tokens,
             );
         }
         std::fs::write(dir.join(format!("requests-{}.csv", run.policy.name())), csv)?;
