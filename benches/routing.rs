@@ -267,6 +267,7 @@ fn candidates<'a>(f: &'a Fixture, matched: &PrefixMatch, blocks: usize) -> Vec<C
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
+            queued_ms_per_token: 0.0,
             busy: 0.0,
             load: pod.load,
             queue: pod.queue,

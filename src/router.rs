@@ -48,7 +48,7 @@ use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
 use crate::scoring::factors::CachedPrefix;
 use crate::scoring::slo::{self, SloChoice};
 use crate::scoring::spread::{self, PrefixDemand};
-use crate::scoring::ttft::TtftModel;
+use crate::scoring::ttft::{TtftModel, Work};
 use crate::scoring::{Balancing, Candidate, Decision, Exclusion, Pool, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
@@ -109,11 +109,11 @@ pub struct Routed {
     /// counted in the pod's [`SlotLoad::prefill_tokens`] until the first
     /// response byte.
     pub prefill_tokens: u32,
-    /// Prefill ahead of its first token there: the pod's queued prefill
-    /// plus `prefill_tokens` plus the reload of its prefix cached outside
-    /// GPU memory, in prefill tokens (what [`TtftModel::observe`] learns
-    /// from).
-    pub work_tokens: u64,
+    /// Prefill ahead of its first token there: the pod's queued prefill,
+    /// and its own, `prefill_tokens` plus the reload of its prefix cached
+    /// outside GPU memory, in prefill tokens (what [`TtftModel::observe`]
+    /// learns from).
+    pub work: Work,
     /// Predicted TTFT on the chosen pod and on the runner-up (if any).
     pub predicted_ttft_ms: f64,
     pub runner_up_ttft_ms: Option<f64>,
@@ -274,9 +274,7 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
         let queued_prefill = u64::from(load.prefill_tokens);
         let line = view.ttft.line(pod.slot);
         // A prefix cached outside GPU memory is reloaded before the prefill.
-        let work = queued_prefill
-            .saturating_add(uncached_tokens)
-            .saturating_add(cached.reload_tokens);
+        let own = uncached_tokens.saturating_add(cached.reload_tokens);
         Candidate {
             slot: pod.slot,
             id: &pod.id,
@@ -285,8 +283,9 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             uncached_tokens,
             streams: load.streams,
             queued_prefill,
-            predicted_ttft_ms: line.predict(work as f64),
+            predicted_ttft_ms: line.predict(queued_prefill as f64, own as f64),
             prefill_ms_per_token: line.ms_per_token,
+            queued_ms_per_token: line.ms_per_queued_token,
             busy: view.ttft.busy(pod.slot),
             health: if self.stale_snapshot {
                 let age = view.now_ms.saturating_sub(pod.last_report_ms);
@@ -628,10 +627,10 @@ impl Router {
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
-            work_tokens: candidate
-                .queued_prefill
-                .saturating_add(candidate.uncached_tokens)
-                .saturating_add(reload_tokens),
+            work: Work::new(
+                candidate.queued_prefill,
+                candidate.uncached_tokens.saturating_add(reload_tokens),
+            ),
             predicted_ttft_ms: candidate.predicted_ttft_ms,
             runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
             streamed,
@@ -1094,8 +1093,8 @@ mod tests {
         let mut ttft = TtftModel::new(64);
         for i in 0..32u64 {
             let work = 100 + (i % 4) * 1000;
-            ttft.observe(0, work, 10.0 + 0.1 * work as f64);
-            ttft.observe(1, work, 10.0 + 0.1 * work as f64);
+            ttft.observe(0, Work::new(0, work), 10.0 + 0.1 * work as f64);
+            ttft.observe(1, Work::new(0, work), 10.0 + 0.1 * work as f64);
         }
         let target = |ms: f64| Config {
             balance: crate::config::BalanceConfig {
@@ -1250,7 +1249,7 @@ mod tests {
         // 5 blocks on the GPU, 15 in CPU memory at 0.9: 0.25 + 0.675.
         assert!((routed.cache_match - 0.925).abs() < 1e-9);
         assert_eq!(routed.predicted_cached_tokens, 320);
-        assert_eq!((routed.prefill_tokens, routed.work_tokens), (0, 24));
+        assert_eq!((routed.prefill_tokens, routed.work), (0, Work::new(0, 24)));
 
         // Tier-blind: the two holders tie on every factor.
         let (blind, _) = route_among_tiers(TierCredits::BLIND, &all);

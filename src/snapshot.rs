@@ -937,7 +937,7 @@ mod tests {
         let mut batch = Vec::new();
         push_decision(&mut batch, 3, &[1, 2], 8_500.7);
         push_decision(&mut batch, 0, &[], f64::NAN);
-        let answer = Answer::new(7, 1500, 42.5);
+        let answer = Answer::new(7, crate::scoring::ttft::Work::new(1000, 500), 42.5);
         push_answer(&mut batch, &answer);
         push_decision(&mut batch, 1023, &[u64::MAX], 1e12);
         let decision = |slot, chain: &[u64], predicted_ttft_ms| BatchRecord::Decision {

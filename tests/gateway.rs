@@ -394,7 +394,7 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
     for answer in &answers {
         feed.push(*answer);
         let slot = usize::from(answer.slot);
-        direct.observe(slot, answer.work_tokens.into(), answer.ttft_ms.into());
+        direct.observe(slot, answer.work(), answer.ttft_ms.into());
     }
     let mut other = Worker::new(
         config(),

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use kvroute::config::{BalanceConfig, Config, Weights};
 use kvroute::scoring::spread::Demand;
-use kvroute::scoring::ttft::TtftModel;
+use kvroute::scoring::ttft::{TtftModel, Work};
 use kvroute::scoring::{
     Balancing, Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy,
 };
@@ -59,6 +59,7 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
+            queued_ms_per_token: 0.0,
             busy: 0.0,
             load: p.load,
             queue: p.queue,
@@ -638,6 +639,7 @@ fn cost_candidates<'a>(
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
+            queued_ms_per_token: 0.0,
             busy: 0.0,
             load: 0.3,
             queue: 1,
@@ -1001,8 +1003,8 @@ fn learned_model(slow: f64) -> TtftModel {
     let mut model = TtftModel::new(64);
     for i in 0..64u64 {
         let work = 1_000 + (i % 8) * 2_000;
-        model.observe(0, work, 10.0 + 0.1 * work as f64);
-        model.observe(1, work, 10.0 + 0.1 * slow * work as f64);
+        model.observe(0, Work::new(0, work), 10.0 + 0.1 * work as f64);
+        model.observe(1, Work::new(0, work), 10.0 + 0.1 * slow * work as f64);
     }
     model
 }
@@ -1027,8 +1029,9 @@ fn ttft_pod(
         uncached_tokens: uncached,
         streams: 0,
         queued_prefill: queued,
-        predicted_ttft_ms: line.predict((queued + uncached) as f64),
+        predicted_ttft_ms: line.predict(queued as f64, uncached as f64),
         prefill_ms_per_token: line.ms_per_token,
+        queued_ms_per_token: line.ms_per_queued_token,
         busy: model.busy(slot),
         load: 0.3,
         // Requests waiting there, as the prefill queued suggests.
@@ -1211,6 +1214,7 @@ fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
             // 0.1 ms a token of the prompt to prefill and of the queue's.
             predicted_ttft_ms: 10.0 + 0.1 * ((1.0 - cache) * 4096.0 + f64::from(queue) * 512.0),
             prefill_ms_per_token: 0.1,
+            queued_ms_per_token: 0.1,
             busy: 0.5,
             load: f64::from(queue % 10) / 10.0,
             queue,

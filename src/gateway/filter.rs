@@ -53,7 +53,7 @@ use crate::router::{
 };
 use crate::scoring::answers::{Answer, FeedReader};
 use crate::scoring::spread::PrefixDemand;
-use crate::scoring::ttft::TtftModel;
+use crate::scoring::ttft::{TtftModel, Work};
 use crate::snapshot::{push_answer, push_decision, InflightChange, SlotLoad};
 use crate::usage::CachedTokensScanner;
 
@@ -143,7 +143,7 @@ pub struct RoutedRequest {
     /// still to come: when the request was sent and the prefill work ahead
     /// of its first token. `None` for an answer that does not stream (its
     /// first byte comes after its last token) or after a failover.
-    ttft: Option<(Instant, u64)>,
+    ttft: Option<(Instant, Work)>,
 }
 
 impl RoutedRequest {
@@ -373,7 +373,7 @@ impl<H: WorkerHost> Worker<H> {
     }
 
     /// A streamed answer's first byte, `ttft` after the request was sent
-    /// with `work_tokens` of prefill ahead of its first token: its error
+    /// with `work` of prefill ahead of its first token: its error
     /// against this worker's model goes to
     /// `epp_ttft_prediction_error_percent` (and the DEBUG event
     /// `ttft_prediction`), and the answer to the service, whose feed
@@ -381,11 +381,11 @@ impl<H: WorkerHost> Worker<H> {
     fn first_byte(
         &mut self,
         routed: &RoutedRequest,
-        (sent, work_tokens): (Instant, u64),
+        (sent, work): (Instant, Work),
         request_id: &str,
     ) {
         let ttft_ms = sent.elapsed().as_secs_f64() * 1000.0;
-        let Some(error) = self.ttft.relative_error(routed.slot, work_tokens, ttft_ms) else {
+        let Some(error) = self.ttft.relative_error(routed.slot, work, ttft_ms) else {
             return;
         };
         self.metrics.histogram(
@@ -393,17 +393,20 @@ impl<H: WorkerHost> Worker<H> {
             (error * 100.0).round() as u64,
         );
         if log::log_enabled!(log::Level::Debug) {
-            let predicted_ms = self.ttft.predict(routed.slot, work_tokens, 0);
+            let predicted_ms = self
+                .ttft
+                .predict(routed.slot, work.queued(), work.own_tokens);
             event(
                 log::Level::Debug,
                 "ttft_prediction",
-                json!({"requestId": request_id, "pod": routed.pod_id, "workTokens": work_tokens,
+                json!({"requestId": request_id, "pod": routed.pod_id, "workTokens": work.tokens,
+                       "ownTokens": work.own_tokens,
                        "predictedTtftMs": round_ms(predicted_ms), "ttftMs": round_ms(ttft_ms)}),
             );
         }
         push_answer(
             &mut self.decisions.0,
-            &Answer::new(routed.slot, work_tokens, ttft_ms),
+            &Answer::new(routed.slot, work, ttft_ms),
         );
         self.decisions.1 += 1;
         if self.decisions.1 >= FLUSH_DECISIONS {
@@ -565,9 +568,7 @@ pub(super) fn deliver(
             streams: 1,
         },
         uncounted_when_answered,
-        ttft: routed
-            .streamed
-            .then(|| (Instant::now(), routed.work_tokens)),
+        ttft: routed.streamed.then(|| (Instant::now(), routed.work)),
     })
 }
 

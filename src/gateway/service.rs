@@ -1034,6 +1034,7 @@ mod tests {
     use crate::replica::{LogHead, PodInflight};
     use crate::scoring::answers::{Answer as FirstByte, FeedReader};
     use crate::scoring::ttft::TtftModel;
+    use crate::scoring::ttft::Work;
     use crate::snapshot::{push_answer, push_decision, SlotLoad, SnapshotIndex};
     use std::cell::RefCell;
     use std::collections::HashMap;
@@ -1218,7 +1219,7 @@ mod tests {
             let work = 500 + 300 * round;
             push_answer(
                 &mut batch,
-                &FirstByte::new(slot, work, 20.0 + 0.1 * work as f64),
+                &FirstByte::new(slot, Work::new(0, work), 20.0 + 0.1 * work as f64),
             );
             a.on_decisions([batch]);
             a_host.0.borrow_mut().now += 7;

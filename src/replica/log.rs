@@ -41,7 +41,7 @@ const HEAD_BYTES: usize = 24;
 /// an answer's size bound counts.
 const DECISION_JSON_BYTES: usize = 96;
 const HASH_JSON_BYTES: usize = 19;
-const FIRST_BYTE_JSON_BYTES: usize = 56;
+const FIRST_BYTE_JSON_BYTES: usize = 74;
 const PREDICTED_TTFT_JSON_BYTES: usize = 28;
 
 /// Estimated JSON bytes of an entry in an answer.
@@ -214,6 +214,7 @@ pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
     match first_byte {
         Some(first_byte) => {
             bytes.extend_from_slice(&first_byte.work_tokens.to_le_bytes());
+            bytes.extend_from_slice(&first_byte.own_tokens.to_le_bytes());
             bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
         }
         None => bytes.extend_from_slice(&predicted_ttft_ms.to_le_bytes()),
@@ -238,11 +239,12 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
     let chain = hashes.chunks_exact(8).map(u64_of).collect::<Option<_>>()?;
     let (predicted_ttft_ms, first_byte) = match bytes.len() {
         4 => (u32::from_le_bytes(bytes.try_into().ok()?), None),
-        8 => (
+        12 => (
             0,
             Some(FirstByte {
                 work_tokens: u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?),
-                ttft_ms: f32::from_le_bytes(bytes.get(4..)?.try_into().ok()?),
+                own_tokens: u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?),
+                ttft_ms: f32::from_le_bytes(bytes.get(8..)?.try_into().ok()?),
             }),
         ),
         _ => return None,
@@ -392,6 +394,7 @@ mod tests {
             0,
             Some(FirstByte {
                 work_tokens: 900,
+                own_tokens: 300,
                 ttft_ms: 31.25,
             }),
         );

@@ -119,6 +119,7 @@ impl ReplicaSync {
     pub fn log_answer(&mut self, pod: &str, answer: &Answer, now_ms: u64) -> (u64, Vec<u8>) {
         let first_byte = FirstByte {
             work_tokens: answer.work_tokens,
+            own_tokens: answer.own_tokens,
             ttft_ms: answer.ttft_ms,
         };
         self.log.append_first_byte(pod, first_byte, now_ms)
@@ -188,6 +189,7 @@ impl ReplicaSync {
                         answers.extend(state.slot(&decision.pod).map(|slot| Answer {
                             slot: u16::try_from(slot).unwrap_or(u16::MAX),
                             work_tokens: first_byte.work_tokens,
+                            own_tokens: first_byte.own_tokens,
                             ttft_ms: first_byte.ttft_ms,
                         }));
                     } else if state.record_peer_decision(

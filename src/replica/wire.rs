@@ -8,7 +8,7 @@
 //!  "decisions": [{"seq": 41, "pod": "pod-a", "atMs": 1764680000101,
 //!                 "chain": ["0123456789abcdef", "..."], "predictedTtftMs": 850},
 //!                {"seq": 42, "pod": "pod-b", "atMs": 1764680000110,
-//!                 "firstByte": {"workTokens": 1500, "ttftMs": 42.5}}],
+//!                 "firstByte": {"workTokens": 1500, "ownTokens": 500, "ttftMs": 42.5}}],
 //!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024,
 //!   "streams": 5}]}
 //! ```
@@ -16,8 +16,9 @@
 //! - `replica` names the replica process (a random id drawn at start) and
 //!   doubles as the log's epoch; `seq` counts its log's entries.
 //! - An entry is a routing decision (`chain`) or the first byte of one's
-//!   streamed answer (`firstByte`: the prefill work at its decision and
-//!   the TTFT it took, what every replica's TTFT model learns from,
+//!   streamed answer (`firstByte`: the prefill work at its decision, of
+//!   which `ownTokens` its own, at most `workTokens`, and the TTFT it
+//!   took, what every replica's TTFT model learns from,
 //!   [`crate::scoring::answers`]), never both. A decision's
 //!   `predictedTtftMs` (optional, 0 when absent) is when its pod is
 //!   predicted to have prefilled the chain: its pending entry counts until
@@ -73,10 +74,12 @@ pub struct LoggedDecision {
 }
 
 /// A streamed answer's first byte: `work_tokens` of prefill at its
-/// decision (queued ahead plus its own uncached) took `ttft_ms`.
+/// decision, of which `own_tokens` its own (the rest queued ahead), took
+/// `ttft_ms`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FirstByte {
     pub work_tokens: u32,
+    pub own_tokens: u32,
     pub ttft_ms: f32,
 }
 
@@ -135,6 +138,7 @@ fn is_zero(value: &u32) -> bool {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct WireFirstByte {
     work_tokens: u32,
+    own_tokens: u32,
     ttft_ms: f32,
 }
 
@@ -205,6 +209,7 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                 predicted_ttft_ms: d.predicted_ttft_ms,
                 first_byte: d.first_byte.map(|f| WireFirstByte {
                     work_tokens: f.work_tokens,
+                    own_tokens: f.own_tokens,
                     ttft_ms: f.ttft_ms,
                 }),
             })
@@ -293,8 +298,15 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
                     f.ttft_ms
                 ))
             }
+            Some(f) if f.own_tokens > f.work_tokens => {
+                return Err(format!(
+                    "`decisions[{i}].firstByte.ownTokens` must be at most its `workTokens` ({}, got {})",
+                    f.work_tokens, f.own_tokens
+                ))
+            }
             Some(f) => Some(FirstByte {
                 work_tokens: f.work_tokens,
+                own_tokens: f.own_tokens,
                 ttft_ms: f.ttft_ms,
             }),
             None if d.chain.is_empty() || d.chain.len() > limits.max_chain => {
@@ -387,6 +399,7 @@ mod tests {
                     predicted_ttft_ms: 0,
                     first_byte: Some(FirstByte {
                         work_tokens: 1500,
+                        own_tokens: 500,
                         ttft_ms: 42.5,
                     }),
                 },
@@ -409,7 +422,7 @@ mod tests {
         assert!(
             text.contains(r#""chain":["0000000000000001","ffffffffffffffff","0123456789abcdef"]"#)
         );
-        assert!(text.contains(r#""firstByte":{"workTokens":1500,"ttftMs":42.5}"#));
+        assert!(text.contains(r#""firstByte":{"workTokens":1500,"ownTokens":500,"ttftMs":42.5}"#));
         assert_eq!(parse_answer(&bytes, LIMITS), Ok(answer()));
     }
 
@@ -445,6 +458,10 @@ mod tests {
                     .contains("`decisions[1].firstByte.ttftMs` must be in (0, 3600000]")
             );
         }
+        assert!(
+            refused(|v| v["decisions"][1]["firstByte"]["ownTokens"] = 1501.into())
+                .contains("`decisions[1].firstByte.ownTokens` must be at most its `workTokens`")
+        );
         assert!(
             refused(|v| v["decisions"][1]["firstByte"]["workTokens"] = (-1).into())
                 .contains("malformed")

@@ -25,12 +25,12 @@
 //!
 //! The feed is bounded ([`FEED_ANSWERS`]): a worker idle for longer than
 //! the feed holds skips what it missed (its model learns from the newest
-//! answers on). Published whole, ~10 bytes an answer: at most 10 KiB,
+//! answers on). Published whole, 14 bytes an answer: at most 14 KiB,
 //! read at most every worker tick.
 
 use std::collections::VecDeque;
 
-use super::ttft::TtftModel;
+use super::ttft::{TtftModel, Work};
 
 /// Answers the feed holds: a worker reading every tick (25 ms) misses none
 /// below 40,000 answers a second.
@@ -38,29 +38,40 @@ pub const FEED_ANSWERS: usize = 1024;
 
 /// Bytes of the feed's header (the first answer's seq) and of one answer.
 const HEADER_BYTES: usize = 8;
-const ANSWER_BYTES: usize = 10;
+const ANSWER_BYTES: usize = 14;
 
-/// One streamed answer's first byte: `work_tokens` of prefill (queued
-/// ahead plus its own uncached) took `ttft_ms` on pod `slot`.
+/// One streamed answer's first byte: `work_tokens` of prefill, of which
+/// `own_tokens` its own ([`Work`]), took `ttft_ms` on pod `slot`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Answer {
     pub slot: u16,
     pub work_tokens: u32,
+    pub own_tokens: u32,
     pub ttft_ms: f32,
 }
 
 impl Answer {
-    pub fn new(slot: usize, work_tokens: u64, ttft_ms: f64) -> Answer {
+    pub fn new(slot: usize, work: Work, ttft_ms: f64) -> Answer {
+        let tokens = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         Answer {
             slot: u16::try_from(slot).unwrap_or(u16::MAX),
-            work_tokens: u32::try_from(work_tokens).unwrap_or(u32::MAX),
+            work_tokens: tokens(work.tokens),
+            own_tokens: tokens(work.own_tokens),
             ttft_ms: ttft_ms as f32,
+        }
+    }
+
+    pub fn work(&self) -> Work {
+        Work {
+            tokens: u64::from(self.work_tokens),
+            own_tokens: u64::from(self.own_tokens.min(self.work_tokens)),
         }
     }
 
     pub fn encode_into(&self, bytes: &mut Vec<u8>) {
         bytes.extend_from_slice(&self.slot.to_le_bytes());
         bytes.extend_from_slice(&self.work_tokens.to_le_bytes());
+        bytes.extend_from_slice(&self.own_tokens.to_le_bytes());
         bytes.extend_from_slice(&self.ttft_ms.to_le_bytes());
     }
 
@@ -69,7 +80,8 @@ impl Answer {
         Some(Answer {
             slot: u16::from_le_bytes(bytes.get(..2)?.try_into().ok()?),
             work_tokens: u32::from_le_bytes(bytes.get(2..6)?.try_into().ok()?),
-            ttft_ms: f32::from_le_bytes(bytes.get(6..10)?.try_into().ok()?),
+            own_tokens: u32::from_le_bytes(bytes.get(6..10)?.try_into().ok()?),
+            ttft_ms: f32::from_le_bytes(bytes.get(10..14)?.try_into().ok()?),
         })
     }
 
@@ -101,7 +113,7 @@ impl AnswerFeed {
     }
 
     /// The feed to publish when answers came since the last call: the
-    /// service publishes once per tick, not per answer (≤ 10 KiB copied
+    /// service publishes once per tick, not per answer (≤ 14 KiB copied
     /// per publication).
     pub fn take_unpublished(&mut self) -> Option<Vec<u8>> {
         std::mem::take(&mut self.unpublished).then(|| self.encode())
@@ -150,7 +162,7 @@ impl FeedReader {
             if model
                 .observe(
                     usize::from(answer.slot),
-                    u64::from(answer.work_tokens),
+                    answer.work(),
                     f64::from(answer.ttft_ms),
                 )
                 .is_some()
@@ -179,7 +191,7 @@ mod tests {
         for i in 0..10u64 {
             feed.push(Answer::new(
                 0,
-                100 + i * 300,
+                Work::new(0, 100 + i * 300),
                 10.0 + 0.1 * (100 + i * 300) as f64,
             ));
         }
@@ -190,7 +202,7 @@ mod tests {
         for i in 0..5u64 {
             feed.push(Answer::new(
                 1,
-                500 + i * 200,
+                Work::new(0, 500 + i * 200),
                 20.0 + 0.2 * (500 + i * 200) as f64,
             ));
         }
@@ -212,17 +224,17 @@ mod tests {
         let mut feed = AnswerFeed::default();
         let mut reader = FeedReader::default();
         let mut model = TtftModel::new(64);
-        feed.push(Answer::new(0, 100, 20.0));
+        feed.push(Answer::new(0, Work::new(0, 100), 20.0));
         assert_eq!(reader.read(&feed.encode(), &mut model), 1);
         for _ in 0..FEED_ANSWERS + 10 {
-            feed.push(Answer::new(0, 100, 20.0));
+            feed.push(Answer::new(0, Work::new(0, 100), 20.0));
         }
         let bytes = feed.encode();
         assert_eq!(bytes.len(), HEADER_BYTES + FEED_ANSWERS * ANSWER_BYTES);
         assert_eq!(reader.read(&bytes, &mut model), FEED_ANSWERS);
         // A restarted service's feed starts over: the reader follows it.
         let mut restarted = AnswerFeed::default();
-        restarted.push(Answer::new(0, 100, 20.0));
+        restarted.push(Answer::new(0, Work::new(0, 100), 20.0));
         assert_eq!(reader.read(&restarted.encode(), &mut model), 1);
     }
 }

@@ -123,6 +123,7 @@ mod tests {
             queued_prefill: queued,
             predicted_ttft_ms: 10.0 + 0.1 * (queued + uncached) as f64,
             prefill_ms_per_token: 0.1,
+            queued_ms_per_token: 0.1,
             busy,
             load: 0.0,
             queue: 0,

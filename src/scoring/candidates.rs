@@ -142,6 +142,7 @@ fn absent_candidate<'a>(index: usize) -> Candidate<'a> {
         queued_prefill: 0,
         predicted_ttft_ms: f64::INFINITY,
         prefill_ms_per_token: 0.0,
+        queued_ms_per_token: 0.0,
         busy: 0.0,
         load: 1.0,
         queue: u32::MAX,

@@ -65,8 +65,11 @@ pub struct Candidate<'a> {
     pub queued_prefill: u64,
     /// Time to first token predicted for the request there ([`ttft`]).
     pub predicted_ttft_ms: f64,
-    /// The pod's learned prefill time per token ([`ttft::Line`]).
+    /// The pod's learned prefill time per token of a request's own
+    /// ([`ttft::Line`]).
     pub prefill_ms_per_token: f64,
+    /// Its learned time per token counted queued ahead.
+    pub queued_ms_per_token: f64,
     /// The chance a request arriving at the pod finds prefill queued
     /// ([`ttft::TtftModel::busy`]).
     pub busy: f64,

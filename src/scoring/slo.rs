@@ -56,7 +56,7 @@ pub fn place<'a, P: Pool<'a> + ?Sized>(
     // The best any pod could do once its queue drained.
     let unqueued = scored
         .iter()
-        .map(|(s, c)| s.predicted_ttft_ms - c.queued_prefill as f64 * c.prefill_ms_per_token)
+        .map(|(s, c)| s.predicted_ttft_ms - c.queued_prefill as f64 * c.queued_ms_per_token)
         .fold(f64::INFINITY, f64::min);
     Some(if waited_ms + unqueued > target_ms {
         SloChoice::Route(soonest.index)
@@ -88,6 +88,7 @@ mod tests {
             queued_prefill: queued,
             predicted_ttft_ms: predicted,
             prefill_ms_per_token: 0.1,
+            queued_ms_per_token: 0.1,
             busy: 0.0,
             load: 0.0,
             queue: 0,

@@ -57,7 +57,7 @@ use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
 use kvroute::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
 use kvroute::scoring::spread::PrefixDemand;
-use kvroute::scoring::ttft::TtftModel;
+use kvroute::scoring::ttft::{TtftModel, Work};
 use kvroute::snapshot::{PodTable, SlotLoad, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
@@ -456,7 +456,7 @@ struct Simulation<'a> {
     queued_prefill: Vec<u32>,
     /// Per request routed by kvroute: when it was sent and the prefill
     /// work ahead of it (what the TTFT model learns from).
-    sent: Vec<Option<(u64, u64)>>,
+    sent: Vec<Option<(u64, Work)>>,
 }
 
 enum Chooser<'a> {
@@ -771,7 +771,7 @@ impl<'a> Simulation<'a> {
                         self.sent[index] = Some((now, work));
                         let outcome = &mut self.outcomes[index];
                         outcome.routed_prefill_tokens = u64::from(prefill);
-                        outcome.work_tokens = work;
+                        outcome.work_tokens = work.tokens;
                         pod
                     }
                     Err(placement) => return placement,
@@ -962,7 +962,7 @@ impl<'a> KvrouteView<'a> {
         inflight: &[SlotLoad],
         now_ms: u64,
         attempt: Attempt,
-    ) -> Result<(usize, u32, u64), Placement> {
+    ) -> Result<(usize, u32, Work), Placement> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return Err(Placement::Wait); // nothing published yet
@@ -1031,7 +1031,7 @@ impl<'a> KvrouteView<'a> {
             self.ttft.prefilled_after_ms(routed.predicted_ttft_ms) as u32,
         );
         self.publish_buckets(now_ms);
-        Ok((routed.slot, routed.prefill_tokens, routed.work_tokens))
+        Ok((routed.slot, routed.prefill_tokens, routed.work))
     }
 
     /// The service writes the buckets its pending decisions changed
