@@ -27,7 +27,7 @@ use std::sync::OnceLock;
 use kvroute::cluster::ClusterState;
 use kvroute::index::PrefixLookup;
 use kvroute::router::{ClusterView, Outcome, Router};
-use kvroute::scoring::ttft::TtftModel;
+use kvroute::scoring::ttft::{TtftModel, Work};
 use kvroute::snapshot::SlotLoad;
 
 use crate::{fixture_config, pod_id, Report, SharedData};
@@ -118,8 +118,12 @@ impl Scenario {
                 let mut model = TtftModel::new(64);
                 for i in 0..64u64 {
                     let work = 1_000 + (i % 8) * 2_000;
-                    model.observe(0, work, 10.0 + 0.1 * work as f64);
-                    model.observe(1, work, 10.0 + 0.2 * work as f64 + (i % 3) as f64);
+                    model.observe(0, Work::new(0, work), 10.0 + 0.1 * work as f64);
+                    model.observe(
+                        1,
+                        Work::new(0, work),
+                        10.0 + 0.2 * work as f64 + (i % 3) as f64,
+                    );
                     model.observe_queues([0u64, 40_000, 500].into_iter());
                 }
                 model
