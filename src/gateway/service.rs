@@ -1033,8 +1033,7 @@ mod tests {
     use crate::index::PrefixLookup;
     use crate::replica::{LogHead, PodInflight};
     use crate::scoring::answers::{Answer as FirstByte, FeedReader};
-    use crate::scoring::ttft::TtftModel;
-    use crate::scoring::ttft::Work;
+    use crate::scoring::ttft::{TtftModel, Work};
     use crate::snapshot::{push_answer, push_decision, SlotLoad, SnapshotIndex};
     use std::cell::RefCell;
     use std::collections::HashMap;

@@ -117,12 +117,8 @@ impl ReplicaSync {
     /// Logs the first byte of a streamed answer from `pod` that this
     /// replica's filters saw, as [`ReplicaSync::log_decision`] does.
     pub fn log_answer(&mut self, pod: &str, answer: &Answer, now_ms: u64) -> (u64, Vec<u8>) {
-        let first_byte = FirstByte {
-            work_tokens: answer.work_tokens,
-            own_tokens: answer.own_tokens,
-            ttft_ms: answer.ttft_ms,
-        };
-        self.log.append_first_byte(pod, first_byte, now_ms)
+        self.log
+            .append_first_byte(pod, FirstByte::of(answer), now_ms)
     }
 
     /// Follows exactly `addresses` (a discovered list of replicas).
@@ -186,12 +182,11 @@ impl ReplicaSync {
                 let mut answers = Vec::new();
                 for (decision, at) in &received.decisions {
                     if let Some(first_byte) = decision.first_byte {
-                        answers.extend(state.slot(&decision.pod).map(|slot| Answer {
-                            slot: u16::try_from(slot).unwrap_or(u16::MAX),
-                            work_tokens: first_byte.work_tokens,
-                            own_tokens: first_byte.own_tokens,
-                            ttft_ms: first_byte.ttft_ms,
-                        }));
+                        answers.extend(
+                            state
+                                .slot(&decision.pod)
+                                .map(|slot| first_byte.answer(slot)),
+                        );
                     } else if state.record_peer_decision(
                         &decision.pod,
                         &decision.chain,

@@ -45,6 +45,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::report::hash_to_hex;
+use crate::scoring::answers::Answer;
+use crate::scoring::ttft::Work;
 use crate::snapshot::SlotLoad;
 
 /// The request header carrying the replicas' shared secret.
@@ -81,6 +83,26 @@ pub struct FirstByte {
     pub work_tokens: u32,
     pub own_tokens: u32,
     pub ttft_ms: f32,
+}
+
+impl FirstByte {
+    /// What a replica sends of one of its answers.
+    pub fn of(answer: &Answer) -> FirstByte {
+        FirstByte {
+            work_tokens: answer.work_tokens,
+            own_tokens: answer.own_tokens,
+            ttft_ms: answer.ttft_ms,
+        }
+    }
+
+    /// The answer it stands for, from pod `slot` of the receiver.
+    pub fn answer(self, slot: usize) -> Answer {
+        let work = Work {
+            tokens: self.work_tokens.into(),
+            own_tokens: self.own_tokens.into(),
+        };
+        Answer::new(slot, work, self.ttft_ms.into())
+    }
 }
 
 /// Longest TTFT a peer may report: an hour (anything longer is not a

@@ -235,7 +235,7 @@ impl SplitFit {
         let vqo = mean(self.qo) - mq * mo;
         let cqy = mean(self.qy) - mq * my;
         let coy = mean(self.oy) - mo * my;
-        let spread = |var: f64, m: f64| var > (MIN_RELATIVE_SPREAD * m).powi(2) && var > 0.0;
+        let spread = |var: f64, m: f64| var > (MIN_RELATIVE_SPREAD * m).powi(2);
         let det = vqq * voo - vqo * vqo;
         // Nearly collinear counts cannot be told apart.
         if !spread(vqq, mq) || !spread(voo, mo) || det <= 0.01 * vqq * voo {
@@ -249,6 +249,30 @@ impl SplitFit {
             ms_per_token: per_own,
             ms_per_queued_token: per_queued,
         })
+    }
+}
+
+/// One pod's (or the pool's) answers, in both fits.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Fits {
+    one_slope: Fit,
+    split: SplitFit,
+}
+
+impl Fits {
+    fn add(&mut self, decay: f64, work: Work, ttft_ms: f64) {
+        self.one_slope.add(decay, work.tokens as f64, ttft_ms);
+        self.split
+            .add(decay, work.queued() as f64, work.own_tokens as f64, ttft_ms);
+    }
+
+    fn answered(&self) -> bool {
+        self.one_slope.weight > 0.0
+    }
+
+    /// The two-slope line, else the one-slope line.
+    fn line(&self) -> Option<Line> {
+        self.split.line().or_else(|| self.one_slope.line())
     }
 }
 
@@ -291,15 +315,12 @@ pub struct Observation {
 #[derive(Debug, Clone)]
 pub struct TtftModel {
     decay: f64,
-    pods: Vec<Fit>,
-    /// Per pod, the two-slope fit.
-    split: Vec<SplitFit>,
+    pods: Vec<Fits>,
     /// Per pod, the share of decisions that found prefill queued there.
     busy: Vec<f64>,
     /// [`TtftModel::pool_overhead`] as of the last answer.
     overhead_ms: f64,
-    pool: Fit,
-    pool_split: SplitFit,
+    pool: Fits,
     /// Weighted sum and weight of relative errors (prior included).
     error: (f64, f64),
 }
@@ -310,25 +331,21 @@ impl TtftModel {
         TtftModel {
             decay: 1.0 - 1.0 / f64::from(window.max(1)),
             pods: Vec::new(),
-            split: Vec::new(),
             busy: Vec::new(),
             overhead_ms: 0.0,
-            pool: Fit::default(),
-            pool_split: SplitFit::default(),
+            pool: Fits::default(),
             error: (PRIOR_ERROR * PRIOR_ERROR_SAMPLES, PRIOR_ERROR_SAMPLES),
         }
     }
 
     /// The pool's line: every pod's answers together.
     fn pool_line(&self) -> Option<Line> {
-        self.pool_split
-            .line()
-            .or_else(|| self.pool.line())
-            .or_else(|| {
-                self.pool
-                    .through_means(0.0)
-                    .filter(|_| self.pool.weight > 0.0)
-            })
+        self.pool.line().or_else(|| {
+            self.pool
+                .one_slope
+                .through_means(0.0)
+                .filter(|_| self.pool.answered())
+        })
     }
 
     /// The pool's overhead: the pods' own intercepts, weighted by their
@@ -338,6 +355,7 @@ impl TtftModel {
         let (sum, weight) = self
             .pods
             .iter()
+            .map(|fits| fits.one_slope)
             .filter_map(|fit| fit.line().map(|line| (line.overhead_ms, fit.weight)))
             .fold((0.0, 0.0), |(s, w), (o, fw)| (s + o * fw, w + fw));
         if weight > 0.0 {
@@ -349,13 +367,10 @@ impl TtftModel {
 
     /// The line of pod `slot` (see the module documentation).
     pub fn line(&self, slot: usize) -> Line {
-        match self.pods.get(slot).filter(|fit| fit.weight > 0.0) {
-            Some(fit) => self
-                .split
-                .get(slot)
-                .and_then(SplitFit::line)
-                .or_else(|| fit.line())
-                .or_else(|| self.shrunk_line(fit))
+        match self.pods.get(slot).filter(|fits| fits.answered()) {
+            Some(fits) => fits
+                .line()
+                .or_else(|| self.shrunk_line(&fits.one_slope))
                 .unwrap_or(Line::UNCALIBRATED),
             None => self.pool_line().unwrap_or(Line::UNCALIBRATED),
         }
@@ -372,7 +387,8 @@ impl TtftModel {
     /// work keeps its own.
     fn shrunk_line(&self, fit: &Fit) -> Option<Line> {
         let own = fit.through_means(self.overhead_ms)?;
-        let (Some(pool), Some((pool_x, _))) = (self.pool_line(), self.pool.means()) else {
+        let (Some(pool), Some((pool_x, _))) = (self.pool_line(), self.pool.one_slope.means())
+        else {
             return Some(own);
         };
         let (mean_x, _) = fit.means()?;
@@ -429,7 +445,7 @@ impl TtftModel {
     /// Whether any answer taught the model: before, its predictions are in
     /// tokens, not ms.
     pub fn calibrated(&self) -> bool {
-        self.pool.weight > 0.0
+        self.pool.answered()
     }
 
     /// The model's relative error, averaged over its recent answers.
@@ -462,27 +478,18 @@ impl TtftModel {
     /// `ttft_ms` to the first byte.
     pub fn observe(&mut self, slot: usize, work: Work, ttft_ms: f64) -> Option<Observation> {
         let (predicted_ms, relative_error) = self.checked(slot, work, ttft_ms)?;
-        let x = work.tokens as f64;
-        let (queued, own) = (work.queued() as f64, work.own_tokens as f64);
         // Uncalibrated predictions are in tokens, not ms: no error to learn.
-        if self.pool.weight > 0.0 {
+        if self.calibrated() {
             self.error.0 = self.error.0 * self.decay + relative_error.min(10.0);
             self.error.1 = self.error.1 * self.decay + 1.0;
         }
         if self.pods.len() <= slot {
-            self.pods.resize(slot + 1, Fit::default());
+            self.pods.resize(slot + 1, Fits::default());
         }
-        if let Some(fit) = self.pods.get_mut(slot) {
-            fit.add(self.decay, x, ttft_ms);
+        if let Some(fits) = self.pods.get_mut(slot) {
+            fits.add(self.decay, work, ttft_ms);
         }
-        if self.split.len() <= slot {
-            self.split.resize(slot + 1, SplitFit::default());
-        }
-        if let Some(fit) = self.split.get_mut(slot) {
-            fit.add(self.decay, queued, own, ttft_ms);
-        }
-        self.pool.add(self.decay, x, ttft_ms);
-        self.pool_split.add(self.decay, queued, own, ttft_ms);
+        self.pool.add(self.decay, work, ttft_ms);
         self.overhead_ms = self.pool_overhead();
         Some(Observation {
             predicted_ms,
