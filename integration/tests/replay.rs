@@ -430,9 +430,17 @@ fn a_bench_workload_replay_writes_its_per_request_csv() {
     // and the work it counted.
     for row in rows.iter().rev().take(10) {
         let fields: Vec<&str> = row.split(',').collect();
-        assert_eq!(fields.len(), 12, "{row}");
-        assert!(fields[9].parse::<f64>().is_ok_and(|ms| ms > 0.0), "{row}");
-        assert!(fields[11].parse::<u64>().is_ok(), "{row}");
+        assert_eq!(fields.len(), 13, "{row}");
+        assert!(fields[10].parse::<f64>().is_ok_and(|ms| ms > 0.0), "{row}");
+        assert!(fields[12].parse::<u64>().is_ok(), "{row}");
     }
+    // Each row names its session: the workload's conversations, each over
+    // several requests.
+    let sessions: std::collections::HashSet<&str> = rows
+        .iter()
+        .map(|row| row.split(',').nth(1).unwrap())
+        .collect();
+    assert!(sessions.iter().all(|s| u64::from_str_radix(s, 16).is_ok()));
+    assert!(sessions.len() > 1 && sessions.len() < rows.len() / 2, "{}", sessions.len());
     assert!(out.join("results.json").exists());
 }

@@ -157,6 +157,9 @@ impl Policy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestOutcome {
     pub line: usize,
+    /// The request's session (what ring hash keys on): a conversation, an
+    /// agent, or the trace's first block.
+    pub session_key: u64,
     pub pod: usize,
     pub arrival_us: u64,
     /// Arrival (first try) to first token.
@@ -499,6 +502,7 @@ impl<'a> Simulation<'a> {
             .iter()
             .map(|r| RequestOutcome {
                 line: r.line,
+                session_key: r.session_key,
                 pod: 0,
                 arrival_us: r.arrival_us,
                 ttft_us: 0,

@@ -890,7 +890,7 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
     )?;
     for run in &report.runs {
         let mut csv = String::from(
-            "line,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms,prefilled_tokens,predicted_ttft_ms,routed_prefill_tokens,work_tokens\n",
+            "line,session,pod,arrival_ms,ttft_ms,prompt_tokens,cached_tokens,rejections,wait_ms,prefilled_tokens,predicted_ttft_ms,routed_prefill_tokens,work_tokens\n",
         );
         for o in &run.outcomes {
             let predicted = o
@@ -898,8 +898,9 @@ fn write_outputs(dir: &Path, args: &ReplayArgs, report: &Report) -> std::io::Res
                 .map_or(String::new(), |us| format!("{:.3}", us as f64 / 1000.0));
             let _ = writeln!(
                 csv,
-                "{},{},{:.3},{:.3},{},{},{},{:.3},{},{predicted},{},{}",
+                "{},{:016x},{},{:.3},{:.3},{},{},{},{:.3},{},{predicted},{},{}",
                 o.line,
+                o.session_key,
                 o.pod,
                 o.arrival_us as f64 / 1000.0,
                 o.ttft_us as f64 / 1000.0,
