@@ -441,6 +441,10 @@ fn a_bench_workload_replay_writes_its_per_request_csv() {
         .map(|row| row.split(',').nth(1).unwrap())
         .collect();
     assert!(sessions.iter().all(|s| u64::from_str_radix(s, 16).is_ok()));
-    assert!(sessions.len() > 1 && sessions.len() < rows.len() / 2, "{}", sessions.len());
+    assert!(
+        sessions.len() > 1 && sessions.len() < rows.len() / 2,
+        "{}",
+        sessions.len()
+    );
     assert!(out.join("results.json").exists());
 }

@@ -51,7 +51,7 @@ use crate::report::Tier;
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
-use crate::scoring::answers::{Answer, FeedReader};
+use crate::scoring::answers::{Answer, FeedReader, TrafficShare, FEED_ANSWERS};
 use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::{TtftModel, Work};
 use crate::snapshot::{push_answer, push_decision, InflightChange, SlotLoad};
@@ -113,8 +113,10 @@ pub struct Worker<H: WorkerHost> {
     /// is every worker's and every replica's ([`WorkerHost::inflight`]).
     ttft: TtftModel,
     /// The sessions this worker's arrivals started per prefix
-    /// ([`PrefixDemand`]).
+    /// ([`PrefixDemand`]), read through its share of the gateway's
+    /// answers (`traffic`).
     prefix_demand: PrefixDemand,
+    traffic: TrafficShare,
     /// Which answers of the feed `ttft` learnt, and when to read it next.
     feed: FeedReader,
     next_feed_read_ms: u64,
@@ -188,6 +190,7 @@ impl<H: WorkerHost> Worker<H> {
             waiting: Waiting::new(&config),
             ttft: TtftModel::new(config.balance.learning_window),
             prefix_demand: PrefixDemand::default(),
+            traffic: TrafficShare::new(FEED_ANSWERS as f64),
             feed: FeedReader::default(),
             next_feed_read_ms: 0,
             router: Router::new(config),
@@ -404,6 +407,7 @@ impl<H: WorkerHost> Worker<H> {
                        "predictedTtftMs": round_ms(predicted_ms), "ttftMs": round_ms(ttft_ms)}),
             );
         }
+        self.traffic.own_answer();
         push_answer(
             &mut self.decisions.0,
             &Answer::new(routed.slot, work, ttft_ms),
@@ -422,7 +426,9 @@ impl<H: WorkerHost> Worker<H> {
         }
         self.next_feed_read_ms = now_ms + TICK_MS;
         if let Some(feed) = self.host.answer_feed() {
-            self.feed.read(&feed, &mut self.ttft);
+            let learnt = self.feed.read(&feed, &mut self.ttft);
+            self.traffic.feed_answers(learnt);
+            self.prefix_demand.set_observed_share(self.traffic.share());
         }
     }
 }

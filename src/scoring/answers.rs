@@ -175,9 +175,72 @@ impl FeedReader {
     }
 }
 
+/// The share of the gateway's streamed answers that are one worker's
+/// own: the share of the gateway's traffic its arrivals are, which
+/// per-worker counts ([`super::spread::PrefixDemand`]) are read through.
+/// Both counts decay alike over about `window` of the feed's answers; one
+/// answer of its own is the prior, so a worker that has seen no answer
+/// reads as seeing everything (the replay's single router, or a gateway
+/// that streams nothing).
+#[derive(Debug, Clone, Copy)]
+pub struct TrafficShare {
+    own: f64,
+    all: f64,
+    decay: f64,
+}
+
+impl TrafficShare {
+    pub fn new(window: f64) -> TrafficShare {
+        TrafficShare {
+            own: 0.0,
+            all: 0.0,
+            decay: 1.0 - 1.0 / window.max(1.0),
+        }
+    }
+
+    /// One of this worker's answers (it reaches the feed later).
+    pub fn own_answer(&mut self) {
+        self.own += 1.0;
+    }
+
+    /// `count` answers read off the feed, every worker's and replica's.
+    pub fn feed_answers(&mut self, count: usize) {
+        let decay = self.decay.powf(count as f64);
+        self.own *= decay;
+        self.all = self.all * decay + count as f64;
+    }
+
+    /// Own answers over all, in (0, 1].
+    pub fn share(&self) -> f64 {
+        ((self.own + 1.0) / (self.all + 1.0)).clamp(f64::MIN_POSITIVE, 1.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_workers_share_of_the_answers() {
+        let mut traffic = TrafficShare::new(1024.0);
+        assert_eq!(traffic.share(), 1.0, "no answer yet: all of them");
+        // One worker of six: its own answer, then the feed's six.
+        for _ in 0..200 {
+            traffic.own_answer();
+            traffic.feed_answers(6);
+        }
+        assert!(
+            (traffic.share() - 1.0 / 6.0).abs() < 0.01,
+            "{}",
+            traffic.share()
+        );
+        // Alone, it converges back to all of them.
+        for _ in 0..5000 {
+            traffic.own_answer();
+            traffic.feed_answers(1);
+        }
+        assert!(traffic.share() > 0.99, "{}", traffic.share());
+    }
 
     #[test]
     fn every_reader_learns_each_answer_once() {
