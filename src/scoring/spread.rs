@@ -44,8 +44,8 @@
 //! worker's and replica's ([`crate::scoring::answers::TrafficShare`];
 //! 1 in the replay, one router). Read as its own, a sixth of the starts
 //! made the prior weigh six times as much: with three replicas of two
-//! workers, multi-turn's system prompt got its third holder at the 27th
-//! start and its fourth at the 64th, against the 8th and 11th with one
+//! workers, multi-turn's system prompt got its third holder at the 26th
+//! start and its fourth at the 63rd, against the 13th and 14th with one
 //! replica, and the pods ended at 23–40 conversations (`kvroute-bench
 //! replicas multi-turn --replicas 1,3 --keep-logs`). Read through the
 //! share, every pod has one by the 16th start, the pods end at 30–36,
