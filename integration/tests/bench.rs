@@ -28,6 +28,8 @@ fn load_sweep_runs_every_policy_at_every_load() {
         out.to_str().unwrap(),
         "--sim",
         SIM,
+        "--keep-logs",
+        out.join("logs").to_str().unwrap(),
     ]);
     let doc = bench::run(&args).expect("load sweep runs");
 
@@ -77,5 +79,25 @@ fn load_sweep_runs_every_policy_at_every_load() {
     assert!(markdown.contains("| 2.0× | round-robin |"), "{markdown}");
     let png = std::fs::read(dir.join("load-sweep.png")).expect("chart");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000);
+
+    // Beside each run's router log, its requests as the client saw them.
+    for policy in ["kvroute-precise", "round-robin"] {
+        let csv = out.join(format!("logs/load-sweep-0.5-{policy}.requests.csv"));
+        let csv = std::fs::read_to_string(&csv).expect("requests CSV");
+        let mut lines = csv.lines();
+        assert_eq!(
+            lines.next(),
+            Some("request,session,follows_up,sent_s,ttft_ms,e2e_ms,status,pod,prompt_tokens,cached_tokens,error")
+        );
+        let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+        assert_eq!(rows.len(), 60, "{csv}");
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(row.len(), 11, "{row:?}");
+            assert_eq!(row[0], i.to_string(), "in request order: {row:?}");
+            assert_eq!(row[6], "200", "{row:?}");
+            assert!(row[4].parse::<f64>().is_ok_and(|ms| ms > 0.0), "{row:?}");
+            assert!(row[7].starts_with("pod-"), "the answering pod: {row:?}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -109,7 +109,9 @@ pub struct BenchArgs {
     /// Copy each run's router log (kvroute's decision events, every
     /// replica's; a peer's own log) to DIR/WORKLOAD-POLICY.log (load
     /// sweep: DIR/load-sweep-LOAD-POLICY.log; replicas:
-    /// DIR/WORKLOAD-POLICY-xN-runR.log), for decision analysis.
+    /// DIR/WORKLOAD-POLICY-xN-runR.log), for decision analysis, and the
+    /// requests as the client saw them beside it (`.requests.csv`: session,
+    /// send time, TTFT, pod, cached tokens).
     #[arg(long)]
     pub keep_logs: Option<PathBuf>,
     /// The kvroute-sim binary (default: next to this one).
@@ -381,7 +383,41 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
 
 /// One policy on one workload, on fresh pods; a policy that cannot run
 /// here (a peer not installed or not starting) gives a row saying why.
-/// `kept_log`: where to copy the router's log.
+/// One line per request as the client saw it, in request order: what
+/// `--keep-logs` keeps beside the router's log, so a run's tail can be
+/// read request by request (which session, when, which pod, how long).
+fn requests_csv(requests: &[workload::BenchRequest], outcomes: &[load::Outcome]) -> String {
+    let mut csv = String::from(
+        "request,session,follows_up,sent_s,ttft_ms,e2e_ms,status,pod,prompt_tokens,cached_tokens,error\n",
+    );
+    let ms = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
+    let count = |v: Option<u64>| v.map_or(String::new(), |v| v.to_string());
+    for o in outcomes {
+        let request = requests.get(o.index);
+        let follows_up = match request.and_then(|r| r.follows_up) {
+            Some(true) => "later",
+            Some(false) => "start",
+            None => "",
+        };
+        csv.push_str(&format!(
+            "{},{},{follows_up},{:.3},{},{},{},{},{},{},{}\n",
+            o.index,
+            request.map_or("", |r| r.session.as_str()),
+            o.sent_s,
+            ms(o.ttft_ms),
+            ms(o.e2e_ms),
+            o.status,
+            o.pod.as_deref().unwrap_or(""),
+            count(o.prompt_tokens),
+            count(o.cached_tokens),
+            o.error.as_deref().unwrap_or("").replace([',', '\n'], ";"),
+        ));
+    }
+    csv
+}
+
+/// `kept_log`: where to copy the router's log (and the requests' CSV,
+/// [`requests_csv`], beside it).
 fn run_policy(
     policy: &str,
     w: &workload::Workload,
@@ -456,6 +492,9 @@ fn run_policy(
             std::fs::write(kept, &log)
         };
         kept_result.map_err(|e| format!("{}: {e}", kept.display()))?;
+        let requests = kept.with_extension("requests.csv");
+        std::fs::write(&requests, requests_csv(&w.requests, &outcomes))
+            .map_err(|e| format!("{}: {e}", requests.display()))?;
     }
     let filter = overhead::event_field(&log, "route", "latencyUs");
     let mut row = report::policy_figures(policy, w, &outcomes, wall, &stats, &filter);
