@@ -294,6 +294,29 @@ fn a_request_is_routed_counted_in_flight_and_released() {
 }
 
 #[test]
+fn workers_deciding_in_parallel_do_not_pick_alike_among_equal_pods() {
+    // Fresh workers (one per Envoy thread and replica), each routing its
+    // first request over two idle pods nobody caches: each rotates its
+    // ties from its own random start, so they do not all pick one pod
+    // (they did, counting from zero alike: a false failure here is 2⁻²³).
+    let first_pick = || {
+        let host = FakeWorker {
+            table: Some(table(0)),
+            ..FakeWorker::default()
+        };
+        let mut worker = Worker::new(config(), host);
+        let mut stream = request(&"a new system prompt ".repeat(40));
+        let mut filter = RequestFilter::new(1);
+        filter.on_request_headers(&mut worker, &mut stream, false);
+        filter.on_request_body(&mut worker, &mut stream, usize::MAX, true);
+        let listed = stream.headers[OVERRIDE_HOST_HEADER].clone();
+        listed.split(',').next().unwrap_or_default().to_string()
+    };
+    let picks: std::collections::BTreeSet<String> = (0..24).map(|_| first_pick()).collect();
+    assert_eq!(picks.len(), 2, "{picks:?}");
+}
+
+#[test]
 fn a_waiting_request_is_resumed_through_its_host_when_a_pod_frees() {
     let mut config_json: serde_json::Value = serde_json::from_str(
         r#"{"models": {"m": {"baseModel": "m"}}, "maxQueue": 1, "onNoEligiblePod": "wait",

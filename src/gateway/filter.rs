@@ -98,6 +98,13 @@ pub struct Worker<H: WorkerHost> {
     /// Decisions and answers' first bytes not yet sent to the service
     /// ([`crate::snapshot::BatchRecord`]), and how many.
     decisions: (Vec<u8>, usize),
+    /// Requests decided, from a random start: the seed of each decision's
+    /// draws (a large pool's sampled candidates, [`crate::scoring::candidates`])
+    /// and the rotation among pods that score alike. Counted from zero,
+    /// every worker of every replica drew the same samples and made the
+    /// same tie picks at the same count: power-of-d choices assume
+    /// independent draws, and three replicas' six workers all sent their
+    /// first cold start to the second pod of four.
     requests: u64,
     /// Requests routed, for sampling the `route` log (`routeLogSample`).
     routed: Sample,
@@ -195,7 +202,7 @@ impl<H: WorkerHost> Worker<H> {
             next_feed_read_ms: 0,
             router: Router::new(config),
             decisions: (Vec::new(), 0),
-            requests: 0,
+            requests: random_start(),
             routed: Sample::default(),
             usage_answers: Sample::default(),
             metrics: MetricBatch::default(),
@@ -431,6 +438,14 @@ impl<H: WorkerHost> Worker<H> {
             self.prefix_demand.set_observed_share(self.traffic.share());
         }
     }
+}
+
+/// A random u64 from the standard library's per-instance hash keys
+/// (`getrandom` natively, WASI's `random_get` in wasm): distinct for every
+/// worker of every replica.
+fn random_start() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(0u8)
 }
 
 /// Milliseconds to 0.01 ms, for logs.
