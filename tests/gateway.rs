@@ -251,13 +251,18 @@ fn request(prompt: &str) -> FakeStream {
     stream
 }
 
-#[test]
-fn a_request_is_routed_counted_in_flight_and_released() {
+/// A fresh worker over two idle pods, with the default configuration.
+fn idle_worker() -> Worker<FakeWorker> {
     let host = FakeWorker {
         table: Some(table(0)),
         ..FakeWorker::default()
     };
-    let mut worker = Worker::new(config(), host);
+    Worker::new(config(), host)
+}
+
+#[test]
+fn a_request_is_routed_counted_in_flight_and_released() {
+    let mut worker = idle_worker();
     let mut stream = request(&"a shared prefix ".repeat(40));
     let mut filter = RequestFilter::new(1);
     assert_eq!(
@@ -300,11 +305,7 @@ fn workers_deciding_in_parallel_do_not_pick_alike_among_equal_pods() {
     // ties from its own random start, so they do not all pick one pod
     // (they did, counting from zero alike: a false failure here is 2⁻²³).
     let first_pick = || {
-        let host = FakeWorker {
-            table: Some(table(0)),
-            ..FakeWorker::default()
-        };
-        let mut worker = Worker::new(config(), host);
+        let mut worker = idle_worker();
         let mut stream = request(&"a new system prompt ".repeat(40));
         let mut filter = RequestFilter::new(1);
         filter.on_request_headers(&mut worker, &mut stream, false);
@@ -353,11 +354,7 @@ fn a_waiting_request_is_resumed_through_its_host_when_a_pod_frees() {
 
 #[test]
 fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
-    let host = FakeWorker {
-        table: Some(table(0)),
-        ..FakeWorker::default()
-    };
-    let mut worker = Worker::new(config(), host);
+    let mut worker = idle_worker();
     let serve = |worker: &mut Worker<FakeWorker>, id: u32, stream_answer: bool| {
         let mut stream = request(&format!("request {id} ").repeat(40));
         if stream_answer {
