@@ -202,7 +202,7 @@ impl<H: WorkerHost> Worker<H> {
             next_feed_read_ms: 0,
             router: Router::new(config),
             decisions: (Vec::new(), 0),
-            requests: random_start(),
+            requests: super::random_u64(),
             routed: Sample::default(),
             usage_answers: Sample::default(),
             metrics: MetricBatch::default(),
@@ -438,14 +438,6 @@ impl<H: WorkerHost> Worker<H> {
             self.prefix_demand.set_observed_share(self.traffic.share());
         }
     }
-}
-
-/// A random u64 from the standard library's per-instance hash keys
-/// (`getrandom` natively, WASI's `random_get` in wasm): distinct for every
-/// worker of every replica.
-fn random_start() -> u64 {
-    use std::hash::BuildHasher;
-    std::collections::hash_map::RandomState::new().hash_one(0u8)
 }
 
 /// Milliseconds to 0.01 ms, for logs.

@@ -17,6 +17,16 @@ pub mod waiting;
 use crate::config::Config;
 use metrics::MetricSink;
 
+/// 64 random bits from the standard library's per-instance hash keys
+/// (`getrandom` natively, WASI's `random_get` in wasm): distinct for every
+/// call, so for every worker, VM and replica process.
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
 /// Parses and validates the plugin configuration; on success applies its
 /// `logLevel` and defines every metric series at 0 in `sink` (a role that
 /// exports no metric gives none), on failure logs the error (which names

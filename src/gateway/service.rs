@@ -53,7 +53,6 @@
 //! gauges are set once per round, each only when its value changed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -230,9 +229,7 @@ impl<H: ServiceHost> ReportService<H> {
         // A random id per replica process (and configuration): its log's
         // epoch, how its peers tell a restart, and how it recognises its
         // own address among the replicas.
-        let replica = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
+        let replica = super::random_u64();
         self.replicas = ReplicaSync::new(&config, replica);
         if let Some(sync) = &self.replicas {
             self.host.store_replica_log(0, Vec::new(), sync.head());

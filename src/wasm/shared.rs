@@ -30,7 +30,6 @@
 //! configuration reload in the same VM reuses it.
 
 use std::cell::RefCell;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
 use super::host::{self, Status};
@@ -250,9 +249,7 @@ pub fn claim_inflight() -> bool {
             return false;
         };
         // WASI's random source: VMs configured at the same instant differ.
-        let nonce = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
+        let nonce = crate::gateway::random_u64();
         let mut inflight = Inflight {
             worker,
             nonce,

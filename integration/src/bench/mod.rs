@@ -381,8 +381,6 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     Ok(results)
 }
 
-/// One policy on one workload, on fresh pods; a policy that cannot run
-/// here (a peer not installed or not starting) gives a row saying why.
 /// One line per request as the client saw it, in request order: what
 /// `--keep-logs` keeps beside the router's log, so a run's tail can be
 /// read request by request (which session, when, which pod, how long).
@@ -416,6 +414,8 @@ fn requests_csv(requests: &[workload::BenchRequest], outcomes: &[load::Outcome])
     csv
 }
 
+/// One policy on one workload, on fresh pods; a policy that cannot run
+/// here (a peer not installed or not starting) gives a row saying why.
 /// `kept_log`: where to copy the router's log (and the requests' CSV,
 /// [`requests_csv`], beside it).
 fn run_policy(
