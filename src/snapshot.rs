@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::index::holders::{CompactSet, Holder, HolderArena, INLINE};
 use crate::index::{match_by_bisection, PrefixLookup, PrefixMatch};
-use crate::scoring::answers::Answer;
+use crate::scoring::feed::{Answer, SessionStart};
 
 pub const POD_TABLE_KEY: &str = "kvroute/pods";
 /// The pod table's numbers of every generation ([`PodTable::encode_state`]).
@@ -613,12 +613,16 @@ pub enum BatchRecord {
         predicted_ttft_ms: u32,
     },
     /// A streamed answer's first byte, for every TTFT model
-    /// ([`crate::scoring::answers`]).
+    /// ([`crate::scoring::feed`]).
     Answer(Answer),
+    /// A session start routed to pod `slot`, for every prefix-demand
+    /// count ([`crate::scoring::feed`]).
+    Start { slot: usize, start: SessionStart },
 }
 
 const DECISION_RECORD: u8 = 0;
 const ANSWER_RECORD: u8 = 1;
+const START_RECORD: u8 = 2;
 
 /// Appends a routing decision to a batch for the shared queue (a worker
 /// sends its decisions together: one wake-up of the service per batch, not
@@ -645,6 +649,14 @@ pub fn push_answer(batch: &mut Vec<u8>, answer: &Answer) {
     answer.encode_into(batch);
 }
 
+/// Appends a session start routed to pod `slot` to a batch: kind 2 (u8),
+/// the slot (u16 LE), then the start ([`SessionStart::encode_into`]).
+pub fn push_start(batch: &mut Vec<u8>, slot: usize, start: &SessionStart) {
+    batch.push(START_RECORD);
+    batch.extend_from_slice(&u16::try_from(slot).unwrap_or(u16::MAX).to_le_bytes());
+    start.encode_into(batch);
+}
+
 /// The records of a batch, `None` if it is malformed.
 pub fn decode_batch(mut bytes: &[u8]) -> Option<Vec<BatchRecord>> {
     let mut records = Vec::new();
@@ -669,6 +681,13 @@ pub fn decode_batch(mut bytes: &[u8]) -> Option<Vec<BatchRecord>> {
             ANSWER_RECORD => {
                 records.push(BatchRecord::Answer(Answer::decode(rest)?));
                 bytes = rest.get(Answer::BYTES..)?;
+            }
+            START_RECORD => {
+                records.push(BatchRecord::Start {
+                    slot: usize::from(le_u16(rest, 0)?),
+                    start: SessionStart::decode(rest.get(2..)?)?,
+                });
+                bytes = rest.get(2 + SessionStart::BYTES..)?;
             }
             _ => return None,
         }
@@ -940,6 +959,12 @@ mod tests {
         let answer = Answer::new(7, crate::scoring::ttft::Work::new(1000, 500), 42.5);
         push_answer(&mut batch, &answer);
         push_decision(&mut batch, 1023, &[u64::MAX], 1e12);
+        let start = |match_end| SessionStart {
+            origin: 0xfeed,
+            match_end,
+        };
+        push_start(&mut batch, 2, &start(Some(9)));
+        push_start(&mut batch, 5, &start(None));
         let decision = |slot, chain: &[u64], predicted_ttft_ms| BatchRecord::Decision {
             slot,
             chain: chain.to_vec(),
@@ -951,7 +976,15 @@ mod tests {
                 decision(3, &[1, 2], 8_500),
                 decision(0, &[], 0),
                 BatchRecord::Answer(answer),
-                decision(1023, &[u64::MAX], u32::MAX)
+                decision(1023, &[u64::MAX], u32::MAX),
+                BatchRecord::Start {
+                    slot: 2,
+                    start: start(Some(9))
+                },
+                BatchRecord::Start {
+                    slot: 5,
+                    start: start(None)
+                },
             ])
         );
         assert_eq!(decode_batch(&[]), Some(vec![]));
@@ -963,6 +996,7 @@ mod tests {
         );
         assert_eq!(decode_batch(&[0, 1]), None, "half a slot");
         assert_eq!(decode_batch(&[1, 0, 0, 1]), None, "short answer");
-        assert_eq!(decode_batch(&[2]), None, "unknown kind");
+        assert_eq!(decode_batch(&[2, 0, 0, 1]), None, "short start");
+        assert_eq!(decode_batch(&[3]), None, "unknown kind");
     }
 }

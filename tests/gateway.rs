@@ -14,7 +14,7 @@ use kvroute::gateway::filter::{RequestFilter, Worker, OVERRIDE_HOST_HEADER};
 use kvroute::gateway::host::{Action, HostResult, Stream, WorkerHost};
 use kvroute::gateway::metrics::{Metric, MetricSink};
 use kvroute::index::PrefixLookup;
-use kvroute::scoring::answers::AnswerFeed;
+use kvroute::scoring::feed::{Feed, FeedRecord, SessionStart};
 use kvroute::scoring::ttft::TtftModel;
 use kvroute::snapshot::{
     decode_batch, BatchRecord, InflightChange, PodTable, PublishedPod, SlotLoad, SnapshotIndex,
@@ -85,6 +85,8 @@ struct FakeWorker {
     metrics: Vec<(Metric, String, i64)>,
     samples: Vec<(Metric, u64)>,
     feed: Option<Vec<u8>>,
+    /// Milliseconds past 1 s.
+    clock_ms: u64,
 }
 
 impl MetricSink for FakeWorker {
@@ -103,7 +105,7 @@ impl WorkerHost for FakeWorker {
     type Other<'a> = &'a mut FakeStream;
 
     fn now_ms(&self) -> u64 {
-        1_000
+        1_000 + self.clock_ms
     }
     fn current_table(&mut self) -> Option<Arc<PodTable>> {
         self.table.clone()
@@ -146,7 +148,7 @@ impl WorkerHost for FakeWorker {
     fn send_decisions(&mut self, batch: &[u8]) {
         self.decisions.push(batch.to_vec());
     }
-    fn answer_feed(&mut self) -> Option<Vec<u8>> {
+    fn feed(&mut self) -> Option<Vec<u8>> {
         self.feed.clone()
     }
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
@@ -289,9 +291,16 @@ fn a_request_is_routed_counted_in_flight_and_released() {
     );
     filter.on_stream_end(&mut worker);
     assert!(worker.host.idle(), "released at the stream's end");
-    // An idle worker flushes: the decision batch and the metrics.
-    let decisions = decode_batch(&worker.host.decisions.concat()).unwrap();
-    assert_eq!(decisions.len(), 1);
+    // An idle worker flushes: the decision batch (the decision, and the
+    // session start it is) and the metrics.
+    let records = decode_batch(&worker.host.decisions.concat()).unwrap();
+    assert!(
+        matches!(
+            records.as_slice(),
+            [BatchRecord::Start { slot: s, .. }, BatchRecord::Decision { slot, .. }] if s == slot
+        ),
+        "{records:?}"
+    );
     assert!(worker
         .host
         .metrics
@@ -401,7 +410,7 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
         .into_iter()
         .filter_map(|r| match r {
             BatchRecord::Answer(a) => Some(a),
-            BatchRecord::Decision { .. } => None,
+            _ => None,
         })
         .collect();
     assert_eq!(answers.len(), 2);
@@ -409,10 +418,10 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
         !worker.ttft_model().calibrated(),
         "nothing learnt before the feed"
     );
-    let mut feed = AnswerFeed::default();
+    let mut feed = Feed::default();
     let mut direct = TtftModel::new(config().balance.learning_window);
     for answer in &answers {
-        feed.push(*answer);
+        feed.push(FeedRecord::Answer(*answer));
         let slot = usize::from(answer.slot);
         direct.observe(slot, answer.work(), answer.ttft_ms.into());
     }
@@ -429,6 +438,57 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
     for slot in 0..2 {
         assert_eq!(other.ttft_model().line(slot), direct.line(slot));
     }
+}
+
+#[test]
+fn every_worker_counts_every_session_start_through_the_feed() {
+    // Worker a routes a session start: it goes to the service with a's
+    // origin, and a counts it at once.
+    let (mut a, mut b) = (idle_worker(), idle_worker());
+    let mut stream = request(&"a new system prompt ".repeat(40));
+    let mut filter = RequestFilter::new(1);
+    filter.on_request_headers(&mut a, &mut stream, false);
+    filter.on_request_body(&mut a, &mut stream, usize::MAX, true);
+    filter.on_stream_end(&mut a);
+    let origin = decode_batch(&a.host.decisions.concat())
+        .unwrap()
+        .into_iter()
+        .find_map(|r| match r {
+            BatchRecord::Start { start, .. } => Some(start.origin),
+            _ => None,
+        })
+        .expect("a session start in the batch");
+    assert_ne!(origin, 0, "0 is a peer replica's");
+    // The feed: two of a's starts at block 77 and two of a peer's at 88,
+    // as the service publishes them.
+    let mut feed = Feed::default();
+    for (origin, end) in [(origin, 77), (origin, 77), (0, 88), (0, 88)] {
+        feed.push(FeedRecord::Start(SessionStart {
+            origin,
+            match_end: Some(end),
+        }));
+    }
+    for worker in [&mut a, &mut b] {
+        worker.host.feed = Some(feed.encode());
+        worker.host.clock_ms += 100;
+        worker.on_tick();
+    }
+    let starts = |worker: &Worker<FakeWorker>, end| {
+        worker
+            .prefix_demand()
+            .demand(end, 2)
+            .map(|d| d.starts.round())
+    };
+    // a counted its own as it routed them, not again from the feed; b
+    // counts them from the feed. Both count the peer's.
+    assert_eq!(starts(&a, 77), None);
+    assert_eq!(starts(&b, 77), Some(2.0));
+    assert_eq!(starts(&a, 88), Some(2.0));
+    assert_eq!(starts(&b, 88), Some(2.0));
+    // Taken once: the same feed read again adds nothing.
+    b.host.clock_ms += 100;
+    b.on_tick();
+    assert_eq!(starts(&b, 88), Some(2.0));
 }
 
 #[test]

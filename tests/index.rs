@@ -1445,6 +1445,7 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 chain: vec![30, 31, 32],
                 predicted_ttft_ms: 4_000,
                 first_byte: None,
+                session_start: None,
             },
             LoggedDecision {
                 seq: 2,
@@ -1453,6 +1454,7 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 chain: vec![40],
                 predicted_ttft_ms: 0,
                 first_byte: None,
+                session_start: None,
             },
         ],
         inflight: vec![

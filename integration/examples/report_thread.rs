@@ -204,7 +204,7 @@ impl ServiceHost for ThreadHost {
 
     fn publish_peer_loads(&mut self, _loads: Vec<SlotLoad>) {}
 
-    fn publish_answer_feed(&mut self, _feed: Vec<u8>) {}
+    fn publish_feed(&mut self, _feed: Vec<u8>) {}
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {
         self

@@ -9,7 +9,9 @@
 //!    snapshot, and set the routing header: `upstreamMode` `overrideHost`
 //!    lists the destinations, comma-separated, for Envoy's override-host
 //!    policy (one per attempt); `originalDst` names the chosen pod for an
-//!    ORIGINAL_DST cluster. The request counts in flight on its pod. A
+//!    ORIGINAL_DST cluster. The request counts in flight on its pod, and a
+//!    session start (not a chat's later turn) goes to the service, whose
+//!    feed counts it for every worker ([`crate::scoring::feed`]). A
 //!    request no pod can take waits in the worker's queue ([`super::waiting`]).
 //! 3. Response headers: learn which listed pods Envoy failed to reach
 //!    (ejected for every worker, [`crate::ejection`]) and which pod serves
@@ -18,7 +20,7 @@
 //! 4. Response body: the first byte ends the queued-prefill count and, for
 //!    a streamed answer, measures the TTFT model's error and goes to the
 //!    service, whose feed teaches every worker's model
-//!    ([`crate::scoring::answers`]); a sampled answer's
+//!    ([`crate::scoring::feed`]); a sampled answer's
 //!    `usage.cached_tokens` checks the cache prediction.
 //! 5. Stream end: the in-flight count is released, waiting requests get a
 //!    dispatch round, and an idle worker flushes its batches.
@@ -51,10 +53,10 @@ use crate::report::Tier;
 use crate::router::{
     Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
 };
-use crate::scoring::answers::{Answer, FeedReader, TrafficShare, FEED_ANSWERS};
+use crate::scoring::feed::{Answer, FeedReader, FeedRecord, SessionStart};
 use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::{TtftModel, Work};
-use crate::snapshot::{push_answer, push_decision, InflightChange, SlotLoad};
+use crate::snapshot::{push_answer, push_decision, push_start, InflightChange, SlotLoad};
 use crate::usage::CachedTokensScanner;
 
 /// Where an ORIGINAL_DST cluster connects (`upstreamMode` `originalDst`).
@@ -95,8 +97,8 @@ pub struct Worker<H: WorkerHost> {
     router: Router,
     /// Approximate mode: this worker's own decisions, seen at once.
     recent: RecentDecisions,
-    /// Decisions and answers' first bytes not yet sent to the service
-    /// ([`crate::snapshot::BatchRecord`]), and how many.
+    /// Decisions, answers' first bytes and session starts not yet sent to
+    /// the service ([`crate::snapshot::BatchRecord`]), and how many.
     decisions: (Vec<u8>, usize),
     /// Requests decided, from a random start: the seed of each decision's
     /// draws (a large pool's sampled candidates, [`crate::scoring::candidates`])
@@ -116,17 +118,20 @@ pub struct Worker<H: WorkerHost> {
     pub(super) metrics: MetricBatch,
     /// The predicted-TTFT model, learned from every streamed answer of
     /// every worker and replica through the service's feed
-    /// ([`crate::scoring::answers`]); the prefill queued per pod it reads
+    /// ([`crate::scoring::feed`]); the prefill queued per pod it reads
     /// is every worker's and every replica's ([`WorkerHost::inflight`]).
     ttft: TtftModel,
-    /// The sessions this worker's arrivals started per prefix
-    /// ([`PrefixDemand`]), read through its share of the gateway's
-    /// answers (`traffic`).
+    /// The sessions started per prefix ([`PrefixDemand`]): this worker's
+    /// as it routes them, every other worker's and replica's from the
+    /// feed.
     prefix_demand: PrefixDemand,
-    traffic: TrafficShare,
-    /// Which answers of the feed `ttft` learnt, and when to read it next.
+    /// Which records of the feed this worker took, and when to read it
+    /// next.
     feed: FeedReader,
     next_feed_read_ms: u64,
+    /// This worker's origin on the feed (never 0, a peer replica's): its
+    /// own session starts are counted as routed, and skipped there.
+    origin: u64,
 }
 
 /// A routed request, as its filter keeps it.
@@ -197,9 +202,9 @@ impl<H: WorkerHost> Worker<H> {
             waiting: Waiting::new(&config),
             ttft: TtftModel::new(config.balance.learning_window),
             prefix_demand: PrefixDemand::default(),
-            traffic: TrafficShare::new(FEED_ANSWERS as f64),
             feed: FeedReader::default(),
             next_feed_read_ms: 0,
+            origin: super::random_u64() | 1,
             router: Router::new(config),
             decisions: (Vec::new(), 0),
             requests: super::random_u64(),
@@ -218,6 +223,11 @@ impl<H: WorkerHost> Worker<H> {
         &self.ttft
     }
 
+    /// The session starts this worker counted.
+    pub fn prefix_demand(&self) -> &PrefixDemand {
+        &self.prefix_demand
+    }
+
     /// Requests waiting on this worker.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
@@ -232,7 +242,9 @@ impl<H: WorkerHost> Worker<H> {
     /// The worker's tick ([`TICK_MS`]): the wait queue, then the batches.
     pub fn on_tick(&mut self) {
         let now_ms = self.host.now_ms();
-        self.learn_answers(now_ms);
+        if let Some(table) = self.host.routable_table(now_ms) {
+            self.learn_from_feed(now_ms, table.pods.len());
+        }
         waiting::on_tick(self);
         self.flush();
     }
@@ -304,7 +316,7 @@ impl<H: WorkerHost> Worker<H> {
                 retry_after: Some(1),
             });
         };
-        self.learn_answers(now_ms);
+        self.learn_from_feed(now_ms, table.pods.len());
         let inflight = self.host.inflight(table.slots());
         // Arrivals see time averages: how often each pod has prefill queued.
         if attempt == Attempt::Arrival {
@@ -350,9 +362,20 @@ impl<H: WorkerHost> Worker<H> {
             );
         }
         self.recent.record(routed.slot, &routed.chain);
-        let window = f64::from(self.config().balance.learning_window) * table.pods.len() as f64;
-        self.prefix_demand
-            .record(routed.match_end, routed.follows_up, window);
+        self.prefix_demand.record(
+            routed.match_end,
+            routed.follows_up,
+            self.start_window(table.pods.len()),
+        );
+        let batched = self.decisions.1;
+        if routed.follows_up != Some(true) {
+            let start = SessionStart {
+                origin: self.origin,
+                match_end: routed.match_end,
+            };
+            push_start(&mut self.decisions.0, routed.slot, &start);
+            self.decisions.1 += 1;
+        }
         if !routed.chain.is_empty() {
             push_decision(
                 &mut self.decisions.0,
@@ -361,12 +384,14 @@ impl<H: WorkerHost> Worker<H> {
                 self.ttft.prefilled_after_ms(routed.predicted_ttft_ms),
             );
             self.decisions.1 += 1;
-            // Replicated: the peers learn a decision from the service's
-            // log, so it goes there at once (one queue message per
-            // request, about a µs), not with the next tick or batch.
-            if self.decisions.1 >= FLUSH_DECISIONS || self.config().replicas.is_some() {
-                self.send_decisions();
-            }
+        }
+        // Replicated: the peers learn a decision from the service's log,
+        // so it goes there at once (one queue message per request, about
+        // a µs), not with the next tick or batch.
+        if self.decisions.1 >= FLUSH_DECISIONS
+            || (self.decisions.1 > batched && self.config().replicas.is_some())
+        {
+            self.send_decisions();
         }
         outcome
     }
@@ -387,7 +412,7 @@ impl<H: WorkerHost> Worker<H> {
     /// against this worker's model goes to
     /// `epp_ttft_prediction_error_percent` (and the DEBUG event
     /// `ttft_prediction`), and the answer to the service, whose feed
-    /// teaches every worker's model ([`crate::scoring::answers`]).
+    /// teaches every worker's model ([`crate::scoring::feed`]).
     fn first_byte(
         &mut self,
         routed: &RoutedRequest,
@@ -414,7 +439,6 @@ impl<H: WorkerHost> Worker<H> {
                        "predictedTtftMs": round_ms(predicted_ms), "ttftMs": round_ms(ttft_ms)}),
             );
         }
-        self.traffic.own_answer();
         push_answer(
             &mut self.decisions.0,
             &Answer::new(routed.slot, work, ttft_ms),
@@ -425,17 +449,39 @@ impl<H: WorkerHost> Worker<H> {
         }
     }
 
-    /// Teaches this worker's model the answers of the service's feed it has
-    /// not learnt, at most once per [`TICK_MS`].
-    fn learn_answers(&mut self, now_ms: u64) {
+    /// The horizon session starts are counted over in a pool of `pods`:
+    /// `balance.learningWindow` per pod, as the TTFT model's.
+    fn start_window(&self, pods: usize) -> f64 {
+        f64::from(self.config().balance.learning_window) * pods as f64
+    }
+
+    /// Takes the records of the service's feed not taken yet, at most once
+    /// per [`TICK_MS`]: every answer teaches the model, and every other
+    /// worker's and replica's session start counts in `prefix_demand`
+    /// (this worker's counted as it routed them), in a pool of `pods`.
+    fn learn_from_feed(&mut self, now_ms: u64, pods: usize) {
         if now_ms < self.next_feed_read_ms {
             return;
         }
         self.next_feed_read_ms = now_ms + TICK_MS;
-        if let Some(feed) = self.host.answer_feed() {
-            let learnt = self.feed.read(&feed, &mut self.ttft);
-            self.traffic.feed_answers(learnt);
-            self.prefix_demand.set_observed_share(self.traffic.share());
+        let Some(feed) = self.host.feed() else {
+            return;
+        };
+        let window = self.start_window(pods);
+        for record in self.feed.read(&feed) {
+            match record {
+                FeedRecord::Answer(answer) => {
+                    self.ttft.observe(
+                        usize::from(answer.slot),
+                        answer.work(),
+                        f64::from(answer.ttft_ms),
+                    );
+                }
+                FeedRecord::Start(start) if start.origin != self.origin => {
+                    self.prefix_demand.record(start.match_end, None, window);
+                }
+                FeedRecord::Start(_) => {}
+            }
         }
     }
 }

@@ -111,12 +111,12 @@ pub trait WorkerHost {
         now_ms: u64,
         policy: &PassiveHealthConfig,
     ) -> Option<Ejection>;
-    /// Hands a batch of decisions and answers
+    /// Hands a batch of decisions, answers and session starts
     /// ([`crate::snapshot::BatchRecord`]) to the report service.
     fn send_decisions(&mut self, batch: &[u8]);
-    /// The service's answer feed as last published
-    /// ([`ServiceHost::publish_answer_feed`]), `None` before the first.
-    fn answer_feed(&mut self) -> Option<Vec<u8>>;
+    /// The service's feed as last published
+    /// ([`ServiceHost::publish_feed`]), `None` before the first.
+    fn feed(&mut self) -> Option<Vec<u8>>;
     fn metric_sink(&mut self) -> &mut dyn MetricSink;
     /// The waiting request `id` of this worker (`None`: it is gone).
     fn other(&mut self, id: u32) -> Option<Self::Other<'_>>;
@@ -156,9 +156,9 @@ pub trait ServiceHost {
     /// Publishes what the live peer replicas have in flight, per pod slot:
     /// the filters add it to their own loads ([`WorkerHost::inflight`]).
     fn publish_peer_loads(&mut self, loads: Vec<SlotLoad>);
-    /// Publishes the answer feed ([`crate::scoring::answers::AnswerFeed`])
-    /// every worker's TTFT model learns from ([`WorkerHost::answer_feed`]).
-    fn publish_answer_feed(&mut self, feed: Vec<u8>);
+    /// Publishes the feed ([`crate::scoring::feed::Feed`]) every worker
+    /// learns from ([`WorkerHost::feed`]).
+    fn publish_feed(&mut self, feed: Vec<u8>);
 }
 
 /// The replica listener's host ([`super::replica`]): this replica's log

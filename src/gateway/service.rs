@@ -69,7 +69,7 @@ use crate::config::{Config, IndexMode, PodConfig};
 use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
 use crate::replica::{PeerState, ReplicaSync, PEER_CALL_GAP_MS, REPLICA_KEY_HEADER};
-use crate::scoring::answers::AnswerFeed;
+use crate::scoring::feed::{Feed, FeedRecord};
 use crate::snapshot::{decode_batch, BatchRecord, PodTable};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
@@ -144,10 +144,10 @@ pub struct ReportService<H: ServiceHost> {
     metrics: MetricBatch,
     /// Replicated gateways: this replica's log and its peers.
     replicas: Option<ReplicaSync>,
-    /// The streamed answers' first bytes every worker's TTFT model learns
-    /// from ([`crate::scoring::answers`]): this replica's and its peers',
-    /// published once per tick.
-    answers: AnswerFeed,
+    /// The streamed answers' first bytes and the session starts every
+    /// worker learns from ([`crate::scoring::feed`]): this replica's and
+    /// its peers', published once per tick.
+    feed: Feed,
     /// The members digest of the last table handed to the host whole.
     members_published: Option<u64>,
     /// Pulls this tick may still start ([`CALLS_PER_TICK`],
@@ -204,7 +204,7 @@ impl<H: ServiceHost> ReportService<H> {
             last_publish_ms: 0,
             metrics: MetricBatch::default(),
             replicas: None,
-            answers: AnswerFeed::default(),
+            feed: Feed::default(),
             members_published: None,
             calls_left: CALLS_PER_TICK,
             dispatch_us: 0.0,
@@ -235,7 +235,7 @@ impl<H: ServiceHost> ReportService<H> {
             self.host.store_replica_log(0, Vec::new(), sync.head());
         }
         self.config = Some(Arc::new(config));
-        self.answers = AnswerFeed::default();
+        self.feed = Feed::default();
         self.next_round_ms = 0;
         // The new view's calls, table and gauges start afresh.
         self.members_published = None;
@@ -281,20 +281,20 @@ impl<H: ServiceHost> ReportService<H> {
             self.send_metrics(&config);
             self.pull_peers(&config);
             self.export_gauges(&config);
-            if let Some(feed) = self.answers.take_unpublished() {
-                self.host.publish_answer_feed(feed);
+            if let Some(feed) = self.feed.take_unpublished() {
+                self.host.publish_feed(feed);
             }
             self.metrics.flush(self.host.metric_sink());
         }
         self.busy(started);
     }
 
-    /// Batches of decisions and answers from the filters
+    /// Batches of decisions, answers and session starts from the filters
     /// ([`crate::snapshot::BatchRecord`]): decisions recorded, and their
     /// buckets written at once (no new pod table), so every worker matches
-    /// them within milliseconds instead of at the next report; answers
-    /// go to the feed every worker's TTFT model learns from (published on
-    /// the next tick). Both go to the replica log when replicated.
+    /// them within milliseconds instead of at the next report; answers and
+    /// starts go to the feed every worker learns from (published on the
+    /// next tick). All go to the replica log when replicated.
     pub fn on_decisions(&mut self, messages: impl IntoIterator<Item = Vec<u8>>) {
         let started = Instant::now();
         if let Some(state) = self.state.as_mut() {
@@ -324,10 +324,17 @@ impl<H: ServiceHost> ReportService<H> {
                             }
                         }
                         BatchRecord::Answer(answer) => {
-                            self.answers.push(answer);
+                            self.feed.push(FeedRecord::Answer(answer));
                             let pod = state.pod_id(usize::from(answer.slot));
                             match (pod, self.replicas.as_mut()) {
                                 (Some(pod), Some(sync)) => Some(sync.log_answer(pod, &answer, now)),
+                                _ => None,
+                            }
+                        }
+                        BatchRecord::Start { slot, start } => {
+                            self.feed.push(FeedRecord::Start(start));
+                            match (state.pod_id(slot), self.replicas.as_mut()) {
+                                (Some(pod), Some(sync)) => Some(sync.log_start(pod, &start, now)),
                                 _ => None,
                             }
                         }
@@ -846,8 +853,8 @@ impl<H: ServiceHost> ReportService<H> {
         // The peer's loads count at once (one write), not with the next
         // publication: they are what its answers are for between decisions.
         self.host.publish_peer_loads(sync.loads(state, now));
-        for answer in &outcome.answers {
-            self.answers.push(*answer);
+        for record in outcome.feed {
+            self.feed.push(record);
         }
         if outcome.recorded > 0 {
             self.metrics.add(
@@ -1029,9 +1036,9 @@ mod tests {
     use crate::gateway::replica::{loads_by_pod, ReplicaServer};
     use crate::index::PrefixLookup;
     use crate::replica::{LogHead, PodInflight};
-    use crate::scoring::answers::{Answer as FirstByte, FeedReader};
+    use crate::scoring::feed::{Answer as FirstByte, FeedReader, FeedRecord, SessionStart};
     use crate::scoring::ttft::{TtftModel, Work};
-    use crate::snapshot::{push_answer, push_decision, SlotLoad, SnapshotIndex};
+    use crate::snapshot::{push_answer, push_decision, push_start, SlotLoad, SnapshotIndex};
     use std::cell::RefCell;
     use std::collections::HashMap;
     use std::rc::Rc;
@@ -1096,7 +1103,7 @@ mod tests {
             store.head = Some(head);
         }
         fn publish_peer_loads(&mut self, _: Vec<SlotLoad>) {}
-        fn publish_answer_feed(&mut self, feed: Vec<u8>) {
+        fn publish_feed(&mut self, feed: Vec<u8>) {
             self.0.borrow_mut().feed = Some(feed);
         }
     }
@@ -1195,11 +1202,12 @@ mod tests {
         .expect("valid")
     }
 
-    /// Replica a routes a chain and sees its answer's first byte; replica
-    /// b's service pulls a's replica listener and publishes the chain for
-    /// the pod a chose, and the answer in its own feed.
+    /// Replica a routes a chain, as a session start, and sees its answer's
+    /// first byte; replica b's service pulls a's replica listener and
+    /// publishes the chain for the pod a chose, and the start and the
+    /// answer in its own feed.
     #[test]
-    fn a_peer_decision_and_its_answer_reach_the_published_index_and_feed() {
+    fn a_peer_decision_its_start_and_its_answer_reach_the_published_index_and_feed() {
         let (a_host, b_host) = (FakeHost::default(), FakeHost::default());
         let mut a = ReportService::new(a_host.clone());
         let mut b = ReportService::new(b_host.clone());
@@ -1211,6 +1219,11 @@ mod tests {
             let chain: Vec<u64> = (1..=40).map(|h| h + 1000 * round).collect();
             let slot = (round % 2) as usize;
             let mut batch = Vec::new();
+            let start = SessionStart {
+                origin: 7,
+                match_end: Some(round),
+            };
+            push_start(&mut batch, slot, &start);
             push_decision(&mut batch, slot, &chain, 0.0);
             let work = 500 + 300 * round;
             push_answer(
@@ -1257,13 +1270,31 @@ mod tests {
         }
         // Both feeds (published on the tick) hold the four answers, on the
         // same slots: every worker of either replica learns the same lines.
+        // They hold the four starts too, a's from its worker, b's from a
+        // peer (origin 0).
         a.on_tick();
-        let learnt = |host: &FakeHost| {
+        let read = |host: &FakeHost| {
             let mut model = TtftModel::new(64);
             let feed = host.0.borrow().feed.clone().expect("a feed");
-            assert_eq!(FeedReader::default().read(&feed, &mut model), 4);
-            (model.line(0), model.line(1))
+            let mut starts = Vec::new();
+            for record in FeedReader::default().read(&feed) {
+                match record {
+                    FeedRecord::Answer(x) => {
+                        model.observe(usize::from(x.slot), x.work(), f64::from(x.ttft_ms));
+                    }
+                    FeedRecord::Start(start) => starts.push(start),
+                }
+            }
+            (model.line(0), model.line(1), starts)
         };
-        assert_eq!(learnt(&a_host), learnt(&b_host));
+        let ((a0, a1, a_starts), (b0, b1, b_starts)) = (read(&a_host), read(&b_host));
+        assert!(a0.ms_per_token > 0.0 && a1.ms_per_token > 0.0);
+        assert_eq!((a0, a1), (b0, b1));
+        let start = |origin, round| SessionStart {
+            origin,
+            match_end: Some(round),
+        };
+        assert_eq!(a_starts, (0..4).map(|r| start(7, r)).collect::<Vec<_>>());
+        assert_eq!(b_starts, (0..4).map(|r| start(0, r)).collect::<Vec<_>>());
     }
 }

@@ -119,8 +119,8 @@ impl ServiceHost for NativeService {
         self.shared.replica.publish_peer_loads(loads);
     }
 
-    fn publish_answer_feed(&mut self, feed: Vec<u8>) {
-        self.shared.answer_feed.store(Some(Arc::new(feed)));
+    fn publish_feed(&mut self, feed: Vec<u8>) {
+        self.shared.feed.store(Some(Arc::new(feed)));
     }
 }
 
@@ -156,7 +156,7 @@ impl FilterConfig {
             ejections: SharedEjections::default(),
             decisions: DecisionInbox::default(),
             replica: ReplicaShare::default(),
-            answer_feed: ArcSwapOption::empty(),
+            feed: ArcSwapOption::empty(),
         });
         let workers = Workers::new(concurrency, || {
             Worker::new(

@@ -511,8 +511,8 @@ impl WorkerHost for NativeWorker {
         }
     }
 
-    fn answer_feed(&mut self) -> Option<Vec<u8>> {
-        self.shared.answer_feed.load().as_deref().cloned()
+    fn feed(&mut self) -> Option<Vec<u8>> {
+        self.shared.feed.load().as_deref().cloned()
     }
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {

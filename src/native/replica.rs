@@ -226,7 +226,7 @@ mod tests {
             ejections: SharedEjections::default(),
             decisions: DecisionInbox::default(),
             replica: ReplicaShare::default(),
-            answer_feed: ArcSwapOption::empty(),
+            feed: ArcSwapOption::empty(),
         })
     }
 

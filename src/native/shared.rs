@@ -274,8 +274,8 @@ pub struct Shared {
     pub ejections: SharedEjections,
     pub decisions: DecisionInbox,
     pub replica: ReplicaShare,
-    /// The service's answer feed ([`crate::scoring::answers`]).
-    pub answer_feed: ArcSwapOption<Vec<u8>>,
+    /// The service's feed ([`crate::scoring::feed`]).
+    pub feed: ArcSwapOption<Vec<u8>>,
 }
 
 #[cfg(test)]

@@ -3,9 +3,10 @@
 //! The service appends every decision of its own filters that it recorded
 //! (new blocks for a pod: precise mode's pending entries, approximate
 //! mode's and report-fallback pods' decision-derived blocks) to a
-//! [`ReplicaLog`], and the first byte of each streamed answer its filters
-//! saw (what every replica's TTFT model learns from,
-//! [`crate::scoring::answers`]); entries learnt from peers are never
+//! [`ReplicaLog`], the first byte of each streamed answer its filters saw
+//! and each session start they routed (what every replica's TTFT model
+//! learns from and prefix-demand count takes, [`crate::scoring::feed`]);
+//! entries learnt from peers are never
 //! logged again, so nothing echoes between replicas. The log is bounded
 //! twice: at most [`LOG_DECISIONS`] entries and at most `max_blocks` hashes in all, the
 //! oldest dropped first, so a replica's memory does not grow with its
@@ -22,7 +23,7 @@
 
 use std::collections::VecDeque;
 
-use super::wire::{FirstByte, LoggedDecision, PodInflight, ReplicaAnswer};
+use super::wire::{FirstByte, LoggedDecision, LoggedStart, PodInflight, ReplicaAnswer};
 
 /// Most decisions a log holds.
 pub const LOG_DECISIONS: u64 = 4096;
@@ -43,15 +44,17 @@ const DECISION_JSON_BYTES: usize = 96;
 const HASH_JSON_BYTES: usize = 19;
 const FIRST_BYTE_JSON_BYTES: usize = 74;
 const PREDICTED_TTFT_JSON_BYTES: usize = 28;
+const SESSION_START_JSON_BYTES: usize = 48;
 
 /// Estimated JSON bytes of an entry in an answer.
 fn json_bytes(entry: &LoggedDecision) -> usize {
     DECISION_JSON_BYTES
         + entry.chain.len() * HASH_JSON_BYTES
-        + match entry.first_byte {
-            Some(_) => FIRST_BYTE_JSON_BYTES,
-            None if entry.predicted_ttft_ms != 0 => PREDICTED_TTFT_JSON_BYTES,
-            None => 0,
+        + match (entry.first_byte, entry.session_start) {
+            (Some(_), _) => FIRST_BYTE_JSON_BYTES,
+            (None, Some(_)) => SESSION_START_JSON_BYTES,
+            (None, None) if entry.predicted_ttft_ms != 0 => PREDICTED_TTFT_JSON_BYTES,
+            (None, None) => 0,
         }
 }
 
@@ -142,7 +145,7 @@ impl ReplicaLog {
         predicted_ttft_ms: u32,
         at_ms: u64,
     ) -> (u64, Vec<u8>) {
-        self.append_entry(pod, chain, predicted_ttft_ms, None, at_ms)
+        self.append_entry(pod, chain, predicted_ttft_ms, None, None, at_ms)
     }
 
     /// Logs the first byte of a streamed answer from `pod`, as
@@ -153,7 +156,13 @@ impl ReplicaLog {
         first_byte: FirstByte,
         at_ms: u64,
     ) -> (u64, Vec<u8>) {
-        self.append_entry(pod, &[], 0, Some(first_byte), at_ms)
+        self.append_entry(pod, &[], 0, Some(first_byte), None, at_ms)
+    }
+
+    /// Logs a session start routed to `pod`, as [`ReplicaLog::append`]
+    /// does a decision.
+    pub fn append_start(&mut self, pod: &str, start: LoggedStart, at_ms: u64) -> (u64, Vec<u8>) {
+        self.append_entry(pod, &[], 0, None, Some(start), at_ms)
     }
 
     fn append_entry(
@@ -162,6 +171,7 @@ impl ReplicaLog {
         chain: &[u64],
         predicted_ttft_ms: u32,
         first_byte: Option<FirstByte>,
+        session_start: Option<LoggedStart>,
         at_ms: u64,
     ) -> (u64, Vec<u8>) {
         self.head.last += 1;
@@ -181,6 +191,7 @@ impl ReplicaLog {
             chain: chain.to_vec(),
             predicted_ttft_ms,
             first_byte,
+            session_start,
         };
         (seq, encode_decision(&entry))
     }
@@ -188,7 +199,8 @@ impl ReplicaLog {
 
 /// A log entry as stored: seq, time, pod id length and bytes, chain length
 /// and hashes, then a first byte's work (u32) and TTFT (f32) if it is one,
-/// else the decision's predicted TTFT (u32), little-endian.
+/// a session start's match end (u8 whether, u64 where) if it is one, else
+/// the decision's predicted TTFT (u32), little-endian.
 pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
     let LoggedDecision {
         seq,
@@ -197,6 +209,7 @@ pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
         chain,
         predicted_ttft_ms,
         first_byte,
+        session_start,
     } = entry;
     // Pod ids are at most 255 bytes (configuration rules); the cut is
     // only a guard on the length field.
@@ -211,13 +224,17 @@ pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
     for hash in chain {
         bytes.extend_from_slice(&hash.to_le_bytes());
     }
-    match first_byte {
-        Some(first_byte) => {
+    match (first_byte, session_start) {
+        (Some(first_byte), _) => {
             bytes.extend_from_slice(&first_byte.work_tokens.to_le_bytes());
             bytes.extend_from_slice(&first_byte.own_tokens.to_le_bytes());
             bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
         }
-        None => bytes.extend_from_slice(&predicted_ttft_ms.to_le_bytes()),
+        (None, Some(start)) => {
+            bytes.push(u8::from(start.match_end.is_some()));
+            bytes.extend_from_slice(&start.match_end.unwrap_or(0).to_le_bytes());
+        }
+        (None, None) => bytes.extend_from_slice(&predicted_ttft_ms.to_le_bytes()),
     }
     bytes
 }
@@ -237,8 +254,8 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
     let chain_len = usize::try_from(u32::from_le_bytes(take(4)?.try_into().ok()?)).ok()?;
     let hashes = take(chain_len.checked_mul(8)?)?;
     let chain = hashes.chunks_exact(8).map(u64_of).collect::<Option<_>>()?;
-    let (predicted_ttft_ms, first_byte) = match bytes.len() {
-        4 => (u32::from_le_bytes(bytes.try_into().ok()?), None),
+    let (predicted_ttft_ms, first_byte, session_start) = match bytes.len() {
+        4 => (u32::from_le_bytes(bytes.try_into().ok()?), None, None),
         12 => (
             0,
             Some(FirstByte {
@@ -246,7 +263,16 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
                 own_tokens: u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?),
                 ttft_ms: f32::from_le_bytes(bytes.get(8..)?.try_into().ok()?),
             }),
+            None,
         ),
+        9 => {
+            let match_end = match bytes.first()? {
+                0 => None,
+                1 => Some(u64_of(bytes.get(1..)?)?),
+                _ => return None,
+            };
+            (0, None, Some(LoggedStart { match_end }))
+        }
         _ => return None,
     };
     Some(LoggedDecision {
@@ -256,6 +282,7 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
         chain,
         predicted_ttft_ms,
         first_byte,
+        session_start,
     })
 }
 
@@ -380,15 +407,17 @@ mod tests {
 
     #[test]
     fn a_decision_round_trips_and_garbage_does_not_decode() {
-        let entry = |chain: Vec<u64>, predicted_ttft_ms, first_byte| LoggedDecision {
-            seq: 7,
-            pod: "10.0.0.1:8000".into(),
-            at_ms: 123,
-            chain,
-            predicted_ttft_ms,
-            first_byte,
-        };
-        let decision = entry(vec![1, 2, u64::MAX], 8_500, None);
+        let entry =
+            |chain: Vec<u64>, predicted_ttft_ms, first_byte, session_start| LoggedDecision {
+                seq: 7,
+                pod: "10.0.0.1:8000".into(),
+                at_ms: 123,
+                chain,
+                predicted_ttft_ms,
+                first_byte,
+                session_start,
+            };
+        let decision = entry(vec![1, 2, u64::MAX], 8_500, None, None);
         let answered = entry(
             Vec::new(),
             0,
@@ -397,8 +426,10 @@ mod tests {
                 own_tokens: 300,
                 ttft_ms: 31.25,
             }),
+            None,
         );
-        for entry in [decision, answered] {
+        let start = |match_end| entry(Vec::new(), 0, None, Some(LoggedStart { match_end }));
+        for entry in [decision, answered, start(Some(u64::MAX)), start(None)] {
             let bytes = encode_decision(&entry);
             assert_eq!(decode_decision(&bytes), Some(entry));
             assert_eq!(decode_decision(&bytes[..bytes.len() - 1]), None);
@@ -492,6 +523,7 @@ mod tests {
                 chain: vec![9],
                 predicted_ttft_ms: 0,
                 first_byte: None,
+                session_start: None,
             }),
         );
         let answer = store.answer(1, Some(&epoch), usize::MAX);

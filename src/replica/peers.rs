@@ -300,6 +300,7 @@ mod tests {
                     chain: vec![s],
                     predicted_ttft_ms: 0,
                     first_byte: None,
+                    session_start: None,
                 })
                 .collect(),
             inflight: vec![PodInflight {

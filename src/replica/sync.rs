@@ -10,7 +10,8 @@
 //!   taken, at most one per [`PEER_CALL_GAP_MS`].
 //! - [`ReplicaSync::answered`] takes a pull's answer: a good one records
 //!   the peer's decisions in the cluster state, hands over its answers'
-//!   first bytes (for the TTFT models' feed) and replaces its loads; a
+//!   first bytes and its session starts (for the gateway's feed,
+//!   [`crate::scoring::feed`]) and replaces its loads; a
 //!   bad one (no answer, a status, too large, malformed) is counted.
 //! - [`ReplicaSync::loads`] is what the live peers have in flight, per pod
 //!   slot, for the filters to add to their own; [`ReplicaSync::take_lags`]
@@ -20,11 +21,11 @@
 
 use super::log::{LogHead, ReplicaLog};
 use super::peers::{PeerState, PeerTransition, Peers};
-use super::wire::{AnswerLimits, FirstByte};
+use super::wire::{AnswerLimits, FirstByte, LoggedStart};
 use crate::cluster::{ClusterState, Failure};
 use crate::config::{Config, ReplicasConfig, MAX_PODS};
 use crate::polling::ReportPolling;
-use crate::scoring::answers::Answer;
+use crate::scoring::feed::{Answer, FeedRecord, SessionStart};
 use crate::snapshot::SlotLoad;
 
 /// Least time between two pulls of one peer: a peer that always has news
@@ -47,9 +48,10 @@ pub struct PeerCall {
 pub struct PeerOutcome {
     /// Peer decisions recorded.
     pub recorded: usize,
-    /// The peer's answers' first bytes on pods this replica knows, by
-    /// local slot, for the TTFT models ([`crate::scoring::answers`]).
-    pub answers: Vec<Answer>,
+    /// For the gateway's feed ([`crate::scoring::feed`]): the peer's
+    /// answers' first bytes on pods this replica knows, by local slot, and
+    /// its session starts (origin 0).
+    pub feed: Vec<FeedRecord>,
     /// Why the answer was refused, if it was.
     pub error: Option<String>,
     /// The failure's counter label, if it failed.
@@ -121,6 +123,14 @@ impl ReplicaSync {
             .append_first_byte(pod, FirstByte::of(answer), now_ms)
     }
 
+    /// Logs a session start this replica's filters routed to `pod`, as
+    /// [`ReplicaSync::log_decision`] does a decision.
+    pub fn log_start(&mut self, pod: &str, start: &SessionStart, now_ms: u64) -> (u64, Vec<u8>) {
+        let match_end = start.match_end;
+        self.log
+            .append_start(pod, LoggedStart { match_end }, now_ms)
+    }
+
     /// Follows exactly `addresses` (a discovered list of replicas).
     pub fn set_peers(&mut self, addresses: &[String]) {
         self.peers.set_addresses(addresses);
@@ -179,14 +189,19 @@ impl ReplicaSync {
         match self.peers.accept(address, &body(body_size), now_ms) {
             Ok(received) => {
                 let mut recorded = 0;
-                let mut answers = Vec::new();
+                let mut feed = Vec::new();
                 for (decision, at) in &received.decisions {
                     if let Some(first_byte) = decision.first_byte {
-                        answers.extend(
+                        feed.extend(
                             state
                                 .slot(&decision.pod)
-                                .map(|slot| first_byte.answer(slot)),
+                                .map(|slot| FeedRecord::Answer(first_byte.answer(slot))),
                         );
+                    } else if let Some(start) = decision.session_start {
+                        feed.push(FeedRecord::Start(SessionStart {
+                            origin: 0,
+                            match_end: start.match_end,
+                        }));
                     } else if state.record_peer_decision(
                         &decision.pod,
                         &decision.chain,
@@ -205,7 +220,7 @@ impl ReplicaSync {
                 self.polling.folded(address, now_ms, true);
                 PeerOutcome {
                     recorded,
-                    answers,
+                    feed,
                     transition: received.transition,
                     ..PeerOutcome::default()
                 }

@@ -8,18 +8,25 @@
 //!  "decisions": [{"seq": 41, "pod": "pod-a", "atMs": 1764680000101,
 //!                 "chain": ["0123456789abcdef", "..."], "predictedTtftMs": 850},
 //!                {"seq": 42, "pod": "pod-b", "atMs": 1764680000110,
-//!                 "firstByte": {"workTokens": 1500, "ownTokens": 500, "ttftMs": 42.5}}],
+//!                 "firstByte": {"workTokens": 1500, "ownTokens": 500, "ttftMs": 42.5}},
+//!                {"seq": 43, "pod": "pod-b", "atMs": 1764680000115,
+//!                 "sessionStart": {"matchEnd": "0123456789abcdef"}}],
 //!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024,
 //!   "streams": 5}]}
 //! ```
 //!
 //! - `replica` names the replica process (a random id drawn at start) and
 //!   doubles as the log's epoch; `seq` counts its log's entries.
-//! - An entry is a routing decision (`chain`) or the first byte of one's
-//!   streamed answer (`firstByte`: the prefill work at its decision, of
-//!   which `ownTokens` its own, at most `workTokens`, and the TTFT it
-//!   took, what every replica's TTFT model learns from,
-//!   [`crate::scoring::answers`]), never both. A decision's
+//! - An entry is one of three, never two at once: a routing decision
+//!   (`chain`); the first byte of one's streamed answer (`firstByte`: the
+//!   prefill work at its decision, of which `ownTokens` its own, at most
+//!   `workTokens`, and the TTFT it took, what every replica's TTFT model
+//!   learns from); or a session start routed to `pod` (`sessionStart`,
+//!   with the block its longest cached match ended at, `matchEnd`, absent
+//!   when nothing was cached anywhere; what every replica's prefix-demand
+//!   count takes, [`crate::scoring::feed`]). A replica that predates
+//!   `sessionStart` refuses answers that carry it, as it does `streams`
+//!   below. A decision's
 //!   `predictedTtftMs` (optional, 0 when absent) is when its pod is
 //!   predicted to have prefilled the chain: its pending entry counts until
 //!   `pendingDecisionMs` after that, on every replica
@@ -45,7 +52,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::report::hash_to_hex;
-use crate::scoring::answers::Answer;
+use crate::scoring::feed::Answer;
 use crate::scoring::ttft::Work;
 use crate::snapshot::SlotLoad;
 
@@ -61,7 +68,7 @@ const MAX_REPLICA_ID_BYTES: usize = 64;
 /// One entry of a replica's log as it logs and serves it: a routing
 /// decision (its `chain`), or the first byte of one's streamed answer
 /// (`first_byte`, with an empty chain), which every replica's TTFT model
-/// learns from ([`crate::scoring::answers`]).
+/// learns from ([`crate::scoring::feed`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoggedDecision {
     pub seq: u64,
@@ -73,6 +80,14 @@ pub struct LoggedDecision {
     /// A decision's predicted TTFT on its pod (0 for a first byte).
     pub predicted_ttft_ms: u32,
     pub first_byte: Option<FirstByte>,
+    pub session_start: Option<LoggedStart>,
+}
+
+/// A session start a replica routed: its longest cached match ended at
+/// block `match_end` (`None`: nothing cached anywhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoggedStart {
+    pub match_end: Option<u64>,
 }
 
 /// A streamed answer's first byte: `work_tokens` of prefill at its
@@ -150,6 +165,15 @@ struct WireDecision<'a> {
     predicted_ttft_ms: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     first_byte: Option<WireFirstByte>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    session_start: Option<WireStart<'a>>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WireStart<'a> {
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    match_end: Option<&'a str>,
 }
 
 fn is_zero(value: &u32) -> bool {
@@ -212,6 +236,11 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
         .iter()
         .map(|d| d.chain.iter().map(|&h| hash_to_hex(h)).collect())
         .collect();
+    let match_ends: Vec<Option<String>> = answer
+        .decisions
+        .iter()
+        .map(|d| d.session_start.and_then(|s| s.match_end).map(hash_to_hex))
+        .collect();
     let wire = WireAnswer {
         version: 1,
         replica: &answer.replica,
@@ -223,7 +252,8 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
             .decisions
             .iter()
             .zip(&hex)
-            .map(|(d, chain)| WireDecision {
+            .zip(&match_ends)
+            .map(|((d, chain), match_end)| WireDecision {
                 seq: d.seq,
                 pod: &d.pod,
                 at_ms: d.at_ms,
@@ -233,6 +263,9 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                     work_tokens: f.work_tokens,
                     own_tokens: f.own_tokens,
                     ttft_ms: f.ttft_ms,
+                }),
+                session_start: d.session_start.map(|_| WireStart {
+                    match_end: match_end.as_deref(),
                 }),
             })
             .collect(),
@@ -303,7 +336,23 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
         }
         previous = d.seq;
         check_pod_id(d.pod, &format!("decisions[{i}].pod"))?;
+        let session_start = match &d.session_start {
+            None => None,
+            Some(_) if !d.chain.is_empty() || d.predicted_ttft_ms != 0 || d.first_byte.is_some() => {
+                return Err(format!(
+                    "`decisions[{i}]` carries a `sessionStart` and a `chain`, `predictedTtftMs` or `firstByte`"
+                ))
+            }
+            Some(start) => Some(LoggedStart {
+                match_end: start
+                    .match_end
+                    .map(parse_hash)
+                    .transpose()
+                    .map_err(|e| format!("`decisions[{i}].sessionStart.matchEnd`: {e}"))?,
+            }),
+        };
         let first_byte = match &d.first_byte {
+            _ if session_start.is_some() => None,
             Some(_) if !d.chain.is_empty() => {
                 return Err(format!(
                     "`decisions[{i}]` carries both a `chain` and a `firstByte`"
@@ -359,6 +408,7 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
             chain,
             predicted_ttft_ms: d.predicted_ttft_ms,
             first_byte,
+            session_start,
         });
     }
     let inflight = wire
@@ -400,7 +450,7 @@ mod tests {
     fn answer() -> ReplicaAnswer {
         ReplicaAnswer {
             replica: "5e0c9a1f2b3d4e6f".into(),
-            seq: 42,
+            seq: 44,
             since: 40,
             full: false,
             sent_at_ms: 1_764_680_000_123,
@@ -412,6 +462,7 @@ mod tests {
                     chain: vec![1, u64::MAX, 0x0123_4567_89ab_cdef],
                     predicted_ttft_ms: 850,
                     first_byte: None,
+                    session_start: None,
                 },
                 LoggedDecision {
                     seq: 42,
@@ -424,6 +475,27 @@ mod tests {
                         own_tokens: 500,
                         ttft_ms: 42.5,
                     }),
+                    session_start: None,
+                },
+                LoggedDecision {
+                    seq: 43,
+                    pod: "pod-b".into(),
+                    at_ms: 1_764_680_000_121,
+                    chain: Vec::new(),
+                    predicted_ttft_ms: 0,
+                    first_byte: None,
+                    session_start: Some(LoggedStart {
+                        match_end: Some(0x0123_4567_89ab_cdef),
+                    }),
+                },
+                LoggedDecision {
+                    seq: 44,
+                    pod: "pod-a".into(),
+                    at_ms: 1_764_680_000_122,
+                    chain: Vec::new(),
+                    predicted_ttft_ms: 0,
+                    first_byte: None,
+                    session_start: Some(LoggedStart { match_end: None }),
                 },
             ],
             inflight: vec![PodInflight {
@@ -445,6 +517,8 @@ mod tests {
             text.contains(r#""chain":["0000000000000001","ffffffffffffffff","0123456789abcdef"]"#)
         );
         assert!(text.contains(r#""firstByte":{"workTokens":1500,"ownTokens":500,"ttftMs":42.5}"#));
+        assert!(text.contains(r#""sessionStart":{"matchEnd":"0123456789abcdef"}"#));
+        assert!(text.contains(r#""sessionStart":{}"#));
         assert_eq!(parse_answer(&bytes, LIMITS), Ok(answer()));
     }
 
@@ -459,9 +533,9 @@ mod tests {
     fn bad_answers_are_refused_naming_what_is_wrong() {
         assert!(refused(|v| v["version"] = 2.into()).contains("`version` must be 1"));
         assert!(refused(|v| v["replica"] = "".into()).contains("`replica`"));
-        assert!(refused(|v| v["since"] = 43.into()).contains("`since` (43) is past `seq` (42)"));
+        assert!(refused(|v| v["since"] = 45.into()).contains("`since` (45) is past `seq` (44)"));
         assert!(refused(|v| v["decisions"][1]["seq"] = 41.into())
-            .contains("`decisions[1].seq` (41) must rise within (41, 42]"));
+            .contains("`decisions[1].seq` (41) must rise within (41, 44]"));
         assert!(refused(|v| v["decisions"][0]["seq"] = 40.into()).contains("`decisions[0].seq`"));
         assert!(refused(|v| v["decisions"][0]["chain"][1] = "xyz".into())
             .contains("`decisions[0].chain`: hash \"xyz\" must be 16 hex digits"));
@@ -490,6 +564,19 @@ mod tests {
         );
         assert!(
             refused(|v| v["decisions"][1]["firstByte"]["x"] = 1.into()).contains("unknown field")
+        );
+        assert!(
+            refused(|v| v["decisions"][2]["sessionStart"]["matchEnd"] = "12".into()).contains(
+                "`decisions[2].sessionStart.matchEnd`: hash \"12\" must be 16 hex digits"
+            )
+        );
+        assert!(
+            refused(|v| v["decisions"][2]["chain"] = serde_json::json!(["0000000000000001"]))
+                .contains("`decisions[2]` carries a `sessionStart` and a `chain`")
+        );
+        assert!(
+            refused(|v| v["decisions"][3]["sessionStart"]["x"] = 1.into())
+                .contains("unknown field")
         );
         assert!(refused(|v| v["inflight"][0]["requests"] = (-1).into()).contains("malformed"));
         assert!(refused(|v| v["decisions"][0]["extra"] = 1.into()).contains("unknown field"));

@@ -29,11 +29,11 @@
 //! holders, the adapter holders, power-of-d draws) with the exclusions
 //! exact. Cost: O(candidates × scorers), candidates ≤ 64 by default.
 
-pub mod answers;
 pub mod attribute;
 pub mod balance;
 pub mod candidates;
 pub mod factors;
+pub mod feed;
 pub mod slo;
 pub mod spread;
 pub mod ttft;

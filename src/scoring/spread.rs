@@ -39,18 +39,18 @@
 //! pool that has seen fewer starts than it has pods from reading a
 //! handful of them as a large share.
 //!
-//! Each filter worker counts its own arrivals, and reads its counts as
-//! the gateway's: over its share of the gateway's streamed answers, every
-//! worker's and replica's ([`crate::scoring::answers::TrafficShare`];
-//! 1 in the replay, one router). Read as its own, a sixth of the starts
-//! made the prior weigh six times as much: with three replicas of two
-//! workers, multi-turn's system prompt got its third holder at the 26th
-//! start and its fourth at the 63rd, against the 13th and 14th with one
-//! replica, and the pods ended at 23–40 conversations (`kvroute-bench
-//! replicas multi-turn --replicas 1,3 --keep-logs`). Read through the
-//! share, every pod has one by the 16th start, the pods end at 30–36,
-//! and three replicas' TTFT p90 is one replica's (39.1–39.6 against
-//! 44.9–47.6 ms; integration/results/replicas).
+//! Every worker counts every session start of the gateway, its own as it
+//! routes them and every other worker's and replica's from the gateway's
+//! feed ([`crate::scoring::feed`]; the replay's single router counts its
+//! own). Counted per worker, each of three replicas' six workers saw a
+//! sixth of the starts: read as its own, a sixth made the prior weigh six
+//! times as much (multi-turn's system prompt got its third holder at the
+//! 26th start, against the 13th with one replica); read through the
+//! worker's share of the answers, a worker's first start at a prefix
+//! counted only with its own second one, and the share was 1 until the
+//! first answers came, so the first 8 starts of a run all went to one pod
+//! (`kvroute-bench replicas multi-turn --keep-logs`,
+//! integration/results/replicas).
 //!
 //! A copy is bought only while `P`'s holders are hot: they carry more
 //! than their share of the streams open on the pods scored (requests
@@ -180,7 +180,7 @@ struct Starts {
 }
 
 /// See the module documentation. One per filter worker (like the TTFT
-/// model, it sees this worker's arrivals), and one in the replay.
+/// model, fed every worker's and replica's starts), and one in the replay.
 #[derive(Debug, Clone, Default)]
 pub struct PrefixDemand {
     /// Match ends seen once, oldest first.
@@ -193,9 +193,6 @@ pub struct PrefixDemand {
     clock: u64,
     /// Session starts averaged over: `balance.learningWindow` per pod.
     window: f64,
-    /// The share of the gateway's arrivals this counter sees (`None`: all
-    /// of them), [`PrefixDemand::set_observed_share`].
-    observed_share: Option<f64>,
 }
 
 fn decay(window: f64, steps: u64) -> f64 {
@@ -208,8 +205,7 @@ impl PrefixDemand {
     /// `follows_up` as its request says
     /// ([`crate::request::ParsedRequest::follows_up`]).
     pub fn record(&mut self, end: Option<u64>, follows_up: Option<bool>, window: f64) {
-        // The same horizon in the gateway's starts, seen through a share.
-        self.window = window * self.observed_share();
+        self.window = window;
         if follows_up == Some(true) {
             return;
         }
@@ -262,30 +258,14 @@ impl PrefixDemand {
     }
 
     /// The recent session starts at the prefix ending at `end` and their
-    /// share of all, in a pool of `pods` (`None`: not a branch point), in
-    /// the gateway's numbers: this counter's over its observed share.
+    /// share of all, in a pool of `pods` (`None`: not a branch point).
     pub fn demand(&self, end: u64, pods: usize) -> Option<Demand> {
-        let seen = self.observed_share();
-        let starts = self.decayed(self.branches.get(&end)?) / seen;
+        let starts = self.decayed(self.branches.get(&end)?);
         Some(Demand {
             starts,
-            share: starts / (self.total / seen + pods as f64),
+            share: starts / (self.total + pods as f64),
             holders: 0,
         })
-    }
-
-    /// Tells the counter that it sees `share` (in (0, 1]) of the gateway's
-    /// arrivals: one of several filter workers and replicas, each counting
-    /// its own ([`crate::scoring::answers::TrafficShare`]). Its counts are
-    /// then read as the gateway's (`count / share`), so the prior of one
-    /// start per pod weighs what it weighs for the whole gateway, not
-    /// `1 / share` times more.
-    pub fn set_observed_share(&mut self, share: f64) {
-        self.observed_share = (share.is_finite() && share > 0.0).then_some(share.min(1.0));
-    }
-
-    fn observed_share(&self) -> f64 {
-        self.observed_share.unwrap_or(1.0)
     }
 
     /// Branch points counted.
@@ -364,35 +344,6 @@ mod tests {
         for prompt in [1, 2, 3] {
             assert!(wants(&demand, prompt, 1, 4));
             assert!(!wants(&demand, prompt, 2, 4));
-        }
-    }
-
-    #[test]
-    fn a_counter_seeing_a_share_of_the_starts_reads_the_gateways_demand() {
-        // One prompt: the whole gateway's counter sees 60 starts; one of
-        // six workers sees 10 of them, and its share of the answers.
-        let (mut all, mut sixth) = (PrefixDemand::default(), PrefixDemand::default());
-        sixth.set_observed_share(1.0 / 6.0);
-        for _ in 0..60 {
-            all.record(Some(11), Some(false), 1e6);
-        }
-        for _ in 0..10 {
-            sixth.record(Some(11), Some(false), 1e6);
-        }
-        let (a, s) = (all.demand(11, 4).unwrap(), sixth.demand(11, 4).unwrap());
-        // (Alike up to the decay, over as many of the gateway's starts.)
-        assert!((a.starts - s.starts).abs() < 1e-3 * a.starts, "{a:?} {s:?}");
-        assert!((a.share - s.share).abs() < 1e-3 * a.share, "{a:?} {s:?}");
-        // Both ask a fourth pod for it; read as its own, the sixth's 10
-        // starts would stop at three (the prior's four starts weigh 40 %
-        // of them, against 6 % of the gateway's 60).
-        assert!(wants(&all, 11, 3, 4) && wants(&sixth, 11, 3, 4));
-        sixth.set_observed_share(1.0);
-        assert!(!wants(&sixth, 11, 3, 4));
-        // A share that is not one counts as seeing everything.
-        for bad in [0.0, -1.0, f64::NAN] {
-            sixth.set_observed_share(bad);
-            assert!(!wants(&sixth, 11, 3, 4));
         }
     }
 

@@ -242,8 +242,8 @@ impl WorkerHost for WasmWorker {
         }
     }
 
-    fn answer_feed(&mut self) -> Option<Vec<u8>> {
-        shared::answer_feed()
+    fn feed(&mut self) -> Option<Vec<u8>> {
+        shared::feed()
     }
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {

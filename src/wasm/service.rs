@@ -80,8 +80,8 @@ impl ServiceHost for WasmService {
         shared::publish_peer_loads(&loads);
     }
 
-    fn publish_answer_feed(&mut self, feed: Vec<u8>) {
-        shared::publish_answer_feed(&feed);
+    fn publish_feed(&mut self, feed: Vec<u8>) {
+        shared::publish_feed(&feed);
     }
 }
 

@@ -96,15 +96,15 @@ pub fn add_peer_loads(total: &mut Vec<SlotLoad>) {
     }
 }
 
-/// The service's answer feed ([`crate::scoring::answers`]).
-const ANSWER_FEED_KEY: &str = "kvroute/answers";
+/// The service's feed ([`crate::scoring::feed`]).
+const FEED_KEY: &str = "kvroute/feed";
 
-pub fn publish_answer_feed(feed: &[u8]) {
-    set(ANSWER_FEED_KEY, feed);
+pub fn publish_feed(feed: &[u8]) {
+    set(FEED_KEY, feed);
 }
 
-pub fn answer_feed() -> Option<Vec<u8>> {
-    get(ANSWER_FEED_KEY).0
+pub fn feed() -> Option<Vec<u8>> {
+    get(FEED_KEY).0
 }
 
 /// One index bucket, as [`crate::snapshot::SnapshotIndex`] fetches it.
