@@ -366,11 +366,18 @@ fn a_flood_of_unique_prompts_keeps_the_log_and_the_index_bounded() {
     .expect("a valid answer");
     let hashes: usize = answer.decisions.iter().map(|d| d.chain.len()).sum();
     assert!(hashes <= 4096, "the log holds {hashes} hashes");
-    assert_eq!(answer.seq, 120, "every decision was logged");
+    // Each request logs its session start, then its decision.
+    assert_eq!(answer.seq, 240, "every start and decision was logged");
     assert!(
-        answer.decisions.first().is_some_and(|d| d.seq > 88),
+        answer.decisions.first().is_some_and(|d| d.seq > 2 * 88),
         "the oldest dropped first"
     );
+    let starts = answer
+        .decisions
+        .iter()
+        .filter(|d| d.session_start.is_some())
+        .count();
+    assert_eq!(starts * 2, answer.decisions.len(), "as many starts held");
     // The peer learnt them all, within its own index's bound.
     let peer = &cluster.other_replicas[0];
     poll(
