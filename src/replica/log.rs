@@ -24,6 +24,7 @@
 use std::collections::VecDeque;
 
 use super::wire::{FirstByte, LoggedDecision, LoggedStart, PodInflight, ReplicaAnswer};
+use crate::scoring::feed::{decode_match_end, encode_match_end, MATCH_END_BYTES};
 
 /// Most decisions a log holds.
 pub const LOG_DECISIONS: u64 = 4096;
@@ -199,7 +200,7 @@ impl ReplicaLog {
 
 /// A log entry as stored: seq, time, pod id length and bytes, chain length
 /// and hashes, then a first byte's work (u32) and TTFT (f32) if it is one,
-/// a session start's match end (u8 whether, u64 where) if it is one, else
+/// a session start's match end ([`encode_match_end`]) if it is one, else
 /// the decision's predicted TTFT (u32), little-endian.
 pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
     let LoggedDecision {
@@ -230,10 +231,7 @@ pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
             bytes.extend_from_slice(&first_byte.own_tokens.to_le_bytes());
             bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
         }
-        (None, Some(start)) => {
-            bytes.push(u8::from(start.match_end.is_some()));
-            bytes.extend_from_slice(&start.match_end.unwrap_or(0).to_le_bytes());
-        }
+        (None, Some(start)) => encode_match_end(start.match_end, &mut bytes),
         (None, None) => bytes.extend_from_slice(&predicted_ttft_ms.to_le_bytes()),
     }
     bytes
@@ -265,14 +263,13 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
             }),
             None,
         ),
-        9 => {
-            let match_end = match bytes.first()? {
-                0 => None,
-                1 => Some(u64_of(bytes.get(1..)?)?),
-                _ => return None,
-            };
-            (0, None, Some(LoggedStart { match_end }))
-        }
+        MATCH_END_BYTES => (
+            0,
+            None,
+            Some(LoggedStart {
+                match_end: decode_match_end(bytes)?,
+            }),
+        ),
         _ => return None,
     };
     Some(LoggedDecision {

@@ -118,33 +118,43 @@ pub struct SessionStart {
 }
 
 impl SessionStart {
-    /// Bytes of an encoded start: origin (u64), whether a match ended
-    /// (u8), and where (u64, 0 when none), little-endian.
-    pub const BYTES: usize = 17;
+    /// Bytes of an encoded start: origin (u64 LE), then its match end
+    /// ([`encode_match_end`]).
+    pub const BYTES: usize = 8 + MATCH_END_BYTES;
 
     pub fn encode_into(&self, bytes: &mut Vec<u8>) {
         bytes.extend_from_slice(&self.origin.to_le_bytes());
-        bytes.push(u8::from(self.match_end.is_some()));
-        bytes.extend_from_slice(&self.match_end.unwrap_or(0).to_le_bytes());
+        encode_match_end(self.match_end, bytes);
     }
 
     /// The start at the start of `bytes`, `None` if it is not one.
     pub fn decode(bytes: &[u8]) -> Option<SessionStart> {
-        let u64_at = |at: usize| {
-            bytes
-                .get(at..at + 8)
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes)
-        };
-        let match_end = match bytes.get(8)? {
-            0 => None,
-            1 => Some(u64_at(9)?),
-            _ => return None,
-        };
+        let origin = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
         Some(SessionStart {
-            origin: u64_at(0)?,
-            match_end,
+            origin,
+            match_end: decode_match_end(bytes.get(8..)?)?,
         })
+    }
+}
+
+/// Bytes of an encoded match end ([`encode_match_end`]).
+pub const MATCH_END_BYTES: usize = 9;
+
+/// Appends a session start's match end as the feed and the replica log
+/// store it: whether a match ended (u8), and where (u64 LE, 0 when none).
+pub fn encode_match_end(match_end: Option<u64>, bytes: &mut Vec<u8>) {
+    bytes.push(u8::from(match_end.is_some()));
+    bytes.extend_from_slice(&match_end.unwrap_or(0).to_le_bytes());
+}
+
+/// The match end at the start of `bytes` (`Some(None)`: no match), `None`
+/// if the bytes are not one.
+pub fn decode_match_end(bytes: &[u8]) -> Option<Option<u64>> {
+    let end = u64::from_le_bytes(bytes.get(1..MATCH_END_BYTES)?.try_into().ok()?);
+    match bytes.first()? {
+        0 => Some(None),
+        1 => Some(Some(end)),
+        _ => None,
     }
 }
 
