@@ -817,7 +817,7 @@ impl Router {
                     .map_or_else(TierBlocks::default, |p| routed.matches.tiers(p.slot));
                 serde_json::json!({"pod": pod_id(table, s.index), "matchedBlocks": matched,
                                    "factors": factors, "composite": round4(s.composite),
-                                   "predictedTtftMs": round4(s.predicted_ttft_ms), "cacheWithheld": s.cache_withheld})
+                                   "predictedTtftMs": round4(s.predicted_ttft_ms), "cacheWithheld": s.cache_withheld, "outpaced": s.outpaced})
             })
             .collect();
         let excluded: Vec<serde_json::Value> = decision

@@ -748,6 +748,46 @@ fn cold_start_goes_to_the_least_loaded_pod() {
     assert_eq!(served_by(&r), "pod-2");
 }
 
+/// Where a prompt cached nowhere goes while the least loaded pod by its
+/// reports (pod-0, 20 % against 60 %) prefills a 12k-token request, under
+/// `config`.
+fn cold_prompt_while_the_least_loaded_pod_prefills(config: Value) -> String {
+    // Time scale 0.5: the long prompt takes ~1.4 s to prefill.
+    let cluster = start(2, config, &["--time-scale", "0.5"], vec![]);
+    cluster.sims[0].fault(json!({"gpuUtilization": 0.2}));
+    cluster.sims[1].fault(json!({"gpuUtilization": 0.6}));
+    cluster.wait_reports(2);
+    let listen = cluster.envoy.listen.clone();
+    let long = completion(&text("long document", 48 * 1024), 1);
+    let long = std::thread::spawn(move || {
+        http::post_json(&listen, "/v1/completions", &long.to_string()).expect("response")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let cold = served_by(&cluster.post(
+        "/v1/completions",
+        &completion(&text("short question", 2 * 1024), 1),
+    ));
+    assert_eq!(
+        served_by(&long.join().unwrap()),
+        "pod-0",
+        "the long prompt went to the least loaded pod"
+    );
+    cold
+}
+
+#[test]
+fn a_prompt_cached_nowhere_goes_where_it_is_answered_soonest() {
+    // Behind ~12k queued tokens on pod-0 against its own 512 on an idle
+    // pod-1: pod-0 is outpaced, whatever its reported load.
+    let cold = cold_prompt_while_the_least_loaded_pod_prefills(base_config());
+    assert_eq!(cold, "pod-1", "it waits behind the long prefill");
+    // With balance off the five factors alone pick the least loaded pod.
+    let mut off = base_config();
+    off["balance"] = json!({"enabled": false});
+    let cold = cold_prompt_while_the_least_loaded_pod_prefills(off);
+    assert_eq!(cold, "pod-0", "without balance the reported load decides");
+}
+
 /// The design's case A (80 % utilisation, 0 queued) vs B (40 %, 10 queued).
 /// With the default weights the formula prefers B (load+queue terms 0.17 vs
 /// 0.14, see tests/scoring.rs); an operator who wants queue to dominate

@@ -40,6 +40,27 @@
 //! long turns (the prefill guard). No threshold: the margin is the measured
 //! error, the rate and the busy share are learned. O(pods).
 //!
+//! **Among the pods caching none of the prompt** the same cost decides
+//! which may take it: one whose cost is clearly above the cheapest of
+//! them (beyond the same error) is *outpaced* and not chosen; the five
+//! factors decide among the rest, and a pod caching any of the prompt is
+//! never outpaced (its cache term withheld or not, it competes as above).
+//! The seed's load and queue factors see a report's load and waiting
+//! count, not a pod's speed or the prefill queued behind its waiting
+//! requests, so a prompt cached nowhere went to a half-speed pod as
+//! readily as to a fast idle one. Measured side by side with main
+//! (integration/results/costmodel.md, "A prompt cached nowhere"): in real
+//! Envoy, two fast and two half-speed pods, the trace workload's fast pods
+//! did 83–85 % of the prefill instead of 56–60 % (TTFT p90 250–277 ms
+//! against 274–368, p99 564–748 against 681–1,034); in the replay, the
+//! Azure trace at half its physical limit p50 / p90 / p99 −18 / −22 /
+//! −17 %, the Mooncake trace at 8–1,024 pods p50 −47 to −83 %. What it
+//! costs: requests, not work, concentrate on the pods whose queues hold
+//! cheap hits (max pod share of the Mooncake trace at 64 pods 1.6 →
+//! 2.05× fair; the LoRA workload 1.14–1.41× against 1.19–1.38×), the
+//! mixed pool's hit rate drops 2 points as the fast pods' caches take
+//! more, and near the physical limit p99 rises while p50 falls.
+//!
 //! How the copy is counted, measured with `kvroute-replay` side by side
 //! (integration/results/costmodel.md): on the Azure conversation trace at
 //! half its physical limit, not counting it kept 90 % of the pooled bound
@@ -65,13 +86,24 @@ fn requests_delayed(busy: f64) -> f64 {
     busy / (1.0 - busy).max(1e-3)
 }
 
-/// Which candidates lose their cache term for a decision.
+/// What the balance decides about one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// It must not keep its cache term.
+    pub cache_withheld: bool,
+    /// It caches none of the prompt and another pod caching none is
+    /// clearly cheaper: it may not take the request.
+    pub outpaced: bool,
+}
+
+/// Which candidates lose their cache term for a decision, and which may
+/// not take it at all.
 pub trait Balance: std::fmt::Debug + Send + Sync {
     fn name(&self) -> &'static str;
-    /// Per candidate, `true` when it must not keep its cache term, given
-    /// each candidate's predictions (`predicted_ttft_ms`,
-    /// `prefill_ms_per_token`, `busy`) and the model's relative `error`.
-    fn withhold(&self, candidates: &[Candidate<'_>], error: f64) -> Vec<bool>;
+    /// One verdict per candidate, given each candidate's predictions
+    /// (`predicted_ttft_ms`, `prefill_ms_per_token`, `busy`) and the
+    /// model's relative `error`.
+    fn judge(&self, candidates: &[Candidate<'_>], error: f64) -> Vec<Verdict>;
 }
 
 /// See the module documentation.
@@ -83,20 +115,42 @@ impl Balance for FastestWithinError {
         "fastestWithinError"
     }
 
-    fn withhold(&self, candidates: &[Candidate<'_>], error: f64) -> Vec<bool> {
+    fn judge(&self, candidates: &[Candidate<'_>], error: f64) -> Vec<Verdict> {
         let least_uncached = candidates
             .iter()
             .map(|c| c.uncached_tokens)
             .min()
             .unwrap_or(0);
-        let cost = |c: &Candidate<'_>| {
-            let copy = c.uncached_tokens.saturating_sub(least_uncached) as f64;
-            c.predicted_ttft_ms + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
-        };
-        let cheapest = candidates.iter().map(cost).fold(f64::INFINITY, f64::min);
+        let costs: Vec<f64> = candidates
+            .iter()
+            .map(|c| {
+                let copy = c.uncached_tokens.saturating_sub(least_uncached) as f64;
+                c.predicted_ttft_ms + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
+            })
+            .collect();
+        let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let cheapest_caching_none = candidates
+            .iter()
+            .zip(&costs)
+            .filter(|(c, _)| c.cache_match <= 0.0)
+            .map(|(_, &cost)| cost)
+            .fold(f64::INFINITY, f64::min);
         candidates
             .iter()
-            .map(|c| c.cache_match > 0.0 && TtftModel::clearly_faster(cheapest, cost(c), error))
+            .zip(costs)
+            .map(|(c, cost)| {
+                if c.cache_match > 0.0 {
+                    Verdict {
+                        cache_withheld: TtftModel::clearly_faster(cheapest, cost, error),
+                        outpaced: false,
+                    }
+                } else {
+                    Verdict {
+                        cache_withheld: false,
+                        outpaced: TtftModel::clearly_faster(cheapest_caching_none, cost, error),
+                    }
+                }
+            })
             .collect()
     }
 }
@@ -133,6 +187,50 @@ mod tests {
         }
     }
 
+    fn withheld(balance: &FastestWithinError, pool: &[Candidate<'_>], error: f64) -> Vec<bool> {
+        let verdicts = balance.judge(pool, error);
+        verdicts.iter().map(|v| v.cache_withheld).collect()
+    }
+
+    fn outpaced(balance: &FastestWithinError, pool: &[Candidate<'_>], error: f64) -> Vec<bool> {
+        let verdicts = balance.judge(pool, error);
+        verdicts.iter().map(|v| v.outpaced).collect()
+    }
+
+    #[test]
+    fn a_prompt_cached_nowhere_goes_to_a_pod_that_answers_it_soonest() {
+        let balance = FastestWithinError;
+        // Three pods without the prompt: 1,010 ms idle, 1,110 ms behind
+        // 1,000 tokens (within a 10 % error), 3,010 ms behind 20,000.
+        let cold = [
+            pod(0, 0, 0, 0.5),
+            pod(1, 0, 1_000, 0.5),
+            pod(2, 0, 20_000, 0.5),
+        ];
+        assert_eq!(outpaced(&balance, &cold, 0.1), [false, false, true]);
+        // A half-speed pod (0.2 ms a token) is outpaced by an idle one.
+        let mut slow = pod(1, 0, 0, 0.5);
+        slow.prefill_ms_per_token = 0.2;
+        slow.predicted_ttft_ms = 10.0 + 0.2 * 10_000.0;
+        assert_eq!(
+            outpaced(&balance, &[pod(0, 0, 0, 0.5), slow], 0.1),
+            [false, true]
+        );
+        // A pod caching part of the prompt is never outpaced, its cache
+        // term withheld or not: the five factors weigh it as before.
+        let idle_pool = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 0.0)];
+        assert_eq!(withheld(&balance, &idle_pool, 0.1), [true, false]);
+        assert_eq!(outpaced(&balance, &idle_pool, 0.1), [false, false]);
+        let short = [
+            pod(0, 9_000, 2_000, 1.0),
+            pod(1, 0, 0, 0.0),
+            pod(2, 0, 20_000, 0.0),
+        ];
+        assert_eq!(outpaced(&balance, &short, 0.1), [false, false, true]);
+        // A model whose error is 100 % trusts no difference.
+        assert_eq!(outpaced(&balance, &cold, 1.0), [false, false, false]);
+    }
+
     #[test]
     fn the_cache_yields_only_to_a_clearly_cheaper_pod() {
         let balance = FastestWithinError;
@@ -140,21 +238,21 @@ mod tests {
         // 10 + 1,000 = 1,010 ms plus its copy (9,000 tokens, 900 ms) for
         // each request it delays, ρ/(1 − ρ): none when idle.
         let idle_pool = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 0.0)];
-        assert_eq!(balance.withhold(&idle_pool, 0.1), [true, false]);
+        assert_eq!(withheld(&balance, &idle_pool, 0.1), [true, false]);
         // Busy half the time, one request delayed: 1,910 against 2,110
         // is within a 10 % error, and the cache stays.
         let busy_pool = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 0.5)];
-        assert_eq!(balance.withhold(&busy_pool, 0.1), [false, false]);
+        assert_eq!(withheld(&balance, &busy_pool, 0.1), [false, false]);
         // With no error it moves.
-        assert_eq!(balance.withhold(&busy_pool, 0.0), [true, false]);
+        assert_eq!(withheld(&balance, &busy_pool, 0.0), [true, false]);
         // A saturated pod never takes the copy.
         let saturated = [pod(0, 9_000, 20_000, 1.0), pod(1, 0, 0, 1.0)];
-        assert_eq!(balance.withhold(&saturated, 0.0), [false, false]);
+        assert_eq!(withheld(&balance, &saturated, 0.0), [false, false]);
         // A short queue: the cache pod is the fastest.
         let short = [pod(0, 9_000, 2_000, 1.0), pod(1, 0, 0, 0.0)];
-        assert_eq!(balance.withhold(&short, 0.1), [false, false]);
+        assert_eq!(withheld(&balance, &short, 0.1), [false, false]);
         // A model whose error is 100 % trusts no difference.
-        assert_eq!(balance.withhold(&idle_pool, 1.0), [false, false]);
-        assert!(balance.withhold(&[], 0.1).is_empty());
+        assert_eq!(withheld(&balance, &idle_pool, 1.0), [false, false]);
+        assert!(withheld(&balance, &[], 0.1).is_empty());
     }
 }

@@ -40,6 +40,7 @@ pub mod ttft;
 
 use std::collections::BTreeMap;
 
+pub use balance::Verdict;
 pub use candidates::Pool;
 
 use crate::config::{CandidatesConfig, Config, ConfigError};
@@ -130,6 +131,9 @@ pub struct ScoredPod {
     pub predicted_ttft_ms: f64,
     /// It lost its cache term to a clearly faster pod ([`balance`]).
     pub cache_withheld: bool,
+    /// Caching none of the prompt, it was clearly slower than another pod
+    /// caching none, and could not be chosen ([`balance`]).
+    pub outpaced: bool,
 }
 
 /// A decision and its explanation, over the pods it scored (the whole
@@ -354,12 +358,12 @@ impl ScoringPolicy {
             })
             .collect();
         let balancing = balancing.filter(|_| self.balance.is_some());
-        let withheld = match (&self.balance, balancing) {
-            (Some(balance), Some(b)) => balance.withhold(&eligible_pods, b.error),
-            _ => vec![false; eligible_pods.len()],
+        let verdicts = match (&self.balance, balancing) {
+            (Some(balance), Some(b)) => balance.judge(&eligible_pods, b.error),
+            _ => vec![Verdict::default(); eligible_pods.len()],
         };
-        for (pod, &withheld) in eligible_pods.iter_mut().zip(&withheld) {
-            if withheld {
+        for (pod, verdict) in eligible_pods.iter_mut().zip(&verdicts) {
+            if verdict.cache_withheld {
                 pod.cache_match = 0.0;
             }
         }
@@ -374,8 +378,8 @@ impl ScoringPolicy {
         let scored: Vec<ScoredPod> = eligible
             .iter()
             .zip(&eligible_pods)
-            .zip(withheld)
-            .map(|((&index, pod), cache_withheld)| {
+            .zip(&verdicts)
+            .map(|((&index, pod), verdict)| {
                 let factors: Vec<f64> = self
                     .scorers
                     .iter()
@@ -392,7 +396,8 @@ impl ScoringPolicy {
                     factors,
                     composite: unit(composite),
                     predicted_ttft_ms: pod.predicted_ttft_ms,
-                    cache_withheld,
+                    cache_withheld: verdict.cache_withheld,
+                    outpaced: verdict.outpaced,
                 }
             })
             .collect();
@@ -401,11 +406,17 @@ impl ScoringPolicy {
         let spread_to = balancing.and_then(|b| b.demand).and_then(|demand| {
             spread::targets(&eligible_pods, demand, eligible.len() + excluded.len())
         });
-        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| {
+        let spread_allows = |i: usize| {
             spread_to
                 .as_ref()
                 .is_none_or(|to| to.get(i).copied().unwrap_or(false))
-        });
+        };
+        // Spread's targets may all be outpaced (the cheapest pod caching
+        // none of the prompt is not among them): then spread alone decides.
+        let chosen = pick(&scored, &tie_keys, tie_breaker, |i| {
+            spread_allows(i) && !verdicts.get(i).is_some_and(|v| v.outpaced)
+        })
+        .or_else(|| pick(&scored, &tie_keys, tie_breaker, spread_allows));
         Decision {
             chosen,
             scored,

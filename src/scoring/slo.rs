@@ -102,6 +102,7 @@ mod tests {
             composite: 0.5 + cached as f64 / 10_000.0,
             predicted_ttft_ms: predicted,
             cache_withheld: false,
+            outpaced: false,
         };
         (candidate, scored)
     }
