@@ -40,10 +40,10 @@ pub mod ttft;
 
 use std::collections::BTreeMap;
 
-pub use balance::Verdict;
 pub use candidates::Pool;
 
 use crate::config::{CandidatesConfig, Config, ConfigError};
+use balance::Verdict;
 
 const TIE_EPSILON: f64 = 1e-9;
 
