@@ -1303,6 +1303,7 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_
         starts: 40.0,
         share: 0.9,
         holders: 1,
+        continues: false,
     };
     let spread = Balancing {
         demand: Some(demand),
@@ -1364,4 +1365,54 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_
     assert_eq!((decision.chosen, decision.spread), (Some(3), true));
     // Not for a request leaving the wait queue (no balancing at all).
     assert_eq!(policy.decide(&pods, false, 0, None).chosen, Some(0));
+}
+
+#[test]
+fn a_session_start_whose_sessions_continue_goes_to_the_holder_that_carries_less() {
+    let policy = default_policy();
+    let model = learned_model(1.0);
+    // A 1,200-token first turn on a 1,000-token system prompt that pods 0
+    // and 1 cache. Pod 0 is idle now but carries six sessions (load 0.9);
+    // pod 1 carries one, whose 2,000-token turn it is prefilling.
+    let mut pods = [
+        ttft_pod(&model, 0, 1_200, 1_000, 0),
+        ttft_pod(&model, 1, 1_200, 1_000, 2_000),
+        ttft_pod(&model, 2, 1_200, 0, 0),
+        ttft_pod(&model, 3, 1_200, 0, 0),
+    ];
+    (pods[0].load, pods[0].streams) = (0.9, 6);
+    (pods[1].load, pods[1].streams) = (0.1, 1);
+    // Held by as many pods as its sessions need: no copy.
+    let demand = Demand {
+        starts: 2.0,
+        share: 0.5,
+        holders: 2,
+        continues: false,
+    };
+    let start = |continues: bool| Balancing {
+        demand: Some(Demand {
+            continues,
+            ..demand
+        }),
+        ..Balancing::with_error(model.error())
+    };
+    // Sessions not seen to continue: this request alone counts, and pod 0
+    // answers it sooner (30 ms against 230 ms).
+    let decision = policy.decide(&pods, false, 0, Some(start(false)));
+    assert_eq!(decision.chosen, Some(0));
+    assert!(scored(&decision, 1).cache_withheld);
+    // They continue: the holders keep their cache term together and the
+    // later turns' pod is chosen by what it carries.
+    let decision = policy.decide(&pods, false, 0, Some(start(true)));
+    assert_eq!((decision.chosen, decision.spread), (Some(1), false));
+    assert!(!scored(&decision, 1).cache_withheld);
+    // Unless no holder keeps it: a pod without the prompt is then clearly
+    // cheaper than both, and the balance's verdicts stand.
+    pods[0].queued_prefill = 20_000;
+    pods[0].predicted_ttft_ms = model.line(0).predict(20_000.0, 200.0);
+    pods[1].queued_prefill = 20_000;
+    pods[1].predicted_ttft_ms = model.line(1).predict(20_000.0, 200.0);
+    let decision = policy.decide(&pods, false, 0, Some(start(true)));
+    assert!(scored(&decision, 0).cache_withheld && scored(&decision, 1).cache_withheld);
+    assert_eq!(decision, policy.decide(&pods, false, 0, Some(start(false))));
 }

@@ -363,6 +363,7 @@ impl<H: WorkerHost> Worker<H> {
         }
         self.recent.record(routed.slot, &routed.chain);
         self.prefix_demand.record(
+            &routed.chain,
             routed.match_end,
             routed.follows_up,
             self.start_window(table.pods.len()),
@@ -478,7 +479,8 @@ impl<H: WorkerHost> Worker<H> {
                     );
                 }
                 FeedRecord::Start(start) if start.origin != self.origin => {
-                    self.prefix_demand.record(start.match_end, None, window);
+                    self.prefix_demand
+                        .record(&[], start.match_end, None, window);
                 }
                 FeedRecord::Start(_) => {}
             }

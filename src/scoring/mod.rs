@@ -358,10 +358,13 @@ impl ScoringPolicy {
             })
             .collect();
         let balancing = balancing.filter(|_| self.balance.is_some());
-        let verdicts = match (&self.balance, balancing) {
+        let mut verdicts = match (&self.balance, balancing) {
             (Some(balance), Some(b)) => balance.judge(&eligible_pods, b.error),
             _ => vec![Verdict::default(); eligible_pods.len()],
         };
+        if let Some(demand) = balancing.and_then(|b| b.demand) {
+            spread::keep_holders_together(&eligible_pods, demand, &mut verdicts);
+        }
         for (pod, verdict) in eligible_pods.iter_mut().zip(&verdicts) {
             if verdict.cache_withheld {
                 pod.cache_match = 0.0;

@@ -109,6 +109,7 @@ use std::collections::VecDeque;
 
 use hashbrown::{HashMap, HashSet};
 
+use super::balance::Verdict;
 use super::Candidate;
 
 /// Blocks remembered, of each kind: match ends seen once, and branch
@@ -124,6 +125,9 @@ pub struct Demand {
     pub share: f64,
     /// Pods caching the whole prefix.
     pub holders: usize,
+    /// A later turn of a session from the prefix was seen within the
+    /// window: its sessions continue where they start.
+    pub continues: bool,
 }
 
 impl Demand {
@@ -172,11 +176,37 @@ pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<
     )
 }
 
+/// A session start from a prefix whose sessions continue: if the balance
+/// let any pod caching the whole prefix keep its cache term, all of them
+/// keep it, so the seed's load and queue terms (then the streams) choose
+/// among them by what each carries, not by which answers this one
+/// request sooner (module documentation). `verdicts` align with `pods`.
+pub fn keep_holders_together(pods: &[Candidate<'_>], demand: Demand, verdicts: &mut [Verdict]) {
+    let Some(most_cached) = pods.iter().map(|p| p.cached_tokens).max() else {
+        return;
+    };
+    let holds = |pod: &Candidate<'_>| most_cached > 0 && pod.cached_tokens == most_cached;
+    let a_holder_kept = pods
+        .iter()
+        .zip(verdicts.iter())
+        .any(|(pod, verdict)| holds(pod) && !verdict.cache_withheld);
+    if !demand.continues || !a_holder_kept {
+        return;
+    }
+    for (pod, verdict) in pods.iter().zip(verdicts.iter_mut()) {
+        if holds(pod) {
+            verdict.cache_withheld = false;
+        }
+    }
+}
+
 /// Session starts at one branch point, decayed to `at` (the starts clock).
 #[derive(Debug, Clone, Copy)]
 struct Starts {
     count: f64,
     at: u64,
+    /// When a later turn of a session from it was last seen.
+    continued_at: Option<u64>,
 }
 
 /// See the module documentation. One per filter worker (like the TTFT
@@ -203,9 +233,22 @@ impl PrefixDemand {
     /// An arrival routed with its longest cached match ending at block
     /// `end` (`None`: nothing cached anywhere, a session of its own), and
     /// `follows_up` as its request says
-    /// ([`crate::request::ParsedRequest::follows_up`]).
-    pub fn record(&mut self, end: Option<u64>, follows_up: Option<bool>, window: f64) {
+    /// ([`crate::request::ParsedRequest::follows_up`]). `chain`, its
+    /// blocks, tells which branch points' sessions continue: every one its
+    /// match went past (a chat's later turn continues from its match end
+    /// too, however little of its history is cached). Only this worker's
+    /// own arrivals give it (the feed carries starts, not chains): with
+    /// several workers each sees its share of the later turns, and one is
+    /// enough. O(matched blocks).
+    pub fn record(
+        &mut self,
+        chain: &[u64],
+        end: Option<u64>,
+        follows_up: Option<bool>,
+        window: f64,
+    ) {
         self.window = window;
+        self.record_continuation(chain, end, follows_up);
         if follows_up == Some(true) {
             return;
         }
@@ -235,6 +278,7 @@ impl PrefixDemand {
         let starts = self.branches.entry(end).or_insert(Starts {
             count: if promoted { 1.0 } else { 0.0 },
             at: clock,
+            continued_at: None,
         });
         starts.count = starts.count * decay(window, clock - starts.at) + 1.0;
         starts.at = clock;
@@ -245,6 +289,23 @@ impl PrefixDemand {
             let (_, &mut median, _) = counts.select_nth_unstable_by(middle, f64::total_cmp);
             let decayed = |s: &Starts| s.count * decay(window, clock - s.at);
             self.branches.retain(|_, s| decayed(s) > median);
+        }
+    }
+
+    fn record_continuation(&mut self, chain: &[u64], end: Option<u64>, follows_up: Option<bool>) {
+        let Some(end_at) = end.and_then(|end| chain.iter().position(|&block| block == end)) else {
+            return;
+        };
+        let passed = if follows_up == Some(true) {
+            end_at + 1
+        } else {
+            end_at
+        };
+        let clock = self.clock;
+        for block in chain.iter().take(passed) {
+            if let Some(starts) = self.branches.get_mut(block) {
+                starts.continued_at = Some(clock);
+            }
         }
     }
 
@@ -260,11 +321,15 @@ impl PrefixDemand {
     /// The recent session starts at the prefix ending at `end` and their
     /// share of all, in a pool of `pods` (`None`: not a branch point).
     pub fn demand(&self, end: u64, pods: usize) -> Option<Demand> {
-        let starts = self.decayed(self.branches.get(&end)?);
+        let branch = self.branches.get(&end)?;
+        let starts = self.decayed(branch);
         Some(Demand {
             starts,
             share: starts / (self.total + pods as f64),
             holders: 0,
+            continues: branch
+                .continued_at
+                .is_some_and(|at| (self.clock - at) as f64 <= self.window),
         })
     }
 
@@ -307,23 +372,23 @@ mod tests {
         assert_eq!(match_end(&[10, 11, 12], 9), None);
         // The first session had nothing cached; the second matched the
         // system prompt (ends at 11) first: not a branch point yet.
-        demand.record(None, None, 1e6);
-        demand.record(Some(11), None, 1e6);
+        demand.record(&[], None, None, 1e6);
+        demand.record(&[], Some(11), None, 1e6);
         assert!(!wants(&demand, 11, 1, 4));
         // Later turns: a chat says so; a completion's ends at its own
         // history, once each.
         for turn in 0..50 {
-            demand.record(Some(11), Some(true), 1e6);
-            demand.record(Some(1_000 + turn), None, 1e6);
+            demand.record(&[], Some(11), Some(true), 1e6);
+            demand.record(&[], Some(1_000 + turn), None, 1e6);
         }
         assert!(demand.is_empty());
         // The third session makes it one, with two starts of three: two
         // holders; then every pod.
-        demand.record(Some(11), Some(false), 1e6);
+        demand.record(&[], Some(11), Some(false), 1e6);
         assert!(wants(&demand, 11, 1, 4));
         assert!(!wants(&demand, 11, 2, 4));
         for _ in 0..100 {
-            demand.record(Some(11), None, 1e6);
+            demand.record(&[], Some(11), None, 1e6);
         }
         assert!(wants(&demand, 11, 3, 4));
         assert!(!wants(&demand, 11, 4, 4));
@@ -338,7 +403,7 @@ mod tests {
         let mut demand = PrefixDemand::default();
         for _ in 0..40 {
             for prompt in [1, 2, 3] {
-                demand.record(Some(prompt), Some(false), 1e6);
+                demand.record(&[], Some(prompt), Some(false), 1e6);
             }
         }
         for prompt in [1, 2, 3] {
@@ -348,11 +413,38 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_continues_once_a_later_turn_goes_past_it() {
+        let mut demand = PrefixDemand::default();
+        let continues = |demand: &PrefixDemand| demand.demand(11, 4).unwrap().continues;
+        // Two sessions start at the system prompt ending at block 11.
+        demand.record(&[10, 11, 20], Some(11), Some(false), 8.0);
+        demand.record(&[10, 11, 30], Some(11), Some(false), 8.0);
+        assert!(!continues(&demand));
+        // Single-shot requests end their match there too: still not.
+        demand.record(&[10, 11, 40], Some(11), None, 8.0);
+        assert!(!continues(&demand));
+        // A completion matching its own history past the prompt continues
+        // its session; so does a chat's later turn, wherever its match ends.
+        demand.record(&[10, 11, 20, 21, 22], Some(21), None, 8.0);
+        assert!(continues(&demand));
+        let mut chat = PrefixDemand::default();
+        chat.record(&[10, 11, 20], Some(11), Some(false), 8.0);
+        chat.record(&[10, 11, 30], Some(11), Some(false), 8.0);
+        chat.record(&[10, 11, 30, 31], Some(11), Some(true), 8.0);
+        assert!(continues(&chat));
+        // Forgotten after a window of starts without one.
+        for start in 0..9 {
+            demand.record(&[10, 11, 50 + start], Some(11), Some(false), 8.0);
+        }
+        assert!(!continues(&demand));
+    }
+
+    #[test]
     fn memory_is_bounded() {
         let mut demand = PrefixDemand::default();
         for end in 0..(3 * REMEMBERED as u64) {
-            demand.record(Some(end), None, 1e6);
-            demand.record(Some(end), None, 1e6);
+            demand.record(&[], Some(end), None, 1e6);
+            demand.record(&[], Some(end), None, 1e6);
         }
         assert!(demand.len() <= REMEMBERED);
         assert!(demand.seen.len() <= REMEMBERED);

@@ -1025,7 +1025,7 @@ impl<'a> KvrouteView<'a> {
         self.recent.record(routed.slot, &routed.chain);
         let window = f64::from(self.config.balance.learning_window) * self.table.pods.len() as f64;
         self.prefix_demand
-            .record(routed.match_end, routed.follows_up, window);
+            .record(&routed.chain, routed.match_end, routed.follows_up, window);
         // As the service does on the decision queue: recorded and its
         // buckets published at once.
         self.cluster.record_decision(
