@@ -788,6 +788,67 @@ fn a_prompt_cached_nowhere_goes_where_it_is_answered_soonest() {
     assert_eq!(cold, "pod-0", "without balance the reported load decides");
 }
 
+/// Where a session start from a system prompt both pods hold goes while
+/// pod-1, reporting the lower load, prefills a long prompt and pod-0
+/// (load 0.6) idles; `later_turn` first shows the prompt's sessions
+/// continue.
+fn session_start_while_the_less_loaded_holder_prefills(later_turn: bool) -> String {
+    let mut spec = ClusterSpec::new(2, base_config());
+    // Time scale 0.5: the long prompt takes ~1.4 s to prefill.
+    spec.sim_args = vec!["--time-scale".into(), "0.5".into()];
+    // What a worker learns of continuing sessions is its own.
+    spec.envoy_workers = 1;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let system = text("shared system prompt", 4 * 1024);
+    // Both pods hold it, as after spread's copies.
+    for sim in &cluster.sims {
+        http::post_json(
+            &sim.address,
+            "/v1/completions",
+            &completion(&system, 1).to_string(),
+        )
+        .expect("warm");
+    }
+    cluster.wait_reports(2);
+    let task = |name: &str| format!("{system} {}", text(name, 512));
+    // Two sessions start from it: a branch point.
+    cluster.post("/v1/completions", &completion(&task("task one"), 1));
+    cluster.post("/v1/completions", &completion(&task("task two"), 1));
+    if later_turn {
+        cluster.wait_reports(2);
+        let next = format!("{} {}", task("task one"), text("tool output", 512));
+        cluster.post("/v1/completions", &completion(&next, 1));
+    }
+    cluster.sims[0].fault(json!({"gpuUtilization": 0.6}));
+    cluster.sims[1].fault(json!({"gpuUtilization": 0.1}));
+    cluster.wait_reports(2);
+    let listen = cluster.envoy.listen.clone();
+    let long = completion(&text("long document", 48 * 1024), 1);
+    let long = std::thread::spawn(move || {
+        http::post_json(&listen, "/v1/completions", &long.to_string()).expect("response")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let start = served_by(&cluster.post("/v1/completions", &completion(&task("task three"), 1)));
+    assert_eq!(
+        served_by(&long.join().unwrap()),
+        "pod-1",
+        "the long prompt went to the least loaded pod"
+    );
+    start
+}
+
+#[test]
+fn a_session_start_goes_to_the_holder_that_carries_less_once_sessions_continue() {
+    // No later turn seen: this one request decides, and pod-0 answers it
+    // at once while pod-1 prefills ~12k tokens.
+    let start = session_start_while_the_less_loaded_holder_prefills(false);
+    assert_eq!(start, "pod-0", "by this request's predicted TTFT");
+    // The prompt's sessions continue: both holders keep their cache term
+    // and the reported load decides where the session will live.
+    let start = session_start_while_the_less_loaded_holder_prefills(true);
+    assert_eq!(start, "pod-1", "by what each holder carries");
+}
+
 /// The design's case A (80 % utilisation, 0 queued) vs B (40 %, 10 queued).
 /// With the default weights the formula prefers B (load+queue terms 0.17 vs
 /// 0.14, see tests/scoring.rs); an operator who wants queue to dominate

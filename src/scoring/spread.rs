@@ -88,6 +88,35 @@
 //! bound and p90 110 → 37 ms at 8 pods in the replay, and in real Envoy
 //! hit 0.75–0.82 → 0.84, p90 50–119 → 40–44 ms; agentic unchanged.
 //!
+//! **Among the holders, what each carries decides a start whose sessions
+//! continue.** The balance weighs one request: a holder prefilling
+//! another session's turn at the instant of a start reads clearly slower
+//! than one idle at that instant though it carries six sessions, and
+//! loses its cache term; the start, and every later turn of its session,
+//! then go to the busier pod. In a pool of two fast and two half-speed
+//! pods a slow holder read slower at every start, and the fast pods took
+//! 92 % of multi-turn's prefill (TTFT p90 89 ms against ring hash's 61).
+//! So for a session start from a prefix whose sessions are seen to
+//! continue (within the window, a later turn went past it: a chat's later
+//! turn, or a prompt whose match extends beyond it), if the balance let
+//! any holder keep its cache term, every holder keeps it, and the seed's
+//! load and queue terms, then the streams, choose among them, as they
+//! choose spread's targets ([`keep_holders_together`]). Starts of
+//! single-shot traffic (matches that end at the prefix, never past it)
+//! are decided per request as before: keeping every start's holders
+//! together cost the LoRA workload's TTFT p90 at 8 pods 22 → 25 ms in
+//! each of three seeds. Each worker learns it from its own arrivals (the
+//! feed carries starts, not chains; one later turn is enough). Measured
+//! with `kvroute-replay`, three seeds, every bench workload at 4 and 8
+//! pods and the mixed pool (integration/results/costmodel.md, "Sessions
+//! that continue"): the mixed pool's multi-turn TTFT p90 86–91 → 59–63
+//! ms (ring hash 61), p99 134–168 → 125–132, 92 → 95–97 % of the bound,
+//! max share 1.8 → 1.4–1.5×, fast pods' prefill 92 → 75–80 %; same-speed
+//! multi-turn at 4 pods, precise, p99 68–92 → 59–90 ms, at 8 pods within
+//! 4 ms either way; agentic within its seeds' spread (at 8 pods −0.8 to
+//! +0.4 points of the bound); the traces, shared prefix, LoRA, the trace
+//! workload and long context unchanged.
+//!
 //! Measured side by side with the rule off (integration/results/
 //! costmodel.md, "Spread on main"): `kvroute-replay`, every bench
 //! workload at 4 and 8 pods: multi-turn TTFT p90 66 → 37 ms at 4 pods and
@@ -113,7 +142,7 @@ use super::balance::Verdict;
 use super::Candidate;
 
 /// Blocks remembered, of each kind: match ends seen once, and branch
-/// points with their session starts (each 8–24 bytes).
+/// points with their session starts (8 and 40 bytes).
 pub const REMEMBERED: usize = 4096;
 
 /// What one session start's prefix asks of the pool.
@@ -143,11 +172,7 @@ impl Demand {
 /// its holders are hot; `None` when the rule does not apply (module
 /// documentation). The holders are the pods caching the most of it.
 pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<Vec<bool>> {
-    let most_cached = pods.iter().map(|p| p.cached_tokens).max()?;
-    let holds: Vec<bool> = pods
-        .iter()
-        .map(|p| p.cached_tokens == most_cached)
-        .collect();
+    let holds = holding(pods)?;
     let streams = |holding: bool| -> f64 {
         pods.iter()
             .zip(&holds)
@@ -182,22 +207,29 @@ pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<
 /// among them by what each carries, not by which answers this one
 /// request sooner (module documentation). `verdicts` align with `pods`.
 pub fn keep_holders_together(pods: &[Candidate<'_>], demand: Demand, verdicts: &mut [Verdict]) {
-    let Some(most_cached) = pods.iter().map(|p| p.cached_tokens).max() else {
+    let Some(holds) = holding(pods).filter(|_| demand.continues) else {
         return;
     };
-    let holds = |pod: &Candidate<'_>| most_cached > 0 && pod.cached_tokens == most_cached;
-    let a_holder_kept = pods
+    let a_holder_kept = holds
         .iter()
         .zip(verdicts.iter())
-        .any(|(pod, verdict)| holds(pod) && !verdict.cache_withheld);
-    if !demand.continues || !a_holder_kept {
-        return;
-    }
-    for (pod, verdict) in pods.iter().zip(verdicts.iter_mut()) {
-        if holds(pod) {
+        .any(|(&holds, verdict)| holds && !verdict.cache_withheld);
+    if a_holder_kept {
+        for (_, verdict) in holds.iter().zip(verdicts.iter_mut()).filter(|(&h, _)| h) {
             verdict.cache_withheld = false;
         }
     }
+}
+
+/// Which of `pods` hold the prefix: those caching the most of it (`None`
+/// for no pods).
+fn holding(pods: &[Candidate<'_>]) -> Option<Vec<bool>> {
+    let most_cached = pods.iter().map(|p| p.cached_tokens).max()?;
+    Some(
+        pods.iter()
+            .map(|p| p.cached_tokens == most_cached)
+            .collect(),
+    )
 }
 
 /// Session starts at one branch point, decayed to `at` (the starts clock).
