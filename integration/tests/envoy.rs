@@ -754,8 +754,21 @@ fn cold_start_goes_to_the_least_loaded_pod() {
 fn cold_prompt_while_the_least_loaded_pod_prefills(config: Value) -> String {
     // Time scale 0.5: the long prompt takes ~1.4 s to prefill.
     let cluster = start(2, config, &["--time-scale", "0.5"], vec![]);
-    cluster.sims[0].fault(json!({"gpuUtilization": 0.2}));
-    cluster.sims[1].fault(json!({"gpuUtilization": 0.6}));
+    let probe = completion(&text("short question", 2 * 1024), 1);
+    while_the_least_loaded_pod_prefills(&cluster, [0.2, 0.6], &probe)
+}
+
+/// Which pod serves `probe` sent while the less loaded of two pods, as
+/// `loads` are reported, prefills a 12k-token request (~1.4 s at time
+/// scale 0.5).
+fn while_the_least_loaded_pod_prefills(
+    cluster: &Cluster,
+    loads: [f64; 2],
+    probe: &Value,
+) -> String {
+    for (sim, load) in cluster.sims.iter().zip(loads) {
+        sim.fault(json!({ "gpuUtilization": load }));
+    }
     cluster.wait_reports(2);
     let listen = cluster.envoy.listen.clone();
     let long = completion(&text("long document", 48 * 1024), 1);
@@ -763,16 +776,18 @@ fn cold_prompt_while_the_least_loaded_pod_prefills(config: Value) -> String {
         http::post_json(&listen, "/v1/completions", &long.to_string()).expect("response")
     });
     std::thread::sleep(Duration::from_millis(300));
-    let cold = served_by(&cluster.post(
-        "/v1/completions",
-        &completion(&text("short question", 2 * 1024), 1),
-    ));
+    let served = served_by(&cluster.post("/v1/completions", probe));
+    let least_loaded = if loads[0] < loads[1] {
+        "pod-0"
+    } else {
+        "pod-1"
+    };
     assert_eq!(
         served_by(&long.join().unwrap()),
-        "pod-0",
+        least_loaded,
         "the long prompt went to the least loaded pod"
     );
-    cold
+    served
 }
 
 #[test]
@@ -794,7 +809,6 @@ fn a_prompt_cached_nowhere_goes_where_it_is_answered_soonest() {
 /// continue.
 fn session_start_while_the_less_loaded_holder_prefills(later_turn: bool) -> String {
     let mut spec = ClusterSpec::new(2, base_config());
-    // Time scale 0.5: the long prompt takes ~1.4 s to prefill.
     spec.sim_args = vec!["--time-scale".into(), "0.5".into()];
     // What a worker learns of continuing sessions is its own.
     spec.envoy_workers = 1;
@@ -819,22 +833,8 @@ fn session_start_while_the_less_loaded_holder_prefills(later_turn: bool) -> Stri
         let next = format!("{} {}", task("task one"), text("tool output", 512));
         cluster.post("/v1/completions", &completion(&next, 1));
     }
-    cluster.sims[0].fault(json!({"gpuUtilization": 0.6}));
-    cluster.sims[1].fault(json!({"gpuUtilization": 0.1}));
-    cluster.wait_reports(2);
-    let listen = cluster.envoy.listen.clone();
-    let long = completion(&text("long document", 48 * 1024), 1);
-    let long = std::thread::spawn(move || {
-        http::post_json(&listen, "/v1/completions", &long.to_string()).expect("response")
-    });
-    std::thread::sleep(Duration::from_millis(300));
-    let start = served_by(&cluster.post("/v1/completions", &completion(&task("task three"), 1)));
-    assert_eq!(
-        served_by(&long.join().unwrap()),
-        "pod-1",
-        "the long prompt went to the least loaded pod"
-    );
-    start
+    let probe = completion(&task("task three"), 1);
+    while_the_least_loaded_pod_prefills(&cluster, [0.6, 0.1], &probe)
 }
 
 #[test]
