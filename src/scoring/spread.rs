@@ -207,7 +207,10 @@ pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<
 /// among them by what each carries, not by which answers this one
 /// request sooner (module documentation). `verdicts` align with `pods`.
 pub fn keep_holders_together(pods: &[Candidate<'_>], demand: Demand, verdicts: &mut [Verdict]) {
-    let Some(holds) = holding(pods).filter(|_| demand.continues) else {
+    if !demand.continues {
+        return;
+    }
+    let Some(holds) = holding(pods) else {
         return;
     };
     let a_holder_kept = holds
