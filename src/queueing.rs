@@ -56,9 +56,14 @@
 //!   class is empty: classes stay strict, and within a class an entry is
 //!   overtaken only by younger ones that want a pod it declined.
 //! - **Arrivals** are routed at once only where a round would have
-//!   offered them room: when no higher class waits and fewer than
-//!   `affinityWindow` entries of their class do ([`WaitQueue::must_queue`]);
-//!   otherwise they join the queue behind the others.
+//!   offered them room: when no higher class waits, fewer than
+//!   `affinityWindow` entries of their class do, and the last round did
+//!   not end, in their class or a higher one, because no pod could take
+//!   an entry ([`WaitQueue::must_queue`]); otherwise they join the queue
+//!   behind the others. The host runs a round just before it routes an
+//!   arrival, but a report can free room between the two (the report
+//!   service publishes on another thread): the entry that waited for that
+//!   room takes it at the next round, not the arrival.
 //! - **Leaving.** [`WaitQueue::remove`] frees the place of a request whose
 //!   client went away.
 //!
@@ -222,6 +227,9 @@ pub struct WaitQueue<T> {
     critical: VecDeque<Waiter<T>>,
     standard: VecDeque<Waiter<T>>,
     sheddable: VecDeque<Waiter<T>>,
+    /// The class whose entry the last round could place nowhere
+    /// ([`Placement::Wait`]), if it ended so.
+    blocked: Option<Priority>,
 }
 
 impl<T> WaitQueue<T> {
@@ -231,6 +239,7 @@ impl<T> WaitQueue<T> {
             critical: VecDeque::new(),
             standard: VecDeque::new(),
             sheddable: VecDeque::new(),
+            blocked: None,
         }
     }
 
@@ -254,12 +263,18 @@ impl<T> WaitQueue<T> {
         }
     }
 
+    /// The entry next in line: the oldest of the highest class.
+    pub fn head(&self) -> Option<&Waiter<T>> {
+        Priority::ALL.into_iter().find_map(|p| match p {
+            Priority::Critical => self.critical.front(),
+            Priority::Standard => self.standard.front(),
+            Priority::Sheddable => self.sheddable.front(),
+        })
+    }
+
     /// The highest non-empty class.
-    fn head_class(&mut self) -> Option<&mut VecDeque<Waiter<T>>> {
-        Priority::ALL
-            .into_iter()
-            .find(|p| self.class_len(*p) > 0)
-            .map(|p| self.class(p))
+    fn head_priority(&self) -> Option<Priority> {
+        Priority::ALL.into_iter().find(|p| self.class_len(*p) > 0)
     }
 
     fn class_len(&self, priority: Priority) -> usize {
@@ -292,7 +307,7 @@ impl<T> WaitQueue<T> {
             return Admission::Queued;
         }
         if self.policy.on_limit == WaitLimitPolicy::Route {
-            let next = self.head_class().and_then(VecDeque::pop_front);
+            let next = self.head_priority().and_then(|p| self.class(p).pop_front());
             self.class(priority).push_back(waiter);
             return next.map_or(Admission::Queued, Admission::Displaced);
         }
@@ -335,14 +350,19 @@ impl<T> WaitQueue<T> {
     }
 
     /// Whether an arrival of class `priority` must join the queue without
-    /// being routed: an entry of a higher class waits, or `window` entries
-    /// of its own class do (it would be past the window of a round).
+    /// being routed: an entry of a higher class waits, `window` entries of
+    /// its own class do (it would be past the window of a round), or the
+    /// last round found no pod for a waiting entry of its class or higher
+    /// (that entry goes first when room frees).
     pub fn must_queue(&self, priority: Priority) -> bool {
         Priority::ALL
             .into_iter()
             .take_while(|p| *p < priority)
             .any(|p| self.class_len(p) > 0)
             || self.class_len(priority) >= self.policy.window
+            || self
+                .blocked
+                .is_some_and(|class| class <= priority && self.class_len(class) > 0)
     }
 
     /// A dispatch round at `now_ms` (see the module documentation): offers
@@ -355,14 +375,20 @@ impl<T> WaitQueue<T> {
     ) -> usize {
         let window = self.policy.window.max(1);
         let mut placed = 0;
-        while let Some(class) = self.head_class() {
+        self.blocked = None;
+        while let Some(priority) = self.head_priority() {
+            let class = self.class(priority);
             let mut at = 0;
+            // Whether the class emptied (the next class is offered room).
             let emptied = loop {
                 let Some(waiter) = class.get_mut(at).filter(|_| at < window) else {
                     break false;
                 };
                 match place(waiter) {
-                    Placement::Wait => break false,
+                    Placement::Wait => {
+                        self.blocked = Some(priority);
+                        break false;
+                    }
                     Placement::HoldingOut => {
                         waiter.holding_since_ms.get_or_insert(now_ms);
                         at += 1;
@@ -665,6 +691,26 @@ mod tests {
         q.admit(3, Priority::Standard, 0, false, "a");
         assert!(q.must_queue(Priority::Standard));
         assert!(!q.must_queue(Priority::Critical));
+    }
+
+    #[test]
+    fn an_arrival_queues_behind_an_entry_the_last_round_found_no_pod_for() {
+        let mut q = queue(16, 60_000);
+        q.admit(1, Priority::Standard, 0, false, "a");
+        assert_eq!(dispatch(&mut q, 0), Vec::<&str>::new());
+        // Room may have freed since the round: the waiting entry takes it
+        // first, a standard or sheddable arrival goes behind it, a
+        // critical one is served before it anyway.
+        assert!(q.must_queue(Priority::Standard));
+        assert!(q.must_queue(Priority::Sheddable));
+        assert!(!q.must_queue(Priority::Critical));
+        // Holding out is not blocking: arrivals in the window are routed.
+        assert_eq!(affine_round(&mut q, 10, "b", 1), Vec::<&str>::new());
+        assert!(!q.must_queue(Priority::Standard));
+        // Nor is an entry that left.
+        dispatch(&mut q, 0);
+        q.remove(1);
+        assert!(!q.must_queue(Priority::Standard));
     }
 
     #[test]

@@ -695,14 +695,17 @@ impl Router {
     }
 
     /// A request that waits behind `ahead` earlier ones without being
-    /// routed ([`crate::queueing::WaitQueue::must_queue`]).
-    pub fn queued_behind(&self, request: RoutingRequest, ahead: usize) -> NoEligiblePod {
+    /// routed ([`crate::queueing::WaitQueue::must_queue`]); the first of
+    /// them waits because `why`.
+    pub fn queued_behind(&self, request: RoutingRequest, ahead: usize, why: &str) -> NoEligiblePod {
         NoEligiblePod {
             request,
             rejected: Rejected {
                 status: 503,
                 kind: "ServiceUnavailableError",
-                message: format!("{ahead} earlier requests are waiting for an inference pod"),
+                message: format!(
+                    "{ahead} earlier requests are waiting for an inference pod; the first: {why}"
+                ),
                 retry_after: Some(self.config.retry_after_seconds),
             },
             holding_out: None,

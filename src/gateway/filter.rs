@@ -931,14 +931,16 @@ impl RequestFilter {
             self.checks_prediction =
                 request.answer_reports_usage && worker.sample_prediction_check();
         }
-        let outcome = match prepared {
-            // Behind earlier requests a round did not reach: it waits its turn.
-            Ok(request) if worker.waiting.must_queue(priority) => {
+        let behind = worker.waiting.must_queue(priority).map(str::to_string);
+        let outcome = match (prepared, behind) {
+            // Behind earlier requests a round did not place: it waits its turn.
+            (Ok(request), Some(why)) => {
                 let ahead = worker.waiting.len();
-                Outcome::NoEligiblePod(Box::new(worker.router.queued_behind(request, ahead)))
+                let queued = worker.router.queued_behind(request, ahead, &why);
+                Outcome::NoEligiblePod(Box::new(queued))
             }
-            Ok(request) => worker.decide(request, &self.request_id, Attempt::Arrival),
-            Err(rejected) => Outcome::Rejected(rejected),
+            (Ok(request), None) => worker.decide(request, &self.request_id, Attempt::Arrival),
+            (Err(rejected), _) => Outcome::Rejected(rejected),
         };
         let elapsed_us = started.elapsed().as_micros() as u64;
         match outcome {

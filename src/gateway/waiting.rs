@@ -96,10 +96,14 @@ impl Waiting {
         !self.queue.is_empty() || !self.owed.is_empty()
     }
 
-    /// Whether an arrival of this class must wait behind the queue
-    /// without being routed ([`WaitQueue::must_queue`]).
-    pub fn must_queue(&self, priority: Priority) -> bool {
-        self.queue.must_queue(priority)
+    /// Why an arrival of this class must wait behind the queue without
+    /// being routed ([`WaitQueue::must_queue`]): why the entry next in
+    /// line waits. `None`: it may be routed.
+    pub fn must_queue(&self, priority: Priority) -> Option<&str> {
+        self.queue
+            .head()
+            .filter(|_| self.queue.must_queue(priority))
+            .map(|head| head.item.rejected.message.as_str())
     }
 
     /// The routing of request `id`, if the queue dispatched it.
@@ -234,6 +238,15 @@ pub fn dispatch<H: WorkerHost>(worker: &mut Worker<H>) {
     if worker.waiting.queue.is_empty() {
         return;
     }
+    // A pod's queue is estimated as its report's plus this worker's
+    // in-flight count less the count the report service read as the
+    // report came in, which is the published one. A release not yet
+    // published lowers the first and not the second: the estimate falls
+    // one below the pod's queue for each, and the round sends that many
+    // past `maxQueue` (proxy-wasm, whose releases wait for the next write
+    // or tick: the pod queued 4 at maxQueue 2 in a CI run). Publishing
+    // costs a write only while requests wait.
+    worker.host.publish_releases();
     // The queue is moved out for the round so placing can route through
     // the worker; an empty `WaitQueue` allocates nothing.
     let policy = worker.waiting.queue.policy();
