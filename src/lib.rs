@@ -34,6 +34,7 @@ pub mod ejection;
 pub mod gateway;
 pub mod hashing;
 pub mod index;
+pub mod memory;
 pub mod polling;
 pub mod queueing;
 pub mod replica;

@@ -47,12 +47,11 @@ use super::metrics::{percent, Metric, MetricBatch};
 use super::waiting::{self, Waiting};
 use crate::config::{Config, IndexMode, UpstreamMode};
 use crate::ejection::UpstreamOutcome;
-use crate::index::{Merged, RecentDecisions, TierBlocks};
+use crate::index::TierBlocks;
+use crate::memory::{Published, RouterMemory};
 use crate::queueing::{Priority, PRIORITY_HEADER};
 use crate::report::Tier;
-use crate::router::{
-    Attempt, ClusterView, Destination, Outcome, Rejected, Routed, Router, RoutingRequest,
-};
+use crate::router::{Attempt, Destination, Outcome, Rejected, Routed, Router, RoutingRequest};
 use crate::scoring::feed::{Answer, FeedReader, FeedRecord, SessionStart};
 use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::{TtftModel, Work};
@@ -95,8 +94,6 @@ impl Sample {
 pub struct Worker<H: WorkerHost> {
     pub host: H,
     router: Router,
-    /// Approximate mode: this worker's own decisions, seen at once.
-    recent: RecentDecisions,
     /// Decisions, answers' first bytes and session starts not yet sent to
     /// the service ([`crate::snapshot::BatchRecord`]), and how many.
     decisions: (Vec<u8>, usize),
@@ -116,15 +113,14 @@ pub struct Worker<H: WorkerHost> {
     /// Requests waiting for a pod ([`super::waiting`]).
     pub(super) waiting: Waiting,
     pub(super) metrics: MetricBatch,
-    /// The predicted-TTFT model, learned from every streamed answer of
-    /// every worker and replica through the service's feed
-    /// ([`crate::scoring::feed`]); the prefill queued per pod it reads
-    /// is every worker's and every replica's ([`WorkerHost::inflight`]).
-    ttft: TtftModel,
-    /// The sessions started per prefix ([`PrefixDemand`]): this worker's
-    /// as it routes them, every other worker's and replica's from the
-    /// feed.
-    prefix_demand: PrefixDemand,
+    /// What this worker learnt ([`RouterMemory`]): its decisions not yet
+    /// published; the predicted-TTFT model, learned from every streamed
+    /// answer of every worker and replica through the service's feed
+    /// ([`crate::scoring::feed`]) and from the prefill queued per pod over
+    /// every worker and replica ([`WorkerHost::inflight`]); the sessions
+    /// started per prefix, this worker's as it routes them and every
+    /// other worker's and replica's from the feed.
+    memory: RouterMemory,
     /// Which records of the feed this worker took, and when to read it
     /// next.
     feed: FeedReader,
@@ -198,10 +194,8 @@ impl<H: WorkerHost> Worker<H> {
     pub fn new(config: Config, host: H) -> Worker<H> {
         Worker {
             host,
-            recent: RecentDecisions::new(&config),
             waiting: Waiting::new(&config),
-            ttft: TtftModel::new(config.balance.learning_window),
-            prefix_demand: PrefixDemand::default(),
+            memory: RouterMemory::new(&config),
             feed: FeedReader::default(),
             next_feed_read_ms: 0,
             origin: super::random_u64() | 1,
@@ -220,12 +214,12 @@ impl<H: WorkerHost> Worker<H> {
 
     /// What this worker's TTFT model learnt.
     pub fn ttft_model(&self) -> &TtftModel {
-        &self.ttft
+        &self.memory.ttft
     }
 
     /// The session starts this worker counted.
     pub fn prefix_demand(&self) -> &PrefixDemand {
-        &self.prefix_demand
+        &self.memory.prefix_demand
     }
 
     /// Requests waiting on this worker.
@@ -318,23 +312,16 @@ impl<H: WorkerHost> Worker<H> {
         };
         self.learn_from_feed(now_ms, table.pods.len());
         let inflight = self.host.inflight(table.slots());
-        // Arrivals see time averages: how often each pod has prefill queued.
-        if attempt == Attempt::Arrival {
-            self.ttft
-                .observe_queues(inflight.iter().map(|load| u64::from(load.prefill_tokens)));
-        }
         let outcome = {
             let index = self.host.index(&table);
-            let view = ClusterView {
+            let published = Published {
                 table: &table,
-                index: &Merged(&index, &self.recent),
+                index: &index,
                 inflight: &inflight,
-                ttft: &self.ttft,
-                prefix_demand: &self.prefix_demand,
                 now_ms,
             };
-            self.router
-                .route_prepared(request, &view, tie_breaker, attempt)
+            self.memory
+                .route(&self.router, request, published, tie_breaker, attempt)
         };
         let Outcome::Routed(routed) = &outcome else {
             return outcome;
@@ -361,13 +348,6 @@ impl<H: WorkerHost> Worker<H> {
                        "chain": routed.chain.iter().take(8).map(|h| crate::report::hash_to_hex(*h)).collect::<Vec<_>>()}),
             );
         }
-        self.recent.record(routed.slot, &routed.chain);
-        self.prefix_demand.record(
-            &routed.chain,
-            routed.match_end,
-            routed.follows_up,
-            self.start_window(table.pods.len()),
-        );
         let batched = self.decisions.1;
         if routed.follows_up != Some(true) {
             let start = SessionStart {
@@ -382,7 +362,9 @@ impl<H: WorkerHost> Worker<H> {
                 &mut self.decisions.0,
                 routed.slot,
                 &routed.chain,
-                self.ttft.prefilled_after_ms(routed.predicted_ttft_ms),
+                self.memory
+                    .ttft
+                    .prefilled_after_ms(routed.predicted_ttft_ms),
             );
             self.decisions.1 += 1;
         }
@@ -421,7 +403,7 @@ impl<H: WorkerHost> Worker<H> {
         request_id: &str,
     ) {
         let ttft_ms = sent.elapsed().as_secs_f64() * 1000.0;
-        let Some(error) = self.ttft.relative_error(routed.slot, work, ttft_ms) else {
+        let Some(error) = self.memory.ttft.relative_error(routed.slot, work, ttft_ms) else {
             return;
         };
         self.metrics.histogram(
@@ -429,9 +411,10 @@ impl<H: WorkerHost> Worker<H> {
             (error * 100.0).round() as u64,
         );
         if log::log_enabled!(log::Level::Debug) {
-            let predicted_ms = self
-                .ttft
-                .predict(routed.slot, work.queued(), work.own_tokens);
+            let predicted_ms =
+                self.memory
+                    .ttft
+                    .predict(routed.slot, work.queued(), work.own_tokens);
             event(
                 log::Level::Debug,
                 "ttft_prediction",
@@ -450,12 +433,6 @@ impl<H: WorkerHost> Worker<H> {
         }
     }
 
-    /// The horizon session starts are counted over in a pool of `pods`:
-    /// `balance.learningWindow` per pod, as the TTFT model's.
-    fn start_window(&self, pods: usize) -> f64 {
-        f64::from(self.config().balance.learning_window) * pods as f64
-    }
-
     /// Takes the records of the service's feed not taken yet, at most once
     /// per [`TICK_MS`]: every answer teaches the model, and every other
     /// worker's and replica's session start counts in `prefix_demand`
@@ -468,19 +445,17 @@ impl<H: WorkerHost> Worker<H> {
         let Some(feed) = self.host.feed() else {
             return;
         };
-        let window = self.start_window(pods);
         for record in self.feed.read(&feed) {
             match record {
                 FeedRecord::Answer(answer) => {
-                    self.ttft.observe(
+                    self.memory.ttft.observe(
                         usize::from(answer.slot),
                         answer.work(),
                         f64::from(answer.ttft_ms),
                     );
                 }
                 FeedRecord::Start(start) if start.origin != self.origin => {
-                    self.prefix_demand
-                        .record(&[], start.match_end, None, window);
+                    self.memory.record_start(start.match_end, pods);
                 }
                 FeedRecord::Start(_) => {}
             }

@@ -52,12 +52,11 @@ use std::time::Duration;
 use kvroute::cluster::{ClusterState, PUBLISH_BUCKETS};
 use kvroute::config::{Config, IndexMode, PodConfig, TierCredits};
 use kvroute::config::{NoPodPolicy, WaitLimitPolicy};
-use kvroute::index::{Merged, RecentDecisions};
+use kvroute::memory::{Published, RouterMemory};
 use kvroute::polling::ReportPolling;
 use kvroute::queueing::{Admission, Placement, Priority, WaitPolicy, WaitQueue};
-use kvroute::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
-use kvroute::scoring::spread::PrefixDemand;
-use kvroute::scoring::ttft::{TtftModel, Work};
+use kvroute::router::{Attempt, Outcome, Router, RoutingRequest};
+use kvroute::scoring::ttft::Work;
 use kvroute::snapshot::{PodTable, SlotLoad, SnapshotIndex};
 use xxhash_rust::xxh64::xxh64;
 
@@ -582,7 +581,7 @@ impl<'a> Simulation<'a> {
                         (self.sent[event.request], &mut self.chooser)
                     {
                         let ttft_ms = (now - sent) as f64 / 1000.0;
-                        if let Some(seen) = view.ttft.observe(event.pod, work, ttft_ms) {
+                        if let Some(seen) = view.memory.ttft.observe(event.pod, work, ttft_ms) {
                             self.outcomes[event.request].predicted_ttft_us =
                                 Some((seen.predicted_ms * 1000.0) as u64);
                         }
@@ -890,18 +889,14 @@ struct KvrouteView<'a> {
     table: PodTable,
     /// The published index buckets (Envoy shared data).
     buckets: HashMap<u32, Vec<u8>>,
-    /// Approximate mode: the worker's own decisions, as the filter keeps them.
-    recent: RecentDecisions,
     /// Per pod, the `since` of its next report (None: never reported).
     since: Vec<Option<u64>>,
     polling: ReportPolling,
     pod_ids: Vec<String>,
     requests: u64,
-    /// The filter's predicted-TTFT model, learned from first tokens.
-    ttft: TtftModel,
-    /// The sessions arrivals started per prefix, as a filter worker
-    /// counts them.
-    prefix_demand: PrefixDemand,
+    /// What the filter learns ([`RouterMemory`]); its TTFT model learns
+    /// from first tokens.
+    memory: RouterMemory,
 }
 
 impl<'a> KvrouteView<'a> {
@@ -917,13 +912,11 @@ impl<'a> KvrouteView<'a> {
             }),
             table: PodTable::default(),
             buckets: HashMap::new(),
-            recent: RecentDecisions::new(config),
             since: vec![None; pods],
             polling: ReportPolling::new(config),
             pod_ids: config.pods.iter().map(|p| p.id.clone()).collect(),
             requests: 0,
-            ttft: TtftModel::new(config.balance.learning_window),
-            prefix_demand: PrefixDemand::default(),
+            memory: RouterMemory::new(config),
         }
     }
 
@@ -997,42 +990,34 @@ impl<'a> KvrouteView<'a> {
             buckets: self.table.buckets,
             fetch: |b| self.buckets.get(&b).cloned(),
         };
-        // Arrivals see time averages: how often each pod has prefill queued.
-        if attempt == Attempt::Arrival {
-            self.ttft
-                .observe_queues(inflight.iter().map(|load| u64::from(load.prefill_tokens)));
-        }
-        let view = ClusterView {
+        let published = Published {
             table: &self.table,
-            index: &Merged(&snapshot, &self.recent),
+            index: &snapshot,
             inflight,
-            ttft: &self.ttft,
-            prefix_demand: &self.prefix_demand,
             // The simulated service publishes every interval and never
             // freezes, so its snapshot is never stale.
             now_ms: self.table.published_at_ms,
         };
-        let routed = match self
-            .router
-            .route_prepared(prepared, &view, self.requests, attempt)
-        {
-            Outcome::Routed(routed) => routed,
-            Outcome::NoEligiblePod(waiting) if waiting.holding_out.is_some() => {
-                return Err(Placement::HoldingOut)
-            }
-            Outcome::NoEligiblePod(_) | Outcome::Rejected(_) => return Err(Placement::Wait),
-        };
-        self.recent.record(routed.slot, &routed.chain);
-        let window = f64::from(self.config.balance.learning_window) * self.table.pods.len() as f64;
-        self.prefix_demand
-            .record(&routed.chain, routed.match_end, routed.follows_up, window);
+        let routed =
+            match self
+                .memory
+                .route(&self.router, prepared, published, self.requests, attempt)
+            {
+                Outcome::Routed(routed) => routed,
+                Outcome::NoEligiblePod(waiting) if waiting.holding_out.is_some() => {
+                    return Err(Placement::HoldingOut)
+                }
+                Outcome::NoEligiblePod(_) | Outcome::Rejected(_) => return Err(Placement::Wait),
+            };
         // As the service does on the decision queue: recorded and its
         // buckets published at once.
         self.cluster.record_decision(
             routed.slot,
             &routed.chain,
             now_ms,
-            self.ttft.prefilled_after_ms(routed.predicted_ttft_ms) as u32,
+            self.memory
+                .ttft
+                .prefilled_after_ms(routed.predicted_ttft_ms) as u32,
         );
         self.publish_buckets(now_ms);
         Ok((routed.slot, routed.prefill_tokens, routed.work))
@@ -1054,6 +1039,7 @@ mod tests {
     use crate::replay::workload::DEFAULT_MODEL;
     use crate::trace::{completions_body, TraceRequest};
     use kvroute::config::ModelTarget;
+    use kvroute::index::Merged;
     use kvroute::request::Prompt;
     use kvroute::router::{ClusterView, Outcome, Router};
 
@@ -1118,10 +1104,10 @@ mod tests {
                     };
                     let cluster = ClusterView {
                         table: &view.table,
-                        index: &Merged(&snapshot, &view.recent),
+                        index: &Merged(&snapshot, &view.memory.recent),
                         inflight: &inflight,
-                        ttft: &view.ttft,
-                        prefix_demand: &view.prefix_demand,
+                        ttft: &view.memory.ttft,
+                        prefix_demand: &view.memory.prefix_demand,
                         now_ms: view.table.published_at_ms,
                     };
                     match router.route(body.as_bytes(), false, &cluster, view.requests + 1) {
