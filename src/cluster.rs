@@ -267,7 +267,10 @@ struct PodRecord {
     report_adapters: Vec<String>,
     metrics_adapters: Vec<String>,
     last_success_ms: u64,
-    inflight_at_report: u32,
+    /// Requests in flight as each kind of pull ([`PullKind::index`]) read
+    /// the pod: its queue counts requests in flight beyond the count of
+    /// the pull it came from.
+    inflight_at_pull: [u32; 2],
     /// Why each kind of pull fails, if it does ([`PullKind::index`]): one
     /// kind failing and the other succeeding is one steady state, not a
     /// failure and a recovery on every round.
@@ -282,7 +285,9 @@ impl PodRecord {
     /// A good answer: the pod is fresh again.
     fn succeeded(&mut self, kind: PullKind, now_ms: u64, inflight: u32) -> Option<Transition> {
         self.last_success_ms = now_ms;
-        self.inflight_at_report = inflight;
+        if let Some(at) = self.inflight_at_pull.get_mut(kind.index()) {
+            *at = inflight;
+        }
         let failing = self.failing.get_mut(kind.index())?;
         failing.take().map(|_| Transition::Recovered {
             pod: self.config.id.clone(),
@@ -435,7 +440,7 @@ impl ClusterState {
                 report_adapters: Vec::new(),
                 metrics_adapters: Vec::new(),
                 last_success_ms: now_ms,
-                inflight_at_report: 0,
+                inflight_at_pull: [0; 2],
                 failing: [None, None],
                 failures: 0,
                 without_reports: false,
@@ -1067,19 +1072,23 @@ impl ClusterState {
         let (records, staleness) = (&self.pods, &self.staleness);
         let numbers = |r: &PodRecord| {
             let age = now_ms.saturating_sub(r.last_success_ms);
+            let (queue, source) = match r.metrics_queue {
+                Some(queue) => (queue, PullKind::Metrics),
+                None => (r.report_queue, PullKind::Report),
+            };
             (
-                r.metrics_queue.unwrap_or(r.report_queue),
+                queue,
                 r.report_load.or(r.metrics_load).unwrap_or(0.0),
                 r.reported_health * staleness.health_factor(age),
+                r.inflight_at_pull.get(source.index()).copied().unwrap_or(0),
             )
         };
         let fresh = match self.table.as_mut() {
             Some(table) if !self.members_changed && table.pods.len() == records.len() => {
                 for (pod, r) in table.pods.iter_mut().zip(records) {
-                    (pod.queue, pod.load, pod.health) = numbers(r);
+                    (pod.queue, pod.load, pod.health, pod.inflight_at_report) = numbers(r);
                     pod.reported_health = r.reported_health;
                     pod.last_report_ms = r.last_success_ms;
-                    pod.inflight_at_report = r.inflight_at_report;
                 }
                 None
             }
@@ -1087,7 +1096,7 @@ impl ClusterState {
                 let pods = records
                     .iter()
                     .map(|r| {
-                        let (queue, load, health) = numbers(r);
+                        let (queue, load, health, inflight_at_report) = numbers(r);
                         PublishedPod {
                             slot: r.slot,
                             id: r.config.id.clone(),
@@ -1099,7 +1108,7 @@ impl ClusterState {
                             last_report_ms: r.last_success_ms,
                             adapters: union(&r.report_adapters, &r.metrics_adapters),
                             attributes: r.config.attributes.clone(),
-                            inflight_at_report: r.inflight_at_report,
+                            inflight_at_report,
                         }
                     })
                     .collect();

@@ -321,8 +321,9 @@ pub struct PublishedPod {
     pub adapters: Vec<String>,
     #[serde(default)]
     pub attributes: BTreeMap<String, f64>,
-    /// The pod's in-flight count when its last report arrived: requests
-    /// routed since then are added to its queue.
+    /// The pod's in-flight count as the pull its queue came from read it
+    /// (a report: when it arrived; a scrape of vLLM's metrics: when it
+    /// went out): requests in flight beyond it are added to its queue.
     pub inflight_at_report: u32,
 }
 
@@ -570,14 +571,28 @@ pub fn clamped_add(value: u32, delta: i64) -> u32 {
 
 /// One worker's in-flight loads as published: the nonce of the worker
 /// that wrote them (so a worker can tell its key was claimed twice), then
-/// each slot's [`SlotLoad`], 12 bytes.
-pub fn encode_inflight(nonce: u64, loads: &[SlotLoad]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(8 + loads.len() * SLOT_LOAD_BYTES);
+/// per slot its [`SlotLoad`] (12 bytes) and the streams it ever opened
+/// there (4 bytes, wrapping; 0 past `opened`'s end), which the report
+/// service reads as a report goes out ([`InflightCount`]).
+pub fn encode_inflight(nonce: u64, loads: &[SlotLoad], opened: &[u32]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(8 + loads.len() * SLOT_RECORD_BYTES);
     bytes.extend_from_slice(&nonce.to_le_bytes());
-    for load in loads {
+    for (slot, load) in loads.iter().enumerate() {
         bytes.extend_from_slice(&load.to_le_bytes());
+        let opened = opened.get(slot).copied().unwrap_or(0);
+        bytes.extend_from_slice(&opened.to_le_bytes());
     }
     bytes
+}
+
+/// Bytes per slot of [`encode_inflight`].
+const SLOT_RECORD_BYTES: usize = SLOT_LOAD_BYTES + 4;
+
+fn slot_records(bytes: &[u8]) -> std::slice::ChunksExact<'_, u8> {
+    bytes
+        .get(8..)
+        .unwrap_or_default()
+        .chunks_exact(SLOT_RECORD_BYTES)
 }
 
 /// The nonce of an encoded worker value (`None`: too short).
@@ -587,18 +602,40 @@ pub fn inflight_nonce(bytes: &[u8]) -> Option<u64> {
 
 /// Adds an encoded worker value's loads to `total` (grown as needed).
 pub fn add_inflight(total: &mut Vec<SlotLoad>, bytes: &[u8]) {
-    let loads = bytes
-        .get(8..)
-        .unwrap_or_default()
-        .chunks_exact(SLOT_LOAD_BYTES);
-    if total.len() < loads.len() {
-        total.resize(loads.len(), SlotLoad::default());
+    let records = slot_records(bytes);
+    if total.len() < records.len() {
+        total.resize(records.len(), SlotLoad::default());
     }
-    for (sum, load) in total.iter_mut().zip(loads) {
-        if let Ok(load) = load.try_into() {
+    for (sum, record) in total.iter_mut().zip(records) {
+        let load: Option<[u8; SLOT_LOAD_BYTES]> = record
+            .get(..SLOT_LOAD_BYTES)
+            .and_then(|b| b.try_into().ok());
+        if let Some(load) = load {
             sum.add(SlotLoad::from_le_bytes(load));
         }
     }
+}
+
+/// Adds an encoded worker value's count for `slot` to `count`.
+pub fn add_inflight_count(count: &mut InflightCount, bytes: &[u8], slot: usize) {
+    let Some(record) = slot_records(bytes).nth(slot) else {
+        return;
+    };
+    let word = |at: usize| le_u32(record, at).unwrap_or(0);
+    count.requests = count.requests.saturating_add(word(0));
+    count.opened = count.opened.wrapping_add(word(SLOT_LOAD_BYTES));
+}
+
+/// What the report service reads of one pod slot's in-flight load, over
+/// every worker of this gateway.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InflightCount {
+    /// Requests in flight ([`SlotLoad::requests`]).
+    pub requests: u32,
+    /// Streams ever opened (requests routed there, failovers included), a
+    /// wrapping count: the difference of two readings is what was sent in
+    /// between.
+    pub opened: u32,
 }
 
 /// One record of a worker's batch for the service.
@@ -922,8 +959,30 @@ mod tests {
             prefill_tokens,
             streams,
         };
-        let a = encode_inflight(11, &[load(1, 500, 4), load(0, 0, 0), load(7, u32::MAX, 9)]);
-        let b = encode_inflight(12, &[load(2, 100, 2)]);
+        let a = encode_inflight(
+            11,
+            &[load(1, 500, 4), load(0, 0, 0), load(7, u32::MAX, 9)],
+            &[5, 0, u32::MAX],
+        );
+        let b = encode_inflight(12, &[load(2, 100, 2)], &[3]);
+        let count = |slot| {
+            let mut count = InflightCount::default();
+            for bytes in [&a, &b] {
+                add_inflight_count(&mut count, bytes, slot);
+            }
+            count
+        };
+        let expected = |requests, opened| InflightCount { requests, opened };
+        assert_eq!(count(0), expected(3, 8));
+        assert_eq!(
+            count(2),
+            expected(7, u32::MAX),
+            "a slot past a value's end adds 0"
+        );
+        assert_eq!(count(9), expected(0, 0));
+        let mut wrapped = expected(0, u32::MAX);
+        add_inflight_count(&mut wrapped, &b, 0);
+        assert_eq!(wrapped.opened, 2, "opened wraps");
         assert_eq!(
             (inflight_nonce(&a), inflight_nonce(&b)),
             (Some(11), Some(12))

@@ -22,7 +22,7 @@ use kvroute::gateway::host::{HostError, HostResult, ServiceHost};
 use kvroute::gateway::metrics::{Metric, MetricSink};
 use kvroute::gateway::service::{ReportService, TICK_MS};
 use kvroute::replica::LogHead;
-use kvroute::snapshot::{PodTable, SlotLoad};
+use kvroute::snapshot::{InflightCount, PodTable, SlotLoad};
 use kvroute_integration::harness::{filler_text, free_port, Sim};
 use kvroute_integration::http;
 use serde_json::json;
@@ -194,8 +194,8 @@ impl ServiceHost for ThreadHost {
 
     fn publish_table(&mut self, _table: &PodTable, _state: &[u8], _members_changed: bool) {}
 
-    fn inflight_of(&mut self, _slot: usize) -> u32 {
-        0
+    fn inflight_of(&mut self, _slot: usize) -> InflightCount {
+        InflightCount::default()
     }
 
     // The measurement configures no `replicas`: nothing is logged or

@@ -347,6 +347,9 @@ struct Faults {
     health: Option<f64>,
     gpu_utilization: Option<f64>,
     queue_depth: Option<u32>,
+    /// How long `/metrics` holds a page after rendering it (vLLM renders
+    /// its gauges when scraped, then sends the page).
+    metrics_delay_ms: u64,
 }
 
 impl Faults {
@@ -358,6 +361,7 @@ impl Faults {
             "health": self.health,
             "gpuUtilization": self.gpu_utilization,
             "queueDepth": self.queue_depth,
+            "metricsDelayMs": self.metrics_delay_ms,
         })
     }
 }
@@ -690,6 +694,7 @@ pub fn app(
                 health: None,
                 gpu_utilization: None,
                 queue_depth: None,
+                metrics_delay_ms: 0,
             },
             rng: random_u64() | 1,
         }),
@@ -1158,6 +1163,20 @@ async fn health() -> StatusCode {
 }
 
 async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    let (text, delay) = render_metrics(&sim);
+    tokio::time::sleep(delay).await;
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// The `/metrics` page as vLLM renders it, and how long to hold it.
+fn render_metrics(sim: &Sim) -> (String, Duration) {
     let inner = sim.lock();
     let load = sim.load(&inner);
     let usage = inner
@@ -1235,15 +1254,7 @@ async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
             format!("{{{labels}}} {:.1}", inner.external_hit_tokens_total),
         );
     }
-    drop(inner);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+    (text, Duration::from_millis(inner.faults.metrics_delay_ms))
 }
 
 async fn report(
@@ -1378,6 +1389,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             ),
             "health" | "gpuUtilization" => unit_or_null(v, key).is_ok(),
             "queueDepth" => v.is_null() || v.as_u64().is_some_and(|q| q <= u32::MAX as u64),
+            "metricsDelayMs" => v.as_u64().is_some_and(|ms| ms <= 60_000),
             _ => {
                 problems.push(format!("unknown fault `{key}`"));
                 continue;
@@ -1424,6 +1436,9 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         }
         if let Some(v) = object.get("queueDepth") {
             inner.faults.queue_depth = v.as_u64().map(|q| q as u32);
+        }
+        if let Some(ms) = object.get("metricsDelayMs").and_then(Value::as_u64) {
+            inner.faults.metrics_delay_ms = ms;
         }
         if flag("evictAll") == Some(true) {
             evicted = Some(inner.pod.cache.evict_all(flag("silent") == Some(true)));

@@ -13,7 +13,7 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::Ejection;
 use crate::index::PrefixLookup;
 use crate::replica::{LogHead, PodInflight};
-use crate::snapshot::{InflightChange, PodTable, PublishedPod, SlotLoad};
+use crate::snapshot::{InflightChange, InflightCount, PodTable, PublishedPod, SlotLoad};
 
 use super::metrics::MetricSink;
 
@@ -146,8 +146,9 @@ pub trait ServiceHost {
     /// the table it published last to `state` in place, without copying
     /// the table's strings (1,024 pods' ids and addresses).
     fn publish_table(&mut self, table: &PodTable, state: &[u8], members_changed: bool);
-    /// Requests in flight on pod `slot`, over every worker.
-    fn inflight_of(&mut self, slot: usize) -> u32;
+    /// Requests in flight on pod `slot` and streams ever opened there, over
+    /// every worker.
+    fn inflight_of(&mut self, slot: usize) -> InflightCount;
     fn metric_sink(&mut self) -> &mut dyn MetricSink;
     /// Stores one value of this replica's decision log under `slot`, then
     /// the log's `head`: what the replica listener serves peers

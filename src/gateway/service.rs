@@ -70,7 +70,7 @@ use crate::discovery;
 use crate::polling::{Cadence, CadenceChange, ReportPolling, LONG_POLL_RECHECK_MS};
 use crate::replica::{PeerState, ReplicaSync, PEER_CALL_GAP_MS, REPLICA_KEY_HEADER};
 use crate::scoring::feed::{Feed, FeedRecord};
-use crate::snapshot::{decode_batch, BatchRecord, PodTable};
+use crate::snapshot::{decode_batch, BatchRecord, InflightCount, PodTable};
 
 /// Housekeeping period: the longest a due round, an unfolded answer or a
 /// pending publication waits.
@@ -131,6 +131,9 @@ pub struct ReportService<H: ServiceHost> {
     state: Option<ClusterState>,
     /// Calls in flight: token → (pod id, what was asked).
     pending: HashMap<u64, (String, Pull)>,
+    /// A pod call in flight: token → the streams this gateway had opened
+    /// on the pod when it went out ([`InflightCount::opened`]).
+    opened_at_call: HashMap<u64, u32>,
     /// When each pod's next report call goes out.
     polling: Option<ReportPolling>,
     next_round_ms: u64,
@@ -196,6 +199,7 @@ impl<H: ServiceHost> ReportService<H> {
             config: None,
             state: None,
             pending: HashMap::new(),
+            opened_at_call: HashMap::new(),
             polling: None,
             next_round_ms: 0,
             budget_us: TICK_BUDGET_US,
@@ -376,6 +380,7 @@ impl<H: ServiceHost> ReportService<H> {
         let Some((pod, pull)) = self.pending.remove(&token) else {
             return;
         };
+        let opened_at_call = self.opened_at_call.remove(&token);
         let kind = match pull {
             Pull::Discovery => return self.on_discovery_answer(status, body_size, read_body),
             Pull::Peer => return self.on_peer_answer(&pod, status, body_size, read_body),
@@ -383,7 +388,15 @@ impl<H: ServiceHost> ReportService<H> {
             Pull::Pod(kind) => kind,
         };
         let now = self.host.now_ms();
-        let inflight = self.inflight_of(&pod);
+        // vLLM renders its metrics at some instant after the scrape went
+        // out (milliseconds later), so requests sent to it since may be
+        // missing from its queue: they count as sent after the scrape.
+        // Counted from the answer's arrival, they would be in neither. A
+        // report call is held until the pod has news, and answered then:
+        // counted from its answer.
+        let count = self.inflight_of(&pod);
+        let sent_since_call = opened_at_call.map_or(0, |at| count.opened.wrapping_sub(at));
+        let inflight = count.requests.saturating_sub(sent_since_call);
         let (Some(state), Some(polling)) = (self.state.as_mut(), self.polling.as_mut()) else {
             return;
         };
@@ -431,6 +444,10 @@ impl<H: ServiceHost> ReportService<H> {
         if let (Pull::Peer, Some(secret)) = (pull, &secret) {
             headers.push((REPLICA_KEY_HEADER, secret));
         }
+        let slot = self.state.as_ref().and_then(|s| s.slot(pod));
+        let opened = slot
+            .filter(|_| pull == Pull::Pod(PullKind::Metrics))
+            .map(|slot| self.host.inflight_of(slot).opened);
         let started = Instant::now();
         let dispatched = self.host.dispatch_call(cluster, &headers, timeout_ms);
         let spent = started.elapsed().as_secs_f64() * 1e6;
@@ -438,6 +455,9 @@ impl<H: ServiceHost> ReportService<H> {
         match dispatched {
             Ok(token) => {
                 self.pending.insert(token, (pod.to_string(), pull));
+                if let Some(opened) = opened {
+                    self.opened_at_call.insert(token, opened);
+                }
             }
             Err(error) => {
                 log::error!("kvroute service: cannot call cluster {cluster:?} for {pod}: {error} (is the cluster defined?)");
@@ -461,10 +481,12 @@ impl<H: ServiceHost> ReportService<H> {
     }
 
     /// Requests in flight on `pod` over every worker and every live peer
-    /// replica, as the filters count them.
-    fn inflight_of(&mut self, pod: &str) -> u32 {
+    /// replica, as the filters count them, and the streams this replica's
+    /// workers opened there (the peers' reach it late anyway, through the
+    /// replica channel).
+    fn inflight_of(&mut self, pod: &str) -> InflightCount {
         let Some(slot) = self.state.as_ref().and_then(|s| s.slot(pod)) else {
-            return 0;
+            return InflightCount::default();
         };
         let peers = match (&self.replicas, &self.state) {
             (Some(sync), Some(state)) => sync
@@ -473,7 +495,11 @@ impl<H: ServiceHost> ReportService<H> {
                 .map_or(0, |l| l.requests),
             _ => 0,
         };
-        self.host.inflight_of(slot).saturating_add(peers)
+        let own = self.host.inflight_of(slot);
+        InflightCount {
+            requests: own.requests.saturating_add(peers),
+            ..own
+        }
     }
 
     /// Writes changed buckets while this tick's budget lasts, then a new
@@ -1063,6 +1089,7 @@ mod tests {
         calls: Vec<(u64, Vec<(String, String)>)>,
         next_token: u64,
         feed: Option<Vec<u8>>,
+        inflight: InflightCount,
     }
 
     #[derive(Clone, Default)]
@@ -1086,11 +1113,17 @@ mod tests {
         fn write_bucket(&mut self, bucket: u32, value: Vec<u8>) {
             self.0.borrow_mut().buckets.insert(bucket, value);
         }
-        fn publish_table(&mut self, table: &PodTable, _: &[u8], _: bool) {
-            self.0.borrow_mut().table = Some(table.clone());
+        fn publish_table(&mut self, table: &PodTable, state: &[u8], members_changed: bool) {
+            let mut store = self.0.borrow_mut();
+            match store.table.as_mut() {
+                Some(published) if !members_changed => {
+                    published.apply_state(state).expect("a state of the table");
+                }
+                _ => store.table = Some(table.clone()),
+            }
         }
-        fn inflight_of(&mut self, _: usize) -> u32 {
-            0
+        fn inflight_of(&mut self, _: usize) -> InflightCount {
+            self.0.borrow().inflight
         }
         fn metric_sink(&mut self) -> &mut dyn MetricSink {
             &mut self.1
@@ -1296,5 +1329,55 @@ mod tests {
         };
         assert_eq!(a_starts, (0..4).map(|r| start(7, r)).collect::<Vec<_>>());
         assert_eq!(b_starts, (0..4).map(|r| start(0, r)).collect::<Vec<_>>());
+    }
+
+    /// vLLM renders its metrics before two requests sent while the scrape
+    /// was out reach it: they count as sent after the scrape, so the pod's
+    /// queue reads its 1 waiting plus those 2. A report folded later
+    /// (queue 0, which vLLM's gauge overrides) moves nothing.
+    #[test]
+    fn requests_sent_while_a_scrape_is_out_count_after_it() {
+        let host = FakeHost::default();
+        let mut service = ReportService::new(host.clone());
+        let config = Config::parse(
+            br#"{"pods": [{"id": "pod-0", "address": "127.0.0.1:9001"}],
+                 "podReportIntervalMs": 200, "metricsPath": "/metrics"}"#,
+        )
+        .expect("valid");
+        assert!(service.configure(config));
+        let in_flight = |requests, opened| InflightCount { requests, opened };
+        host.0.borrow_mut().inflight = in_flight(3, 10);
+        service.on_tick();
+        let calls = std::mem::take(&mut host.0.borrow_mut().calls);
+        let token = |path: &str| {
+            calls
+                .iter()
+                .find(|(_, headers)| headers.iter().any(|(_, v)| v.starts_with(path)))
+                .map(|(token, _)| *token)
+                .expect(path)
+        };
+        // Two sent, one answered, while the scrape was out.
+        host.0.borrow_mut().inflight = in_flight(4, 12);
+        let metrics = b"vllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n";
+        service.on_call_response(token("/metrics"), Some("200"), metrics.len(), |_| {
+            metrics.to_vec()
+        });
+        host.0.borrow_mut().inflight = in_flight(5, 13);
+        let report =
+            br#"{"version":1,"podId":"pod-0","epoch":"e","seq":1,"full":true,"queueDepth":0,
+                         "health":1.0,"stored":[]}"#;
+        service.on_call_response(
+            token("/kvroute/v1/report"),
+            Some("200"),
+            report.len(),
+            |_| report.to_vec(),
+        );
+        host.0.borrow_mut().now += 1_000;
+        service.on_tick();
+        let store = host.0.borrow();
+        let pod = &store.table.as_ref().expect("a table").pods[0];
+        // Its queue now reads 1 + (5 − 2) = 4: the scrape's waiting one,
+        // the two sent while it was out and the one sent since.
+        assert_eq!((pod.queue, pod.inflight_at_report), (1, 2), "{pod:?}");
     }
 }

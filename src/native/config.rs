@@ -35,7 +35,7 @@ use crate::gateway::host::{HostError, HostResult, ServiceHost};
 use crate::gateway::metrics::MetricSink;
 use crate::gateway::service::{tick_period_ms, ReportService};
 use crate::replica::LogHead;
-use crate::snapshot::{PodTable, SlotLoad};
+use crate::snapshot::{InflightCount, PodTable, SlotLoad};
 
 impl WorkerState for Worker<NativeWorker> {
     fn filters(&mut self) -> &mut HashMap<u32, FilterHandle> {
@@ -103,8 +103,8 @@ impl ServiceHost for NativeService {
             .publish_table(table, state, members_changed);
     }
 
-    fn inflight_of(&mut self, slot: usize) -> u32 {
-        self.shared.inflight.requests(slot)
+    fn inflight_of(&mut self, slot: usize) -> InflightCount {
+        self.shared.inflight.count(slot)
     }
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {

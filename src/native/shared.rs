@@ -34,7 +34,9 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::{Ejection, Ejections};
 use crate::replica::log::LOG_DECISIONS;
 use crate::replica::LogHead;
-use crate::snapshot::{clamped_add, InflightChange, PodTable, PublishedPod, SlotLoad};
+use crate::snapshot::{
+    clamped_add, InflightChange, InflightCount, PodTable, PublishedPod, SlotLoad,
+};
 
 /// The published index buckets and pod table.
 pub struct Snapshot {
@@ -105,6 +107,8 @@ pub struct Inflight {
     requests: Box<[AtomicU32]>,
     prefill_tokens: Box<[AtomicU32]>,
     streams: Box<[AtomicU32]>,
+    /// Streams ever opened, wrapping ([`InflightCount::opened`]).
+    opened: Box<[AtomicU32]>,
 }
 
 fn add(counter: &AtomicU32, delta: i64) {
@@ -127,6 +131,7 @@ impl Inflight {
             requests: counters(),
             prefill_tokens: counters(),
             streams: counters(),
+            opened: counters(),
         }
     }
 
@@ -142,6 +147,11 @@ impl Inflight {
                     add(counter, delta);
                 }
             }
+            if let (Some(opened), Ok(streams @ 1..)) =
+                (self.opened.get(change.slot), u32::try_from(change.streams))
+            {
+                opened.fetch_add(streams, Ordering::AcqRel);
+            }
         }
     }
 
@@ -156,8 +166,11 @@ impl Inflight {
             .collect()
     }
 
-    pub fn requests(&self, slot: usize) -> u32 {
-        read(&self.requests, slot)
+    pub fn count(&self, slot: usize) -> InflightCount {
+        InflightCount {
+            requests: read(&self.requests, slot),
+            opened: read(&self.opened, slot),
+        }
     }
 }
 

@@ -21,7 +21,7 @@ use crate::gateway::host::{HostError, HostResult, ServiceHost};
 use crate::gateway::metrics::MetricSink;
 use crate::gateway::service::{tick_period_ms, ReportService};
 use crate::replica::LogHead;
-use crate::snapshot::{bucket_key, PodTable, SlotLoad, DECISION_QUEUE};
+use crate::snapshot::{bucket_key, InflightCount, PodTable, SlotLoad, DECISION_QUEUE};
 
 /// Answers (body and parse) the heap is grown for up front.
 const RESERVED_BODIES: usize = 8;
@@ -62,10 +62,8 @@ impl ServiceHost for WasmService {
         shared::publish_table(table, state, members_changed);
     }
 
-    fn inflight_of(&mut self, slot: usize) -> u32 {
-        shared::inflight(slot + 1)
-            .get(slot)
-            .map_or(0, |l| l.requests)
+    fn inflight_of(&mut self, slot: usize) -> InflightCount {
+        shared::inflight_count(slot)
     }
 
     fn metric_sink(&mut self) -> &mut dyn MetricSink {

@@ -37,9 +37,9 @@ use crate::config::PassiveHealthConfig;
 use crate::ejection::{Ejection, Ejections, RoutableTable, EJECTIONS_KEY};
 use crate::replica::LogHead;
 use crate::snapshot::{
-    add_inflight, bucket_key, encode_inflight, inflight_key, inflight_nonce, state_members_digest,
-    InflightChange, PodTable, PublishedPod, SlotLoad, GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY,
-    WORKERS_KEY,
+    add_inflight, add_inflight_count, bucket_key, encode_inflight, inflight_key, inflight_nonce,
+    state_members_digest, InflightChange, InflightCount, PodTable, PublishedPod, SlotLoad,
+    GENERATION_KEY, POD_STATE_KEY, POD_TABLE_KEY, WORKERS_KEY,
 };
 
 /// Retries of a compare-and-swap update under contention.
@@ -85,7 +85,7 @@ pub fn replica_log(slot: u64) -> Option<Vec<u8>> {
 }
 
 pub fn publish_peer_loads(loads: &[SlotLoad]) {
-    set(PEER_LOADS_KEY, &encode_inflight(0, loads));
+    set(PEER_LOADS_KEY, &encode_inflight(0, loads, &[]));
 }
 
 /// The live peer replicas' loads added to `total` (routing decisions only:
@@ -193,6 +193,8 @@ struct Inflight {
     worker: u32,
     nonce: u64,
     loads: Vec<SlotLoad>,
+    /// Streams opened per slot, ever ([`InflightCount::opened`]).
+    opened: Vec<u32>,
     /// Releases not yet published.
     released: bool,
     /// How many workers claimed a key, as last read.
@@ -231,7 +233,7 @@ impl Inflight {
     fn publish(&mut self) {
         set(
             &inflight_key(self.worker),
-            &encode_inflight(self.nonce, &self.loads),
+            &encode_inflight(self.nonce, &self.loads, &self.opened),
         );
         self.released = false;
     }
@@ -254,6 +256,7 @@ pub fn claim_inflight() -> bool {
             worker,
             nonce,
             loads: Vec::new(),
+            opened: Vec::new(),
             released: false,
             workers: workers_including(worker),
         };
@@ -309,6 +312,18 @@ pub fn inflight(slots: usize) -> Vec<SlotLoad> {
     })
 }
 
+/// Pod `slot`'s requests in flight and streams opened, over every
+/// worker's published value (the service's VM has none of its own).
+pub fn inflight_count(slot: usize) -> InflightCount {
+    let mut count = InflightCount::default();
+    for worker in 0..workers() {
+        if let Some(bytes) = get(&inflight_key(worker)).0 {
+            add_inflight_count(&mut count, &bytes, slot);
+        }
+    }
+    count
+}
+
 /// Whether this VM has no request in flight.
 pub fn idle() -> bool {
     INFLIGHT.with(|cell| {
@@ -333,6 +348,14 @@ pub fn adjust_inflight(changes: &[InflightChange]) {
             }
             if let Some(load) = inflight.loads.get_mut(change.slot) {
                 change.apply(load);
+            }
+            if let Ok(streams @ 1..) = u32::try_from(change.streams) {
+                if inflight.opened.len() <= change.slot {
+                    inflight.opened.resize(change.slot + 1, 0);
+                }
+                if let Some(opened) = inflight.opened.get_mut(change.slot) {
+                    *opened = opened.wrapping_add(streams);
+                }
             }
         }
         if changes.iter().any(InflightChange::grows) {
