@@ -1008,7 +1008,14 @@ async fn infer(sim: Arc<Sim>, body: Bytes, chat: bool) -> Response {
         sim: sim.clone(),
         admission: Some(admission),
     };
-    tokio::time::sleep_until(sim.at(slot.start)).await;
+    // A start already due is not slept for: the timer's millisecond tick
+    // would keep the request counted waiting after it took its slot, and
+    // a request the gateway sent on the freed slot meanwhile read as one
+    // over `maxQueue`.
+    let start = sim.at(slot.start);
+    if start > tokio::time::Instant::now() {
+        tokio::time::sleep_until(start).await;
+    }
     drop(waiting);
     let running = Running::new(&sim, permit, blocks);
     tokio::time::sleep_until(sim.at(slot.end)).await;
