@@ -362,8 +362,11 @@ impl ScoringPolicy {
             (Some(balance), Some(b)) => balance.judge(&eligible_pods, b.error),
             _ => vec![Verdict::default(); eligible_pods.len()],
         };
-        if let Some(demand) = balancing.and_then(|b| b.demand) {
-            spread::keep_holders_together(&eligible_pods, demand, &mut verdicts);
+        // A session start from a shared prefix: the pods holding it.
+        let demand = balancing.and_then(|b| b.demand);
+        let holds = demand.map_or_else(Vec::new, |_| spread::holding(&eligible_pods));
+        if let Some(demand) = demand {
+            spread::keep_holders_together(&holds, demand, &mut verdicts);
         }
         for (pod, verdict) in eligible_pods.iter_mut().zip(&verdicts) {
             if verdict.cache_withheld {
@@ -406,8 +409,13 @@ impl ScoringPolicy {
             .collect();
         // A session start from an under-held prefix whose holders are hot
         // goes to a pod without it ([`spread`]).
-        let spread_to = balancing.and_then(|b| b.demand).and_then(|demand| {
-            spread::targets(&eligible_pods, demand, eligible.len() + excluded.len())
+        let spread_to = demand.and_then(|demand| {
+            spread::targets(
+                &eligible_pods,
+                &holds,
+                demand,
+                eligible.len() + excluded.len(),
+            )
         });
         let spread_allows = |i: usize| {
             spread_to

@@ -169,13 +169,17 @@ impl Demand {
 
 /// The pods of `pods` (a decision's eligible ones) a session start may go
 /// to when its prefix wants another holder among the `scored` pods and
-/// its holders are hot; `None` when the rule does not apply (module
-/// documentation). The holders are the pods caching the most of it.
-pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<Vec<bool>> {
-    let holds = holding(pods)?;
+/// its holders (`holds`, [`holding`]) are hot; `None` when the rule does
+/// not apply (module documentation).
+pub fn targets(
+    pods: &[Candidate<'_>],
+    holds: &[bool],
+    demand: Demand,
+    scored: usize,
+) -> Option<Vec<bool>> {
     let streams = |holding: bool| -> f64 {
         pods.iter()
-            .zip(&holds)
+            .zip(holds)
             .filter(|&(_, &h)| h == holding)
             .map(|(pod, _)| f64::from(pod.streams))
             .sum()
@@ -189,30 +193,27 @@ pub fn targets(pods: &[Candidate<'_>], demand: Demand, scored: usize) -> Option<
     // Not behind another pod's whole request.
     let least_queued = pods
         .iter()
-        .zip(&holds)
+        .zip(holds)
         .filter(|&(_, &h)| !h)
         .map(|(pod, _)| pod.queued_prefill)
         .min()?;
     Some(
         pods.iter()
-            .zip(&holds)
+            .zip(holds)
             .map(|(pod, &h)| !h && pod.queued_prefill <= least_queued + pod.uncached_tokens)
             .collect(),
     )
 }
 
 /// A session start from a prefix whose sessions continue: if the balance
-/// let any pod caching the whole prefix keep its cache term, all of them
-/// keep it, so the seed's load and queue terms (then the streams) choose
-/// among them by what each carries, not by which answers this one
-/// request sooner (module documentation). `verdicts` align with `pods`.
-pub fn keep_holders_together(pods: &[Candidate<'_>], demand: Demand, verdicts: &mut [Verdict]) {
+/// let any of its holders (`holds`, [`holding`]) keep its cache term, all
+/// of them keep it, so the seed's load and queue terms (then the streams)
+/// choose among them by what each carries, not by which answers this one
+/// request sooner (module documentation). `verdicts` align with `holds`.
+pub fn keep_holders_together(holds: &[bool], demand: Demand, verdicts: &mut [Verdict]) {
     if !demand.continues {
         return;
     }
-    let Some(holds) = holding(pods) else {
-        return;
-    };
     let a_holder_kept = holds
         .iter()
         .zip(verdicts.iter())
@@ -224,15 +225,12 @@ pub fn keep_holders_together(pods: &[Candidate<'_>], demand: Demand, verdicts: &
     }
 }
 
-/// Which of `pods` hold the prefix: those caching the most of it (`None`
-/// for no pods).
-fn holding(pods: &[Candidate<'_>]) -> Option<Vec<bool>> {
-    let most_cached = pods.iter().map(|p| p.cached_tokens).max()?;
-    Some(
-        pods.iter()
-            .map(|p| p.cached_tokens == most_cached)
-            .collect(),
-    )
+/// Which of `pods` hold the prefix: those caching the most of it.
+pub fn holding(pods: &[Candidate<'_>]) -> Vec<bool> {
+    let most_cached = pods.iter().map(|p| p.cached_tokens).max().unwrap_or(0);
+    pods.iter()
+        .map(|p| p.cached_tokens == most_cached)
+        .collect()
 }
 
 /// Session starts at one branch point, decayed to `at` (the starts clock).
