@@ -263,13 +263,17 @@ impl<T> WaitQueue<T> {
         }
     }
 
+    fn class_ref(&self, priority: Priority) -> &VecDeque<Waiter<T>> {
+        match priority {
+            Priority::Critical => &self.critical,
+            Priority::Standard => &self.standard,
+            Priority::Sheddable => &self.sheddable,
+        }
+    }
+
     /// The entry next in line: the oldest of the highest class.
     pub fn head(&self) -> Option<&Waiter<T>> {
-        Priority::ALL.into_iter().find_map(|p| match p {
-            Priority::Critical => self.critical.front(),
-            Priority::Standard => self.standard.front(),
-            Priority::Sheddable => self.sheddable.front(),
-        })
+        self.head_priority().and_then(|p| self.class_ref(p).front())
     }
 
     /// The highest non-empty class.
@@ -278,11 +282,7 @@ impl<T> WaitQueue<T> {
     }
 
     fn class_len(&self, priority: Priority) -> usize {
-        match priority {
-            Priority::Critical => self.critical.len(),
-            Priority::Standard => self.standard.len(),
-            Priority::Sheddable => self.sheddable.len(),
-        }
+        self.class_ref(priority).len()
     }
 
     /// Adds request `id` of class `priority`, arriving at `now_ms`;

@@ -550,6 +550,12 @@ impl InflightChange {
         }
     }
 
+    /// The streams it opens on its slot (requests sent there, failovers
+    /// included): what [`InflightCount::opened`] counts.
+    pub fn opened(&self) -> u32 {
+        u32::try_from(self.streams).unwrap_or(0)
+    }
+
     /// Whether it adds to the load (what other workers must see at once).
     pub fn grows(&self) -> bool {
         self.requests > 0 || self.prefill_tokens > 0 || self.streams > 0

@@ -203,11 +203,9 @@ fn waiting_requests_are_dispatched_in_arrival_order_when_capacity_frees() {
 /// handed over in arrival order as requests end. Returns the most the pod
 /// queued.
 fn drain_a_burst_in_order(extra: Value, fault: Value) -> u64 {
-    let mut settings = json!({"maxQueue": 2});
-    if let (Some(settings), Some(extra)) = (settings.as_object_mut(), extra.as_object()) {
-        settings.extend(extra.clone());
-    }
-    let mut spec = ClusterSpec::new(1, config(settings));
+    let mut settings = config(extra);
+    settings["maxQueue"] = json!(2);
+    let mut spec = ClusterSpec::new(1, settings);
     spec.sim_args = ["--time-scale", "1", "--max-batch", "1"]
         .map(String::from)
         .to_vec();

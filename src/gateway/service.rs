@@ -444,9 +444,9 @@ impl<H: ServiceHost> ReportService<H> {
         if let (Pull::Peer, Some(secret)) = (pull, &secret) {
             headers.push((REPLICA_KEY_HEADER, secret));
         }
-        let slot = self.state.as_ref().and_then(|s| s.slot(pod));
-        let opened = slot
-            .filter(|_| pull == Pull::Pod(PullKind::Metrics))
+        let opened = (pull == Pull::Pod(PullKind::Metrics))
+            .then(|| self.state.as_ref().and_then(|s| s.slot(pod)))
+            .flatten()
             .map(|slot| self.host.inflight_of(slot).opened);
         let started = Instant::now();
         let dispatched = self.host.dispatch_call(cluster, &headers, timeout_ms);

@@ -147,9 +147,7 @@ impl Inflight {
                     add(counter, delta);
                 }
             }
-            if let (Some(opened), Ok(streams @ 1..)) =
-                (self.opened.get(change.slot), u32::try_from(change.streams))
-            {
+            if let (Some(opened), streams @ 1..) = (self.opened.get(change.slot), change.opened()) {
                 opened.fetch_add(streams, Ordering::AcqRel);
             }
         }

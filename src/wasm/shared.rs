@@ -349,12 +349,12 @@ pub fn adjust_inflight(changes: &[InflightChange]) {
             if let Some(load) = inflight.loads.get_mut(change.slot) {
                 change.apply(load);
             }
-            if let Ok(streams @ 1..) = u32::try_from(change.streams) {
+            if change.opened() > 0 {
                 if inflight.opened.len() <= change.slot {
                     inflight.opened.resize(change.slot + 1, 0);
                 }
                 if let Some(opened) = inflight.opened.get_mut(change.slot) {
-                    *opened = opened.wrapping_add(streams);
+                    *opened = opened.wrapping_add(change.opened());
                 }
             }
         }
