@@ -1416,3 +1416,53 @@ fn a_session_start_whose_sessions_continue_goes_to_the_holder_that_carries_less(
     assert!(scored(&decision, 0).cache_withheld && scored(&decision, 1).cache_withheld);
     assert_eq!(decision, policy.decide(&pods, false, 0, Some(start(false))));
 }
+
+#[test]
+fn a_session_start_whose_sessions_continue_goes_where_fewer_are_carried() {
+    let policy = default_policy();
+    let model = learned_model(1.0);
+    // A 2,200-token first turn on a 2,000-token system prompt that only
+    // pod 0 caches; pod 0 carries three sessions, the others one each.
+    let mut pods = [
+        ttft_pod(&model, 0, 2_200, 2_000, 0),
+        ttft_pod(&model, 1, 2_200, 0, 0),
+        ttft_pod(&model, 2, 2_200, 0, 0),
+        ttft_pod(&model, 3, 2_200, 0, 0),
+    ];
+    pods[0].streams = 3;
+    for pod in &mut pods[1..] {
+        pod.streams = 1;
+    }
+    // A quarter of the starts: one holder is its share, so the share
+    // rule asks for no copy.
+    let demand = Demand {
+        starts: 2.0,
+        share: 0.25,
+        holders: 1,
+        continues: false,
+    };
+    let start = |continues: bool| Balancing {
+        demand: Some(Demand {
+            continues,
+            ..demand
+        }),
+        ..Balancing::with_error(model.error())
+    };
+    // Single-shot starts stay with the cache.
+    let decision = policy.decide(&pods, false, 0, Some(start(false)));
+    assert_eq!((decision.chosen, decision.spread), (Some(0), false));
+    // Sessions that continue: pod 1 with this one would still carry fewer
+    // (2) than the holder does now (3).
+    let decision = policy.decide(&pods, false, 0, Some(start(true)));
+    assert_eq!((decision.chosen, decision.spread), (Some(1), true));
+    // Not when that only moves the pile: with this one, each carries 3.
+    for pod in &mut pods[1..] {
+        pod.streams = 2;
+    }
+    let decision = policy.decide(&pods, false, 0, Some(start(true)));
+    assert_eq!((decision.chosen, decision.spread), (Some(0), false));
+    // One pod carrying less is enough, and it is the one spread to.
+    pods[3].streams = 1;
+    let decision = policy.decide(&pods, false, 0, Some(start(true)));
+    assert_eq!((decision.chosen, decision.spread), (Some(3), true));
+}

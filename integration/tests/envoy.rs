@@ -849,6 +849,75 @@ fn a_session_start_goes_to_the_holder_that_carries_less_once_sessions_continue()
     assert_eq!(start, "pod-1", "by what each holder carries");
 }
 
+/// Where a third session start from a system prompt only pod-0 holds goes
+/// while pod-0 streams the answers of `carried` of its sessions' later
+/// turns and pod-1 carries none.
+fn session_start_while_the_holder_carries(carried: usize) -> String {
+    let mut spec = ClusterSpec::new(2, base_config());
+    spec.sim_args = vec!["--time-scale".into(), "0.5".into()];
+    // What a worker learns of continuing sessions is its own.
+    spec.envoy_workers = 1;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let system = text("shared system prompt", 4 * 1024);
+    http::post_json(
+        &cluster.sims[0].address,
+        "/v1/completions",
+        &completion(&system, 1).to_string(),
+    )
+    .expect("warm pod-0");
+    cluster.wait_reports(2);
+    // Other traffic: the prompt starts a small share of the sessions, so
+    // its one holder is as many as the share asks for.
+    for other in 0..6 {
+        cluster.post(
+            "/v1/completions",
+            &completion(&text(&format!("other {other}"), 512), 1),
+        );
+    }
+    let task = |name: &str| format!("{system} {}", text(name, 512));
+    // Two sessions start from it (a branch point) and continue.
+    let sessions = ["task one", "task two"].map(task);
+    for session in &sessions {
+        assert_eq!(
+            served_by(&cluster.post("/v1/completions", &completion(session, 1))),
+            "pod-0"
+        );
+    }
+    cluster.wait_reports(2);
+    // Their next turns, answered slowly (100 tokens, 1 s at this scale).
+    let streaming: Vec<_> = sessions
+        .iter()
+        .take(carried)
+        .map(|session| {
+            let (listen, body) = (
+                cluster.envoy.listen.clone(),
+                completion(&format!("{session} {}", text("tool output", 512)), 100),
+            );
+            std::thread::spawn(move || {
+                http::post_json(&listen, "/v1/completions", &body.to_string()).expect("turn 2")
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let probe = cluster.post("/v1/completions", &completion(&task("task three"), 1));
+    for turn in streaming {
+        assert_eq!(
+            served_by(&turn.join().unwrap()),
+            "pod-0",
+            "a later turn follows its history"
+        );
+    }
+    served_by(&probe)
+}
+
+#[test]
+fn a_session_start_goes_where_fewer_sessions_are_carried() {
+    // One session more on the holder: the start keeps its cache there.
+    assert_eq!(session_start_while_the_holder_carries(1), "pod-0");
+    // Two more: pod-1, even with this one, carries fewer than pod-0 does.
+    assert_eq!(session_start_while_the_holder_carries(2), "pod-1");
+}
+
 /// The design's case A (80 % utilisation, 0 queued) vs B (40 %, 10 queued).
 /// With the default weights the formula prefers B (load+queue terms 0.17 vs
 /// 0.14, see tests/scoring.rs); an operator who wants queue to dominate

@@ -117,6 +117,41 @@
 //! +0.4 points of the bound); the traces, shared prefix, LoRA, the trace
 //! workload and long context unchanged.
 //!
+//! **A start whose sessions continue goes where fewer are carried.** The
+//! share above counts a prefix's starts from its third (the second is a
+//! branch point's first sight), against a prior of one start per pod, so
+//! three prompts of a third of the starts each never ask for a second
+//! holder at 4 pods, and the closed loops of the first holders' sessions
+//! pile up: agentic put 8 of its 24 agents on one pod (1.33× fair) in
+//! every real-Envoy run, and at 8 pods the first holders of long
+//! context's two heads took 4 and 5 sessions before a copy was bought,
+//! which the balance then moved, history and all. So a start from a
+//! prefix whose sessions continue may also go to a pod without the prefix
+//! that, even with this session, carries fewer streams than every holder
+//! does now (among those not behind another pod's whole request; the
+//! seed's score, then the streams, choose among them). The session's
+//! later turns follow it, so what the pods carry decides, not this
+//! request's predicted TTFT. "Fewer, even with this one" is the point at
+//! which the move lowers what the most loaded of them carries, no tuned
+//! margin, and each such copy adds a holder, so a prefix gets at most one
+//! per pod. Single-shot starts are not affected: for every start the same
+//! rule took shared prefix at 4 pods from 99.5 to 78.8 % of the bound,
+//! each short session on one document paying for a copy. Measured with
+//! `kvroute-replay`, six seeds, medians (integration/results/
+//! costmodel.md, "Where fewer are carried"): agentic at 4 pods max share
+//! 1.33 → 1.17× (worst seed 1.46–1.50 → 1.33), TTFT p90 99–101 → 90–96
+//! ms; at 8 pods, precise, 93.8 → 96.0 % of the bound; long context at 8
+//! pods 94.5 → 97.5 % (precise), p50 820 → 402 ms; the mixed pool's
+//! agentic p90 685–726 → 243–418 ms; multi-turn, shared prefix, LoRA, the
+//! trace workload and both shared traces unchanged. It costs long context
+//! at 4 pods in approximate mode p90 3.1 → 3.5 s (ring hash 4.3) and
+//! agentic at 8 pods in approximate mode p99 321 → 361 ms. Real Envoy:
+//! agentic's max share 1.17× in all six runs (1.33 in every run before),
+//! TTFT p90 and p99 as before; in the mixed pool, six runs against main's
+//! eight, p90 median 121 → 113 ms (precise) and 120 → 113 (approximate),
+//! p99 about as before, one approximate run of six over the KV cliff
+//! (p90 394 ms; main's worst of eight 174).
+//!
 //! Measured side by side with the rule off (integration/results/
 //! costmodel.md, "Spread on main"): `kvroute-replay`, every bench
 //! workload at 4 and 8 pods: multi-turn TTFT p90 66 → 37 ms at 4 pods and
@@ -169,8 +204,9 @@ impl Demand {
 
 /// The pods of `pods` (a decision's eligible ones) a session start may go
 /// to when its prefix wants another holder among the `scored` pods and
-/// its holders (`holds`, [`holding`]) are hot; `None` when the rule does
-/// not apply (module documentation).
+/// its holders (`holds`, [`holding`]) are hot, or, for sessions that
+/// continue, those that would carry fewer than every holder; `None` when
+/// neither applies (module documentation).
 pub fn targets(
     pods: &[Candidate<'_>],
     holds: &[bool],
@@ -187,9 +223,18 @@ pub fn targets(
     let holders = holds.iter().filter(|&&h| h).count() as f64;
     let (held, elsewhere) = (streams(true), streams(false));
     let hot = held > 0.0 && held / (held + elsewhere) > holders / pods.len() as f64;
-    if !demand.wants_holder(scored, hot) {
-        return None;
-    }
+    let wanted = demand.wants_holder(scored, hot);
+    // Sessions that continue: a pod that, even with this one, carries
+    // fewer streams than every holder does now.
+    let least_held = pods
+        .iter()
+        .zip(holds)
+        .filter(|&(_, &h)| h)
+        .map(|(pod, _)| pod.streams)
+        .min();
+    let carries_less = |pod: &Candidate<'_>| {
+        demand.continues && least_held.is_some_and(|held| pod.streams.saturating_add(1) < held)
+    };
     // Not behind another pod's whole request.
     let least_queued = pods
         .iter()
@@ -197,12 +242,15 @@ pub fn targets(
         .filter(|&(_, &h)| !h)
         .map(|(pod, _)| pod.queued_prefill)
         .min()?;
-    Some(
-        pods.iter()
-            .zip(holds)
-            .map(|(pod, &h)| !h && pod.queued_prefill <= least_queued + pod.uncached_tokens)
-            .collect(),
-    )
+    let to: Vec<bool> = pods
+        .iter()
+        .zip(holds)
+        .map(|(pod, &h)| {
+            !h && pod.queued_prefill <= least_queued + pod.uncached_tokens
+                && (wanted || carries_less(pod))
+        })
+        .collect();
+    to.contains(&true).then_some(to)
 }
 
 /// A session start from a prefix whose sessions continue: if the balance
