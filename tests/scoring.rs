@@ -1367,6 +1367,18 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_
     assert_eq!(policy.decide(&pods, false, 0, None).chosen, Some(0));
 }
 
+/// Balancing a session start from a prefix of `demand`, its sessions seen
+/// to continue or not.
+fn session_start(model: &TtftModel, demand: Demand, continues: bool) -> Balancing {
+    Balancing {
+        demand: Some(Demand {
+            continues,
+            ..demand
+        }),
+        ..Balancing::with_error(model.error())
+    }
+}
+
 #[test]
 fn a_session_start_whose_sessions_continue_goes_to_the_holder_that_carries_less() {
     let policy = default_policy();
@@ -1389,13 +1401,7 @@ fn a_session_start_whose_sessions_continue_goes_to_the_holder_that_carries_less(
         holders: 2,
         continues: false,
     };
-    let start = |continues: bool| Balancing {
-        demand: Some(Demand {
-            continues,
-            ..demand
-        }),
-        ..Balancing::with_error(model.error())
-    };
+    let start = |continues: bool| session_start(&model, demand, continues);
     // Sessions not seen to continue: this request alone counts, and pod 0
     // answers it sooner (30 ms against 230 ms).
     let decision = policy.decide(&pods, false, 0, Some(start(false)));
@@ -1441,13 +1447,7 @@ fn a_session_start_whose_sessions_continue_goes_where_fewer_are_carried() {
         holders: 1,
         continues: false,
     };
-    let start = |continues: bool| Balancing {
-        demand: Some(Demand {
-            continues,
-            ..demand
-        }),
-        ..Balancing::with_error(model.error())
-    };
+    let start = |continues: bool| session_start(&model, demand, continues);
     // Single-shot starts stay with the cache.
     let decision = policy.decide(&pods, false, 0, Some(start(false)));
     assert_eq!((decision.chosen, decision.spread), (Some(0), false));
