@@ -803,16 +803,21 @@ fn a_prompt_cached_nowhere_goes_where_it_is_answered_soonest() {
     assert_eq!(cold, "pod-0", "without balance the reported load decides");
 }
 
+/// Two pods at time scale 0.5 behind one Envoy worker: what a worker
+/// learns of continuing sessions is its own.
+fn one_worker_pair() -> Cluster {
+    let mut spec = ClusterSpec::new(2, base_config());
+    spec.sim_args = vec!["--time-scale".into(), "0.5".into()];
+    spec.envoy_workers = 1;
+    Cluster::start(SIM.as_ref(), spec).expect("cluster starts")
+}
+
 /// Where a session start from a system prompt both pods hold goes while
 /// pod-1, reporting the lower load, prefills a long prompt and pod-0
 /// (load 0.6) idles; `later_turn` first shows the prompt's sessions
 /// continue.
 fn session_start_while_the_less_loaded_holder_prefills(later_turn: bool) -> String {
-    let mut spec = ClusterSpec::new(2, base_config());
-    spec.sim_args = vec!["--time-scale".into(), "0.5".into()];
-    // What a worker learns of continuing sessions is its own.
-    spec.envoy_workers = 1;
-    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let cluster = one_worker_pair();
     let system = text("shared system prompt", 4 * 1024);
     // Both pods hold it, as after spread's copies.
     for sim in &cluster.sims {
@@ -853,11 +858,7 @@ fn a_session_start_goes_to_the_holder_that_carries_less_once_sessions_continue()
 /// while pod-0 streams the answers of `carried` of its sessions' later
 /// turns and pod-1 carries none.
 fn session_start_while_the_holder_carries(carried: usize) -> String {
-    let mut spec = ClusterSpec::new(2, base_config());
-    spec.sim_args = vec!["--time-scale".into(), "0.5".into()];
-    // What a worker learns of continuing sessions is its own.
-    spec.envoy_workers = 1;
-    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let cluster = one_worker_pair();
     let system = text("shared system prompt", 4 * 1024);
     http::post_json(
         &cluster.sims[0].address,

@@ -224,6 +224,9 @@ pub fn targets(
     let (held, elsewhere) = (streams(true), streams(false));
     let hot = held > 0.0 && held / (held + elsewhere) > holders / pods.len() as f64;
     let wanted = demand.wants_holder(scored, hot);
+    if !wanted && !demand.continues {
+        return None;
+    }
     // Sessions that continue: a pod that, even with this one, carries
     // fewer streams than every holder does now.
     let least_held = pods

@@ -349,12 +349,12 @@ pub fn adjust_inflight(changes: &[InflightChange]) {
             if let Some(load) = inflight.loads.get_mut(change.slot) {
                 change.apply(load);
             }
-            if change.opened() > 0 {
+            if let streams @ 1.. = change.opened() {
                 if inflight.opened.len() <= change.slot {
                     inflight.opened.resize(change.slot + 1, 0);
                 }
                 if let Some(opened) = inflight.opened.get_mut(change.slot) {
-                    *opened = opened.wrapping_add(change.opened());
+                    *opened = opened.wrapping_add(streams);
                 }
             }
         }
