@@ -26,8 +26,9 @@
 //!    for that pod ([`HoldOut`]), for at most `affinityWaitMs` × the share
 //!    of the prompt it would save ([`Router::hold_bound_ms`]) in all; the
 //!    wait queue then offers the room to the next waiting request
-//!    ([`crate::queueing`]). A request leaving the wait queue
-//!    ([`Attempt::Waiting`]) is scored without balance.
+//!    ([`crate::queueing`]). A request leaving the wait queue for room
+//!    ([`Attempt::Waiting`]) is scored without balance; one the gateway
+//!    can hold no longer ([`Attempt::PastWaitLimit`]) with it.
 //!
 //! Every candidate carries its predicted TTFT ([`TtftModel`], from the
 //! view): balance ([`crate::scoring::balance`]) takes the cache term from
@@ -501,32 +502,38 @@ impl Router {
             stale_snapshot,
             staleness: &self.staleness,
         };
-        // A request leaving the wait queue goes to a pod only once that
-        // pod has drained below `maxQueue`, one request per freed place:
-        // the queue balances the pods already, and balance would only
-        // trade its cache hit for a miss on another pod that has room.
+        // A request leaving the wait queue for room goes to a pod only once
+        // that pod has drained below `maxQueue`, one request per freed
+        // place: the queue balances the pods already, and balance would
+        // only trade its cache hit for a miss on another pod that has room.
+        // Past the wait's limits nothing bounds a pod's queue: balance
+        // weighs the request as an arrival's (spread counts arrivals only).
         let longest = matches.longest();
         let match_end = spread::match_end(&chain, longest);
-        let balancing = (attempt == Attempt::Arrival).then(|| Balancing {
-            error: view.ttft.error(),
-            // Never for a conversation's later turn: it follows its
-            // history, whatever this router has seen of it.
-            demand: match_end
-                .filter(|_| follows_up != Some(true))
-                .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
-                .map(|d| spread::Demand {
-                    // Counted only for a session start at a branch point.
-                    holders: matches
-                        .iter()
-                        .filter(|&(_, blocks)| blocks == longest)
-                        .count(),
-                    ..d
-                }),
-        });
+        let balancing = match attempt {
+            Attempt::Arrival => Some(Balancing {
+                error: view.ttft.error(),
+                // Never for a conversation's later turn: it follows its
+                // history, whatever this router has seen of it.
+                demand: match_end
+                    .filter(|_| follows_up != Some(true))
+                    .and_then(|end| view.prefix_demand.demand(end, view.table.pods.len()))
+                    .map(|d| spread::Demand {
+                        // Counted only for a session start at a branch point.
+                        holders: matches
+                            .iter()
+                            .filter(|&(_, blocks)| blocks == longest)
+                            .count(),
+                        ..d
+                    }),
+            }),
+            Attempt::PastWaitLimit => Some(Balancing::with_error(view.ttft.error())),
+            Attempt::Waiting { .. } => None,
+        };
         let past_limit = attempt == Attempt::PastWaitLimit;
         let mut decision = if past_limit {
             self.policy
-                .decide_past_max_queue(&pool, adapter.is_some(), tie_breaker)
+                .decide_past_max_queue(&pool, adapter.is_some(), tie_breaker, balancing)
         } else {
             self.policy
                 .decide(&pool, adapter.is_some(), tie_breaker, balancing)
@@ -1080,7 +1087,7 @@ mod tests {
     }
 
     #[test]
-    fn balance_spares_requests_leaving_the_wait_queue() {
+    fn balance_spares_requests_leaving_the_wait_queue_for_room_only() {
         // `a` caches the 160-token prompt and has room, but 10,000 tokens
         // to prefill before it (even uncalibrated, far past the prior
         // error): an arrival goes to idle `b`, a waiting request to `a`.
@@ -1088,6 +1095,20 @@ mod tests {
         assert_eq!(routed_to(case.route([10, 0], Attempt::Arrival)), "b");
         let waiting = Attempt::Waiting { holding_ms: 0 };
         assert_eq!(routed_to(case.route([10, 0], waiting)), "a");
+        // Past the wait's limits `a` is at maxQueue, where nothing bounds
+        // its queue: balanced as an arrival, to `b`.
+        let full = HoldOutCase::new(config(), 20, 10);
+        assert_eq!(routed_to(full.route([10, 0], Attempt::PastWaitLimit)), "b");
+        // With balance off the cache decides, as it does for arrivals.
+        let off = Config {
+            balance: crate::config::BalanceConfig {
+                enabled: false,
+                ..Default::default()
+            },
+            ..config()
+        };
+        let full = HoldOutCase::new(off, 20, 10);
+        assert_eq!(routed_to(full.route([10, 0], Attempt::PastWaitLimit)), "a");
     }
 
     #[test]

@@ -353,9 +353,10 @@ struct Faults {
 }
 
 impl Faults {
-    fn json(&self, hang: bool) -> Value {
+    fn json(&self, hang: bool, engine_stall: bool) -> Value {
         json!({
             "hang": hang,
+            "engineStall": engine_stall,
             "errorRate": self.error_rate,
             "report": self.report.name(),
             "health": self.health,
@@ -421,6 +422,9 @@ struct Sim {
     /// The prefill engine's epoch.
     origin: Instant,
     hang: watch::Sender<bool>,
+    /// The engine stalls: completions are held, reports and metrics answer
+    /// (vLLM's API server stays up while its engine is stuck).
+    engine_stall: watch::Sender<bool>,
     /// The cache's `seq`, for report requests waiting for an event.
     cache_seq: watch::Sender<u64>,
     report_waiters: Semaphore,
@@ -669,6 +673,7 @@ pub fn app(
         slots: Arc::new(Semaphore::new(max_batch)),
         origin: Instant::now(),
         hang: watch::channel(false).0,
+        engine_stall: watch::channel(false).0,
         cache_seq: watch::channel(seq).0,
         report_waiters: Semaphore::new(REPORT_WAITERS),
         long_poll: !options.no_long_poll,
@@ -717,12 +722,18 @@ pub fn app(
         .with_state(sim)
 }
 
-/// Holds new non-admin requests while the `hang` fault is on, and tags every
-/// response with `x-sim-pod`.
+/// Holds new non-admin requests while the `hang` fault is on, and new
+/// completions while `engineStall` is, and tags every response with
+/// `x-sim-pod`.
 async fn gate(State(sim): State<Arc<Sim>>, request: Request, next: Next) -> Response {
-    if !request.uri().path().starts_with("/admin/") {
+    let path = request.uri().path();
+    if !path.starts_with("/admin/") {
         let mut hang = sim.hang.subscribe();
         let _ = hang.wait_for(|h| !*h).await;
+    }
+    if path.starts_with("/v1/") {
+        let mut stall = sim.engine_stall.subscribe();
+        let _ = stall.wait_for(|s| !*s).await;
     }
     let mut response = next.run(request).await;
     if let Ok(value) = HeaderValue::from_str(&sim.pod_id) {
@@ -1386,7 +1397,9 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     let mut problems = Vec::new();
     for (key, v) in object {
         let ok = match key.as_str() {
-            "crash" | "hang" | "evictAll" | "silent" | "flushSilent" => v.is_boolean(),
+            "crash" | "hang" | "engineStall" | "evictAll" | "silent" | "flushSilent" => {
+                v.is_boolean()
+            }
             "clearAll" | "kvGarbage" => v.is_boolean() && sim.kv_events.is_some(),
             "kvDrop" | "kvLose" => v.is_u64() && sim.kv_events.is_some(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
@@ -1474,8 +1487,13 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     if let Some(hang) = flag("hang") {
         sim.hang.send_replace(hang);
     }
+    if let Some(stall) = flag("engineStall") {
+        sim.engine_stall.send_replace(stall);
+    }
     let inner = sim.lock();
-    let mut answer = inner.faults.json(*sim.hang.borrow());
+    let mut answer = inner
+        .faults
+        .json(*sim.hang.borrow(), *sim.engine_stall.borrow());
     answer["evicted"] = json!(evicted);
     answer["flushed"] = json!(flushed);
     answer["silentPending"] = json!(inner.pod.cache.silent_pending());
@@ -1509,7 +1527,7 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Response {
         "ttftMsSum": s.ttft_ms_sum,
         "adapterLoads": inner.pod.adapters.loads() - s.adapter_loads_at_reset,
         "adapters": inner.pod.adapters.loaded(),
-        "faults": inner.faults.json(*sim.hang.borrow()),
+        "faults": inner.faults.json(*sim.hang.borrow(), *sim.engine_stall.borrow()),
     });
     drop(inner);
     Json(body).into_response()

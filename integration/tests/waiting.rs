@@ -439,6 +439,85 @@ fn requests_the_gateway_cannot_hold_go_to_a_pod_past_max_queue() {
     assert_eq!(waiting(&cluster), 0.0);
 }
 
+/// The pod each request id was routed to, from kvroute's `route` events.
+fn routed_pods(cluster: &Cluster) -> BTreeMap<String, String> {
+    cluster
+        .envoy
+        .log()
+        .lines()
+        .filter(|l| l.contains("\"event\":\"route\""))
+        .filter_map(|l| l.find('{').and_then(|at| l.get(at..)))
+        .filter_map(|json| serde_json::from_str::<Value>(json).ok())
+        .filter_map(|fields| {
+            let id = fields["requestId"].as_str()?.to_string();
+            Some((id, fields["pod"].as_str()?.to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn requests_past_the_wait_limits_are_balanced_by_predicted_ttft() {
+    // One worker, two pods. A long prefix is cached on one of them; then
+    // both report a full queue, so every request waits and leaves at
+    // maxWaitMs, past maxQueue, and the holder's engine stalls: what is
+    // sent there stays in flight, its prefill queued (its reports go on). A continuation of the prefix
+    // costs the holder its own new tokens and the other pod the whole
+    // prompt: the first go to the holder, and once the holder's queued
+    // prefill outgrows a copy (beyond the model's error) the rest go to
+    // the other pod. Unbalanced, every one went to the holder.
+    let mut spec = ClusterSpec::new(2, config(json!({"maxWaitMs": 800})));
+    spec.envoy_workers = 1;
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let prefix = text("past the limits", 16 * 1024);
+    let continuation = |i: usize| {
+        let prompt = format!("{prefix}{}", text(&format!("turn {i}"), 2048));
+        json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2}).to_string()
+    };
+    let (warm, _) = spawn_body(&cluster, "warm".into(), "standard", continuation(0))
+        .join()
+        .expect("client");
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    cluster.wait_reports(3);
+    let holder = routed_pods(&cluster)["warm"].clone();
+    for sim in &cluster.sims {
+        sim.fault(json!({"queueDepth": 20}));
+    }
+    let holding = cluster
+        .sims
+        .iter()
+        .find(|s| s.id == holder)
+        .expect("holder");
+    holding.fault(json!({"engineStall": true}));
+    cluster.wait_reports(3);
+    let clients: Vec<_> = (1..=24)
+        .map(|i| {
+            std::thread::sleep(Duration::from_millis(20));
+            spawn_body(&cluster, format!("past-{i}"), "standard", continuation(i))
+        })
+        .collect();
+    wait_until("every request routed", Duration::from_secs(10), || {
+        routed_pods(&cluster).len() == 25
+    });
+    let pods = routed_pods(&cluster);
+    let to_holder = (1..=24)
+        .filter(|i| pods[&format!("past-{i}")] == holder)
+        .count();
+    assert!(
+        (1..24).contains(&to_holder),
+        "{to_holder} of 24 to the holder: {pods:?}"
+    );
+    holding.fault(json!({"engineStall": false}));
+    for client in clients {
+        let (response, _) = client.join().expect("client");
+        assert_eq!(response.status, 200, "{}", response.body);
+    }
+    assert_eq!(
+        wait_end(&cluster, "past-24")["outcome"],
+        "routed_past_deadline"
+    );
+    assert_eq!(waiting(&cluster), 0.0);
+}
+
 #[test]
 fn a_full_queue_drops_sheddable_requests_first() {
     // One worker, so the two places are one queue.

@@ -70,9 +70,22 @@
 //! idle pool gains by copying the shared system prompt, 87 % with the
 //! full copy, 96 % with either weight.
 //!
-//! Requests leaving the gateway's wait queue are not balanced (see
-//! [`crate::router::Attempt`]): they take a pod only once it drained below
-//! `maxQueue`, so the queue balances already.
+//! Requests leaving the gateway's wait queue for room are not balanced
+//! (see [`crate::router::Attempt`]): they take a pod only once it drained
+//! below `maxQueue`, so the queue balances already. A request the gateway
+//! can hold no longer (`onWaitLimit: "route"`) is: past `maxQueue` nothing
+//! bounds a pod's queue. Unbalanced, those requests followed the cache
+//! alone, and under overload the pods caching the popular prefixes
+//! collected them: on the Mooncake trace at 0.9× of its physical limit
+//! (4 pods) TTFT was 275 s on one pod and 50 s on another, and a pod that
+//! drained then took cold prompts it had to prefill in full. Balanced,
+//! measured with `kvroute-replay --load-sweep` side by side
+//! (integration/results/costmodel.md, "Past the limits, balanced"): 96 →
+//! 100 % of the pooled bound at 0.9×, TTFT p99 382 → 227 s (ring hash
+//! 364); Azure at 1.0× p99 128 → 107 s (ring hash 125).
+//! What it costs: a request no longer finds a short queue by luck, so p50
+//! rises where the pods' queues were uneven (Mooncake at 0.8–1.0×, 90 /
+//! 141 / 205 → 108 / 159 / 224 s, ring hash 73 / 125 / 178).
 
 use super::ttft::TtftModel;
 use super::Candidate;

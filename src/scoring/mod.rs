@@ -320,8 +320,15 @@ impl ScoringPolicy {
         pool: &P,
         needs_adapter: bool,
         tie_breaker: u64,
+        balancing: Option<Balancing>,
     ) -> Decision {
-        self.decide_within(pool, needs_adapter, tie_breaker, None, QueueLimit::Lifted)
+        self.decide_within(
+            pool,
+            needs_adapter,
+            tie_breaker,
+            balancing,
+            QueueLimit::Lifted,
+        )
     }
 
     fn decide_within<'a, P: Pool<'a> + ?Sized>(

@@ -76,7 +76,7 @@
 //! three prompts of a third of the sessions each get two holders of four
 //! pods, and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
 //! prefixes` per window. Exclusions hold exactly, and only arrivals
-//! spread (a request leaving the wait queue is not balanced either). O(1)
+//! spread (not a request leaving the wait queue). O(1)
 //! per arrival, bounded by [`REMEMBERED`] blocks of each kind. Both
 //! modes: in approximate mode no report carries a load and a request
 //! leaves a pod's queue at its first byte, so only the open streams tell
