@@ -37,7 +37,6 @@ pub struct RouterMemory {
     pub recent: RecentDecisions,
     pub ttft: TtftModel,
     pub prefix_demand: PrefixDemand,
-    learning_window: u32,
 }
 
 impl RouterMemory {
@@ -46,14 +45,13 @@ impl RouterMemory {
             recent: RecentDecisions::new(config),
             ttft: TtftModel::new(config.balance.learning_window),
             prefix_demand: PrefixDemand::default(),
-            learning_window: config.balance.learning_window,
         }
     }
 
     /// The horizon session starts are counted over in a pool of `pods`:
-    /// `learningWindow` per pod, as the TTFT model's.
+    /// the TTFT model's window per pod.
     fn start_window(&self, pods: usize) -> f64 {
-        f64::from(self.learning_window) * pods as f64
+        f64::from(self.ttft.window()) * pods as f64
     }
 
     /// Routes `request` with what this router learnt (`tie_breaker`: see

@@ -314,6 +314,8 @@ pub struct Observation {
 /// replay; indexed by pod slot.
 #[derive(Debug, Clone)]
 pub struct TtftModel {
+    /// Answers remembered per pod (`balance.learningWindow`).
+    window: u32,
     decay: f64,
     pods: Vec<Fits>,
     /// Per pod, the share of decisions that found prefill queued there.
@@ -328,14 +330,22 @@ pub struct TtftModel {
 impl TtftModel {
     /// A model remembering about `window` answers per pod.
     pub fn new(window: u32) -> TtftModel {
+        let window = window.max(1);
         TtftModel {
-            decay: 1.0 - 1.0 / f64::from(window.max(1)),
+            window,
+            decay: 1.0 - 1.0 / f64::from(window),
             pods: Vec::new(),
             busy: Vec::new(),
             overhead_ms: 0.0,
             pool: Fits::default(),
             error: (PRIOR_ERROR * PRIOR_ERROR_SAMPLES, PRIOR_ERROR_SAMPLES),
         }
+    }
+
+    /// Answers remembered per pod: the horizon of everything the router
+    /// learns ([`crate::memory::RouterMemory`]).
+    pub fn window(&self) -> u32 {
+        self.window
     }
 
     /// The pool's line: every pod's answers together.
