@@ -460,11 +460,12 @@ fn requests_past_the_wait_limits_are_balanced_by_predicted_ttft() {
     // One worker, two pods. A long prefix is cached on one of them; then
     // both report a full queue, so every request waits and leaves at
     // maxWaitMs, past maxQueue, and the holder's engine stalls: what is
-    // sent there stays in flight, its prefill queued (its reports go on). A continuation of the prefix
-    // costs the holder its own new tokens and the other pod the whole
-    // prompt: the first go to the holder, and once the holder's queued
-    // prefill outgrows a copy (beyond the model's error) the rest go to
-    // the other pod. Unbalanced, every one went to the holder.
+    // sent there stays in flight, its prefill queued (its reports go
+    // on). A continuation of the prefix costs the holder its own new
+    // tokens and the other pod the whole prompt: the first go to the
+    // holder, and once the holder's queued prefill outgrows a copy
+    // (beyond the model's error) the rest go to the other pod.
+    // Unbalanced, every one went to the holder.
     let mut spec = ClusterSpec::new(2, config(json!({"maxWaitMs": 800})));
     spec.envoy_workers = 1;
     let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
