@@ -77,8 +77,9 @@
 //! bounds a pod's queue. Unbalanced, those requests followed the cache
 //! alone, and under overload the pods caching the popular prefixes
 //! collected them: on the Mooncake trace at 0.9× of its physical limit
-//! (4 pods) TTFT was 275 s on one pod and 50 s on another, and a pod that
-//! drained then took cold prompts it had to prefill in full. Balanced,
+//! (4 pods) TTFT was 275 s on one pod and 50 s on another, and the
+//! holders' later turns, tired of holding out behind those queues, took
+//! pods with room and prefilled everything. Balanced,
 //! measured with `kvroute-replay --load-sweep` side by side
 //! (integration/results/costmodel.md, "Past the limits, balanced"): 96 →
 //! 100 % of the pooled bound at 0.9×, TTFT p99 382 → 227 s (ring hash
