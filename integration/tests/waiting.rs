@@ -18,7 +18,7 @@ use std::net::TcpStream;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvroute_integration::harness::{filler_text as text, poll, Cluster, ClusterSpec};
+use kvroute_integration::harness::{filler_text as text, log_event, poll, Cluster, ClusterSpec};
 use kvroute_integration::http;
 use serde_json::{json, Value};
 
@@ -445,9 +445,8 @@ fn routed_pods(cluster: &Cluster) -> BTreeMap<String, String> {
         .envoy
         .log()
         .lines()
-        .filter(|l| l.contains("\"event\":\"route\""))
-        .filter_map(|l| l.find('{').and_then(|at| l.get(at..)))
-        .filter_map(|json| serde_json::from_str::<Value>(json).ok())
+        .filter_map(log_event)
+        .filter(|fields| fields["event"] == "route")
         .filter_map(|fields| {
             let id = fields["requestId"].as_str()?.to_string();
             Some((id, fields["pod"].as_str()?.to_string()))
@@ -702,10 +701,8 @@ fn warm_then_fill(cluster: &Cluster) -> (usize, usize) {
 fn wait_end(cluster: &Cluster, id: &str) -> Value {
     let log = cluster.envoy.log();
     log.lines()
-        .filter(|l| l.contains("\"event\":\"wait_end\"") && l.contains(id))
-        .filter_map(|l| l.find('{').and_then(|at| l.get(at..)))
-        .filter_map(|json| serde_json::from_str::<Value>(json).ok())
-        .find(|fields| fields["requestId"] == id)
+        .filter_map(log_event)
+        .find(|fields| fields["event"] == "wait_end" && fields["requestId"] == id)
         .unwrap_or_else(|| panic!("no wait_end for {id}"))
 }
 
