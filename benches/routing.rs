@@ -269,6 +269,7 @@ fn candidates<'a>(f: &'a Fixture, matched: &PrefixMatch, blocks: usize) -> Vec<C
             cached_tokens: 0,
             uncached_tokens: 0,
             streams: 0,
+            carried: 0.0,
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,

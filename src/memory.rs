@@ -64,14 +64,10 @@ impl RouterMemory {
         tie_breaker: u64,
         attempt: Attempt,
     ) -> Outcome {
-        // Arrivals see time averages: how often each pod has prefill queued.
+        // Arrivals see time averages: how often each pod has prefill
+        // queued, and how many streams it carries.
         if attempt == Attempt::Arrival {
-            self.ttft.observe_queues(
-                published
-                    .inflight
-                    .iter()
-                    .map(|load| u64::from(load.prefill_tokens)),
-            );
+            self.ttft.observe_loads(published.inflight);
         }
         let view = ClusterView {
             table: published.table,

@@ -283,6 +283,7 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             cached_tokens: cached.cached_tokens,
             uncached_tokens,
             streams: load.streams,
+            carried: view.ttft.carried(pod.slot),
             queued_prefill,
             predicted_ttft_ms: line.predict(queued_prefill as f64, own as f64),
             prefill_ms_per_token: line.ms_per_token,

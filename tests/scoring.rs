@@ -12,6 +12,7 @@ use kvroute::scoring::ttft::{TtftModel, Work};
 use kvroute::scoring::{
     Balancing, Candidate, Decision, DecisionContext, Exclusion, ScoredPod, Scorer, ScoringPolicy,
 };
+use kvroute::snapshot::SlotLoad;
 use proptest::prelude::*;
 
 static NO_ATTRIBUTES: BTreeMap<String, f64> = BTreeMap::new();
@@ -56,6 +57,7 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
             cached_tokens: 0,
             uncached_tokens: 0,
             streams: 0,
+            carried: 0.0,
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
@@ -636,6 +638,7 @@ fn cost_candidates<'a>(
             cached_tokens: 0,
             uncached_tokens: 0,
             streams: 0,
+            carried: 0.0,
             queued_prefill: 0,
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
@@ -1028,6 +1031,7 @@ fn ttft_pod(
         cached_tokens: cached,
         uncached_tokens: uncached,
         streams: 0,
+        carried: 0.0,
         queued_prefill: queued,
         predicted_ttft_ms: line.predict(queued as f64, uncached as f64),
         prefill_ms_per_token: line.ms_per_token,
@@ -1102,9 +1106,16 @@ fn a_busy_pool_counts_the_copy_it_would_make() {
     let mut model = learned_model(1.0);
     // Every other decision found prefill queued on both pods.
     for i in 0..256u64 {
-        model.observe_queues([100 * (i % 2), 100 * (i % 2)].into_iter());
+        let load = SlotLoad {
+            prefill_tokens: 100 * (i % 2) as u32,
+            streams: 4 * (i % 2) as u32,
+            ..SlotLoad::default()
+        };
+        model.observe_loads(&[load, load]);
     }
     assert!((model.busy(1) - 0.5).abs() < 0.02, "{}", model.busy(1));
+    // The streams they carried, averaged alike: 4 every other decision.
+    assert!((model.carried(1) - 2.0).abs() < 0.1, "{}", model.carried(1));
     // 1,560 ms on the holder against 860 ms + the 8,000-token copy's
     // 800 ms, which the ρ/(1 − ρ) = 1 request on the pod would wait too:
     // the cache stays (idle, the pool would have moved it).
@@ -1210,6 +1221,7 @@ fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
             cached_tokens: (cache * 4096.0) as u64,
             uncached_tokens: ((1.0 - cache) * 4096.0) as u64,
             streams: queue,
+            carried: f64::from(queue),
             queued_prefill: 0,
             // 0.1 ms a token of the prompt to prefill and of the queue's.
             predicted_ttft_ms: 10.0 + 0.1 * ((1.0 - cache) * 4096.0 + f64::from(queue) * 512.0),
@@ -1282,7 +1294,7 @@ proptest! {
 }
 
 #[test]
-fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_the_seeds_score() {
+fn a_session_start_from_an_under_held_prefix_goes_to_the_pod_without_it_that_carried_least() {
     let policy = default_policy();
     let model = learned_model(1.0);
     // A 1,200-token first turn on a 1,000-token system prompt that only
@@ -1311,9 +1323,10 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_
     };
     let decision = policy.decide(&pods, false, 0, Some(spread));
     assert_eq!((decision.chosen, decision.spread), (Some(0), false));
-    // Hot (all the requests in flight are there): the pod without it that
-    // the seed's score prefers takes this one. Pods 1 and 3 tie (pod 2
-    // has requests waiting), the tie-breaker picks pod 1.
+    // Hot (all the requests in flight are there): a pod without it takes
+    // this one. None has carried anything yet, so the seed's score
+    // decides: pods 1 and 3 tie (pod 2 has requests waiting), the
+    // tie-breaker picks pod 1.
     pods[0].streams = 3;
     pods[2].streams = 0;
     let decision = policy.decide(&pods, false, 0, Some(spread));
@@ -1330,6 +1343,17 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_best_pod_without_it_by_
     let decision = policy.decide(&pods, false, 0, Some(spread));
     assert_eq!((decision.chosen, decision.spread), (Some(3), true));
     pods[1].load = 0.3;
+    // What the pods carried over recent decisions comes before one
+    // report's load: pod 1 reports less now, but carried more streams.
+    (pods[1].carried, pods[3].carried, pods[3].load) = (2.0, 1.0, 0.6);
+    let decision = policy.decide(&pods, false, 0, Some(spread));
+    assert_eq!((decision.chosen, decision.spread), (Some(3), true));
+    // Only a copy is placed by it: with no copy wanted, affinity as before.
+    assert_eq!(
+        policy.decide(&pods, false, 0, Some(balanced)).chosen,
+        Some(0)
+    );
+    (pods[1].carried, pods[3].carried, pods[3].load) = (0.0, 0.0, 0.3);
     // Not behind another pod's whole request: pod 1 with more prefill
     // queued than pod 3's none plus this request's 1,200 tokens.
     pods[1].queued_prefill = 1_300;

@@ -124,7 +124,11 @@ impl Scenario {
                         Work::new(0, work),
                         10.0 + 0.2 * work as f64 + (i % 3) as f64,
                     );
-                    model.observe_queues([0u64, 40_000, 500].into_iter());
+                    model.observe_loads(&[0, 40_000, 500].map(|prefill_tokens| SlotLoad {
+                        prefill_tokens,
+                        streams: 1,
+                        ..SlotLoad::default()
+                    }));
                 }
                 model
             },

@@ -188,6 +188,7 @@ mod tests {
             cached_tokens: cached,
             uncached_tokens: uncached,
             streams: 0,
+            carried: 0.0,
             queued_prefill: queued,
             predicted_ttft_ms: 10.0 + 0.1 * (queued + uncached) as f64,
             prefill_ms_per_token: 0.1,

@@ -139,6 +139,7 @@ fn absent_candidate<'a>(index: usize) -> Candidate<'a> {
         cached_tokens: 0,
         uncached_tokens: 0,
         streams: 0,
+        carried: 0.0,
         queued_prefill: 0,
         predicted_ttft_ms: f64::INFINITY,
         prefill_ms_per_token: 0.0,

@@ -85,6 +85,7 @@ mod tests {
             cached_tokens: cached,
             uncached_tokens: uncached,
             streams: 0,
+            carried: 0.0,
             queued_prefill: queued,
             predicted_ttft_ms: predicted,
             prefill_ms_per_token: 0.1,

@@ -66,13 +66,17 @@
 //! the least queued of them plus this request's own (a copy is not sent
 //! behind another pod's whole request: in the long-context burst, 16
 //! sessions of 8,000-token heads opening at once, that took its TTFT p50
-//! at 4 pods from 2.2 s back to 1.4 s, main 1.5 s), the one the seed's
-//! score prefers (its reported load and queue first, then the fewer
-//! streams open: the copy is bought for the sessions that will follow
-//! this one there, so what the pod carries counts, not what one request's
-//! predicted TTFT says; the learned lines of idle pods differ by noise,
-//! and ranking by them sent an agent to a pod already running eight while
-//! another idled, 4 of 6 real-Envoy agentic runs). So one system prompt is copied to every pod,
+//! at 4 pods from 2.2 s back to 1.4 s, main 1.5 s), the one that carried
+//! the fewest streams over recent decisions, then the one the seed's
+//! score prefers. The copy is bought for the sessions that will follow
+//! this one there, so what the pod carries over time counts: not what
+//! one request's predicted TTFT says (the learned lines of idle pods
+//! differ by noise, and ranking by them sent an agent to a pod already
+//! running eight while another idled, 4 of 6 real-Envoy agentic runs),
+//! nor one report's load (ranked by the seed's score, LoRA's top tenant
+//! was copied where one running sequence fewer was reported at that
+//! instant, onto the second and fifth tenants' pod: 1.4× fair in most
+//! real-Envoy runs, measured in [`super`]). So one system prompt is copied to every pod,
 //! three prompts of a third of the sessions each get two holders of four
 //! pods, and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
 //! prefixes` per window. Exclusions hold exactly, and only arrivals

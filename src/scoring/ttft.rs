@@ -66,8 +66,11 @@
 //! Every worker of every replica learns from the same answers, the
 //! gateway's whole stream of first bytes ([`super::answers`]), so their
 //! lines and errors agree; the queued tokens are already every worker's
-//! and every replica's. Only the busy share ([`TtftModel::busy`]) is
-//! each worker's own: a time average of the same shared queues.
+//! and every replica's. Only the busy share ([`TtftModel::busy`]) and the
+//! streams carried ([`TtftModel::carried`]) are each worker's own: time
+//! averages of the same shared queues and streams.
+
+use crate::snapshot::SlotLoad;
 
 /// Relative error assumed before the model has answers to measure it on:
 /// a third, so that an uncalibrated model tells two pods apart only when
@@ -320,6 +323,8 @@ pub struct TtftModel {
     pods: Vec<Fits>,
     /// Per pod, the share of decisions that found prefill queued there.
     busy: Vec<f64>,
+    /// Per pod, the streams open there as decisions found them, averaged.
+    carried: Vec<f64>,
     /// [`TtftModel::pool_overhead`] as of the last answer.
     overhead_ms: f64,
     pool: Fits,
@@ -336,6 +341,7 @@ impl TtftModel {
             decay: 1.0 - 1.0 / f64::from(window),
             pods: Vec::new(),
             busy: Vec::new(),
+            carried: Vec::new(),
             overhead_ms: 0.0,
             pool: Fits::default(),
             error: (PRIOR_ERROR * PRIOR_ERROR_SAMPLES, PRIOR_ERROR_SAMPLES),
@@ -420,16 +426,20 @@ impl TtftModel {
         self.line(slot).predict(queued as f64, uncached as f64)
     }
 
-    /// Folds the prefill queued per pod slot, as a decision sees it, into
-    /// each pod's busy share ([`TtftModel::busy`]).
-    pub fn observe_queues(&mut self, queued: impl ExactSizeIterator<Item = u64>) {
-        if self.busy.len() < queued.len() {
-            self.busy.resize(queued.len(), 0.0);
+    /// Folds what a decision finds per pod slot, its prefill queued and
+    /// streams open, into each pod's busy share ([`TtftModel::busy`]) and
+    /// the streams it carries ([`TtftModel::carried`]).
+    pub fn observe_loads(&mut self, loads: &[SlotLoad]) {
+        for averages in [&mut self.busy, &mut self.carried] {
+            if averages.len() < loads.len() {
+                averages.resize(loads.len(), 0.0);
+            }
         }
         let weight = 1.0 - self.decay;
-        for (busy, tokens) in self.busy.iter_mut().zip(queued) {
-            let now = if tokens > 0 { 1.0 } else { 0.0 };
-            *busy += weight * (now - *busy);
+        for ((busy, carried), load) in self.busy.iter_mut().zip(&mut self.carried).zip(loads) {
+            let queued = if load.prefill_tokens > 0 { 1.0 } else { 0.0 };
+            *busy += weight * (queued - *busy);
+            *carried += weight * (f64::from(load.streams) - *carried);
         }
     }
 
@@ -439,6 +449,14 @@ impl TtftModel {
     /// there costs the requests after it, per unit of its prefill.
     pub fn busy(&self, slot: usize) -> f64 {
         self.busy.get(slot).copied().unwrap_or(0.0)
+    }
+
+    /// The streams open on pod `slot`, averaged over recent decisions:
+    /// what it carries over time, where the streams open now are what it
+    /// carries at one instant. Spread places its copies by it
+    /// ([`super::ScoringPolicy::decide`]).
+    pub fn carried(&self, slot: usize) -> f64 {
+        self.carried.get(slot).copied().unwrap_or(0.0)
     }
 
     /// When a decision predicted at `predicted_ttft_ms` is expected to
