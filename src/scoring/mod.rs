@@ -470,8 +470,8 @@ enum QueueLimit {
 /// second and fifth tenants, which then took 35 % of the requests: 1.40–
 /// 1.42× fair in 4 of 6 real-Envoy runs (`kvroute-bench workload lora`,
 /// both modes); by the streams carried, 1.06–1.19× in 8 of 8, TTFT alike.
-/// In the replay, agentic in the mixed pool (approximate) p90 417 → 219
-/// ms. Every other decision leaves it at 0 for every pod.
+/// Every other decision leaves it at 0 for every pod: for cold starts too
+/// it cost the trace workload 0.9 points of the bound (replay, 4 pods).
 ///
 /// Then, between pods whose composites tie: their load score, their queue
 /// score, the fewer streams open. In approximate mode no report carries a
