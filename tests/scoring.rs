@@ -1348,9 +1348,11 @@ fn a_session_start_from_an_under_held_prefix_goes_to_the_pod_without_it_that_car
     (pods[1].carried, pods[3].carried, pods[3].load) = (2.0, 1.0, 0.6);
     let decision = policy.decide(&pods, false, 0, Some(spread));
     assert_eq!((decision.chosen, decision.spread), (Some(3), true));
-    // Only a copy is placed by it: with no copy wanted, affinity as before.
+    // Only a copy is placed by it: among the pods without the prompt, a
+    // request no copy is wanted for goes by the seed's score to pod 1
+    // (first of the slice), not to pod 2, which carried nothing.
     assert_eq!(
-        policy.decide(&pods, false, 0, Some(balanced)).chosen,
+        policy.decide(&pods[1..], false, 0, Some(balanced)).chosen,
         Some(0)
     );
     (pods[1].carried, pods[3].carried, pods[3].load) = (0.0, 0.0, 0.3);

@@ -469,7 +469,7 @@ enum QueueLimit {
 /// at that instant (load 1/64 against 2/64): the pod already serving the
 /// second and fifth tenants, which then took 35 % of the requests: 1.40–
 /// 1.42× fair in 4 of 6 real-Envoy runs (`kvroute-bench workload lora`,
-/// both modes); by the streams carried, 1.06–1.19× in 8 of 8, TTFT alike.
+/// both modes); by the streams carried, 1.06–1.21× in 10 of 10, TTFT alike.
 /// Every other decision leaves it at 0 for every pod: for cold starts too
 /// it cost the trace workload 0.9 points of the bound (replay, 4 pods).
 ///
