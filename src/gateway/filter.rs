@@ -31,7 +31,9 @@
 //! when a request ends with nothing else in flight on the worker (after
 //! its response), or when [`FLUSH_DECISIONS`] decisions piled up. Other
 //! workers therefore learn of a decision when its request ends or at most
-//! one tick later (its own worker at once, through [`RecentDecisions`]).
+//! one tick later (its own worker at once in approximate mode, through
+//! [`RecentDecisions`]; in precise mode when the service has folded the
+//! batch, see there).
 //! Measured reason (proxy-wasm, Envoy 1.40): each host call costs Envoy a
 //! few µs, most of kvroute's CPU per request; a shared-queue message per
 //! decision woke the service once per request.
