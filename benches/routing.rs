@@ -291,6 +291,7 @@ fn route(f: &Fixture, index: &dyn PrefixLookup, tie_breaker: u64) -> Outcome {
         index,
         inflight: &f.inflight,
         ttft: &f.ttft,
+        occupancy: &Default::default(),
         prefix_demand: &Default::default(),
         now_ms: 0,
     };

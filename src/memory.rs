@@ -3,12 +3,14 @@
 //! - its own decisions not in the published index yet
 //!   ([`RecentDecisions`], approximate mode: the next request of a burst
 //!   sees where the last one went);
-//! - the predicted-TTFT model ([`TtftModel`]): the prefill queued per pod
-//!   as arrivals see it, and answers' first bytes (the host feeds those);
+//! - the predicted-TTFT model ([`TtftModel`]), from answers' first bytes
+//!   (the host feeds those);
+//! - what arrivals find on each pod ([`Occupancy`]): how often prefill is
+//!   queued there, and the streams it carries;
 //! - the sessions started per prefix ([`PrefixDemand`]), over the last
 //!   `learningWindow` starts per pod.
 //!
-//! [`RouterMemory::route`] routes a prepared request with all three and
+//! [`RouterMemory::route`] routes a prepared request with all four and
 //! records a routed one, so the proxy and the replay decide and learn by
 //! the same code. What a host does with the decision after (the decision
 //! batch for the report service, logs, metrics) stays with the host.
@@ -16,6 +18,7 @@
 use crate::config::Config;
 use crate::index::{Merged, PrefixLookup, RecentDecisions};
 use crate::router::{Attempt, ClusterView, Outcome, Router, RoutingRequest};
+use crate::scoring::occupancy::Occupancy;
 use crate::scoring::spread::PrefixDemand;
 use crate::scoring::ttft::TtftModel;
 use crate::snapshot::{PodTable, SlotLoad};
@@ -36,6 +39,7 @@ pub struct Published<'a> {
 pub struct RouterMemory {
     pub recent: RecentDecisions,
     pub ttft: TtftModel,
+    pub occupancy: Occupancy,
     pub prefix_demand: PrefixDemand,
 }
 
@@ -44,6 +48,7 @@ impl RouterMemory {
         RouterMemory {
             recent: RecentDecisions::new(config),
             ttft: TtftModel::new(config.balance.learning_window),
+            occupancy: Occupancy::new(config.balance.learning_window),
             prefix_demand: PrefixDemand::default(),
         }
     }
@@ -67,13 +72,14 @@ impl RouterMemory {
         // Arrivals see time averages: how often each pod has prefill
         // queued, and how many streams it carries.
         if attempt == Attempt::Arrival {
-            self.ttft.observe_loads(published.inflight);
+            self.occupancy.observe(published.inflight);
         }
         let view = ClusterView {
             table: published.table,
             index: &Merged(published.index, &self.recent),
             inflight: published.inflight,
             ttft: &self.ttft,
+            occupancy: &self.occupancy,
             prefix_demand: &self.prefix_demand,
             now_ms: published.now_ms,
         };

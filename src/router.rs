@@ -47,6 +47,7 @@ use crate::config::{BadRequestPolicy, Config, NoPodPolicy, TierCredits};
 use crate::hashing::{BlockHasher, Coverage};
 use crate::index::{PrefixLookup, PrefixMatch, TierBlocks};
 use crate::scoring::factors::CachedPrefix;
+use crate::scoring::occupancy::Occupancy;
 use crate::scoring::slo::{self, SloChoice};
 use crate::scoring::spread::{self, PrefixDemand};
 use crate::scoring::ttft::{TtftModel, Work};
@@ -62,6 +63,8 @@ pub struct ClusterView<'a> {
     pub inflight: &'a [SlotLoad],
     /// The predicted-TTFT model this router learned ([`TtftModel`]).
     pub ttft: &'a TtftModel,
+    /// What its arrivals found on each pod ([`Occupancy`]).
+    pub occupancy: &'a Occupancy,
     /// The sessions this router's recent arrivals started per prefix
     /// ([`PrefixDemand`]; the host records each [`Routed`]).
     pub prefix_demand: &'a PrefixDemand,
@@ -283,12 +286,12 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             cached_tokens: cached.cached_tokens,
             uncached_tokens,
             streams: load.streams,
-            carried: view.ttft.carried(pod.slot),
+            carried: view.occupancy.carried(pod.slot),
             queued_prefill,
             predicted_ttft_ms: line.predict(queued_prefill as f64, own as f64),
             prefill_ms_per_token: line.ms_per_token,
             queued_ms_per_token: line.ms_per_queued_token,
-            busy: view.ttft.busy(pod.slot),
+            busy: view.occupancy.busy(pod.slot),
             health: if self.stale_snapshot {
                 let age = view.now_ms.saturating_sub(pod.last_report_ms);
                 pod.reported_health * self.staleness.health_factor(age)
@@ -900,12 +903,14 @@ mod tests {
         tree.insert_chain(0, None, &chain);
         let inflight = [SlotLoad::default(); 2];
         let ttft = TtftModel::new(64);
+        let occupancy = Occupancy::default();
         let prefix_demand = PrefixDemand::default();
         let view = |now_ms| ClusterView {
             table: &published,
             index: &tree,
             inflight: &inflight,
             ttft: &ttft,
+            occupancy: &occupancy,
             prefix_demand: &prefix_demand,
             now_ms,
         };
@@ -1008,6 +1013,7 @@ mod tests {
                 index: &self.tree,
                 inflight: &inflight,
                 ttft,
+                occupancy: &Occupancy::default(),
                 prefix_demand: &Default::default(),
                 now_ms: 1000,
             };
@@ -1215,6 +1221,7 @@ mod tests {
             index: &index,
             inflight: &inflight,
             ttft: &ttft,
+            occupancy: &Occupancy::default(),
             prefix_demand: &Default::default(),
             now_ms: 1500,
         };

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 
 use kvroute::config::{BalanceConfig, Config, Weights};
+use kvroute::scoring::occupancy::Occupancy;
 use kvroute::scoring::spread::Demand;
 use kvroute::scoring::ttft::{TtftModel, Work};
 use kvroute::scoring::{
@@ -1036,7 +1037,8 @@ fn ttft_pod(
         predicted_ttft_ms: line.predict(queued as f64, uncached as f64),
         prefill_ms_per_token: line.ms_per_token,
         queued_ms_per_token: line.ms_per_queued_token,
-        busy: model.busy(slot),
+        // No arrival found prefill queued there.
+        busy: 0.0,
         load: 0.3,
         // Requests waiting there, as the prefill queued suggests.
         queue: if queued > 0 { 2 } else { 0 },
@@ -1103,26 +1105,29 @@ fn a_new_session_leaves_a_pod_busy_prefilling_long_turns() {
 #[test]
 fn a_busy_pool_counts_the_copy_it_would_make() {
     let policy = default_policy();
-    let mut model = learned_model(1.0);
+    let model = learned_model(1.0);
     // Every other decision found prefill queued on both pods.
+    let mut occupancy = Occupancy::new(64);
     for i in 0..256u64 {
         let load = SlotLoad {
             prefill_tokens: 100 * (i % 2) as u32,
-            streams: 4 * (i % 2) as u32,
             ..SlotLoad::default()
         };
-        model.observe_loads(&[load, load]);
+        occupancy.observe(&[load, load]);
     }
-    assert!((model.busy(1) - 0.5).abs() < 0.02, "{}", model.busy(1));
-    // The streams they carried, averaged alike: 4 every other decision.
-    assert!((model.carried(1) - 2.0).abs() < 0.1, "{}", model.carried(1));
+    let busy = |mut pods: [Candidate<'static>; 2]| {
+        for pod in &mut pods {
+            pod.busy = occupancy.busy(pod.slot);
+        }
+        pods
+    };
     // 1,560 ms on the holder against 860 ms + the 8,000-token copy's
     // 800 ms, which the ρ/(1 − ρ) = 1 request on the pod would wait too:
     // the cache stays (idle, the pool would have moved it).
-    let behind = [
+    let behind = busy([
         ttft_pod(&model, 0, 8_500, 8_000, 15_000),
         ttft_pod(&model, 1, 8_500, 0, 0),
-    ];
+    ]);
     assert_eq!(
         policy
             .decide(
@@ -1135,10 +1140,10 @@ fn a_busy_pool_counts_the_copy_it_would_make() {
         Some(0)
     );
     // Twice the queue: 3,660 ms, the copy is worth it.
-    let longer = [
+    let longer = busy([
         ttft_pod(&model, 0, 8_500, 8_000, 36_000),
         ttft_pod(&model, 1, 8_500, 0, 0),
-    ];
+    ]);
     assert_eq!(
         policy
             .decide(

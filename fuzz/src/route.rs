@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 use kvroute::cluster::ClusterState;
 use kvroute::index::PrefixLookup;
 use kvroute::router::{ClusterView, Outcome, Router};
+use kvroute::scoring::occupancy::Occupancy;
 use kvroute::scoring::ttft::{TtftModel, Work};
 use kvroute::snapshot::SlotLoad;
 
@@ -63,6 +64,7 @@ struct Scenario {
     shared: SharedData,
     inflight: Vec<SlotLoad>,
     ttft: TtftModel,
+    occupancy: Occupancy,
 }
 
 impl Scenario {
@@ -112,8 +114,8 @@ impl Scenario {
                     streams: requests,
                 })
                 .to_vec(),
-            // Calibrated (pod 1 twice as slow) and pods busy, so balance
-            // compares learned costs with a measured error.
+            // Calibrated (pod 1 twice as slow), so balance compares
+            // learned costs with a measured error.
             ttft: {
                 let mut model = TtftModel::new(64);
                 for i in 0..64u64 {
@@ -124,13 +126,20 @@ impl Scenario {
                         Work::new(0, work),
                         10.0 + 0.2 * work as f64 + (i % 3) as f64,
                     );
-                    model.observe_loads(&[0, 40_000, 500].map(|prefill_tokens| SlotLoad {
+                }
+                model
+            },
+            // Pods busy, so a copy costs the requests after it.
+            occupancy: {
+                let mut occupancy = Occupancy::new(64);
+                for _ in 0..64 {
+                    occupancy.observe(&[0, 40_000, 500].map(|prefill_tokens| SlotLoad {
                         prefill_tokens,
                         streams: 1,
                         ..SlotLoad::default()
                     }));
                 }
-                model
+                occupancy
             },
         }
     }
@@ -181,6 +190,7 @@ pub fn run(data: &[u8]) {
         index: &index,
         inflight: &scenario.inflight,
         ttft: &scenario.ttft,
+        occupancy: &scenario.occupancy,
         prefix_demand: &Default::default(),
         now_ms: table.published_at_ms + tie_breaker * 1000,
     };

@@ -36,6 +36,7 @@ pub mod balance;
 pub mod candidates;
 pub mod factors;
 pub mod feed;
+pub mod occupancy;
 pub mod slo;
 pub mod spread;
 pub mod ttft;
@@ -65,7 +66,7 @@ pub struct Candidate<'a> {
     /// or not (all workers and replicas): what the pod carries.
     pub streams: u32,
     /// The streams open there averaged over recent decisions: what the
-    /// pod carries over time ([`ttft::TtftModel::carried`]).
+    /// pod carries over time ([`occupancy::Occupancy::carried`]).
     pub carried: f64,
     /// Their prompt tokens still to prefill ([`crate::snapshot::SlotLoad`]).
     pub queued_prefill: u64,
@@ -77,7 +78,7 @@ pub struct Candidate<'a> {
     /// Its learned time per token counted queued ahead.
     pub queued_ms_per_token: f64,
     /// The chance a request arriving at the pod finds prefill queued
-    /// ([`ttft::TtftModel::busy`]).
+    /// ([`occupancy::Occupancy::busy`]).
     pub busy: f64,
     /// Utilisation in [0, 1].
     pub load: f64,
@@ -461,7 +462,7 @@ enum QueueLimit {
 /// How [`pick`] orders the pods besides their composites.
 ///
 /// A copy [`spread`] buys goes first to the pod that carried the fewest
-/// streams over recent decisions ([`ttft::TtftModel::carried`]): it is
+/// streams over recent decisions ([`occupancy::Occupancy::carried`]): it is
 /// bought for the requests that will follow it there, so what the pod
 /// carries over time counts, not one report's load. Ranked by the
 /// composite, the LoRA workload's top tenant (34 % of its requests) got

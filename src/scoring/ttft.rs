@@ -66,11 +66,7 @@
 //! Every worker of every replica learns from the same answers, the
 //! gateway's whole stream of first bytes ([`super::answers`]), so their
 //! lines and errors agree; the queued tokens are already every worker's
-//! and every replica's. Only the busy share ([`TtftModel::busy`]) and the
-//! streams carried ([`TtftModel::carried`]) are each worker's own: time
-//! averages of the same shared queues and streams.
-
-use crate::snapshot::SlotLoad;
+//! and every replica's.
 
 /// Relative error assumed before the model has answers to measure it on:
 /// a third, so that an uncalibrated model tells two pods apart only when
@@ -321,10 +317,6 @@ pub struct TtftModel {
     window: u32,
     decay: f64,
     pods: Vec<Fits>,
-    /// Per pod, the share of decisions that found prefill queued there.
-    busy: Vec<f64>,
-    /// Per pod, the streams open there as decisions found them, averaged.
-    carried: Vec<f64>,
     /// [`TtftModel::pool_overhead`] as of the last answer.
     overhead_ms: f64,
     pool: Fits,
@@ -340,8 +332,6 @@ impl TtftModel {
             window,
             decay: 1.0 - 1.0 / f64::from(window),
             pods: Vec::new(),
-            busy: Vec::new(),
-            carried: Vec::new(),
             overhead_ms: 0.0,
             pool: Fits::default(),
             error: (PRIOR_ERROR * PRIOR_ERROR_SAMPLES, PRIOR_ERROR_SAMPLES),
@@ -424,39 +414,6 @@ impl TtftModel {
     /// `uncached` tokens of the request's own.
     pub fn predict(&self, slot: usize, queued: u64, uncached: u64) -> f64 {
         self.line(slot).predict(queued as f64, uncached as f64)
-    }
-
-    /// Folds what a decision finds per pod slot, its prefill queued and
-    /// streams open, into each pod's busy share ([`TtftModel::busy`]) and
-    /// the streams it carries ([`TtftModel::carried`]).
-    pub fn observe_loads(&mut self, loads: &[SlotLoad]) {
-        for averages in [&mut self.busy, &mut self.carried] {
-            if averages.len() < loads.len() {
-                averages.resize(loads.len(), 0.0);
-            }
-        }
-        let weight = 1.0 - self.decay;
-        for ((busy, carried), load) in self.busy.iter_mut().zip(&mut self.carried).zip(loads) {
-            let queued = if load.prefill_tokens > 0 { 1.0 } else { 0.0 };
-            *busy += weight * (queued - *busy);
-            *carried += weight * (f64::from(load.streams) - *carried);
-        }
-    }
-
-    /// The share of recent decisions that found prefill queued on pod
-    /// `slot`: the chance that a request arriving there waits behind work
-    /// added now (arrivals see time averages), so what a copy of a prompt
-    /// there costs the requests after it, per unit of its prefill.
-    pub fn busy(&self, slot: usize) -> f64 {
-        self.busy.get(slot).copied().unwrap_or(0.0)
-    }
-
-    /// The streams open on pod `slot`, averaged over recent decisions:
-    /// what it carries over time, where the streams open now are what it
-    /// carries at one instant. Spread places its copies by it
-    /// ([`super::ScoringPolicy::decide`]).
-    pub fn carried(&self, slot: usize) -> f64 {
-        self.carried.get(slot).copied().unwrap_or(0.0)
     }
 
     /// When a decision predicted at `predicted_ttft_ms` is expected to

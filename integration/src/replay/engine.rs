@@ -1107,6 +1107,7 @@ mod tests {
                         index: &Merged(&snapshot, &view.memory.recent),
                         inflight: &inflight,
                         ttft: &view.memory.ttft,
+                        occupancy: &view.memory.occupancy,
                         prefix_demand: &view.memory.prefix_demand,
                         now_ms: view.table.published_at_ms,
                     };
