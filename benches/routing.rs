@@ -263,23 +263,11 @@ fn candidates<'a>(f: &'a Fixture, matched: &PrefixMatch, blocks: usize) -> Vec<C
         .pods
         .iter()
         .map(|pod| Candidate {
-            slot: pod.slot,
-            id: &pod.id,
             cache_match: f64::from(matched.blocks(pod.slot)) / blocks.max(1) as f64,
-            cached_tokens: 0,
-            uncached_tokens: 0,
-            streams: 0,
-            carried: 0.0,
-            queued_prefill: 0,
-            predicted_ttft_ms: 0.0,
-            prefill_ms_per_token: 0.0,
-            queued_ms_per_token: 0.0,
-            busy: 0.0,
             load: pod.load,
             queue: pod.queue,
             health: pod.health,
-            adapter_loaded: false,
-            attributes: &f.attributes,
+            ..Candidate::idle(pod.slot, &pod.id, &f.attributes)
         })
         .collect()
 }

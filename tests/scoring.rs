@@ -52,23 +52,12 @@ fn candidates(pods: &[Pod]) -> Vec<Candidate<'static>> {
     pods.iter()
         .enumerate()
         .map(|(slot, p)| Candidate {
-            slot,
-            id: IDS[slot],
             cache_match: p.cache,
-            cached_tokens: 0,
-            uncached_tokens: 0,
-            streams: 0,
-            carried: 0.0,
-            queued_prefill: 0,
-            predicted_ttft_ms: 0.0,
-            prefill_ms_per_token: 0.0,
-            queued_ms_per_token: 0.0,
-            busy: 0.0,
             load: p.load,
             queue: p.queue,
             health: p.health,
             adapter_loaded: p.adapter,
-            attributes: &NO_ATTRIBUTES,
+            ..Candidate::idle(slot, IDS[slot], &NO_ATTRIBUTES)
         })
         .collect()
 }
@@ -633,23 +622,10 @@ fn cost_candidates<'a>(
         .iter()
         .enumerate()
         .map(|(slot, pod)| Candidate {
-            slot,
-            id: &pod.id,
             cache_match: cache[slot],
-            cached_tokens: 0,
-            uncached_tokens: 0,
-            streams: 0,
-            carried: 0.0,
-            queued_prefill: 0,
-            predicted_ttft_ms: 0.0,
-            prefill_ms_per_token: 0.0,
-            queued_ms_per_token: 0.0,
-            busy: 0.0,
             load: 0.3,
             queue: 1,
-            health: 1.0,
-            adapter_loaded: false,
-            attributes: &pod.attributes,
+            ..Candidate::idle(slot, &pod.id, &pod.attributes)
         })
         .collect()
 }
@@ -1026,25 +1002,17 @@ fn ttft_pod(
     let line = model.line(slot);
     let uncached = prompt - cached;
     Candidate {
-        slot,
-        id: IDS[slot],
         cache_match: cached as f64 / prompt as f64,
         cached_tokens: cached,
         uncached_tokens: uncached,
-        streams: 0,
-        carried: 0.0,
         queued_prefill: queued,
         predicted_ttft_ms: line.predict(queued as f64, uncached as f64),
         prefill_ms_per_token: line.ms_per_token,
         queued_ms_per_token: line.ms_per_queued_token,
-        // No arrival found prefill queued there.
-        busy: 0.0,
         load: 0.3,
         // Requests waiting there, as the prefill queued suggests.
         queue: if queued > 0 { 2 } else { 0 },
-        health: 1.0,
-        adapter_loaded: false,
-        attributes: &NO_ATTRIBUTES,
+        ..Candidate::idle(slot, IDS[slot], &NO_ATTRIBUTES)
     }
 }
 
@@ -1220,8 +1188,6 @@ fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
     pods.iter()
         .enumerate()
         .map(|(slot, &(health, queue, cache))| Candidate {
-            slot,
-            id: "p",
             cache_match: cache,
             cached_tokens: (cache * 4096.0) as u64,
             uncached_tokens: ((1.0 - cache) * 4096.0) as u64,
@@ -1237,7 +1203,7 @@ fn large_pool(pods: &[(f64, u32, f64)]) -> Vec<Candidate<'static>> {
             queue,
             health,
             adapter_loaded: slot % 97 == 0,
-            attributes: &NO_ATTRIBUTES,
+            ..Candidate::idle(slot, "p", &NO_ATTRIBUTES)
         })
         .collect()
 }

@@ -182,23 +182,16 @@ mod tests {
     fn pod(slot: usize, cached: u64, queued: u64, busy: f64) -> Candidate<'static> {
         let uncached = 10_000 - cached;
         Candidate {
-            slot,
-            id: "p",
             cache_match: cached as f64 / 10_000.0,
             cached_tokens: cached,
             uncached_tokens: uncached,
-            streams: 0,
-            carried: 0.0,
             queued_prefill: queued,
             predicted_ttft_ms: 10.0 + 0.1 * (queued + uncached) as f64,
             prefill_ms_per_token: 0.1,
             queued_ms_per_token: 0.1,
             busy,
-            load: 0.0,
-            queue: 0,
-            health: 1.0,
             adapter_loaded: true,
-            attributes: &NONE,
+            ..Candidate::idle(slot, "p", &NONE)
         }
     }
 

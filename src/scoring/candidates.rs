@@ -133,23 +133,11 @@ slice_pool!(impl<'a, const N: usize> Pool<'a> for [Candidate<'a>; N]);
 fn absent_candidate<'a>(index: usize) -> Candidate<'a> {
     static NONE: std::collections::BTreeMap<String, f64> = std::collections::BTreeMap::new();
     Candidate {
-        slot: index,
-        id: "",
-        cache_match: 0.0,
-        cached_tokens: 0,
-        uncached_tokens: 0,
-        streams: 0,
-        carried: 0.0,
-        queued_prefill: 0,
         predicted_ttft_ms: f64::INFINITY,
-        prefill_ms_per_token: 0.0,
-        queued_ms_per_token: 0.0,
-        busy: 0.0,
         load: 1.0,
         queue: u32::MAX,
         health: 0.0,
-        adapter_loaded: false,
-        attributes: &NONE,
+        ..Candidate::idle(index, "", &NONE)
     }
 }
 

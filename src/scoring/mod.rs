@@ -91,6 +91,33 @@ pub struct Candidate<'a> {
     pub attributes: &'a BTreeMap<String, f64>,
 }
 
+impl<'a> Candidate<'a> {
+    /// Pod `slot` healthy, idle and caching nothing, before any answer
+    /// (every prediction 0): the base the benchmarks, fuzz targets and
+    /// tests set their fields over.
+    pub fn idle(slot: usize, id: &'a str, attributes: &'a BTreeMap<String, f64>) -> Candidate<'a> {
+        Candidate {
+            slot,
+            id,
+            cache_match: 0.0,
+            cached_tokens: 0,
+            uncached_tokens: 0,
+            streams: 0,
+            carried: 0.0,
+            queued_prefill: 0,
+            predicted_ttft_ms: 0.0,
+            prefill_ms_per_token: 0.0,
+            queued_ms_per_token: 0.0,
+            busy: 0.0,
+            load: 0.0,
+            queue: 0,
+            health: 1.0,
+            adapter_loaded: false,
+            attributes,
+        }
+    }
+}
+
 /// Facts about the whole decision a scorer may need.
 #[derive(Debug, Clone, Copy)]
 pub struct DecisionContext<'a> {

@@ -79,23 +79,15 @@ mod tests {
         let uncached = 4_000 - cached;
         let predicted = 10.0 + 0.1 * (queued + uncached) as f64;
         let candidate = Candidate {
-            slot,
-            id: "p",
             cache_match: cached as f64 / 4_000.0,
             cached_tokens: cached,
             uncached_tokens: uncached,
-            streams: 0,
-            carried: 0.0,
             queued_prefill: queued,
             predicted_ttft_ms: predicted,
             prefill_ms_per_token: 0.1,
             queued_ms_per_token: 0.1,
-            busy: 0.0,
-            load: 0.0,
-            queue: 0,
-            health: 1.0,
             adapter_loaded: true,
-            attributes: &NONE,
+            ..Candidate::idle(slot, "p", &NONE)
         };
         let scored = ScoredPod {
             index: slot,
