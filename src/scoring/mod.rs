@@ -93,8 +93,8 @@ pub struct Candidate<'a> {
 
 impl<'a> Candidate<'a> {
     /// Pod `slot` healthy, idle and caching nothing, before any answer
-    /// (every prediction 0): the base the benchmarks, fuzz targets and
-    /// tests set their fields over.
+    /// (every prediction 0): the base the routing benchmark and the tests
+    /// set their fields over.
     pub fn idle(slot: usize, id: &'a str, attributes: &'a BTreeMap<String, f64>) -> Candidate<'a> {
         Candidate {
             slot,

@@ -2,9 +2,8 @@
 //!
 //! Each arrival reads every pod's in-flight load ([`SlotLoad`], all
 //! workers and replicas) and folds two things into per-pod averages,
-//! exponentially weighted over `balance.learningWindow` decisions per pod
-//! (the horizon of everything the router learns,
-//! [`crate::memory::RouterMemory`]):
+//! exponentially weighted over the last `balance.learningWindow`
+//! arrivals (each arrival observes every pod):
 //! - **busy**: whether the pod had prefill queued. Arrivals see time
 //!   averages, so this is the chance that a request arriving there waits
 //!   behind work added now: what a copy of a prompt there costs the
