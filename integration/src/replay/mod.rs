@@ -867,6 +867,8 @@ pub fn results_json(args: &ReplayArgs, report: &Report) -> Value {
             "lookupOverheadSeconds": report.pods.cost.lookup_overhead_s,
             "decodeSecondsPerToken": report.pods.cost.decode_s_per_token,
             "timeScale": report.pods.cost.time_scale,
+            // `--prefill-speeds`: pods past the list run at 1.
+            "prefillSpeeds": report.pods.prefill_speeds,
         },
         "speedup": args.speedup,
         "seed": args.seed,
