@@ -58,8 +58,8 @@ def sweep_rows(run_dir):
 
 def medians(rows):
     """Median per figure over seeds; the worst seed for max pod share."""
-    keys = rows[0].keys()
-    return {k: (max if k == "share x" else statistics.median)(r[k] for r in rows) for k in keys}
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: (max if k == "share x" else statistics.median)(r[k] for r in rows if k in r) for k in keys}
 
 
 def digits(figure):
