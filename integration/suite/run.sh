@@ -26,6 +26,13 @@ one() {  # one() DIR ARGS...: a run, its stdout kept beside its JSON
   mkdir -p "$dir"
   "$replay" "$@" --out "$dir" > "$dir/stdout.md"
 }
+# A bare `wait` returns 0 whatever its jobs did: each is waited for, so a
+# failed run stops the suite instead of dropping out of the comparison.
+jobs=()
+wait_all() {
+  for job in "${jobs[@]}"; do wait "$job"; done
+  jobs=()
+}
 for seed in ${seeds//,/ }; do
   base=$out/s$seed
   for workload in shared-prefix multi-turn lora trace agentic long-context; do
@@ -33,16 +40,20 @@ for seed in ${seeds//,/ }; do
       for pods in 4 8; do
         one "$base/$workload-$pods-$mode" --seed "$seed" --trace "$mooncake" --bench-workload "$workload" \
           --pods "$pods" --mode "$mode" --policies kvroute &
+        jobs+=($!)
       done
       one "$base/$workload-mixed-$mode" --seed "$seed" --trace "$mooncake" --bench-workload "$workload" \
         --pods 4 --prefill-speeds 1,1,0.5,0.5 --mode "$mode" --policies kvroute &
-      wait
+      jobs+=($!)
+      wait_all
     done
   done
   one "$base/mooncake" --seed "$seed" --trace "$mooncake" --pods 4 \
     --load-sweep "$(loads 2.857)" --policies kvroute,ring_hash,least_request &
+  jobs+=($!)
   one "$base/azure" --seed "$seed" --trace "$azure" --format azure --pods 4 \
     --load-sweep "$(loads 1.832)" --policies kvroute,ring_hash,least_request &
-  wait
+  jobs+=($!)
+  wait_all
 done
 echo "suite in $out (seeds $seeds)"
