@@ -93,8 +93,9 @@ def main():
     common = sorted(seeds(before_dir) & seeds(after_dir))
     if not common:
         sys.exit("compare.py: the two suites share no seed folder (s1, s2, ...)")
-    runs = [{p.name for p in (d / s).iterdir() if (p / "results.json").exists()} for d in (before_dir, after_dir) for s in common]
-    configs = sorted(set.intersection(*runs))
+    # The configurations every seed of both suites ran.
+    ran = [{p.name for p in (d / s).iterdir() if (p / "results.json").exists()} for d in (before_dir, after_dir) for s in common]
+    configs = sorted(set.intersection(*ran))
     out = [f"Seeds {', '.join(s[1:] for s in common)}; BEFORE → AFTER where they differ.\n"]
     summary = {}
     for suite in (before_dir, after_dir):
