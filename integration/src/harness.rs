@@ -621,9 +621,10 @@ pub struct ClusterSpec {
     /// Per pod index, the `reportAddress` to list (a report sidecar such as
     /// kvroute-vllm-bridge; the test runs it).
     pub report_addresses: Vec<Option<String>>,
-    /// Pods the harness does not run, `(id, address)` (a test's own
-    /// server): listed in `pods` after the sims, not waited for.
-    pub extra_pods: Vec<(String, String)>,
+    /// Pods the harness does not run (a test's own server, a real vLLM
+    /// pod), as entries of the plugin's `pods` (`id`, `address`, maybe
+    /// `reportAddress`): listed after the sims, not waited for.
+    pub extra_pods: Vec<Value>,
     /// kvroute configuration without `pods` (filled in by the harness).
     pub plugin_config: Value,
     /// Envoy's listener and admin ports (`None`: free ports).
@@ -719,11 +720,7 @@ impl Cluster {
                     }
                     pod
                 })
-                .chain(
-                    spec.extra_pods
-                        .iter()
-                        .map(|(id, address)| json!({"id": id, "address": address})),
-                )
+                .chain(spec.extra_pods.iter().cloned())
                 .collect(),
         );
         if config.get("decisionHeaders").is_none() {
@@ -860,28 +857,38 @@ impl Cluster {
     }
 
     fn wait_published_by(&self, envoy: &Envoy, timeout: Duration) -> io::Result<()> {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            let text = envoy.prometheus();
-            let published = prometheus_value(&text, "epp_snapshot_generation", &[])
-                .is_some_and(|generation| generation > 0.0);
-            // One pass over the page (a pool has up to 1,024 pods).
-            let healths: std::collections::HashSet<&str> = text
-                .lines()
-                .filter_map(|l| l.strip_prefix("epp_pod_health_score{"))
-                .filter_map(|l| l.split("pod=\"").nth(1)?.split('"').next())
-                .collect();
-            if published && self.sims.iter().all(|s| healths.contains(s.id.as_str())) {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Err(io::Error::other(format!(
-            "pods not published in {timeout:?}; envoy log:\n{}",
-            envoy.log()
-        )))
+        let ids: Vec<&str> = self.sims.iter().map(|s| s.id.as_str()).collect();
+        wait_pods_published(envoy, &ids, timeout)
     }
+}
 
+/// Waits until `envoy`'s report service has published a snapshot with
+/// every pod of `ids` (gauges are defined at 0 from startup, so the
+/// generation tells).
+pub fn wait_pods_published(envoy: &Envoy, ids: &[&str], timeout: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let text = envoy.prometheus();
+        let published = prometheus_value(&text, "epp_snapshot_generation", &[])
+            .is_some_and(|generation| generation > 0.0);
+        // One pass over the page (a pool has up to 1,024 pods).
+        let healths: std::collections::HashSet<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("epp_pod_health_score{"))
+            .filter_map(|l| l.split("pod=\"").nth(1)?.split('"').next())
+            .collect();
+        if published && ids.iter().all(|id| healths.contains(id)) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(io::Error::other(format!(
+        "pods not published in {timeout:?}; envoy log:\n{}",
+        envoy.log()
+    )))
+}
+
+impl Cluster {
     /// `POST` a JSON body through Envoy.
     pub fn post(&self, path: &str, body: &Value) -> http::Response {
         http::post_json(&self.envoy.listen, path, &body.to_string()).expect("request through envoy")

@@ -12,3 +12,4 @@ pub mod replay;
 pub mod sim;
 pub mod tokenizer;
 pub mod trace;
+pub mod vllm;

@@ -45,7 +45,7 @@ fn start(sims: usize, config: Value, extra_pods: &[&HostilePod]) -> Cluster {
     let mut spec = ClusterSpec::new(sims, config);
     spec.extra_pods = extra_pods
         .iter()
-        .map(|pod| (pod.id.clone(), pod.address.clone()))
+        .map(|pod| json!({"id": pod.id, "address": pod.address}))
         .collect();
     Cluster::start(SIM.as_ref(), spec).expect("cluster starts")
 }
