@@ -115,8 +115,8 @@ pub struct PodOptions {
     /// Its KV cache in bytes (`--kv-cache-memory-bytes`); the tiny model's
     /// block of 32 tokens takes 32 KiB.
     pub kv_cache_bytes: u64,
-    /// `--max-model-len`: at most the cache's size in tokens, which vLLM
-    /// checks at start.
+    /// `--max-model-len`: at most what the cache holds beside vLLM's null
+    /// block, which it checks at start.
     pub max_model_len: u32,
     /// More flags for `vllm serve`.
     pub extra: Vec<String>,
@@ -128,7 +128,7 @@ impl PodOptions {
         PodOptions {
             core,
             kv_cache_bytes: blocks * BLOCK_BYTES,
-            max_model_len: (blocks * BLOCK_SIZE as u64).min(16_384) as u32,
+            max_model_len: (blocks.saturating_sub(1) * BLOCK_SIZE as u64).min(16_384) as u32,
             extra: Vec::new(),
         }
     }
@@ -244,14 +244,19 @@ impl Pod {
 
     fn failed(&self, what: &str) -> io::Error {
         let log = fs::read_to_string(&self.log_path).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(30).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        // The root cause is the engine core's last exception, above the
+        // API server's own traceback.
+        let cause = log
+            .lines()
+            .rev()
+            .filter(|l| l.contains("Error: ") && !l.contains("WARNING"))
+            .find(|l| !l.contains("RuntimeError: Engine core initialization failed"))
+            .unwrap_or("");
         io::Error::other(format!(
-            "pod {} ({}): {what}; log {}:\n{}",
+            "pod {} ({}): {what}: {cause} (log: {})",
             self.id,
             self.address,
             self.log_path.display(),
-            tail.join("\n")
         ))
     }
 
