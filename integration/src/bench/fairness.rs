@@ -35,6 +35,7 @@ fn idle_workload() -> Workload {
         agents: None,
         bounds: Bounds::default(),
         stock_vllm: false,
+        tokenizer: String::new(),
         prefill_speeds: Vec::new(),
     }
 }
@@ -74,7 +75,7 @@ pub fn idle_latency(sim: &Path, policies: &[String], quick: bool) -> Value {
     let w = idle_workload();
     let mut rows = Vec::new();
     for policy in policies {
-        let stack = match stack::start(policy, &w, sim, None) {
+        let stack = match stack::start(policy, &w, sim, None, None) {
             Ok(stack) => stack,
             Err(StartError::Unavailable(reason)) => {
                 rows.push(json!({"policy": policy, "unavailable": reason}));
@@ -85,7 +86,7 @@ pub fn idle_latency(sim: &Path, policies: &[String], quick: bool) -> Value {
                 continue;
             }
         };
-        let pod = stack.sims()[0].address.clone();
+        let pod = stack.first_pod();
         // Warm both paths' connections first.
         for i in 0..5 {
             tiny_ttft(&pod, i);

@@ -162,7 +162,11 @@ async fn send_one(
         }
     };
     outcome.status = response.status;
-    outcome.pod = response.header("x-sim-pod").map(String::from);
+    // A sim names itself; on real vLLM, kvroute's decision names the pod.
+    outcome.pod = response
+        .header("x-sim-pod")
+        .or(response.header("x-kvroute-pod"))
+        .map(String::from);
     if response.status != 200 {
         outcome.error = Some(format!(
             "HTTP {}: {}",

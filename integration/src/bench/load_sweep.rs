@@ -142,7 +142,7 @@ pub fn run(
                 .keep_logs
                 .as_ref()
                 .map(|d| d.join(format!("load-sweep-{load}-{policy}.log")));
-            let mut row = super::run_policy(policy, w, sim, kept_log.as_deref(), None)?;
+            let mut row = super::run_policy(policy, w, sim, None, kept_log.as_deref(), None)?;
             super::print_row(&row, started);
             row["load"] = json!(load);
             // 100 quantiles per row would dwarf the rest of the document.

@@ -28,6 +28,7 @@
 //! own folder, `DIR/load-sweep/` (`load-sweep --policies P` replaces P's
 //! rows there).
 
+pub mod engine;
 pub mod envoy_stats;
 pub mod fairness;
 pub mod load;
@@ -117,7 +118,8 @@ pub struct BenchArgs {
     /// The kvroute-sim binary (default: next to this one).
     #[arg(long)]
     pub sim: Option<PathBuf>,
-    /// Pods of `scale` (1 to 1,024): the run's figures go to
+    /// Real vLLM pods of `--engine vllm` (2 by default). Pods of `scale`
+    /// (1 to 1,024): the run's figures go to
     /// DIR/scale/pods-N.json and DIR/scale/README.md compares the pool
     /// sizes run; without it, 64 pods into results.json as before.
     #[arg(long)]
@@ -142,6 +144,20 @@ pub struct BenchArgs {
     /// `replicas`: how many times each side runs.
     #[arg(long, default_value_t = 1)]
     pub runs: usize,
+    /// The pods: `sim` (kvroute-sim) or `vllm`, real vLLM on this
+    /// machine's CPUs (`make vllm`; `--pods` of them, 2 by default, each
+    /// pinned to a core), the workloads tokenized and rendered as the tiny
+    /// model does, at the time scale measured on the pods. With
+    /// `--stand-in` the sim runs those very workloads (the model's
+    /// tokenizer and template, the measured time scale) for the
+    /// comparison. Results go to DIR/real-vllm/ (with `--stand-in`:
+    /// DIR/real-vllm/sim/).
+    #[arg(long, default_value = "sim", value_parser = ["sim", "vllm"])]
+    pub engine: String,
+    /// With `--engine sim`: the real-vLLM workloads on sims, at this time
+    /// scale (the one `--engine vllm` measured and recorded).
+    #[arg(long)]
+    pub stand_in: Option<f64>,
     /// Pods with a CPU KV tier: each workload's GPU cache shrunk so its
     /// working set is 1.5× the pods' GPU blocks, with a CPU tier as large
     /// again (`kvroute-sim --cpu-kv-blocks`), and kvroute-tier-blind
@@ -198,7 +214,12 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         .out
         .clone()
         .unwrap_or_else(|| repo_root().join("integration/results"));
-    let out = if args.stock_vllm {
+    let real_vllm = args.engine == "vllm" || args.stand_in.is_some();
+    let out = if args.stand_in.is_some() {
+        out.join("real-vllm/sim")
+    } else if real_vllm {
+        out.join("real-vllm")
+    } else if args.stock_vllm {
         out.join("stock-vllm")
     } else {
         out
@@ -250,11 +271,15 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
     } else {
         args.policies.clone()
     };
-    let opts = GenOptions {
+    let vllm = (args.engine == "vllm")
+        .then(|| engine::VllmEngine::new(args.pods.unwrap_or(2)))
+        .transpose()
+        .map_err(|e| format!("--engine vllm: {e}"))?;
+    let mut opts = GenOptions {
         quick: args.quick,
         seed: args.seed,
         load: args.load,
-        pods: 4,
+        pods: if real_vllm { args.pods.unwrap_or(2) } else { 4 },
         trace_path: args.trace.clone().unwrap_or_else(default_trace),
         speedup: args.speedup,
         trace_requests: args.trace_requests,
@@ -268,7 +293,27 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         stock_vllm: args.stock_vllm,
         prefill_speeds: args.prefill_speeds.clone(),
         cpu_tier: args.cpu_tier,
+        tokenizer: None,
+        time_scale: None,
     };
+    if real_vllm {
+        let install = crate::vllm::Install::find().map_err(|e| e.to_string())?;
+        let extra = engine::plugin_extra(&install).map_err(|e| e.to_string())?;
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            opts.plugin_extra[k] = v.clone();
+        }
+        opts.stock_vllm = true;
+        opts.tokenizer = Some(engine::tokenizer(&install));
+        opts.time_scale = match (&vllm, args.stand_in) {
+            (Some(engine), _) => Some(engine.calibrate().map_err(|e| format!("calibration: {e}"))?),
+            (None, scale) => scale,
+        };
+        results["engine"] = match &vllm {
+            Some(engine) => engine.describe(),
+            None => json!({"engine": "sim", "standsInFor": "vllm"}),
+        };
+        results["engine"]["timeScale"] = json!(opts.time_scale);
+    }
     let command = std::iter::once("kvroute-bench".to_string())
         .chain(std::env::args().skip(1))
         .collect::<Vec<_>>()
@@ -328,7 +373,7 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
                 .keep_logs
                 .as_ref()
                 .map(|dir| dir.join(format!("{name}-{policy}.log")));
-            let row = run_policy(policy, &w, &sim, kept_log.as_deref(), None)?;
+            let row = run_policy(policy, &w, &sim, vllm.as_ref(), kept_log.as_deref(), None)?;
             print_row(&row, started);
             rows.push(row);
         }
@@ -414,7 +459,7 @@ fn requests_csv(requests: &[workload::BenchRequest], outcomes: &[load::Outcome])
     csv
 }
 
-/// One policy on one workload, on fresh pods; a policy that cannot run
+/// One policy on one workload, on fresh pods (or `vllm`'s, reset); a policy that cannot run
 /// here (a peer not installed or not starting) gives a row saying why.
 /// `kept_log`: where to copy the router's log (and the requests' CSV,
 /// [`requests_csv`], beside it).
@@ -422,10 +467,11 @@ fn run_policy(
     policy: &str,
     w: &workload::Workload,
     sim: &Path,
+    vllm: Option<&engine::VllmEngine>,
     kept_log: Option<&Path>,
     replicas: Option<usize>,
 ) -> Result<Value, String> {
-    let stack = match stack::start(policy, w, sim, replicas) {
+    let stack = match stack::start(policy, w, sim, vllm, replicas) {
         Ok(stack) => stack,
         Err(stack::StartError::Unavailable(reason)) => {
             return Ok(json!({"policy": policy, "unavailable": reason}))
@@ -469,7 +515,7 @@ fn run_policy(
         .zip(main_before)
         .map(|(after, before)| after - before);
     std::thread::sleep(Duration::from_millis(200));
-    let stats: Vec<Value> = stack.sims().iter().map(|s| s.stats()).collect();
+    let stats = stack.pod_stats();
     let log = if policy.starts_with("kvroute") {
         stack
             .envoys()

@@ -1,7 +1,8 @@
-//! One policy's stack for one run: fresh simulated pods (empty caches) and
-//! a router in front of them: Envoy with kvroute (the harness's
-//! [`Cluster`]), Envoy with a built-in load balancer
-//! (`envoy/baseline.template.yaml`), or a peer router ([`super::peers`]).
+//! One policy's stack for one run: pods with empty caches (fresh simulated
+//! pods, or the real vLLM pods of [`super::engine`] reset) and a router in
+//! front of them: Envoy with kvroute (the harness's [`Cluster`]), Envoy
+//! with a built-in load balancer (`envoy/baseline.template.yaml`), or a
+//! peer router ([`super::peers`]).
 
 use std::fs;
 use std::io;
@@ -9,9 +10,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+use super::engine::{RunPods, VllmEngine};
 use super::peers::{self, Peer};
-use super::workload::{Workload, STOCK_VLLM_TOKENIZER};
-use crate::harness::{free_port, Bridge, BridgePorts, Cluster, ClusterSpec, Envoy, Sim};
+use super::workload::Workload;
+use crate::harness::{
+    free_port, wait_pods_published, Bridge, BridgePorts, Cluster, ClusterSpec, Envoy, Sim,
+};
 
 /// Policies in report order: kvroute, the peers, Envoy's balancers.
 pub const POLICIES: [&str; 11] = [
@@ -48,14 +52,16 @@ pub enum Stack {
         /// Replicated gateways: Envoy's round robin spreading each request
         /// over the kvroute Envoys (`--replicas`).
         front: Option<Front>,
+        /// Real vLLM pods (the cluster's sims otherwise).
+        vllm: Option<RunPods>,
     },
     Baseline {
-        sims: Vec<Sim>,
+        pods: RunPods,
         envoy: Envoy,
         dir: PathBuf,
     },
     Peer {
-        sims: Vec<Sim>,
+        pods: RunPods,
         router: peers::Running,
         peer: &'static Peer,
         dir: PathBuf,
@@ -102,10 +108,27 @@ impl Stack {
         }
     }
 
-    pub fn sims(&self) -> &[Sim] {
+    /// Each pod's figures since the run started ([`RunPods::stats`]).
+    pub fn pod_stats(&self) -> Vec<Value> {
         match self {
-            Stack::Kvroute { cluster, .. } => &cluster.sims,
-            Stack::Baseline { sims, .. } | Stack::Peer { sims, .. } => sims,
+            Stack::Kvroute {
+                vllm: Some(pods), ..
+            }
+            | Stack::Baseline { pods, .. }
+            | Stack::Peer { pods, .. } => pods.stats(),
+            Stack::Kvroute { cluster, .. } => cluster.sims.iter().map(Sim::stats).collect(),
+        }
+    }
+
+    /// The first pod's address.
+    pub fn first_pod(&self) -> String {
+        match self {
+            Stack::Kvroute { vllm: None, cluster, .. } => cluster.sims[0].address.clone(),
+            Stack::Kvroute {
+                vllm: Some(pods), ..
+            }
+            | Stack::Baseline { pods, .. }
+            | Stack::Peer { pods, .. } => pods.addresses()[0].clone(),
         }
     }
 
@@ -152,7 +175,7 @@ impl Drop for Stack {
 /// Flags of every sim of `workload`: in stock-vLLM mode, tokenizing as
 /// vLLM does and, like stock vLLM, serving no kvroute report.
 pub fn sim_args(workload: &Workload) -> Vec<String> {
-    let stock_vllm = ["--tokenizer", STOCK_VLLM_TOKENIZER, "--no-report"];
+    let stock_vllm = ["--tokenizer", &workload.tokenizer, "--no-report"];
     let stock_vllm = stock_vllm.iter().filter(|_| workload.stock_vllm);
     stock_vllm
         .map(|s| s.to_string())
@@ -202,15 +225,20 @@ impl From<io::Error> for StartError {
     }
 }
 
-/// Starts `policy`'s stack for `workload`; kvroute as `replicas` Envoys
-/// behind a round-robin Envoy when given (1 included: the same hop).
+/// Starts `policy`'s stack for `workload`, on `vllm`'s pods when given;
+/// kvroute as `replicas` Envoys behind a round-robin Envoy when given (1
+/// included: the same hop).
 pub fn start(
     policy: &str,
     workload: &Workload,
     sim_binary: &Path,
+    vllm: Option<&VllmEngine>,
     replicas: Option<usize>,
 ) -> Result<Stack, StartError> {
     let pod_args = sim_args(workload);
+    if let (true, Some(engine)) = (policy.starts_with("kvroute"), vllm) {
+        return start_kvroute_on_vllm(policy, workload, sim_binary, engine);
+    }
     if policy.starts_with("kvroute") {
         let approximate = policy == "kvroute-approx";
         let mut spec = ClusterSpec::new(workload.pods, kvroute_config(workload, policy));
@@ -244,6 +272,7 @@ pub fn start(
             cluster,
             bridges,
             front,
+            vllm: None,
         });
     }
     let peer = peers::peer(policy);
@@ -257,8 +286,11 @@ pub fn start(
         free_port()
     ));
     fs::create_dir_all(&dir)?;
-    let sims = start_pods(workload, sim_binary, &dir, &pod_args)?;
-    let addresses: Vec<String> = sims.iter().map(|s| s.address.clone()).collect();
+    let pods = match vllm {
+        Some(engine) => RunPods::vllm(engine, workload)?,
+        None => RunPods::Sims(start_pods(workload, sim_binary, &dir, &pod_args)?),
+    };
+    let addresses = pods.addresses();
     if let Some(peer) = peer {
         let model = workload
             .requests
@@ -274,11 +306,9 @@ pub fn start(
             }
         };
         // The readiness probe's request is not part of the run.
-        for sim in &sims {
-            sim.reset_stats();
-        }
+        pods.reset_stats();
         return Ok(Stack::Peer {
-            sims,
+            pods,
             router,
             peer,
             dir,
@@ -287,7 +317,77 @@ pub fn start(
     let (listen, admin) = (free_port(), free_port());
     let yaml = render_baseline(lb.expect("a baseline"), listen, admin, &addresses);
     let envoy = Envoy::start(&dir, &yaml, listen, admin)?;
-    Ok(Stack::Baseline { sims, envoy, dir })
+    Ok(Stack::Baseline { pods, envoy, dir })
+}
+
+/// kvroute in Envoy on the engine's real vLLM pods: precise through one
+/// kvroute-vllm-bridge per pod (the binary next to `sim_binary`, decoding
+/// with the model's tokenizer), approximate on its own decisions.
+fn start_kvroute_on_vllm(
+    policy: &str,
+    workload: &Workload,
+    sim_binary: &Path,
+    engine: &VllmEngine,
+) -> Result<Stack, StartError> {
+    let pods = RunPods::vllm(engine, workload)?;
+    let precise = policy != "kvroute-approx";
+    let mut config = kvroute_config(workload, policy);
+    if !precise {
+        config["podCapacityBlocks"] = json!(super::engine::vllm_blocks(workload));
+    }
+    let ports: Vec<BridgePorts> = pods
+        .vllm_pods()
+        .iter()
+        .map(|pod| BridgePorts {
+            events: pod.events.clone(),
+            replay: pod.replay.clone(),
+            listen: format!("127.0.0.1:{}", free_port()),
+        })
+        .collect();
+    let mut spec = ClusterSpec::new(0, config);
+    spec.extra_pods = pods
+        .vllm_pods()
+        .iter()
+        .zip(&ports)
+        .map(|(pod, ports)| {
+            let mut entry = json!({"id": pod.id, "address": pod.address});
+            if precise {
+                entry["reportAddress"] = json!(ports.listen);
+            }
+            entry
+        })
+        .collect();
+    let cluster = Box::new(Cluster::start(sim_binary, spec)?);
+    let mut bridges = Vec::new();
+    if precise {
+        let bridge_binary = sim_binary.with_file_name("kvroute-vllm-bridge");
+        let config_file = cluster.dir.join("kvroute.json");
+        let flags = [
+            "--topic".to_string(),
+            "kv".into(),
+            "--tokenizer".into(),
+            workload.tokenizer.clone(),
+        ];
+        for (pod, ports) in pods.vllm_pods().iter().zip(&ports) {
+            bridges.push(Bridge::start(
+                &bridge_binary,
+                &pod.id,
+                ports,
+                &config_file,
+                super::engine::WORKLOAD_MODEL,
+                &flags,
+            )?);
+        }
+    }
+    let ids: Vec<&str> = pods.vllm_pods().iter().map(|p| p.id.as_str()).collect();
+    wait_pods_published(&cluster.envoy, &ids, std::time::Duration::from_secs(30))?;
+    pods.reset_stats();
+    Ok(Stack::Kvroute {
+        cluster,
+        bridges,
+        front: None,
+        vllm: Some(pods),
+    })
 }
 
 /// Envoy's round robin over `replicas` (their listeners): each request to
@@ -320,7 +420,7 @@ fn start_bridges(
     let written = std::process::Command::new(sim_binary)
         .args([
             "--tokenizer",
-            STOCK_VLLM_TOKENIZER,
+            &workload.tokenizer,
             "--write-tokenizer-json",
         ])
         .arg(&vocabulary)

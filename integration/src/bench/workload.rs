@@ -102,8 +102,10 @@ pub struct Workload {
     /// Closed loop: the number of agents (each with one turn in flight).
     pub agents: Option<usize>,
     pub bounds: Bounds,
-    /// Stock-vLLM mode (see [`GenOptions::stock_vllm`]).
+    /// Stock-vLLM mode (see [`GenOptions::stock_vllm`]), and the pods'
+    /// tokenizer then.
     pub stock_vllm: bool,
+    pub tokenizer: String,
     /// Per pod, its prefill speed ([`GenOptions::prefill_speeds`]).
     pub prefill_speeds: Vec<f64>,
 }
@@ -151,6 +153,26 @@ pub struct GenOptions {
     pub prefill_speeds: Vec<f64>,
     /// Pods with a CPU KV tier ([`CPU_TIER_WORKING_SET`]).
     pub cpu_tier: bool,
+    /// Stock-vLLM mode: the pods' tokenizer ([`SimTokenizer::named`]: a
+    /// model's `tokenizer.json` on real vLLM); `None`:
+    /// [`STOCK_VLLM_TOKENIZER`].
+    pub tokenizer: Option<String>,
+    /// Every workload's time scale, instead of its own: on real vLLM, the
+    /// pods' measured prefill time per token over the cost model's
+    /// ([`crate::bench::engine`]).
+    pub time_scale: Option<f64>,
+}
+
+impl GenOptions {
+    /// The tokenizer stock-vLLM pods run.
+    pub fn pod_tokenizer(&self) -> &str {
+        self.tokenizer.as_deref().unwrap_or(STOCK_VLLM_TOKENIZER)
+    }
+
+    /// `own`, a workload's time scale, unless every workload's is set.
+    fn time_scale(&self, own: f64) -> f64 {
+        self.time_scale.unwrap_or(own)
+    }
 }
 
 /// With a CPU tier ([`GenOptions::cpu_tier`]), the working set is this
@@ -400,7 +422,7 @@ impl PodView {
             prompts: PromptRenderer::new(&config),
             tokenizer: opts
                 .stock_vllm
-                .then(|| SimTokenizer::named(STOCK_VLLM_TOKENIZER).expect("a known tokenizer")),
+                .then(|| SimTokenizer::named(opts.pod_tokenizer()).expect("a known tokenizer")),
             config,
         }
     }
@@ -485,6 +507,7 @@ fn assemble(
         agents,
         bounds,
         stock_vllm: opts.stock_vllm,
+        tokenizer: opts.pod_tokenizer().to_string(),
         prefill_speeds: opts.prefill_speeds.clone(),
     }
 }
@@ -494,7 +517,7 @@ fn assemble(
 ///    order, Poisson arrivals.
 fn shared_prefix(opts: &GenOptions) -> Workload {
     let (groups, prompts) = if opts.quick { (16, 16) } else { (32, 32) };
-    let (time_scale, max_batch) = (0.15, MAX_BATCH);
+    let (time_scale, max_batch) = (opts.time_scale(0.15), MAX_BATCH);
     let mut rng = Rng::new(opts.seed ^ 1);
     let system: Vec<String> = (0..groups)
         .map(|g| words(&format!("group {g} system prompt. "), 1000 + g, 2048 * 4))
@@ -554,7 +577,7 @@ fn shared_prefix(opts: &GenOptions) -> Workload {
 ///    previous round has had time to finish.
 fn multi_turn(opts: &GenOptions) -> Workload {
     let (users, rounds) = if opts.quick { (48, 4) } else { (128, 6) };
-    let (time_scale, max_batch) = (0.3, MAX_BATCH);
+    let (time_scale, max_batch) = (opts.time_scale(0.3), MAX_BATCH);
     let answer_tokens = 100u64;
     let mut rng = Rng::new(opts.seed ^ 2);
     let system = words("You are a helpful assistant. ", 7, 1000 * 4);
@@ -660,7 +683,7 @@ fn multi_turn(opts: &GenOptions) -> Workload {
 fn lora(opts: &GenOptions) -> Workload {
     let tenants = 10u64;
     let n = if opts.quick { 300 } else { 800 };
-    let (time_scale, max_batch) = (0.3, MAX_BATCH);
+    let (time_scale, max_batch) = (opts.time_scale(0.3), MAX_BATCH);
     let mut rng = Rng::new(opts.seed ^ 3);
     let weights: Vec<f64> = (1..=tenants).map(|k| 1.0 / k as f64).collect();
     let sum: f64 = weights.iter().sum();
@@ -739,7 +762,7 @@ fn trace_replay(opts: &GenOptions) -> Result<Workload, String> {
     let lines = &lines[from..from + n];
     // 20k-token prompts: a fast time scale keeps the run to about a minute
     // per policy at 70% of the prefill-bound capacity.
-    let (time_scale, max_batch) = (0.03, MAX_BATCH);
+    let (time_scale, max_batch) = (opts.time_scale(0.03), MAX_BATCH);
     let plugin = json!({
         "models": {"sim-model": {"baseModel": "sim-model"}},
         "blockSizeBytes": trace::CHUNK_BYTES,
@@ -910,7 +933,7 @@ impl ToolLoop {
 fn agentic(opts: &GenOptions) -> Workload {
     let (agents, turns) = if opts.quick { (24, 8) } else { (24, 16) };
     let system_prompts = 3;
-    let time_scale = 0.3;
+    let time_scale = opts.time_scale(0.3);
     let answer_tokens = 64u64;
     let mut rng = Rng::new(opts.seed ^ 5);
     let system: Vec<String> = (0..system_prompts)
@@ -950,7 +973,7 @@ fn agentic(opts: &GenOptions) -> Workload {
 fn long_context(opts: &GenOptions) -> Workload {
     let (sessions, turns) = if opts.quick { (8, 7) } else { (16, 12) };
     let heads = 2;
-    let time_scale = 0.1;
+    let time_scale = opts.time_scale(0.1);
     let answer_tokens = 64u64;
     let mut rng = Rng::new(opts.seed ^ 7);
     let head: Vec<String> = (0..heads)
@@ -1064,6 +1087,8 @@ mod tests {
             stock_vllm: false,
             prefill_speeds: Vec::new(),
             cpu_tier: false,
+            tokenizer: None,
+            time_scale: None,
         }
     }
 

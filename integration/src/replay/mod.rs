@@ -481,6 +481,8 @@ fn run_bench_workload(
         stock_vllm: false,
         prefill_speeds: args.prefill_speeds.clone(),
         cpu_tier: args.cpu_tier,
+        tokenizer: None,
+        time_scale: None,
     };
     let bench = crate::bench::workload::build(name, &options)?;
     let mut plugin = bench.plugin.clone();
