@@ -1463,3 +1463,18 @@ fn a_session_start_whose_sessions_continue_goes_where_fewer_are_carried() {
     let decision = policy.decide(&pods, false, 0, Some(start(true)));
     assert_eq!((decision.chosen, decision.spread), (Some(3), true));
 }
+
+/// Before its first answer the model predicts in tokens, not ms: no error
+/// is measured against an answer's time (on real vLLM a 4,169-token first
+/// prompt read as a 4,169 ms prediction of a 50 ms answer); after one
+/// answer, predictions are in ms and errors are measured.
+#[test]
+fn an_uncalibrated_model_measures_no_error() {
+    let mut model = TtftModel::new(64);
+    assert_eq!(model.relative_error(0, Work::new(0, 4_169), 50.0), None);
+    model.observe(0, Work::new(0, 4_000), 48.0);
+    let error = model
+        .relative_error(0, Work::new(0, 4_169), 50.0)
+        .expect("calibrated");
+    assert!(error < 0.1, "{error}");
+}

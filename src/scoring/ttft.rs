@@ -444,8 +444,12 @@ impl TtftModel {
     }
 
     /// `|predicted − actual| / actual` of one answer, without learning
-    /// from it (`None` for a TTFT that is not a positive time).
+    /// from it (`None` for a TTFT that is not a positive time, and before
+    /// any answer: an uncalibrated prediction is in tokens, not ms).
     pub fn relative_error(&self, slot: usize, work: Work, ttft_ms: f64) -> Option<f64> {
+        if !self.calibrated() {
+            return None;
+        }
         self.checked(slot, work, ttft_ms).map(|(_, error)| error)
     }
 
