@@ -22,8 +22,8 @@ use serde_json::{json, Value};
 use crate::harness::{free_port_range, prometheus_value, repo_root};
 use crate::http;
 
-/// The name the pods serve the tiny model under (`--served-model-name`),
-/// and its `baseModel` in kvroute's `models`.
+/// The name the suite's pods serve the tiny model under
+/// (`--served-model-name`), and its `baseModel` in kvroute's `models`.
 pub const MODEL: &str = "tiny";
 
 /// vLLM's KV block on CPU: its attention kernels take multiples of 32
@@ -132,8 +132,9 @@ pub struct PodOptions {
     /// `--max-model-len`: at most what the cache holds beside vLLM's null
     /// block, which it checks at start.
     pub max_model_len: u32,
-    /// Names it serves the model under: [`MODEL`] and these.
-    pub served_names: Vec<String>,
+    /// The name it serves the model under (`--served-model-name`; peers
+    /// such as smg route by the first name a pod lists).
+    pub served_name: String,
     /// More flags for `vllm serve`.
     pub extra: Vec<String>,
 }
@@ -145,7 +146,7 @@ impl PodOptions {
             core,
             kv_cache_bytes: blocks * BLOCK_BYTES,
             max_model_len: (blocks.saturating_sub(1) * BLOCK_SIZE as u64).min(16_384) as u32,
-            served_names: Vec::new(),
+            served_name: MODEL.into(),
             extra: Vec::new(),
         }
     }
@@ -217,8 +218,7 @@ impl Pod {
             .arg(&self.install.launcher)
             .arg("serve")
             .arg(&self.install.model)
-            .args(["--served-model-name", MODEL])
-            .args(&self.options.served_names)
+            .args(["--served-model-name", &self.options.served_name])
             .args(["--host", "127.0.0.1", "--port", port])
             .args(SERVE_FLAGS)
             .args([
@@ -234,6 +234,8 @@ impl Pod {
             // `POST /reset_prefix_cache` (a cache reset in the suite, a
             // fresh cache between bench runs).
             .env("VLLM_SERVER_DEV_MODE", "1")
+            // Stops itself if this process dies without stopping it.
+            .env("KVROUTE_VLLM_WATCH_PARENT", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

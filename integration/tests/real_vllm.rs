@@ -19,10 +19,12 @@ use kvroute::chat_template::PromptRenderer;
 use kvroute::config::Config;
 use kvroute::hashing::BlockHasher;
 use kvroute::report::{parse_report, parse_vllm_metrics};
+use kvroute::request::{ParsedRequest, Prompt};
 use kvroute_integration::harness::{
     free_port, prometheus_value, wait_pods_published, Cluster, ClusterSpec,
 };
 use kvroute_integration::http;
+use kvroute_integration::tokenizer::SimTokenizer;
 use kvroute_integration::vllm::{Install, Pod, PodOptions, MODEL};
 use kvroute_vllm_bridge::{start, Options, Running};
 use serde_json::{json, Value};
@@ -105,6 +107,7 @@ struct Stack {
     _bridges: Vec<Running>,
     cluster: Cluster,
     config: Config,
+    tokenizer: SimTokenizer,
 }
 
 impl Stack {
@@ -167,12 +170,14 @@ impl Stack {
                     .expect("bridge starts")
             })
             .collect();
+        let tokenizer = install.tokenizer().display().to_string();
         let stack = Stack {
             pods,
             listens,
             _bridges: bridges,
             cluster,
             config,
+            tokenizer: SimTokenizer::named(&tokenizer).expect("the model's tokenizer.json"),
         };
         let ids: Vec<&str> = stack.pods.iter().map(|p| p.id.as_str()).collect();
         wait_pods_published(&stack.cluster.envoy, &ids, Duration::from_secs(30))
@@ -195,14 +200,28 @@ impl Stack {
             .collect()
     }
 
-    /// The filter's block chain of `body` to `path`: the chat template
-    /// rendered (or the completions prefix put first), hashed.
-    fn chain(&self, path: &str, body: &Value) -> Vec<u64> {
-        let parsed = PromptRenderer::new(&self.config)
+    /// The prompt the filter hashes for `body` to `path`: the chat
+    /// template rendered, or the completions prefix put first.
+    fn prompt(&self, path: &str, body: &Value) -> ParsedRequest {
+        PromptRenderer::new(&self.config)
             .prompt(body.to_string().as_bytes(), path.contains("chat"))
-            .expect("a valid request");
+            .expect("a valid request")
+    }
+
+    /// The filter's block chain of `body` to `path`.
+    fn chain(&self, path: &str, body: &Value) -> Vec<u64> {
+        let parsed = self.prompt(path, body);
         let target = self.config.resolve_model(&parsed.model).expect("a model");
         BlockHasher::from_config(&self.config).chain(&target, &parsed.prompt, None)
+    }
+
+    /// The tokens of the filter's prompt for `body`, by the model's own
+    /// tokenizer (the bench's accounting of prompt tokens and blocks).
+    fn tokens(&self, path: &str, body: &Value) -> usize {
+        match self.prompt(path, body).prompt {
+            Prompt::Text(text) => self.tokenizer.encode(&String::from_utf8_lossy(&text)).len(),
+            Prompt::Tokens(tokens) => tokens.len(),
+        }
     }
 
     /// Waits until pod `pod`'s bridge holds the first `blocks` of `chain`,
@@ -257,9 +276,11 @@ fn kvroute_routes_real_vllm() {
 }
 
 /// Six chat conversations of three turns through Envoy, each with its own
-/// ~700-token system prompt: every turn is answered; every later turn goes
-/// to the pod that served the first, where kvroute predicted the history
-/// cached and vLLM served it from its cache.
+/// ~1,000-token system prompt and the model's real answers in the history:
+/// every turn is answered, its prompt as the filter renders it is exactly
+/// as many tokens as vLLM counted, and every later turn goes to the pod
+/// that served the first, where kvroute predicted the history cached and
+/// vLLM served it from its cache.
 fn conversations_stay_on_their_pod(stack: &Stack) {
     for conversation in 0..6u64 {
         let mut messages = vec![json!({"role": "system", "content": words(conversation, 2_000)})];
@@ -267,7 +288,13 @@ fn conversations_stay_on_their_pod(stack: &Stack) {
         for turn in 0..3u64 {
             let question = format!("question {turn}: {}", words(100 + turn, 200));
             messages.push(json!({"role": "user", "content": question}));
-            let answer = ask(stack.envoy(), "/v1/chat/completions", &chat(&messages));
+            let body = chat(&messages);
+            let answer = ask(stack.envoy(), "/v1/chat/completions", &body);
+            assert_eq!(
+                stack.tokens("/v1/chat/completions", &body) as u64,
+                answer.prompt_tokens,
+                "conversation {conversation} turn {turn}: the filter's rendering tokenizes to another count than vLLM's prompt"
+            );
             let first_pod = first_pod.get_or_insert_with(|| answer.pod.clone());
             if turn > 0 {
                 assert_eq!(

@@ -66,7 +66,7 @@ impl VllmEngine {
             .map(|i| {
                 let (install, dir) = (self.install.clone(), self.dir.clone());
                 let mut options = PodOptions::with_blocks(i % cores, blocks);
-                options.served_names.push(WORKLOAD_MODEL.into());
+                options.served_name = WORKLOAD_MODEL.into();
                 std::thread::spawn(move || {
                     Pod::start(&install, &format!("pod-{i}"), &dir, options)
                 })
