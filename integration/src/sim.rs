@@ -1402,6 +1402,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             }
             "clearAll" | "kvGarbage" => v.is_boolean() && sim.kv_events.is_some(),
             "kvDrop" | "kvLose" => v.is_u64() && sim.kv_events.is_some(),
+            "kvLagMs" => v.as_u64().is_some_and(|ms| ms <= 60_000) && sim.kv_events.is_some(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
             "report" => matches!(
                 v.as_str(),
@@ -1472,6 +1473,9 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             }
             if let Some(batches) = object.get("kvLose").and_then(Value::as_u64) {
                 publisher.lose_next(batches);
+            }
+            if let Some(ms) = object.get("kvLagMs").and_then(Value::as_u64) {
+                publisher.lag(Duration::from_millis(ms));
             }
             if flag("kvGarbage") == Some(true) {
                 publisher.send_garbage();

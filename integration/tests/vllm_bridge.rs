@@ -392,6 +392,50 @@ fn gaps_are_replayed_and_garbage_is_skipped() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Only batches the subscription skips are gaps. A probe that finds
+/// batches before the subscription delivers them is a race, not a loss
+/// (on vLLM the subscription's copy is on its way, or waits while the
+/// probe runs): here the sim sends every batch 150 ms after buffering it
+/// and the bridge probes every 20 ms, so the probe applies them first and
+/// counts them in `kvbridge_probe_ahead_total`, while gaps stay 0. A batch
+/// left off the PUB socket is one gap, whether the probe applied it
+/// first (lagging) or a replay fills it (not lagging); same epoch.
+#[test]
+fn only_batches_the_subscription_skips_are_gaps() {
+    let dir = temp("probe-ahead");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &[]);
+    let running = bridge_probing(&pod, "127.0.0.1:0", &config, None, 20);
+    pod.complete("m", &prompt(1, 2));
+    converged(&pod, &running);
+    let (epoch, _) = report_blocks(&running.addr.to_string());
+    pod.sim.fault(json!({"kvLagMs": 150}));
+    for seed in 2..8 {
+        pod.complete("m", &prompt(seed, 2));
+    }
+    converged(&pod, &running);
+    // The subscription's late copies arrive, as duplicates.
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(counter(&running, "kvbridge_probe_ahead_total") >= 1.0);
+    assert_eq!(counter(&running, "kvbridge_gaps_total"), 0.0);
+    assert_eq!(counter(&running, "kvbridge_batches_total"), 7.0);
+
+    pod.sim.fault(json!({"kvDrop": 1}));
+    pod.complete("m", &prompt(8, 2));
+    pod.complete("m", &prompt(9, 2));
+    counter_reaches(&running, "kvbridge_gaps_total", 1.0);
+    pod.sim.fault(json!({"kvLagMs": 0, "kvDrop": 1}));
+    pod.complete("m", &prompt(10, 2));
+    pod.complete("m", &prompt(11, 2));
+    counter_reaches(&running, "kvbridge_gaps_total", 2.0);
+    assert_eq!(converged(&pod, &running).len(), 22);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(counter(&running, "kvbridge_gaps_total"), 2.0);
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
+    assert_eq!(report_blocks(&running.addr.to_string()).0, epoch);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A hole: batches vLLM numbered but never published (lost before they
 /// were buffered). The bridge starts a new epoch rebuilt from the oldest
 /// batch the buffer holds, not from the hole, keeping exactly the blocks
