@@ -25,6 +25,8 @@
 //! batch so when its send raises, after taking its number), batches sent
 //! late (a lagging subscription: replays see them first), garbage frames,
 //! and `AllBlocksCleared`.
+//!
+//! Both sockets bind `tcp://` or `ipc://` endpoints, as vLLM binds them.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -45,9 +47,10 @@ use crate::model::KvCache;
 /// Where and how to publish.
 #[derive(Debug, Clone)]
 pub struct PublisherOptions {
-    /// PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557`.
+    /// PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557` or
+    /// `ipc:///run/kvroute/kv-events.sock`.
     pub endpoint: String,
-    /// ROUTER endpoint to bind for replays.
+    /// ROUTER endpoint to bind for replays (`tcp://` or `ipc://`).
     pub replay_endpoint: Option<String>,
     pub topic: String,
     /// Batches kept for replay (vLLM's `buffer_steps`).
@@ -149,14 +152,30 @@ fn message(frames: Vec<Bytes>) -> ZmqMessage {
     frames.try_into().expect("at least one frame")
 }
 
+/// Binds `socket` to `endpoint`. An `ipc://` socket file left by a pod
+/// killed before it could unbind is removed first, as libzmq (vLLM's
+/// pyzmq) does: a restarted pod binds the same path again.
+async fn bind(socket: &mut impl Socket, endpoint: &str) -> Result<(), String> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(format!("cannot remove the old socket file {path}: {e}"));
+            }
+            _ => {}
+        }
+    }
+    socket
+        .bind(endpoint)
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("cannot bind {endpoint}: {e}"))
+}
+
 impl Publisher {
     /// Binds the sockets and starts sending (on the current runtime).
     pub async fn start(options: PublisherOptions) -> Result<Arc<Publisher>, String> {
         let mut publisher = PubSocket::new();
-        publisher
-            .bind(&options.endpoint)
-            .await
-            .map_err(|e| format!("cannot bind {}: {e}", options.endpoint))?;
+        bind(&mut publisher, &options.endpoint).await?;
         let (outgoing, mut queue) = mpsc::unbounded_channel::<(Instant, ZmqMessage)>();
         tokio::spawn(async move {
             while let Some((due, message)) = queue.recv().await {
@@ -179,10 +198,7 @@ impl Publisher {
         });
         if let Some(endpoint) = &options.replay_endpoint {
             let mut router = RouterSocket::new();
-            router
-                .bind(endpoint)
-                .await
-                .map_err(|e| format!("cannot bind {endpoint}: {e}"))?;
+            bind(&mut router, endpoint).await?;
             let replayer = this.clone();
             tokio::spawn(async move { replayer.serve_replays(router).await });
         }

@@ -158,8 +158,8 @@ pub struct SimOptions {
     #[arg(long)]
     pub no_report: bool,
     /// Also publish the cache as vLLM's KV events on this ZMQ PUB endpoint
-    /// (e.g. `tcp://127.0.0.1:5557`; token-ID prompts only, see
-    /// [`crate::kv_events`]).
+    /// (bound: e.g. `tcp://127.0.0.1:5557` or `ipc:///tmp/kv-events.sock`;
+    /// token-ID prompts only, see [`crate::kv_events`]).
     #[arg(long)]
     pub kv_events: Option<String>,
     /// vLLM's replay endpoint (ZMQ ROUTER) for `--kv-events`.

@@ -67,7 +67,10 @@ use futures::StreamExt;
 use kvroute::report_log::new_epoch;
 use tokio::sync::watch;
 use xxhash_rust::xxh64::xxh64;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Endpoint, Host, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket,
+    ZmqMessage,
+};
 
 use crate::blocks::{Hashing, PodBlocks};
 use crate::wire::{decode_batch, decode_seq};
@@ -78,7 +81,8 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Where the pod publishes.
 #[derive(Debug, Clone)]
 pub struct Endpoints {
-    /// vLLM's `endpoint` (PUB), e.g. `tcp://10.0.0.5:5557`.
+    /// vLLM's `endpoint` (PUB), e.g. `ipc:///run/kvroute/kv-events.sock`
+    /// or `tcp://127.0.0.1:5557`.
     pub events: String,
     /// vLLM's `replay_endpoint` (ROUTER); `None`: gaps always resync.
     pub replay: Option<String>,
@@ -458,17 +462,25 @@ impl Bridge {
     /// while the pod is down), rebuilds from a replay, applies batches, and
     /// starts over when the connection drops.
     pub async fn run(&self, endpoints: Endpoints, probe: Duration) {
+        // The last connect error logged: an `ipc://` socket is missing
+        // until vLLM has loaded its model (minutes), one line is enough.
+        let mut refused: Option<String> = None;
         loop {
             let mut socket = SubSocket::new();
             let mut monitor = socket.monitor();
             if let Err(e) = socket.connect(&endpoints.events).await {
-                eprintln!(
-                    "kvroute-vllm-bridge {}: cannot connect to {}: {e}",
-                    self.pod_id, endpoints.events
-                );
+                let error = e.to_string();
+                if refused.as_ref() != Some(&error) {
+                    eprintln!(
+                        "kvroute-vllm-bridge {}: cannot connect to {}: {error} (retrying every 200 ms)",
+                        self.pod_id, endpoints.events
+                    );
+                    refused = Some(error);
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
+            refused = None;
             if let Err(e) = socket.subscribe(&endpoints.topic).await {
                 eprintln!("kvroute-vllm-bridge {}: subscribe: {e}", self.pod_id);
                 continue;
@@ -502,6 +514,22 @@ impl Bridge {
                 }
             }
         }
+    }
+}
+
+/// Checks an endpoint the bridge connects to (`flag` names it in the
+/// error): `tcp://HOST:PORT` or `ipc://PATH`.
+pub fn check_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
+    match endpoint.parse::<Endpoint>() {
+        Err(e) => Err(format!(
+            "{flag} {endpoint}: {e}; expected tcp://HOST:PORT or ipc://PATH"
+        )),
+        // vLLM's own `tcp://*:PORT` copied as is.
+        Ok(Endpoint::Tcp(Host::Domain(host), _)) if host == "*" => Err(format!(
+            "{flag} {endpoint}: `*` is where vLLM binds, and the bridge connects: \
+             give vLLM's ipc:// endpoint, or its port on the pod's address (tcp://127.0.0.1:PORT)"
+        )),
+        Ok(_) => Ok(()),
     }
 }
 
