@@ -65,6 +65,11 @@ pub const PUBLISH_BUCKETS: usize = 64;
 /// entry lands on a page not touched before (a page fault each).
 pub const FOLD_STEP_BLOCKS: usize = 512;
 
+/// How the 503 Envoy answers itself starts when it could not reach the
+/// upstream (connection refused, or closed or reset before the response
+/// headers): no answer from the pod.
+pub const ENVOY_UNREACHABLE: &[u8] = b"upstream connect error";
+
 /// Why a pull failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Failure {
@@ -540,7 +545,7 @@ impl ClusterState {
                 return (Ok(()), None);
             }
             // Envoy answers 503 itself when the pod cannot be reached.
-            Some("503") if body(body_size.min(64)).starts_with(b"upstream connect error") => {
+            Some("503") if body(body_size.min(64)).starts_with(ENVOY_UNREACHABLE) => {
                 Failure::Unreachable
             }
             Some(code) => Failure::Status(code.parse().unwrap_or(0)),

@@ -498,6 +498,11 @@ impl Envoy {
     }
 
     fn spawn(config_path: &Path, log_path: &Path, workers: usize) -> io::Result<Child> {
+        // What Envoy logs after it closed its log file, on its way out.
+        let stderr = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log_path.with_extension("stderr"))?;
         Command::new(envoy_binary()?)
             .arg("-c")
             .arg(config_path)
@@ -511,7 +516,7 @@ impl Envoy {
             .arg("--log-path")
             .arg(log_path)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
     }
 
@@ -520,6 +525,29 @@ impl Envoy {
     pub fn kill(&mut self) {
         let _ = self.process.child.kill();
         let _ = self.process.child.wait();
+    }
+
+    /// Stops Envoy as an orchestrator does: SIGTERM, after which Envoy
+    /// shuts down in order (its filters destroyed, its calls cancelled);
+    /// waits up to 30 s for it to exit.
+    pub fn terminate(&mut self) -> io::Result<std::process::ExitStatus> {
+        let pid = self.pid().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status()?;
+        if !sent.success() {
+            return Err(io::Error::other(format!("kill -TERM {pid}: {sent}")));
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.process.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                return Err(io::Error::other(format!(
+                    "envoy {pid} still running 30 s after SIGTERM"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Starts Envoy again with the same configuration, ports and log (a
@@ -560,9 +588,12 @@ impl Envoy {
         self.process.child.id()
     }
 
-    /// Envoy's log so far.
+    /// Envoy's log so far: its log file, then what it wrote to stderr
+    /// (the lines it logs after closing the file as it exits).
     pub fn log(&self) -> String {
-        fs::read_to_string(&self.log_path).unwrap_or_default()
+        let file = fs::read_to_string(&self.log_path).unwrap_or_default();
+        let stderr = fs::read_to_string(self.log_path.with_extension("stderr"));
+        file + &stderr.unwrap_or_default()
     }
 
     pub fn running(&mut self) -> bool {

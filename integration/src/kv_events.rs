@@ -22,12 +22,15 @@
 //! Faults for the bridge's tests: batches left off the PUB socket (still
 //! buffered for replay: a gap, or past `buffer_steps` an overrun), batches
 //! numbered but neither sent nor buffered (a hole: vLLM's publisher loses a
-//! batch so when its send raises, after taking its number), garbage
-//! frames, and `AllBlocksCleared`.
+//! batch so when its send raises, after taking its number), batches sent
+//! late (a lagging subscription: replays see them first), garbage frames,
+//! and `AllBlocksCleared`.
+//!
+//! Both sockets bind `tcp://` or `ipc://` endpoints, as vLLM binds them.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvroute::hashing::BlockLayout;
@@ -36,6 +39,7 @@ use kvroute::report_log::BlockEvent;
 use kvroute_vllm_bridge::wire::{encode_batch, KvEvent, Shape};
 use rmpv::Value as Msgpack;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::model::KvCache;
@@ -43,9 +47,10 @@ use crate::model::KvCache;
 /// Where and how to publish.
 #[derive(Debug, Clone)]
 pub struct PublisherOptions {
-    /// PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557`.
+    /// PUB endpoint to bind, e.g. `tcp://127.0.0.1:5557` or
+    /// `ipc:///run/kvroute/kv-events.sock`.
     pub endpoint: String,
-    /// ROUTER endpoint to bind for replays.
+    /// ROUTER endpoint to bind for replays (`tcp://` or `ipc://`).
     pub replay_endpoint: Option<String>,
     pub topic: String,
     /// Batches kept for replay (vLLM's `buffer_steps`).
@@ -116,13 +121,16 @@ struct State {
     drop_next: u64,
     /// Batches still to lose (numbered, never buffered nor sent).
     lose_next: u64,
+    /// How long after it is buffered a batch reaches the PUB socket.
+    lag: Duration,
 }
 
 /// The pod's publisher (see the module documentation).
 pub struct Publisher {
     options: PublisherOptions,
     state: Mutex<State>,
-    outgoing: mpsc::UnboundedSender<ZmqMessage>,
+    /// Messages for the PUB socket, each with when to send it.
+    outgoing: mpsc::UnboundedSender<(Instant, ZmqMessage)>,
 }
 
 /// The opaque hash published for the vLLM block `from_end` blocks before
@@ -144,17 +152,34 @@ fn message(frames: Vec<Bytes>) -> ZmqMessage {
     frames.try_into().expect("at least one frame")
 }
 
+/// Binds `socket` to `endpoint`. An `ipc://` socket file left by a pod
+/// killed before it could unbind is removed first, as libzmq (vLLM's
+/// pyzmq) does: a restarted pod binds the same path again.
+async fn bind(socket: &mut impl Socket, endpoint: &str) -> Result<(), String> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(format!("cannot remove the old socket file {path}: {e}"));
+            }
+            _ => {}
+        }
+    }
+    socket
+        .bind(endpoint)
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("cannot bind {endpoint}: {e}"))
+}
+
 impl Publisher {
     /// Binds the sockets and starts sending (on the current runtime).
     pub async fn start(options: PublisherOptions) -> Result<Arc<Publisher>, String> {
         let mut publisher = PubSocket::new();
-        publisher
-            .bind(&options.endpoint)
-            .await
-            .map_err(|e| format!("cannot bind {}: {e}", options.endpoint))?;
-        let (outgoing, mut queue) = mpsc::unbounded_channel::<ZmqMessage>();
+        bind(&mut publisher, &options.endpoint).await?;
+        let (outgoing, mut queue) = mpsc::unbounded_channel::<(Instant, ZmqMessage)>();
         tokio::spawn(async move {
-            while let Some(message) = queue.recv().await {
+            while let Some((due, message)) = queue.recv().await {
+                tokio::time::sleep_until(due).await;
                 let _ = publisher.send(message).await;
             }
         });
@@ -167,15 +192,13 @@ impl Publisher {
                 buffer: VecDeque::new(),
                 drop_next: 0,
                 lose_next: 0,
+                lag: Duration::ZERO,
             }),
             outgoing,
         });
         if let Some(endpoint) = &options.replay_endpoint {
             let mut router = RouterSocket::new();
-            router
-                .bind(endpoint)
-                .await
-                .map_err(|e| format!("cannot bind {endpoint}: {e}"))?;
+            bind(&mut router, endpoint).await?;
             let replayer = this.clone();
             tokio::spawn(async move { replayer.serve_replays(router).await });
         }
@@ -406,11 +429,15 @@ impl Publisher {
             state.drop_next -= 1;
             return;
         }
-        let _ = self.outgoing.send(message(vec![
-            Bytes::from(self.options.topic.clone().into_bytes()),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            payload,
-        ]));
+        let due = Instant::now() + state.lag;
+        let _ = self.outgoing.send((
+            due,
+            message(vec![
+                Bytes::from(self.options.topic.clone().into_bytes()),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ]),
+        ));
     }
 
     /// Leaves the next `batches` off the PUB socket (still replayable).
@@ -424,19 +451,29 @@ impl Publisher {
         self.lock().lose_next += batches;
     }
 
+    /// Sends each later batch `lag` after buffering it: a subscription
+    /// that lags, whose batches a replay probe finds first.
+    pub fn lag(&self, lag: Duration) {
+        self.lock().lag = lag;
+    }
+
     /// Sends garbage: a one-part message, a short seq frame, and a batch
     /// that is not msgpack (numbered and buffered like a real one).
     pub fn send_garbage(&self) {
         let topic = Bytes::from(self.options.topic.clone().into_bytes());
+        let mut state = self.lock();
+        let due = Instant::now() + state.lag;
         let _ = self
             .outgoing
-            .send(message(vec![Bytes::from_static(b"garbage")]));
-        let _ = self.outgoing.send(message(vec![
-            topic,
-            Bytes::from_static(b"\x01\x02"),
-            Bytes::from_static(b"\x92"),
-        ]));
-        let mut state = self.lock();
+            .send((due, message(vec![Bytes::from_static(b"garbage")])));
+        let _ = self.outgoing.send((
+            due,
+            message(vec![
+                topic,
+                Bytes::from_static(b"\x01\x02"),
+                Bytes::from_static(b"\x92"),
+            ]),
+        ));
         self.send(&mut state, Bytes::from_static(b"\xc1 not msgpack"));
     }
 

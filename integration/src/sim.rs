@@ -158,8 +158,8 @@ pub struct SimOptions {
     #[arg(long)]
     pub no_report: bool,
     /// Also publish the cache as vLLM's KV events on this ZMQ PUB endpoint
-    /// (e.g. `tcp://127.0.0.1:5557`; token-ID prompts only, see
-    /// [`crate::kv_events`]).
+    /// (bound: e.g. `tcp://127.0.0.1:5557` or `ipc:///tmp/kv-events.sock`;
+    /// token-ID prompts only, see [`crate::kv_events`]).
     #[arg(long)]
     pub kv_events: Option<String>,
     /// vLLM's replay endpoint (ZMQ ROUTER) for `--kv-events`.
@@ -1402,6 +1402,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             }
             "clearAll" | "kvGarbage" => v.is_boolean() && sim.kv_events.is_some(),
             "kvDrop" | "kvLose" => v.is_u64() && sim.kv_events.is_some(),
+            "kvLagMs" => v.as_u64().is_some_and(|ms| ms <= 60_000) && sim.kv_events.is_some(),
             "errorRate" => v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
             "report" => matches!(
                 v.as_str(),
@@ -1472,6 +1473,9 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
             }
             if let Some(batches) = object.get("kvLose").and_then(Value::as_u64) {
                 publisher.lose_next(batches);
+            }
+            if let Some(ms) = object.get("kvLagMs").and_then(Value::as_u64) {
+                publisher.lag(Duration::from_millis(ms));
             }
             if flag("kvGarbage") == Some(true) {
                 publisher.send_garbage();

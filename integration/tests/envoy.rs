@@ -10,8 +10,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvroute_integration::harness::{
-    filler_text as text, free_port, kvroute_module, render_envoy_config, Cluster, ClusterSpec,
-    Envoy,
+    filler_text as text, free_port, kvroute_module, log_event, render_envoy_config, Cluster,
+    ClusterSpec, Envoy,
 };
 use kvroute_integration::http;
 use serde_json::{json, Value};
@@ -1450,4 +1450,29 @@ fn random_model_names_do_not_grow_the_stats() {
             .metric("epp_routing_decisions_total", &[("model", "invalid")]),
         Some(1.0)
     );
+}
+
+/// A graceful stop (SIGTERM, as Kubernetes stops a pod's containers) while
+/// the service holds a long-poll report call on every pod: Envoy cancels
+/// the calls as it shuts down (its own 503, "connection termination"),
+/// which says nothing about the pods. No `pod_report_failing` in the log;
+/// one `service_stopping` line instead, logged as the module is torn down
+/// (after Envoy closed its log file: on stderr).
+#[test]
+fn a_graceful_stop_blames_no_pod() {
+    let mut cluster = start(3, base_config(), &[], vec![]);
+    cluster.wait_reports(2);
+    let status = cluster.envoy.terminate().expect("envoy stops");
+    let log = cluster.envoy.log();
+    assert!(status.success(), "envoy exited with {status}:\n{log}");
+    assert!(!log.contains("pod_report_failing"), "{log}");
+    let stopping: Vec<_> = log
+        .lines()
+        .filter_map(log_event)
+        .filter(|event| event["event"] == "service_stopping")
+        .collect();
+    assert_eq!(stopping.len(), 1, "{log}");
+    // A long poll per pod (one may be between its answer and the next).
+    let calls = stopping[0]["callsInFlight"].as_u64();
+    assert!(calls.is_some_and(|n| (1..=3).contains(&n)), "{log}");
 }

@@ -57,9 +57,21 @@ struct Pod {
 }
 
 impl Pod {
+    /// A sim publishing on loopback TCP ports.
     fn start(config: &Path, extra: &[&str]) -> Pod {
         let events = format!("tcp://127.0.0.1:{}", free_port());
         let replay = format!("tcp://127.0.0.1:{}", free_port());
+        Pod::start_on(config, extra, events, replay)
+    }
+
+    /// A sim binding its sockets in `dir`, as vLLM binds `ipc://` endpoints.
+    fn start_ipc(config: &Path, dir: &Path, extra: &[&str]) -> Pod {
+        let events = format!("ipc://{}", dir.join("kv-events.sock").display());
+        let replay = format!("ipc://{}", dir.join("kv-replay.sock").display());
+        Pod::start_on(config, extra, events, replay)
+    }
+
+    fn start_on(config: &Path, extra: &[&str], events: String, replay: String) -> Pod {
         let mut args: Vec<String> = [
             "--kv-events",
             &events,
@@ -389,6 +401,91 @@ fn gaps_are_replayed_and_garbage_is_skipped() {
     assert_eq!(converged(&pod, &running).len(), 10);
     assert_eq!(counter(&running, "kvbridge_malformed_frames_total"), 3.0);
     assert_eq!(report_blocks(&running.addr.to_string()).0, epoch);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Only batches the subscription skips are gaps. A probe that finds
+/// batches before the subscription delivers them is a race, not a loss
+/// (on vLLM the subscription's copy is on its way, or waits while the
+/// probe runs): here the sim sends every batch 150 ms after buffering it
+/// and the bridge probes every 20 ms, so the probe applies them first and
+/// counts them in `kvbridge_probe_ahead_total`, while gaps stay 0. A batch
+/// left off the PUB socket is one gap, whether the probe applied it
+/// first (lagging) or a replay fills it (not lagging); same epoch.
+#[test]
+fn only_batches_the_subscription_skips_are_gaps() {
+    let dir = temp("probe-ahead");
+    let config = config_file(&dir);
+    let pod = Pod::start(&config, &[]);
+    let running = bridge_probing(&pod, "127.0.0.1:0", &config, None, 20);
+    pod.complete("m", &prompt(1, 2));
+    converged(&pod, &running);
+    let (epoch, _) = report_blocks(&running.addr.to_string());
+    pod.sim.fault(json!({"kvLagMs": 150}));
+    for seed in 2..8 {
+        pod.complete("m", &prompt(seed, 2));
+    }
+    converged(&pod, &running);
+    // The subscription's late copies arrive, as duplicates.
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(counter(&running, "kvbridge_probe_ahead_total") >= 1.0);
+    assert_eq!(counter(&running, "kvbridge_gaps_total"), 0.0);
+    assert_eq!(counter(&running, "kvbridge_batches_total"), 7.0);
+
+    pod.sim.fault(json!({"kvDrop": 1}));
+    pod.complete("m", &prompt(8, 2));
+    pod.complete("m", &prompt(9, 2));
+    counter_reaches(&running, "kvbridge_gaps_total", 1.0);
+    pod.sim.fault(json!({"kvLagMs": 0, "kvDrop": 1}));
+    pod.complete("m", &prompt(10, 2));
+    pod.complete("m", &prompt(11, 2));
+    counter_reaches(&running, "kvbridge_gaps_total", 2.0);
+    assert_eq!(converged(&pod, &running).len(), 22);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(counter(&running, "kvbridge_gaps_total"), 2.0);
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
+    assert_eq!(report_blocks(&running.addr.to_string()).0, epoch);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// vLLM binds `ipc://` endpoints, and the recommended setup uses them to
+/// keep every prompt's token ids off the network: the sim binds both
+/// sockets on files, and the bridge follows them. A bridge started after
+/// the pod cached a prompt rebuilds it from a replay; it then follows the
+/// subscription, and a batch left off it is one gap, filled from the
+/// replay socket; a pod killed and started again on the same files (its
+/// stale socket files left behind) is found by the probe, and the bridge
+/// reconnects to its empty cache and follows its new blocks.
+#[test]
+fn events_and_replays_flow_over_ipc() {
+    let dir = temp("ipc");
+    let config = config_file(&dir);
+    let mut pod = Pod::start_ipc(&config, &dir, &[]);
+    assert!(pod.events.starts_with("ipc://") && pod.replay.starts_with("ipc://"));
+    let a = prompt(1, 3);
+    pod.complete("m", &a);
+    let running = bridge(&pod, "127.0.0.1:0", &config);
+    assert_eq!(converged(&pod, &running), keys(&config, &a));
+    assert_eq!(counter(&running, "kvbridge_replays_total"), 1.0);
+    let (epoch, _) = report_blocks(&running.addr.to_string());
+    pod.complete("m", &prompt(2, 3));
+    assert_eq!(converged(&pod, &running).len(), 6);
+    pod.sim.fault(json!({"kvDrop": 1}));
+    pod.complete("m", &prompt(3, 3));
+    pod.complete("m", &prompt(4, 3));
+    assert_eq!(converged(&pod, &running).len(), 12);
+    assert_eq!(report_blocks(&running.addr.to_string()).0, epoch);
+    counter_reaches(&running, "kvbridge_gaps_total", 1.0);
+    assert_eq!(counter(&running, "kvbridge_replay_failures_total"), 0.0);
+    assert_eq!(counter(&running, "kvbridge_resyncs_total"), 0.0);
+
+    pod.restart();
+    assert!(converged(&pod, &running).is_empty());
+    let b = prompt(5, 2);
+    pod.complete("m", &b);
+    assert_eq!(converged(&pod, &running), keys(&config, &b));
+    assert_eq!(counter(&running, "kvbridge_connects_total"), 2.0);
+    assert_eq!(counter(&running, "kvbridge_gaps_total"), 1.0);
     let _ = std::fs::remove_dir_all(dir);
 }
 

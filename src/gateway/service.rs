@@ -62,8 +62,8 @@ use super::events::event;
 use super::host::ServiceHost;
 use super::metrics::{export_peer_from_zero, export_pod_from_zero, percent, Metric, MetricBatch};
 use crate::cluster::{
-    ClusterState, Failure, FoldStep, PullAnswer, PullKind, Transition, FOLD_STEP_BLOCKS,
-    PUBLISH_BUCKETS,
+    ClusterState, Failure, FoldStep, PullAnswer, PullKind, Transition, ENVOY_UNREACHABLE,
+    FOLD_STEP_BLOCKS, PUBLISH_BUCKETS,
 };
 use crate::config::{Config, IndexMode, PodConfig};
 use crate::discovery;
@@ -131,6 +131,13 @@ pub struct ReportService<H: ServiceHost> {
     state: Option<ClusterState>,
     /// Calls in flight: token → (pod id, what was asked).
     pending: HashMap<u64, (String, Pull)>,
+    /// Calls Envoy answered itself, without an answer from the pod (no
+    /// response, or its own 503 `upstream connect error`), taken as failed
+    /// at the next tick instead of at once: when Envoy shuts down it ends
+    /// every call still out so, after its event loop has stopped, and no
+    /// tick comes then. A shutdown blames no pod; an unreachable pod counts
+    /// one tick later.
+    unanswered: Vec<u64>,
     /// A pod call in flight: token → the streams this gateway had opened
     /// on the pod when it went out ([`InflightCount::opened`]).
     opened_at_call: HashMap<u64, u32>,
@@ -199,6 +206,7 @@ impl<H: ServiceHost> ReportService<H> {
             config: None,
             state: None,
             pending: HashMap::new(),
+            unanswered: Vec::new(),
             opened_at_call: HashMap::new(),
             polling: None,
             next_round_ms: 0,
@@ -257,10 +265,15 @@ impl<H: ServiceHost> ReportService<H> {
             .histogram(Metric::ServiceBusyUs, started.elapsed().as_micros() as u64);
     }
 
-    /// The tick ([`tick_period_ms`]): folding, a round when one is due or
-    /// what is left to publish, then the metrics.
+    /// The tick ([`tick_period_ms`]): the calls Envoy answered without
+    /// their pod since the last one ([`ReportService::unanswered`]),
+    /// folding, a round when one is due or what is left to publish, then
+    /// the metrics.
     pub fn on_tick(&mut self) {
         let started = Instant::now();
+        for token in std::mem::take(&mut self.unanswered) {
+            self.take_answer(token, None, 0, |_| Vec::new());
+        }
         if let Some(config) = self.config.clone() {
             self.budget_us = tick_budget_us(&config, TICK_BUDGET_US);
             self.fold_budget_us = tick_budget_us(&config, FOLD_SHARE_US);
@@ -370,7 +383,48 @@ impl<H: ServiceHost> ReportService<H> {
         self.busy(started);
     }
 
+    /// Holds an answer Envoy made without the pod until the next tick (see
+    /// [`ReportService::unanswered`]); takes any other at once.
     fn call_response(
+        &mut self,
+        token: u64,
+        status: Option<&str>,
+        body_size: usize,
+        read_body: impl FnOnce(usize) -> Vec<u8>,
+    ) {
+        if !self.pending.contains_key(&token) {
+            return;
+        }
+        match status {
+            None => self.unanswered.push(token),
+            Some("503") => {
+                let head = read_body(body_size.min(ENVOY_UNREACHABLE.len()));
+                if head.starts_with(ENVOY_UNREACHABLE) {
+                    self.unanswered.push(token);
+                } else {
+                    // The pod's own 503: only its page's start is read.
+                    self.take_answer(token, status, body_size, |_| head);
+                }
+            }
+            Some(_) => self.take_answer(token, status, body_size, read_body),
+        }
+    }
+
+    /// Envoy is done with the service: shutting down (every call still out
+    /// was held, [`ReportService::unanswered`], and is dropped with it) or
+    /// replacing its configuration. Says so once.
+    pub fn shut_down(&mut self) {
+        event(
+            log::Level::Info,
+            "service_stopping",
+            json!({"callsInFlight": self.pending.len(),
+                   "detail": "Envoy is stopping or replacing this configuration: calls in flight end unanswered and count against no pod"}),
+        );
+    }
+
+    /// Takes the answer to call `token` (as [`ReportService::on_call_response`]
+    /// describes its arguments).
+    fn take_answer(
         &mut self,
         token: u64,
         status: Option<&str>,
@@ -1379,5 +1433,49 @@ mod tests {
         // Its queue now reads 1 + (5 − 2) = 4: the scrape's waiting one,
         // the two sent while it was out and the one sent since.
         assert_eq!((pod.queue, pod.inflight_at_report), (1, 2), "{pod:?}");
+    }
+
+    /// Envoy ends every call still out when it shuts down, after its event
+    /// loop stopped: with its own 503 (`upstream connect error`, the
+    /// connection closed under the call) or no answer at all. Such a call
+    /// counts against its pod at the next tick, so one no tick follows
+    /// never does; the pod's own 503 counts at once.
+    #[test]
+    fn a_call_envoy_ends_without_its_pod_fails_at_the_next_tick() {
+        let host = FakeHost::default();
+        let mut service = ReportService::new(host.clone());
+        let config = Config::parse(
+            br#"{"pods": [{"id": "pod-0", "address": "127.0.0.1:9001"},
+                          {"id": "pod-1", "address": "127.0.0.1:9002"},
+                          {"id": "pod-2", "address": "127.0.0.1:9003"}],
+                 "podReportIntervalMs": 200}"#,
+        )
+        .expect("valid");
+        assert!(service.configure(config));
+        service.on_tick();
+        let calls = std::mem::take(&mut host.0.borrow_mut().calls);
+        let token = |address: &str| {
+            calls
+                .iter()
+                .find(|(_, headers)| headers.iter().any(|(_, v)| v == address))
+                .map(|(token, _)| *token)
+                .expect(address)
+        };
+        let envoys = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        service.on_call_response(token("127.0.0.1:9001"), Some("503"), envoys.len(), |n| {
+            envoys[..n].to_vec()
+        });
+        service.on_call_response(token("127.0.0.1:9002"), None, 0, |_| Vec::new());
+        let pods = b"overloaded";
+        service.on_call_response(token("127.0.0.1:9003"), Some("503"), pods.len(), |n| {
+            pods[..n].to_vec()
+        });
+        let failures = |service: &ReportService<FakeHost>| {
+            let state = service.state.as_ref().expect("configured");
+            ["pod-0", "pod-1", "pod-2"].map(|pod| state.failures(pod))
+        };
+        assert_eq!(failures(&service), [0, 0, 1]);
+        service.on_tick();
+        assert_eq!(failures(&service), [1, 1, 1]);
     }
 }

@@ -223,8 +223,11 @@ impl FilterConfig {
     }
 
     /// Stops the ticker and the config scheduler, and leaves the replica
-    /// channel (Envoy is destroying the config, on the main thread).
+    /// channel (Envoy is destroying the config, on the main thread: when
+    /// it shuts down, after it ended the callouts still out, or when a
+    /// new configuration replaces this one).
     pub fn shut_down(&self) {
+        self.service().shut_down();
         if let Some(channel) = &self.channel {
             channel.detach(&self.shared);
         }

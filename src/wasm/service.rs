@@ -8,6 +8,11 @@
 //! `on_http_call_response`, with no response headers. The SDK's header
 //! getter panics on the host's status for that (BadArgument); this service
 //! reads through [`super::host`], for which it is just "no answer".
+//!
+//! Shutdown: after its event loop stopped, Envoy ends every call still
+//! out (its own 503, or no headers) before it calls the root's `on_done`;
+//! the service holds such answers for a tick that never comes
+//! ([`crate::gateway::service`]).
 
 use std::time::Duration;
 
@@ -120,6 +125,13 @@ fn call_body(size: usize) -> Vec<u8> {
 }
 
 impl Context for ServiceRoot {
+    /// The VM is being torn down (Envoy shutting down, after it ended
+    /// the calls still out).
+    fn on_done(&mut self) -> bool {
+        self.service.shut_down();
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token_id: u32,

@@ -21,12 +21,24 @@
 //! - A malformed frame is counted and logged, never fatal.
 //! - Every `probe` the bridge asks the replay socket for the batches from
 //!   its last one on: the same batch back (same digest) means the same
-//!   publisher, and the batches after it were missed by the subscription
-//!   and are applied when they follow on without a hole (a hole: rebuilt
-//!   as above); no such batch, or another one, means the pod restarted (the
-//!   ZMQ subscription neither reports a lost publisher nor reconnects), and
-//!   only later ones means the buffer moved past the bridge: either way it
-//!   reconnects and starts over (a new epoch rebuilt from the buffer).
+//!   publisher, and the batches after it, not delivered by the
+//!   subscription yet, are applied when they follow on without a hole (a
+//!   hole: rebuilt as above); no such batch, or another one, means the pod
+//!   restarted (the ZMQ subscription neither reports a lost publisher nor
+//!   reconnects), and only later ones means the buffer moved past the
+//!   bridge: either way it reconnects and starts over (a new epoch rebuilt
+//!   from the buffer).
+//!
+//! Counted apart: a *gap* (`kvbridge_gaps_total`) is a batch the
+//! subscription itself skipped (its `seq` jumps past the one after the
+//! last it delivered), whether a replay or the probe filled it; batches
+//! the probe applied before the subscription delivered them are
+//! `kvbridge_probe_ahead_total`. On a healthy pod the probe is often ahead
+//! (vLLM buffers a batch as it sends it, and the subscription's copy is
+//! still on its way or waits while the probe runs), so that count is a
+//! race, not a loss; a batch the subscription never delivers shows as a
+//! gap once the next one arrives. Batches published before a new
+//! subscription takes effect are replayed and are not gaps.
 //!
 //! What a rebuilt epoch holds: every block stored by a batch the buffer
 //! still holds and not removed by a later one, whose chain the bridge can
@@ -55,7 +67,10 @@ use futures::StreamExt;
 use kvroute::report_log::new_epoch;
 use tokio::sync::watch;
 use xxhash_rust::xxh64::xxh64;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Endpoint, Host, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket,
+    ZmqMessage,
+};
 
 use crate::blocks::{Hashing, PodBlocks};
 use crate::wire::{decode_batch, decode_seq};
@@ -66,7 +81,8 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Where the pod publishes.
 #[derive(Debug, Clone)]
 pub struct Endpoints {
-    /// vLLM's `endpoint` (PUB), e.g. `tcp://10.0.0.5:5557`.
+    /// vLLM's `endpoint` (PUB), e.g. `ipc:///run/kvroute/kv-events.sock`
+    /// or `tcp://127.0.0.1:5557`.
     pub events: String,
     /// vLLM's `replay_endpoint` (ROUTER); `None`: gaps always resync.
     pub replay: Option<String>,
@@ -81,7 +97,10 @@ pub struct Counters {
     pub events: AtomicU64,
     pub unknown_events: AtomicU64,
     pub malformed_frames: AtomicU64,
+    /// Batches the subscription skipped (see the module documentation).
     pub gaps: AtomicU64,
+    /// Batches the probe applied before the subscription delivered them.
+    pub probe_ahead: AtomicU64,
     pub replays: AtomicU64,
     pub replay_failures: AtomicU64,
     pub resyncs: AtomicU64,
@@ -238,8 +257,14 @@ impl Bridge {
         }
     }
 
-    /// Handles one subscribed message `[topic, seq, payload]`.
-    async fn receive(&self, endpoints: &Endpoints, message: ZmqMessage) {
+    /// Handles one subscribed message `[topic, seq, payload]`;
+    /// `delivered` is the last `seq` this subscription delivered.
+    async fn receive(
+        &self,
+        endpoints: &Endpoints,
+        delivered: &mut Option<i64>,
+        message: ZmqMessage,
+    ) {
         let frames = message.into_vec();
         let (Some(seq_frame), Some(payload), 3) = (frames.get(1), frames.get(2), frames.len())
         else {
@@ -250,13 +275,18 @@ impl Bridge {
             self.malformed(&format!("sequence frame of {} bytes", seq_frame.len()));
             return;
         };
+        // Counted on the subscription's own numbering, not on what the
+        // bridge applied: the probe may have applied the skipped batches
+        // already, and the batches before this subscription's first one
+        // were published before it took effect.
+        if delivered.is_some_and(|last| seq > last + 1) {
+            self.counters.gaps.fetch_add(1, Ordering::Relaxed);
+        }
+        *delivered = Some(seq);
         match self.step(seq) {
             Step::Duplicate => return,
             Step::Apply => {}
-            Step::Gap { from } => {
-                self.counters.gaps.fetch_add(1, Ordering::Relaxed);
-                self.catch_up(endpoints, from, Some(seq)).await;
-            }
+            Step::Gap { from } => self.catch_up(endpoints, from, Some(seq)).await,
             Step::Restart => {
                 self.counters
                     .publisher_restarts
@@ -351,19 +381,31 @@ impl Bridge {
         );
     }
 
-    /// Applies replayed batches not applied yet; the subscription's copies
-    /// of them that follow are duplicates.
-    fn apply_replayed(&self, frames: &[(i64, Bytes)]) {
+    /// Applies replayed batches not applied yet (how many it applied); the
+    /// subscription's copies of them that follow are duplicates.
+    fn apply_replayed(&self, frames: &[(i64, Bytes)]) -> u64 {
         let mut state = self.lock();
+        let mut applied = 0;
         for (seq, payload) in frames {
             if state.last_seq.is_none_or(|last| *seq > last) {
                 self.apply(&mut state, *seq, payload);
+                applied += 1;
             }
         }
         if let Some((last, _)) = frames.last() {
             state.replayed_to = Some(state.replayed_to.map_or(*last, |to| to.max(*last)));
         }
         self.notify(&state);
+        applied
+    }
+
+    /// Applies batches the probe found before the subscription delivered
+    /// them.
+    fn apply_ahead(&self, frames: &[(i64, Bytes)]) {
+        let applied = self.apply_replayed(frames);
+        self.counters
+            .probe_ahead
+            .fetch_add(applied, Ordering::Relaxed);
     }
 
     /// The periodic check (see the module documentation); `false` when the
@@ -378,16 +420,13 @@ impl Bridge {
             return true;
         };
         let Some(last) = last else {
-            self.apply_replayed(&frames);
+            self.apply_ahead(&frames);
             return true;
         };
         match frames.first() {
             Some((seq, payload)) if *seq == last && xxh64(payload, 0) == digest => {
-                if frames.len() > 1 {
-                    self.counters.gaps.fetch_add(1, Ordering::Relaxed);
-                }
                 if follows_on(&frames, last, None) {
-                    self.apply_replayed(&frames);
+                    self.apply_ahead(&frames);
                 } else {
                     // The same publisher, with a batch missing after ours.
                     self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
@@ -423,17 +462,25 @@ impl Bridge {
     /// while the pod is down), rebuilds from a replay, applies batches, and
     /// starts over when the connection drops.
     pub async fn run(&self, endpoints: Endpoints, probe: Duration) {
+        // The last connect error logged: an `ipc://` socket is missing
+        // until vLLM has loaded its model (minutes), one line is enough.
+        let mut refused: Option<String> = None;
         loop {
             let mut socket = SubSocket::new();
             let mut monitor = socket.monitor();
             if let Err(e) = socket.connect(&endpoints.events).await {
-                eprintln!(
-                    "kvroute-vllm-bridge {}: cannot connect to {}: {e}",
-                    self.pod_id, endpoints.events
-                );
+                let error = e.to_string();
+                if refused.as_ref() != Some(&error) {
+                    eprintln!(
+                        "kvroute-vllm-bridge {}: cannot connect to {}: {error} (retrying every 200 ms)",
+                        self.pod_id, endpoints.events
+                    );
+                    refused = Some(error);
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
+            refused = None;
             if let Err(e) = socket.subscribe(&endpoints.topic).await {
                 eprintln!("kvroute-vllm-bridge {}: subscribe: {e}", self.pod_id);
                 continue;
@@ -444,6 +491,7 @@ impl Bridge {
             let mut probes = tokio::time::interval(probe);
             probes.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             probes.tick().await;
+            let mut delivered = None;
             loop {
                 tokio::select! {
                     _ = probes.tick(), if endpoints.replay.is_some() => {
@@ -453,7 +501,7 @@ impl Bridge {
                         }
                     }
                     message = socket.recv() => match message {
-                        Ok(message) => self.receive(&endpoints, message).await,
+                        Ok(message) => self.receive(&endpoints, &mut delivered, message).await,
                         Err(e) => {
                             eprintln!("kvroute-vllm-bridge {}: receive: {e}", self.pod_id);
                             break;
@@ -466,6 +514,22 @@ impl Bridge {
                 }
             }
         }
+    }
+}
+
+/// Checks an endpoint the bridge connects to (`flag` names it in the
+/// error): `tcp://HOST:PORT` or `ipc://PATH`.
+pub fn check_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
+    match endpoint.parse::<Endpoint>() {
+        Err(e) => Err(format!(
+            "{flag} {endpoint}: {e}; expected tcp://HOST:PORT or ipc://PATH"
+        )),
+        // vLLM's own `tcp://*:PORT` copied as is.
+        Ok(Endpoint::Tcp(Host::Domain(host), _)) if host == "*" => Err(format!(
+            "{flag} {endpoint}: `*` is where vLLM binds, and the bridge connects: \
+             give vLLM's ipc:// endpoint, or its port on the pod's address (tcp://127.0.0.1:PORT)"
+        )),
+        Ok(_) => Ok(()),
     }
 }
 

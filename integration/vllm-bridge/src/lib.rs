@@ -33,11 +33,13 @@ use crate::vocab::Vocabulary;
     about = "Serves a vLLM pod's KV-cache events as kvroute report protocol v1"
 )]
 pub struct Options {
-    /// vLLM's KV events PUB endpoint (`endpoint` of `--kv-events-config`,
-    /// a host instead of `*`).
+    /// vLLM's KV events PUB endpoint (`endpoint` of `--kv-events-config`):
+    /// `ipc://PATH` as vLLM binds it, or `tcp://HOST:PORT` (a host instead
+    /// of vLLM's `*`).
     #[arg(long)]
     pub events: String,
-    /// vLLM's `replay_endpoint`; without it every gap is a resync.
+    /// vLLM's `replay_endpoint` (`ipc://PATH` or `tcp://HOST:PORT`);
+    /// without it every gap is a resync.
     #[arg(long)]
     pub replay: Option<String>,
     /// vLLM's `topic`.
@@ -117,6 +119,10 @@ impl Drop for Running {
 
 /// Binds and starts following the pod (on the current tokio runtime).
 pub async fn start(options: Options) -> Result<Running, String> {
+    bridge::check_endpoint("--events", &options.events)?;
+    if let Some(replay) = &options.replay {
+        bridge::check_endpoint("--replay", replay)?;
+    }
     let config = match &options.config {
         None => kvroute::config::Config::default(),
         Some(path) => {

@@ -107,8 +107,14 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
     metric(
         "kvbridge_gaps_total",
         "counter",
-        "Sequence gaps seen.",
+        "Sequence gaps on the subscription: a batch whose seq skips past the one after the last it delivered.",
         count(&c.gaps),
+    );
+    metric(
+        "kvbridge_probe_ahead_total",
+        "counter",
+        "Batches the replay probe applied before the subscription delivered them (a race on a healthy pod, not a loss).",
+        count(&c.probe_ahead),
     );
     metric(
         "kvbridge_replays_total",

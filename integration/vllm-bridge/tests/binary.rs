@@ -110,3 +110,30 @@ fn the_binary_takes_a_byte_level_tokenizer_and_refuses_others() {
         "{metrics}"
     );
 }
+
+#[test]
+fn the_binary_refuses_an_endpoint_it_cannot_connect_to() {
+    let refused = |flag: &str, endpoint: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvroute-vllm-bridge"));
+        command.args(["--pod-id", "vllm-0", "--base-model", "m"]);
+        command.args(["--listen", "127.0.0.1:0"]);
+        match flag {
+            "--events" => command.args(["--events", endpoint]),
+            _ => command.args(["--events", "ipc:///tmp/kv.sock", flag, endpoint]),
+        };
+        let output = command.output().expect("bridge runs");
+        assert_eq!(output.status.code(), Some(2), "{flag} {endpoint}");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    // vLLM's own endpoint, copied as is: where it binds.
+    let stderr = refused("--events", "tcp://*:5557");
+    assert!(
+        stderr.contains("--events tcp://*:5557: `*` is where vLLM binds"),
+        "{stderr}"
+    );
+    let stderr = refused("--replay", "inproc://kv");
+    assert!(
+        stderr.contains("--replay inproc://kv: Unknown transport type inproc"),
+        "{stderr}"
+    );
+}
