@@ -123,9 +123,7 @@ impl SimTokenizer {
     pub fn tokenizer_json(&self) -> Value {
         let bpe = match &self.kind {
             Kind::Tiktoken(bpe) => bpe,
-            Kind::Model { json, .. } => {
-                return serde_json::from_slice(json).unwrap_or(Value::Null)
-            }
+            Kind::Model { json, .. } => return serde_json::from_slice(json).unwrap_or(Value::Null),
         };
         let symbols = kvroute_vllm_bridge::vocab::byte_level_symbols();
         let byte_level =

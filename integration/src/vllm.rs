@@ -178,15 +178,16 @@ impl Pod {
     /// log's tail.
     pub fn start(install: &Install, id: &str, dir: &Path, options: PodOptions) -> io::Result<Pod> {
         fs::create_dir_all(dir)?;
-        // Below the ephemeral range: vLLM binds these ports tens of seconds
+        // Below the ephemeral range: vLLM binds its port tens of seconds
         // from now, when any client connection may hold an ephemeral one.
-        let port = free_port_range(3);
-        let (events, replay) = (port + 1, port + 2);
+        let port = free_port_range(1);
         let mut pod = Pod {
             id: id.to_string(),
             address: format!("127.0.0.1:{port}"),
-            events: format!("tcp://127.0.0.1:{events}"),
-            replay: format!("tcp://127.0.0.1:{replay}"),
+            // Unix sockets: vLLM binds them (a TCP endpoint it binds is a
+            // wildcard, every interface), and they stay on this machine.
+            events: format!("ipc://{}/{id}-kv-events", dir.display()),
+            replay: format!("ipc://{}/{id}-kv-replay", dir.display()),
             log_path: dir.join(format!("{id}.log")),
             options,
             install: install.clone(),
@@ -199,14 +200,11 @@ impl Pod {
 
     fn spawn(&mut self) -> io::Result<()> {
         let port = self.address.rsplit_once(':').map(|(_, p)| p).unwrap_or("0");
-        let port_of = |endpoint: &str| endpoint.rsplit_once(':').map(|(_, p)| p.to_string());
-        // vLLM binds wildcard (and ipc) endpoints and connects to any
-        // other, so loopback publishing needs `*`.
         let kv_events = json!({
             "enable_kv_cache_events": true,
             "publisher": "zmq",
-            "endpoint": format!("tcp://*:{}", port_of(&self.events).unwrap_or_default()),
-            "replay_endpoint": format!("tcp://*:{}", port_of(&self.replay).unwrap_or_default()),
+            "endpoint": self.events,
+            "replay_endpoint": self.replay,
             "topic": "kv",
         });
         let log = fs::OpenOptions::new()

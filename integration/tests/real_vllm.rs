@@ -108,6 +108,8 @@ struct Stack {
     cluster: Cluster,
     config: Config,
     tokenizer: SimTokenizer,
+    /// The pods' logs and vLLM's caches.
+    dir: std::path::PathBuf,
 }
 
 impl Stack {
@@ -178,6 +180,7 @@ impl Stack {
             cluster,
             config,
             tokenizer: SimTokenizer::named(&tokenizer).expect("the model's tokenizer.json"),
+            dir,
         };
         let ids: Vec<&str> = stack.pods.iter().map(|p| p.id.as_str()).collect();
         wait_pods_published(&stack.cluster.envoy, &ids, Duration::from_secs(30))
@@ -256,6 +259,17 @@ impl Stack {
             std::thread::sleep(Duration::from_millis(50));
         }
         self.cluster.wait_reports(2);
+    }
+}
+
+impl Drop for Stack {
+    /// Stops the pods, then removes their logs and caches (kept when a
+    /// phase failed).
+    fn drop(&mut self) {
+        self.pods.iter_mut().for_each(Pod::stop);
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

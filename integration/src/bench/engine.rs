@@ -67,14 +67,15 @@ impl VllmEngine {
                 let (install, dir) = (self.install.clone(), self.dir.clone());
                 let mut options = PodOptions::with_blocks(i % cores, blocks);
                 options.served_name = WORKLOAD_MODEL.into();
-                std::thread::spawn(move || {
-                    Pod::start(&install, &format!("pod-{i}"), &dir, options)
-                })
+                std::thread::spawn(move || Pod::start(&install, &format!("pod-{i}"), &dir, options))
             })
             .collect();
         let pods: Vec<Pod> = starts
             .into_iter()
-            .map(|s| s.join().map_err(|_| io::Error::other("pod start panicked"))?)
+            .map(|s| {
+                s.join()
+                    .map_err(|_| io::Error::other("pod start panicked"))?
+            })
             .collect::<io::Result<_>>()?;
         eprintln!(
             "   {} vLLM pods of {blocks} KV blocks started in {:.0} s",

@@ -305,7 +305,11 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         opts.stock_vllm = true;
         opts.tokenizer = Some(engine::tokenizer(&install));
         opts.time_scale = match (&vllm, args.stand_in) {
-            (Some(engine), _) => Some(engine.calibrate().map_err(|e| format!("calibration: {e}"))?),
+            (Some(engine), _) => Some(
+                engine
+                    .calibrate()
+                    .map_err(|e| format!("calibration: {e}"))?,
+            ),
             (None, scale) => scale,
         };
         results["engine"] = match &vllm {

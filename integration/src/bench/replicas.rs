@@ -71,7 +71,8 @@ pub fn run(
                         .keep_logs
                         .as_ref()
                         .map(|dir| dir.join(format!("{name}-{policy}-x{replicas}-run{run}.log")));
-                    let mut row = run_policy(policy, &w, sim, None, kept_log.as_deref(), Some(replicas))?;
+                    let mut row =
+                        run_policy(policy, &w, sim, None, kept_log.as_deref(), Some(replicas))?;
                     eprint!("   ×{replicas} run {run}: ");
                     print_row(&row, started);
                     row["workload"] = json!(name);

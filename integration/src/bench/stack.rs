@@ -123,7 +123,11 @@ impl Stack {
     /// The first pod's address.
     pub fn first_pod(&self) -> String {
         match self {
-            Stack::Kvroute { vllm: None, cluster, .. } => cluster.sims[0].address.clone(),
+            Stack::Kvroute {
+                vllm: None,
+                cluster,
+                ..
+            } => cluster.sims[0].address.clone(),
             Stack::Kvroute {
                 vllm: Some(pods), ..
             }
@@ -418,11 +422,7 @@ fn start_bridges(
     let bridge_binary = sim_binary.with_file_name("kvroute-vllm-bridge");
     let vocabulary = cluster.dir.join("tokenizer.json");
     let written = std::process::Command::new(sim_binary)
-        .args([
-            "--tokenizer",
-            &workload.tokenizer,
-            "--write-tokenizer-json",
-        ])
+        .args(["--tokenizer", &workload.tokenizer, "--write-tokenizer-json"])
         .arg(&vocabulary)
         .status()?;
     if !written.success() {
