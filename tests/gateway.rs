@@ -397,11 +397,11 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
     // An unstreamed answer's first byte comes after its last token.
     serve(&mut worker, 1, false);
     assert_eq!(errors(&worker), 0);
-    // A streamed one's first byte is its first token: one error sample
-    // per answer, at its first byte only.
+    // A streamed one's first byte is its first token; an uncalibrated
+    // model predicts in tokens, so no error is measured on it yet.
     serve(&mut worker, 2, true);
     serve(&mut worker, 3, true);
-    assert_eq!(errors(&worker), 2);
+    assert_eq!(errors(&worker), 0);
     // Each streamed answer goes to the service with the decisions; the
     // worker's model learns it from the service's feed, as every other
     // worker (and replica) does.
@@ -438,6 +438,11 @@ fn a_streamed_answers_first_byte_teaches_the_ttft_model() {
     for slot in 0..2 {
         assert_eq!(other.ttft_model().line(slot), direct.line(slot));
     }
+    // Calibrated, it measures one error per streamed answer, at its first
+    // byte only.
+    serve(&mut other, 5, true);
+    serve(&mut other, 6, true);
+    assert_eq!(errors(&other), 2);
 }
 
 #[test]

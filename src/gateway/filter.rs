@@ -405,13 +405,16 @@ impl<H: WorkerHost> Worker<H> {
         request_id: &str,
     ) {
         let ttft_ms = sent.elapsed().as_secs_f64() * 1000.0;
-        let Some(error) = self.memory.ttft.relative_error(routed.slot, work, ttft_ms) else {
+        if !(ttft_ms.is_finite() && ttft_ms > 0.0) {
             return;
-        };
-        self.metrics.histogram(
-            Metric::TtftPredictionErrorPercent,
-            (error * 100.0).round() as u64,
-        );
+        }
+        // Measured once the model predicts in ms; learnt from either way.
+        if let Some(error) = self.memory.ttft.relative_error(routed.slot, work, ttft_ms) {
+            self.metrics.histogram(
+                Metric::TtftPredictionErrorPercent,
+                (error * 100.0).round() as u64,
+            );
+        }
         if log::log_enabled!(log::Level::Debug) {
             let predicted_ms =
                 self.memory

@@ -447,10 +447,9 @@ impl TtftModel {
     /// from it (`None` for a TTFT that is not a positive time, and before
     /// any answer: an uncalibrated prediction is in tokens, not ms).
     pub fn relative_error(&self, slot: usize, work: Work, ttft_ms: f64) -> Option<f64> {
-        if !self.calibrated() {
-            return None;
-        }
-        self.checked(slot, work, ttft_ms).map(|(_, error)| error)
+        self.checked(slot, work, ttft_ms)
+            .filter(|_| self.calibrated())
+            .map(|(_, error)| error)
     }
 
     /// The prediction for an answer and its relative error, `None` for a

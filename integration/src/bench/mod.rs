@@ -482,6 +482,14 @@ fn run_policy(
         }
         Err(stack::StartError::Failed(e)) => return Err(format!("{policy}: {e}")),
     };
+    if kept_log.is_some() {
+        // The TTFT model's prediction of each answer (`ttft_prediction`, a
+        // DEBUG event) goes into the kept log for its error analysis.
+        for envoy in stack.envoys() {
+            let path = format!("/logging?{}=debug", crate::harness::log_component());
+            let _ = crate::http::post_json(&envoy.admin, &path, "");
+        }
+    }
     let log_offsets: Vec<usize> = stack
         .envoys()
         .iter()
