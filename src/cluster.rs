@@ -37,6 +37,12 @@
 //!   blocks are the router's decisions, as in approximate mode (per-pod
 //!   LRU, no expiry); each 404 keeps it fresh. Its next report (asked
 //!   `since=0`) replaces those blocks and makes it precise again;
+//! - vLLM's cache configuration (`vllm:cache_config_info` on its metrics
+//!   page): its `block_size` must be `blockSizeTokens` for precise mode to
+//!   match the pod's blocks (the bridge keys none of another size), and
+//!   without prefix caching no prompt is a hit. Either is said once, as a
+//!   [`Transition`], when the page first shows it and again when it
+//!   changes; a pod's `num_gpu_blocks` is kept for its capacity gauge;
 //! - pod list: [`ClusterState::set_pods`] for the configured list,
 //!   [`ClusterState::replace_pods`] for a discovered one
 //!   ([`crate::discovery`]), validated by the rules of `pods`. A pod whose
@@ -177,7 +183,9 @@ pub struct Folded {
     /// The report's summary (`None` for metrics, and for a report endpoint
     /// the pod does not serve), or why it was refused.
     pub result: Result<Option<ReportSummary>, Failure>,
-    pub transition: Option<Transition>,
+    /// In order; a metrics page can bring several (recovered, and what its
+    /// cache configuration says).
+    pub transitions: Vec<Transition>,
 }
 
 /// What a pull asks a pod for.
@@ -214,7 +222,8 @@ pub struct PullAnswer<'a> {
     pub body_size: usize,
 }
 
-/// A change of a pod's reporting state, to log once.
+/// A change of a pod's reporting state or of what its vLLM states, to
+/// log once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Transition {
     Failing {
@@ -235,6 +244,31 @@ pub enum Transition {
     /// A pod in fallback served a report: precise again (which ends a
     /// failing state of its reports too).
     ReportPrecise {
+        pod: String,
+    },
+    /// Precise mode: the pod's vLLM caches blocks of `block_size` tokens,
+    /// not `blockSizeTokens`, so none of its blocks can be matched (the
+    /// bridge skips them all, and token-ID prompts hash in other blocks):
+    /// the pod is routed without cache affinity. Said again only when
+    /// vLLM's block size changes.
+    BlockSizeMismatch {
+        pod: String,
+        block_size: u32,
+        block_size_tokens: usize,
+    },
+    /// A pod of a [`Transition::BlockSizeMismatch`] now caches blocks of
+    /// `blockSizeTokens` (vLLM restarted with that `--block-size`).
+    BlockSizeMatches {
+        pod: String,
+        block_size: u32,
+    },
+    /// The pod's vLLM runs without prefix caching: it reuses no prefix, so
+    /// no routing makes a hit there.
+    PrefixCachingDisabled {
+        pod: String,
+    },
+    /// A pod of a [`Transition::PrefixCachingDisabled`] caches prefixes.
+    PrefixCachingEnabled {
         pod: String,
     },
 }
@@ -284,6 +318,11 @@ struct PodRecord {
     /// Precise mode: the report endpoint answered 404, so the index holds
     /// the pod's decisions instead of its reports.
     without_reports: bool,
+    /// vLLM's `block_size`, `num_gpu_blocks` and `enable_prefix_caching`
+    /// as the pod's last metrics page stated them (`None`: not stated).
+    vllm_block_size: Option<u32>,
+    kv_capacity_blocks: Option<u64>,
+    prefix_caching: Option<bool>,
 }
 
 impl PodRecord {
@@ -449,6 +488,9 @@ impl ClusterState {
                 failing: [None, None],
                 failures: 0,
                 without_reports: false,
+                vllm_block_size: None,
+                kv_capacity_blocks: None,
+                prefix_caching: None,
             });
         }
         records.sort_by_key(|r| r.slot);
@@ -571,12 +613,12 @@ impl ClusterState {
                 pod,
                 kind,
                 result: result.map(Some),
-                transition,
+                transitions: transition.into_iter().collect(),
             }));
         }
         let accepted = self.inbox.pop_front()?;
         let (pod, inflight) = (accepted.pod, accepted.inflight);
-        let (kind, result, transition) = match accepted.page {
+        let (kind, result, transitions) = match accepted.page {
             Page::Report(body) => match self.begin_report(&pod, &body, inflight) {
                 Ok(fold) => {
                     self.folding = Some(fold);
@@ -584,23 +626,23 @@ impl ClusterState {
                 }
                 Err(failure) => {
                     let transition = self.record_failure(&pod, PullKind::Report, failure.clone());
-                    (PullKind::Report, Err(failure), transition)
+                    (PullKind::Report, Err(failure), Vec::from_iter(transition))
                 }
             },
             Page::NoReport => {
                 let transition = self.serve_without_reports(&pod, now_ms);
-                (PullKind::Report, Ok(None), transition)
+                (PullKind::Report, Ok(None), Vec::from_iter(transition))
             }
             Page::Metrics(body) => {
-                let (result, transition) = self.apply_metrics(&pod, &body, now_ms, inflight);
-                (PullKind::Metrics, result.map(|()| None), transition)
+                let (result, transitions) = self.apply_metrics(&pod, &body, now_ms, inflight);
+                (PullKind::Metrics, result.map(|()| None), transitions)
             }
         };
         Some(FoldStep::Done(Folded {
             pod,
             kind,
             result,
-            transition,
+            transitions,
         }))
     }
 
@@ -850,14 +892,16 @@ impl ClusterState {
         (Ok(fold.summary), transition)
     }
 
-    /// Folds a vLLM `/metrics` page from `pod_id`.
+    /// Folds a vLLM `/metrics` page from `pod_id`: the transitions are a
+    /// recovery of its metrics pulls, then what its cache configuration
+    /// newly says (see the module documentation).
     pub fn apply_metrics(
         &mut self,
         pod_id: &str,
         text: &[u8],
         now_ms: u64,
         inflight: u32,
-    ) -> (Result<(), Failure>, Option<Transition>) {
+    ) -> (Result<(), Failure>, Vec<Transition>) {
         let parsed = std::str::from_utf8(text)
             .map_err(|_| "metrics page is not UTF-8".to_string())
             .and_then(parse_vllm_metrics);
@@ -866,11 +910,13 @@ impl ClusterState {
             Err(why) => {
                 let failure = Failure::Malformed(why);
                 let transition = self.record_failure(pod_id, PullKind::Metrics, failure.clone());
-                return (Err(failure), transition);
+                return (Err(failure), Vec::from_iter(transition));
             }
         };
+        let (mismatch, block_size_tokens) =
+            (self.block_size_check(), self.config.block_size_tokens);
         let Some(record) = self.record_mut(pod_id) else {
-            return (Err(Failure::Malformed("unknown pod".into())), None);
+            return (Err(Failure::Malformed("unknown pod".into())), Vec::new());
         };
         record.metrics_queue = metrics.waiting.map(|w| w.max(0.0).round() as u32);
         record.metrics_load = metrics.kv_cache_usage.map(|u| u.clamp(0.0, 1.0));
@@ -878,9 +924,64 @@ impl ClusterState {
         let adapters = metrics.running_adapters.unwrap_or_default();
         let adapters_changed = record.metrics_adapters != adapters;
         record.metrics_adapters = adapters;
-        let transition = record.succeeded(PullKind::Metrics, now_ms, inflight);
+        let mut transitions = Vec::from_iter(record.succeeded(PullKind::Metrics, now_ms, inflight));
+        let pod = || pod_id.to_string();
+        let mismatched = mismatch(record.vllm_block_size);
+        record.vllm_block_size = metrics.block_size;
+        match (mismatched, mismatch(record.vllm_block_size)) {
+            (before, Some(block_size)) if before != Some(block_size) => {
+                transitions.push(Transition::BlockSizeMismatch {
+                    pod: pod(),
+                    block_size,
+                    block_size_tokens,
+                });
+            }
+            (Some(_), None) => {
+                // Said only when vLLM states the right size, not when its
+                // page stops stating one.
+                if let Some(block_size) = record.vllm_block_size {
+                    transitions.push(Transition::BlockSizeMatches {
+                        pod: pod(),
+                        block_size,
+                    });
+                }
+            }
+            _ => {}
+        }
+        match (record.prefix_caching, metrics.enable_prefix_caching) {
+            (before, Some(false)) if before != Some(false) => {
+                transitions.push(Transition::PrefixCachingDisabled { pod: pod() });
+            }
+            (Some(false), Some(true)) => {
+                transitions.push(Transition::PrefixCachingEnabled { pod: pod() });
+            }
+            _ => {}
+        }
+        record.prefix_caching = metrics.enable_prefix_caching;
+        record.kv_capacity_blocks = metrics.num_gpu_blocks;
         self.members_changed |= adapters_changed;
-        (Ok(()), transition)
+        (Ok(()), transitions)
+    }
+
+    /// Which vLLM block size is a mismatch: one other than
+    /// `blockSizeTokens`, in precise mode only (approximate mode matches
+    /// kvroute's own decisions, whatever vLLM's block size).
+    fn block_size_check(&self) -> impl Fn(Option<u32>) -> Option<u32> {
+        let tokens = self.config.block_size_tokens;
+        let precise = self.config.mode == IndexMode::Precise;
+        move |size| size.filter(|&size| precise && usize::try_from(size) != Ok(tokens))
+    }
+
+    /// vLLM's block size of `pod_id` when it is a mismatch (see
+    /// [`Transition::BlockSizeMismatch`]).
+    pub fn block_size_mismatch(&self, pod_id: &str) -> Option<u32> {
+        self.block_size_check()(self.record(pod_id)?.vllm_block_size)
+    }
+
+    /// `pod_id`'s KV cache in vLLM's blocks (`num_gpu_blocks`), as its
+    /// last metrics page stated it.
+    pub fn kv_capacity_blocks(&self, pod_id: &str) -> Option<u64> {
+        self.record(pod_id)?.kv_capacity_blocks
     }
 
     /// Counts a failed pull; a transition when that kind of pull of the

@@ -233,11 +233,24 @@ pub struct VllmMetrics {
     pub running_adapters: Option<Vec<String>>,
     /// `max_lora` of the same sample.
     pub max_lora: Option<u32>,
+    /// `block_size` of `vllm:cache_config_info`: the tokens per block vLLM
+    /// caches and publishes events of, which precise routing needs equal
+    /// to `blockSizeTokens` (vLLM's CPU build takes multiples of 32 only).
+    pub block_size: Option<u32>,
+    /// `num_gpu_blocks` of the same sample: the pod's KV cache, in blocks
+    /// of `block_size`.
+    pub num_gpu_blocks: Option<u64>,
+    /// `enable_prefix_caching` of the same sample: without it vLLM reuses
+    /// no prefix, so there is nothing to route on.
+    pub enable_prefix_caching: Option<bool>,
 }
 
 /// Parses the Prometheus text exposition format for the metrics above.
 /// Unknown lines are ignored; a malformed value line of a wanted metric is an
-/// error naming the line.
+/// error naming the line. `vllm:cache_config_info` is read from its labels
+/// alone (an info metric's value is 1): a label missing, `None` (older
+/// vLLM) or unparsable reads as not reported, never as an error, as the
+/// labels vary between vLLM versions.
 pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
     let mut metrics = VllmMetrics::default();
     let mut newest_lora = f64::NEG_INFINITY;
@@ -290,6 +303,18 @@ pub fn parse_vllm_metrics(text: &str) -> Result<VllmMetrics, String> {
                 }
                 continue;
             }
+            "vllm:cache_config_info" => {
+                metrics.block_size = label(labels, "block_size").and_then(|b| b.parse().ok());
+                metrics.num_gpu_blocks =
+                    label(labels, "num_gpu_blocks").and_then(|n| n.parse().ok());
+                metrics.enable_prefix_caching =
+                    match label(labels, "enable_prefix_caching").as_deref() {
+                        Some("True") => Some(true),
+                        Some("False") => Some(false),
+                        _ => None,
+                    };
+                continue;
+            }
             _ => continue,
         };
         if let Some(value) = sample_value(rest, number)? {
@@ -312,11 +337,31 @@ fn sample_value(rest: &str, number: usize) -> Result<Option<f64>, String> {
     Ok(value.is_finite().then_some(value))
 }
 
-/// The value of `key="..."` in a Prometheus label set.
+/// The value of label `key` in a Prometheus label set (`a="x",b="y"`),
+/// its escapes (`\\`, `\"`, `\n`) read. Matched by whole name:
+/// `vllm:cache_config_info` has `mamba_block_size` beside `block_size`,
+/// and values may hold commas (`running_lora_adapters="a,b"`).
 fn label(labels: &str, key: &str) -> Option<String> {
-    let pattern = format!("{key}=\"");
-    let value = labels.get(labels.find(&pattern)? + pattern.len()..)?;
-    Some(value.get(..value.find('"')?)?.to_string())
+    let mut rest = labels;
+    loop {
+        let (name, after) = rest.trim_start_matches([',', ' ']).split_once('=')?;
+        let mut chars = after.trim_start().strip_prefix('"')?.chars();
+        let mut value = String::new();
+        loop {
+            match chars.next()? {
+                '"' => break,
+                '\\' => match chars.next()? {
+                    'n' => value.push('\n'),
+                    escaped => value.push(escaped),
+                },
+                c => value.push(c),
+            }
+        }
+        if name.trim() == key {
+            return Some(value);
+        }
+        rest = chars.as_str();
+    }
 }
 
 #[cfg(test)]
@@ -401,6 +446,83 @@ mod tests {
         assert!(parse_vllm_metrics("vllm:num_requests_waiting{a=\"b\"} x\n")
             .unwrap_err()
             .contains("line 1"));
+    }
+
+    /// vLLM 0.32's line on CPU, as served (`--block-size 32`).
+    const CACHE_CONFIG_0_32: &str = "vllm:cache_config_info{_block_size_resolved=\"True\",block_size=\"32\",cache_dtype=\"auto\",cache_hit_alignment_tokens=\"None\",effective_attention_block_size=\"32\",enable_mamba_shared_prefix_checkpoint=\"False\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.92\",hash_block_size=\"None\",is_attention_free=\"False\",kv_cache_dtype_skip_layers=\"[]\",kv_cache_layout=\"None\",kv_cache_max_concurrency=\"1.126953125\",kv_cache_memory_bytes=\"18907136\",kv_cache_size_tokens=\"18464\",kv_offloading_backend=\"native\",kv_offloading_size=\"None\",kv_sharing_fast_prefill=\"False\",mamba_block_size=\"None\",mamba_cache_dtype=\"auto\",mamba_cache_mode=\"none\",mamba_page_size_padded=\"None\",mamba_ssm_cache_dtype=\"float32\",num_cpu_blocks=\"None\",num_gpu_blocks=\"577\",num_gpu_blocks_override=\"None\",prefix_cache_retention_interval=\"0\",prefix_caching_hash_algo=\"sha256\",prefix_match_unit=\"None\",replayssm_buffer_len=\"16\",skip_page_size_padded=\"None\",sliding_window=\"None\",swa_bounded_replay=\"True\",use_kda_recoverssm=\"False\",use_replayssm=\"False\",user_specified_block_size=\"True\"} 1.0";
+
+    fn cache_config(line: &str) -> (Option<u32>, Option<u64>, Option<bool>) {
+        let m = parse_vllm_metrics(&format!("vllm:num_requests_waiting 1\n{line}\n")).unwrap();
+        assert_eq!(m.waiting, Some(1.0), "{line}");
+        (m.block_size, m.num_gpu_blocks, m.enable_prefix_caching)
+    }
+
+    #[test]
+    fn reads_vllms_cache_config() {
+        assert_eq!(
+            cache_config(CACHE_CONFIG_0_32),
+            (Some(32), Some(577), Some(true))
+        );
+        // The issue's line, labels in another order.
+        assert_eq!(
+            cache_config(
+                "vllm:cache_config_info{num_gpu_blocks=\"6103\",prefix_caching_hash_algo=\"sha256\",\
+                 kv_cache_size_tokens=\"195296\",block_size=\"32\",engine=\"0\",\
+                 enable_prefix_caching=\"True\",_block_size_resolved=\"True\",cache_dtype=\"auto\",\
+                 kv_cache_memory_bytes=\"200000000\"} 1.0"
+            ),
+            (Some(32), Some(6103), Some(true))
+        );
+        // Older vLLM: fewer labels, `None` before the engine starts.
+        assert_eq!(
+            cache_config(
+                "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\",\
+                 num_gpu_blocks=\"None\"} 1.0"
+            ),
+            (Some(16), None, Some(false))
+        );
+        assert_eq!(
+            cache_config("vllm:cache_config_info{gpu_memory_utilization=\"0.9\"} 1.0"),
+            (None, None, None)
+        );
+        // Whole label names only: neither `mamba_block_size` nor
+        // `num_gpu_blocks_override` is read.
+        assert_eq!(
+            cache_config(
+                "vllm:cache_config_info{mamba_block_size=\"64\",num_gpu_blocks_override=\"9\",\
+                 enable_prefix_caching=\"true\"} 1.0"
+            ),
+            (None, None, None)
+        );
+        // Unparsable values read as not reported, never as an error.
+        assert_eq!(
+            cache_config(
+                "vllm:cache_config_info{block_size=\"-32\",num_gpu_blocks=\"1e3\",\
+                 enable_prefix_caching=\"\"} x"
+            ),
+            (None, None, None)
+        );
+        assert_eq!(
+            cache_config("vllm:cache_config_info{block_size=\"32} 1"),
+            (None, None, None)
+        );
+        assert_eq!(
+            parse_vllm_metrics("vllm:num_requests_waiting 2\n")
+                .unwrap()
+                .block_size,
+            None
+        );
+    }
+
+    #[test]
+    fn label_values_are_read_whole_with_their_escapes() {
+        let labels = r#"a="x,b=\"y\"",b="2\\",c="line\nnext""#;
+        assert_eq!(label(labels, "a").as_deref(), Some(r#"x,b="y""#));
+        assert_eq!(label(labels, "b").as_deref(), Some("2\\"));
+        assert_eq!(label(labels, "c").as_deref(), Some("line\nnext"));
+        assert_eq!(label(labels, "d"), None);
+        assert_eq!(label("", "a"), None);
+        assert_eq!(label("a=\"1\",", "a").as_deref(), Some("1"));
     }
 
     #[test]

@@ -1014,8 +1014,8 @@ fn pulls_are_classified_before_the_body_is_read() {
     assert_eq!((folded.pod.as_str(), folded.kind), ("a", PullKind::Report));
     assert_eq!(folded.result.unwrap().unwrap().stored, 2);
     assert!(matches!(
-        folded.transition,
-        Some(Transition::Recovered { .. })
+        folded.transitions.as_slice(),
+        [Transition::Recovered { .. }]
     ));
     let folded = fold_next(&mut cluster, 60).unwrap();
     assert_eq!(folded.pod, "b");
@@ -1181,7 +1181,7 @@ fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_report
         let now = round * 2000;
         let folded = report_answer(&mut cluster, "a", "404", b"Not Found".to_vec(), now);
         assert_eq!((folded.kind, &folded.result), (PullKind::Report, &Ok(None)));
-        transitions.extend(folded.transition);
+        transitions.extend(folded.transitions);
         cluster.apply_metrics("a", metrics, now, 0).0.unwrap();
         // Routed to a: the decision is a's block, with no expiry.
         cluster.record_decision(a, &[10, 11, 12 + round], now, 0);
@@ -1233,8 +1233,8 @@ fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_report
     );
     let folded = report_answer(&mut cluster, "a", "200", body, now);
     assert_eq!(
-        folded.transition,
-        Some(Transition::ReportPrecise { pod: "a".into() })
+        folded.transitions,
+        [Transition::ReportPrecise { pod: "a".into() }]
     );
     assert!(!cluster.in_report_fallback("a"));
     assert_eq!(cluster.index().lookup(&[10, 11, 12]).blocks(a), 3);
@@ -1272,11 +1272,155 @@ fn a_pod_without_a_report_endpoint_is_routed_on_decisions_until_it_serves_report
     assert!(matches!(failing, Some(Transition::Failing { .. })));
     let folded = report_answer(&mut cluster, "a", "404", Vec::new(), now + 2000);
     assert_eq!(
-        folded.transition,
-        Some(Transition::ReportFallback { pod: "a".into() })
+        folded.transitions,
+        [Transition::ReportFallback { pod: "a".into() }]
     );
     assert_eq!(cluster.index().lookup(&[10, 11, 12]).blocks(a), 0);
     assert_eq!(cluster.report_query("a", "/r").unwrap(), "/r?since=0");
+}
+
+/// A metrics page with vLLM's cache configuration, as vLLM 0.32 writes
+/// it (cut to a few labels, among them `mamba_block_size`, which is not
+/// the block size).
+fn cache_config_page(block_size: &str, gpu_blocks: &str, prefix_caching: &str) -> Vec<u8> {
+    format!(
+        "vllm:num_requests_waiting{{engine=\"0\"}} 0.0\n\
+         vllm:cache_config_info{{_block_size_resolved=\"True\",block_size=\"{block_size}\",\
+         enable_prefix_caching=\"{prefix_caching}\",engine=\"0\",mamba_block_size=\"None\",\
+         num_gpu_blocks=\"{gpu_blocks}\",num_gpu_blocks_override=\"None\"}} 1.0\n"
+    )
+    .into_bytes()
+}
+
+/// Folds a metrics page of `pod`; its transitions.
+fn metrics_transitions(cluster: &mut ClusterState, pod: &str, page: &[u8]) -> Vec<Transition> {
+    let (result, transitions) = cluster.apply_metrics(pod, page, 0, 0);
+    assert_eq!(result, Ok(()));
+    transitions
+}
+
+#[test]
+fn a_vllm_block_size_other_than_block_size_tokens_is_said_once_per_change() {
+    // Precise, blockSizeTokens 16 (the defaults).
+    let mut cluster = ClusterState::new(&cluster_config(), 0);
+    let mismatch = |pod: &str, block_size| Transition::BlockSizeMismatch {
+        pod: pod.into(),
+        block_size,
+        block_size_tokens: 16,
+    };
+    // a runs vLLM's CPU build (32), b agrees with the router.
+    let cpu = cache_config_page("32", "6103", "True");
+    assert_eq!(
+        metrics_transitions(&mut cluster, "a", &cpu),
+        [mismatch("a", 32)]
+    );
+    let agrees = cache_config_page("16", "577", "True");
+    assert_eq!(metrics_transitions(&mut cluster, "b", &agrees), []);
+    assert_eq!(
+        (
+            cluster.block_size_mismatch("a"),
+            cluster.block_size_mismatch("b")
+        ),
+        (Some(32), None)
+    );
+    assert_eq!(
+        (
+            cluster.kv_capacity_blocks("a"),
+            cluster.kv_capacity_blocks("b")
+        ),
+        (Some(6103), Some(577))
+    );
+    // Said once: the next rounds say nothing.
+    for _ in 0..3 {
+        assert_eq!(metrics_transitions(&mut cluster, "a", &cpu), []);
+        assert_eq!(metrics_transitions(&mut cluster, "b", &agrees), []);
+    }
+    // vLLM restarted with another size: said again, then with the right
+    // one: matches. An older vLLM's `None` reads as no capacity.
+    let other = cache_config_page("64", "None", "True");
+    assert_eq!(
+        metrics_transitions(&mut cluster, "a", &other),
+        [mismatch("a", 64)]
+    );
+    assert_eq!(cluster.kv_capacity_blocks("a"), None);
+    assert_eq!(
+        metrics_transitions(&mut cluster, "a", &agrees),
+        [Transition::BlockSizeMatches {
+            pod: "a".into(),
+            block_size: 16
+        }]
+    );
+    assert_eq!(cluster.block_size_mismatch("a"), None);
+    // A page that stops stating a size says nothing (nor is it a
+    // mismatch); one stating the wrong size after it is said again.
+    assert_eq!(
+        metrics_transitions(&mut cluster, "a", &cpu),
+        [mismatch("a", 32)]
+    );
+    let silent = b"vllm:num_requests_waiting 0\n";
+    assert_eq!(metrics_transitions(&mut cluster, "a", silent), []);
+    assert_eq!(cluster.block_size_mismatch("a"), None);
+    assert_eq!(
+        metrics_transitions(&mut cluster, "a", &cpu),
+        [mismatch("a", 32)]
+    );
+
+    // Prefix caching off: said once, and when it is on again.
+    let uncached = cache_config_page("16", "577", "False");
+    let disabled = Transition::PrefixCachingDisabled { pod: "b".into() };
+    assert_eq!(
+        metrics_transitions(&mut cluster, "b", &uncached),
+        [disabled]
+    );
+    assert_eq!(metrics_transitions(&mut cluster, "b", &uncached), []);
+    assert_eq!(
+        metrics_transitions(&mut cluster, "b", &agrees),
+        [Transition::PrefixCachingEnabled { pod: "b".into() }]
+    );
+
+    // A pod whose metrics failed (vLLM starting) and then answer: both
+    // said, in order, through the inbox as the service folds them.
+    let (_, failing) =
+        cluster.accept_pull("b", PullKind::Metrics, answer(None, 0), |_| Vec::new(), 0);
+    assert!(matches!(failing, Some(Transition::Failing { .. })));
+    let (result, none) = cluster.accept_pull(
+        "b",
+        PullKind::Metrics,
+        answer(Some("200"), cpu.len()),
+        |_| cpu.clone(),
+        0,
+    );
+    assert_eq!((result, none), (Ok(()), None));
+    let folded = fold_next(&mut cluster, 100).expect("folded");
+    assert_eq!(
+        folded.transitions,
+        [
+            Transition::Recovered {
+                pod: "b".into(),
+                kind: PullKind::Metrics
+            },
+            mismatch("b", 32)
+        ]
+    );
+}
+
+#[test]
+fn approximate_mode_minds_no_block_size_but_prefix_caching() {
+    // Approximate mode matches kvroute's own decisions, whatever vLLM's
+    // block size; without prefix caching there is still nothing to match.
+    let config = Config::parse(
+        br#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"}], "mode": "approximate",
+             "blockSizeTokens": 32}"#,
+    )
+    .unwrap();
+    let mut cluster = ClusterState::new(&config, 0);
+    let page = cache_config_page("16", "42", "False");
+    assert_eq!(
+        metrics_transitions(&mut cluster, "a", &page),
+        [Transition::PrefixCachingDisabled { pod: "a".into() }]
+    );
+    assert_eq!(cluster.block_size_mismatch("a"), None);
+    assert_eq!(cluster.kv_capacity_blocks("a"), Some(42));
 }
 
 fn pod(id: &str, address: &str) -> PodConfig {

@@ -157,6 +157,12 @@ pub struct SimOptions {
     /// `ok` turns it on.
     #[arg(long)]
     pub no_report: bool,
+    /// The `block_size` `/metrics` states in `vllm:cache_config_info`
+    /// (default: the config's `blockSizeTokens`, which the pod caches
+    /// in): a pod whose vLLM says it runs with another block size, as
+    /// vLLM's CPU build runs with 32 where kvroute's default is 16.
+    #[arg(long)]
+    pub metrics_block_size: Option<usize>,
     /// Also publish the cache as vLLM's KV events on this ZMQ PUB endpoint
     /// (bound: e.g. `tcp://127.0.0.1:5557` or `ipc:///tmp/kv-events.sock`;
     /// token-ID prompts only, see [`crate::kv_events`]).
@@ -429,6 +435,8 @@ struct Sim {
     cache_seq: watch::Sender<u64>,
     report_waiters: Semaphore,
     long_poll: bool,
+    /// `--metrics-block-size`, else `blockSizeTokens`.
+    metrics_block_size: usize,
     /// `--kv-events`: the vLLM-style event publisher.
     kv_events: Option<Arc<Publisher>>,
     /// `--tokenizer`: text prompts are cached as vLLM's token blocks.
@@ -661,6 +669,9 @@ pub fn app(
         }
     }
     let report_path = config.report_path.clone();
+    let metrics_block_size = options
+        .metrics_block_size
+        .unwrap_or(config.block_size_tokens);
     let seq = pod.cache.seq();
     let sim = Arc::new(Sim {
         pod_id,
@@ -677,6 +688,7 @@ pub fn app(
         cache_seq: watch::channel(seq).0,
         report_waiters: Semaphore::new(REPORT_WAITERS),
         long_poll: !options.no_long_poll,
+        metrics_block_size,
         kv_events,
         tokenizer,
         next_id: AtomicU64::new(1),
@@ -1256,6 +1268,18 @@ fn render_metrics(sim: &Sim) -> (String, Duration) {
         "counter",
         "Prefix cache hits, in terms of number of cached tokens.",
         format!("{{{labels}}} {:.1}", inner.hit_tokens_total),
+    );
+    // What kvroute checks against its blockSizeTokens (vLLM states some
+    // thirty more labels).
+    metric(
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+        format!(
+            "{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0",
+            sim.metrics_block_size,
+            inner.pod.cache.capacity()
+        ),
     );
     // As vLLM with a KV connector: what the CPU tier served.
     if inner.pod.cache.cpu_capacity() > 0 {

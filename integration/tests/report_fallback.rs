@@ -3,7 +3,9 @@
 //! `/metrics` works is routed as in approximate mode — its blocks are
 //! kvroute's own decisions — with one log line saying so, and becomes
 //! precise again when it serves reports (its report's blocks replacing the
-//! decisions'). Run serially (`--test-threads=1`).
+//! decisions'). A pod whose vLLM states another block size than
+//! `blockSizeTokens` in its `/metrics` (`kvroute-sim --metrics-block-size`)
+//! is warned about once. Run serially (`--test-threads=1`).
 
 use std::time::Duration;
 
@@ -154,4 +156,61 @@ fn a_pod_without_a_report_endpoint_keeps_cache_affinity_from_decisions() {
     let log = cluster.envoy.log();
     assert_eq!(events(&log, "pod_report_fallback", &stock).len(), 1);
     assert_eq!(events(&log, "pod_report_precise", &stock).len(), 1);
+}
+
+/// vLLM's CPU build runs with blocks of 32 tokens where kvroute's default
+/// `blockSizeTokens` is 16, and precise routing then finds none of that
+/// pod's blocks. kvroute says so once, in a warning naming both sizes and
+/// the fix, and in the pod's gauge; a pod whose vLLM states 16 gets
+/// neither. Both pods' cache sizes (`num_gpu_blocks`) are exported.
+#[test]
+fn a_pod_whose_vllm_block_size_is_not_block_size_tokens_is_warned_about_once() {
+    let config = json!({
+        "podReportIntervalMs": INTERVAL_MS,
+        "metricsPath": "/metrics",
+        "models": {"sim-model": {"baseModel": "sim-model"}}
+    });
+    let mut spec = ClusterSpec::new(2, config);
+    spec.per_pod_args = vec![vec![], vec!["--metrics-block-size".into(), "32".into()]];
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let (agrees, cpu) = (cluster.sims[0].id.clone(), cluster.sims[1].id.clone());
+    wait_for("the mismatch gauge", || {
+        gauge(&cluster, "epp_pod_block_size_mismatch", &cpu) == Some(1.0)
+    });
+    // Three more rounds of metrics: still said once.
+    std::thread::sleep(Duration::from_millis(3 * INTERVAL_MS));
+    let log = cluster.envoy.log();
+    let warnings = events(&log, "pod_block_size_mismatch", &cpu);
+    assert_eq!(warnings.len(), 1, "{log}");
+    let warning = &warnings[0];
+    assert_eq!(
+        (&warning["blockSize"], &warning["blockSizeTokens"]),
+        (&json!(32), &json!(16))
+    );
+    let detail = warning["detail"].as_str().expect("a detail");
+    assert!(detail.contains("Set blockSizeTokens to 32"), "{detail}");
+    assert!(
+        log.lines()
+            .any(|line| line.contains("pod_block_size_mismatch") && line.contains("[warning]")),
+        "a warning: {log}"
+    );
+    assert!(
+        events(&log, "pod_block_size_mismatch", &agrees).is_empty(),
+        "{log}"
+    );
+    assert_eq!(
+        gauge(&cluster, "epp_pod_block_size_mismatch", &agrees),
+        Some(0.0)
+    );
+    for pod in [&agrees, &cpu] {
+        // The sims cache with prefix caching, 4,096 blocks by default.
+        assert!(
+            events(&log, "pod_prefix_caching_disabled", pod).is_empty(),
+            "{log}"
+        );
+        assert_eq!(
+            gauge(&cluster, "epp_pod_kv_capacity_blocks", pod),
+            Some(4096.0)
+        );
+    }
 }

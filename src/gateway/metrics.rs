@@ -87,6 +87,8 @@ catalogue! {
     PodHealthScore = ("epp_pod_health_score", Gauge, Some("pod")),
     PodLoad = ("epp_pod_load", Gauge, Some("pod")),
     PodReportFallback = ("epp_pod_report_fallback", Gauge, Some("pod")),
+    PodBlockSizeMismatch = ("epp_pod_block_size_mismatch", Gauge, Some("pod")),
+    PodKvCapacityBlocks = ("epp_pod_kv_capacity_blocks", Gauge, Some("pod")),
     CacheMatchRatio = ("epp_cache_match_ratio", Histogram, None),
     CompositeScore = ("epp_composite_score", Histogram, None),
     ScoringLatencyUs = ("epp_scoring_latency_us", Histogram, None),
@@ -159,7 +161,7 @@ impl MetricBatch {
 
     /// [`MetricBatch::gauge_labelled`] for a gauge only this batch sets
     /// (the service's per-pod gauges), skipped when unchanged since this
-    /// function last set it: a round sets four gauges per pod, 4,096 at
+    /// function last set it: a round sets six gauges per pod, 6,144 at
     /// 1,024 pods, most unchanged.
     pub fn gauge_changed(&mut self, metric: Metric, label: &str, value: u64) {
         let last = self.last_set.entry(metric).or_default();
@@ -261,6 +263,8 @@ pub fn export_pod_from_zero(pod: &str, sink: &mut dyn MetricSink) {
         Metric::PodHealthScore,
         Metric::PodLoad,
         Metric::PodReportFallback,
+        Metric::PodBlockSizeMismatch,
+        Metric::PodKvCapacityBlocks,
     ] {
         sink.define(metric, pod);
     }

@@ -460,7 +460,7 @@ impl<H: ServiceHost> ReportService<H> {
         }
         let answer = PullAnswer { status, body_size };
         let (result, transition) = state.accept_pull(&pod, kind, answer, read_body, inflight);
-        log_transition(transition);
+        log_transitions(transition);
         if result.is_err() {
             if kind == PullKind::Report {
                 polling.failed(&pod, now);
@@ -524,7 +524,7 @@ impl<H: ServiceHost> ReportService<H> {
                 if let Pull::Pod(kind) = pull {
                     count_failure(&mut self.metrics, pod);
                     if let Some(state) = self.state.as_mut() {
-                        log_transition(state.record_failure(pod, kind, Failure::Unreachable));
+                        log_transitions(state.record_failure(pod, kind, Failure::Unreachable));
                     }
                 }
                 if pull == Pull::Peer {
@@ -625,8 +625,8 @@ impl<H: ServiceHost> ReportService<H> {
     /// New pods' series at 0, the index gauges, and the per-pod gauges of
     /// this round's table, while [`GAUGE_BUDGET_US`] lasts (at least one
     /// pod a tick); the rest go on at the next tick. A per-pod gauge is
-    /// set only when its value changed: a round sets four gauges per pod,
-    /// 4,096 at 1,024 pods, most unchanged.
+    /// set only when its value changed: a round sets six gauges per pod,
+    /// 6,144 at 1,024 pods, most unchanged.
     fn export_gauges(&mut self, config: &Config) {
         let started = Instant::now();
         let budget = tick_budget_us(config, GAUGE_BUDGET_US);
@@ -647,11 +647,15 @@ impl<H: ServiceHost> ReportService<H> {
         }
         while let Some(pod) = table.pods.get(*next) {
             let fallback = u64::from(state.in_report_fallback(&pod.id));
+            let mismatch = u64::from(state.block_size_mismatch(&pod.id).is_some());
+            let capacity = state.kv_capacity_blocks(&pod.id).unwrap_or(0);
             for (metric, value) in [
                 (Metric::QueueDepth, u64::from(pod.queue)),
                 (Metric::PodHealthScore, percent(pod.health)),
                 (Metric::PodLoad, percent(pod.load)),
                 (Metric::PodReportFallback, fallback),
+                (Metric::PodBlockSizeMismatch, mismatch),
+                (Metric::PodKvCapacityBlocks, capacity),
             ] {
                 metrics.gauge_changed(metric, &pod.id, value);
             }
@@ -1024,7 +1028,7 @@ impl<H: ServiceHost> ReportService<H> {
             let FoldStep::Done(folded) = step else {
                 continue;
             };
-            log_transition(folded.transition);
+            log_transitions(folded.transitions);
             if let (PullKind::Report, Some(polling)) = (folded.kind, polling.as_mut()) {
                 match &folded.result {
                     Ok(Some(summary)) => {
@@ -1081,30 +1085,65 @@ fn log_cadence(change: Option<CadenceChange>) {
     }
 }
 
-fn log_transition(transition: Option<Transition>) {
+fn log_transitions(transitions: impl IntoIterator<Item = Transition>) {
+    for transition in transitions {
+        log_transition(transition);
+    }
+}
+
+fn log_transition(transition: Transition) {
     match transition {
-        Some(Transition::Failing { pod, kind, failure }) => event(
+        Transition::Failing { pod, kind, failure } => event(
             log::Level::Warn,
             "pod_report_failing",
             json!({"pod": pod, "pull": kind.name(), "failure": failure.to_string()}),
         ),
-        Some(Transition::Recovered { pod, kind }) => event(
+        Transition::Recovered { pod, kind } => event(
             log::Level::Info,
             "pod_report_recovered",
             json!({"pod": pod, "pull": kind.name()}),
         ),
-        Some(Transition::ReportFallback { pod }) => event(
+        Transition::ReportFallback { pod } => event(
             log::Level::Warn,
             "pod_report_fallback",
             json!({"pod": pod, "detail": "the report endpoint answers 404 (stock vLLM serves none): \
                    routed as in approximate mode (blocks from kvroute's decisions, load from metricsPath) until it serves reports"}),
         ),
-        Some(Transition::ReportPrecise { pod }) => event(
+        Transition::ReportPrecise { pod } => event(
             log::Level::Info,
             "pod_report_precise",
             json!({"pod": pod, "detail": "serves reports again: its blocks are the report's"}),
         ),
-        None => {}
+        Transition::BlockSizeMismatch {
+            pod,
+            block_size,
+            block_size_tokens,
+        } => event(
+            log::Level::Warn,
+            "pod_block_size_mismatch",
+            json!({"pod": pod, "blockSize": block_size, "blockSizeTokens": block_size_tokens,
+                   "detail": format!("vLLM caches blocks of {block_size} tokens (block_size of vllm:cache_config_info), \
+                   kvroute's blockSizeTokens is {block_size_tokens}: precise routing cannot match this pod's blocks \
+                   (kvroute-vllm-bridge skips every one) and routes it without cache affinity. Set blockSizeTokens to \
+                   {block_size} in the plugin configuration, kvroute's and the bridge's --config alike \
+                   (vLLM's CPU build takes multiples of 32 only), or start vLLM with --block-size {block_size_tokens}")}),
+        ),
+        Transition::BlockSizeMatches { pod, block_size } => event(
+            log::Level::Info,
+            "pod_block_size_matches",
+            json!({"pod": pod, "blockSize": block_size, "detail": "vLLM's block size is blockSizeTokens again"}),
+        ),
+        Transition::PrefixCachingDisabled { pod } => event(
+            log::Level::Warn,
+            "pod_prefix_caching_disabled",
+            json!({"pod": pod, "detail": "vLLM runs without prefix caching (enable_prefix_caching of vllm:cache_config_info \
+                   is False): it reuses no cached prefix, so no routing makes a cache hit there. Start vLLM with --enable-prefix-caching"}),
+        ),
+        Transition::PrefixCachingEnabled { pod } => event(
+            log::Level::Info,
+            "pod_prefix_caching_enabled",
+            json!({"pod": pod}),
+        ),
     }
 }
 
@@ -1123,12 +1162,18 @@ mod tests {
     use std::collections::HashMap;
     use std::rc::Rc;
 
+    /// The gauges the service set, by metric and label; other updates
+    /// are dropped.
     #[derive(Clone, Default)]
-    struct NoMetrics;
-    impl MetricSink for NoMetrics {
+    struct Gauges(Rc<RefCell<HashMap<(Metric, String), u64>>>);
+    impl MetricSink for Gauges {
         fn define(&mut self, _: Metric, _: &str) {}
         fn add(&mut self, _: Metric, _: &str, _: i64) {}
-        fn set(&mut self, _: Metric, _: &str, _: u64) {}
+        fn set(&mut self, metric: Metric, label: &str, value: u64) {
+            self.0
+                .borrow_mut()
+                .insert((metric, label.to_string()), value);
+        }
         fn record(&mut self, _: Metric, _: u64) {}
     }
 
@@ -1147,7 +1192,7 @@ mod tests {
     }
 
     #[derive(Clone, Default)]
-    struct FakeHost(Rc<RefCell<Store>>, NoMetrics);
+    struct FakeHost(Rc<RefCell<Store>>, Gauges);
 
     impl ServiceHost for FakeHost {
         fn now_ms(&self) -> u64 {
@@ -1477,5 +1522,48 @@ mod tests {
         assert_eq!(failures(&service), [0, 0, 1]);
         service.on_tick();
         assert_eq!(failures(&service), [1, 1, 1]);
+    }
+
+    /// A pod whose vLLM caches blocks of 32 tokens while kvroute hashes 16
+    /// shows in `epp_pod_block_size_mismatch` (1, the other pod 0), and
+    /// both pods' cache sizes in `epp_pod_kv_capacity_blocks`.
+    #[test]
+    fn vllms_cache_config_reaches_the_per_pod_gauges() {
+        let host = FakeHost::default();
+        let mut service = ReportService::new(host.clone());
+        let config = Config::parse(
+            br#"{"pods": [{"id": "pod-0", "address": "127.0.0.1:9001"},
+                          {"id": "pod-1", "address": "127.0.0.1:9002"}],
+                 "podReportIntervalMs": 200, "metricsPath": "/metrics"}"#,
+        )
+        .expect("valid");
+        assert!(service.configure(config));
+        service.on_tick();
+        let calls = std::mem::take(&mut host.0.borrow_mut().calls);
+        for (pod, block_size, blocks) in [("127.0.0.1:9001", 32, 6103), ("127.0.0.1:9002", 16, 577)]
+        {
+            let token = calls
+                .iter()
+                .find(|(_, headers)| {
+                    headers.iter().any(|(n, v)| n == ":path" && v == "/metrics")
+                        && headers.iter().any(|(_, v)| v == pod)
+                })
+                .map(|(token, _)| *token)
+                .expect("a metrics call");
+            let page = format!(
+                "vllm:cache_config_info{{block_size=\"{block_size}\",enable_prefix_caching=\"True\",\
+                 num_gpu_blocks=\"{blocks}\"}} 1.0\n"
+            );
+            service.on_call_response(token, Some("200"), page.len(), |_| page.into_bytes());
+        }
+        // The next round exports the gauges.
+        host.0.borrow_mut().now += 1_000;
+        service.on_tick();
+        let gauges = host.1 .0.borrow();
+        let gauge = |metric, pod: &str| gauges.get(&(metric, pod.to_string())).copied();
+        assert_eq!(gauge(Metric::PodBlockSizeMismatch, "pod-0"), Some(1));
+        assert_eq!(gauge(Metric::PodBlockSizeMismatch, "pod-1"), Some(0));
+        assert_eq!(gauge(Metric::PodKvCapacityBlocks, "pod-0"), Some(6103));
+        assert_eq!(gauge(Metric::PodKvCapacityBlocks, "pod-1"), Some(577));
     }
 }

@@ -7,7 +7,8 @@
 //! token-ID prompt. That needs `blockSizeTokens` = vLLM's `block_size`; a
 //! block of another size, or whose parent is unknown (it was stored before
 //! the bridge's history starts), is left out and counted: under-reporting
-//! costs a cache hit, never a stale route.
+//! costs a cache hit, never a stale route. Another size leaves out every
+//! block, so the bridge logs it as an error naming both sizes.
 //!
 //! The filter's layout is followed to its end ([`TokenChainCursor`]): each
 //! of the first `coarseAfterBlocks` vLLM blocks is one kvroute block; past
@@ -395,6 +396,9 @@ pub struct PodBlocks {
     proven: Option<HashSet<(u64, Tier)>>,
     /// The latest event part refused for a shape vLLM does not send today.
     refusal: Option<String>,
+    /// vLLM's `block_size` in the latest event left out for its size
+    /// (`None`: its `token_ids` did not cover its blocks), to log.
+    size_refusal: Option<usize>,
     pub skipped: Skipped,
 }
 
@@ -413,6 +417,7 @@ impl PodBlocks {
             decoded: Vec::new(),
             proven: None,
             refusal: None,
+            size_refusal: None,
             skipped: Skipped::default(),
         }
     }
@@ -540,6 +545,8 @@ impl PodBlocks {
                     || token_ids.len() != block_hashes.len() * block_size
                 {
                     self.skipped.wrong_size += blocks;
+                    self.size_refusal =
+                        (*block_size != self.hashing.layout.block_size).then_some(*block_size);
                     return;
                 }
                 let adapter = match (lora_name, lora_id) {
@@ -664,6 +671,12 @@ impl PodBlocks {
     /// (extra keys, medium), and why: to log.
     pub fn refusal(&self) -> Option<&str> {
         self.refusal.as_deref()
+    }
+
+    /// vLLM's `block_size` in the latest event left out for its size, when
+    /// that was the reason (not `token_ids` short of its blocks): to log.
+    pub fn size_refusal(&self) -> Option<usize> {
+        self.size_refusal
     }
 
     /// Blocks refused for a shape vLLM does not send today, so far.

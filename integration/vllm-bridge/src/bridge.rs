@@ -202,10 +202,15 @@ impl Bridge {
                     .unknown_events
                     .fetch_add(batch.unknown as u64, Ordering::Relaxed);
                 let refused = state.blocks.refused();
+                let wrong_size = state.blocks.skipped.wrong_size;
                 for event in &batch.events {
                     state.blocks.apply(event);
                 }
                 self.log_refused(&state.blocks, refused);
+                let tokens = self.hashing.layout.block_size;
+                if let Some(line) = size_error(&self.pod_id, &state.blocks, wrong_size, tokens) {
+                    eprintln!("{line}");
+                }
             }
             Err(e) => self.malformed(&format!("batch {seq}: {e}")),
         }
@@ -216,8 +221,7 @@ impl Bridge {
     /// vLLM may send such a shape on every block: the log stays bounded).
     fn log_refused(&self, blocks: &PodBlocks, before: u64) {
         let after = blocks.refused();
-        // A power of two in (before, after]: the bit length grew.
-        if u64::BITS - after.leading_zeros() == u64::BITS - before.leading_zeros() {
+        if !passed_power_of_two(before, after) {
             return;
         }
         eprintln!(
@@ -533,6 +537,46 @@ pub fn check_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
     }
 }
 
+/// Whether a count that went from `before` to `after` passed a power of
+/// two, in (before, after] (its bit length grew): when a count of blocks
+/// left out is logged, at once and then ever more rarely, as its cause
+/// may recur on every block.
+fn passed_power_of_two(before: u64, after: u64) -> bool {
+    u64::BITS - after.leading_zeros() != u64::BITS - before.leading_zeros()
+}
+
+/// The error line for blocks left out for their size
+/// (`kvbridge_blocks_skipped_block_size_total`, from `before`) when their
+/// count passed a power of two: a `block_size` other than
+/// `blockSizeTokens` leaves out every block of the pod, and nothing else
+/// says so (precise routing just never finds the pod's blocks). vLLM's CPU
+/// build runs with 32 (it refuses 16), kvroute's default is 16.
+fn size_error(
+    pod_id: &str,
+    blocks: &PodBlocks,
+    before: u64,
+    block_size_tokens: usize,
+) -> Option<String> {
+    let after = blocks.skipped.wrong_size;
+    if !passed_power_of_two(before, after) {
+        return None;
+    }
+    let why = match blocks.size_refusal() {
+        Some(size) => format!(
+            "vLLM's block_size is {size} but blockSizeTokens is {block_size_tokens} (--config; 16 without), \
+             so no block of this pod is keyed and kvroute routes it without cache affinity: \
+             set blockSizeTokens to {size} in the plugin configuration, this bridge's --config \
+             and kvroute's alike (vLLM's CPU build takes multiples of 32 only), \
+             or start vLLM with --block-size {block_size_tokens}"
+        ),
+        None => "the latest event's token_ids do not cover its blocks".into(),
+    };
+    Some(format!(
+        "kvroute-vllm-bridge {pod_id}: error: {after} stored blocks left out so far for their size \
+         (kvbridge_blocks_skipped_block_size_total): {why}"
+    ))
+}
+
 /// Whether `frames` are the batches `from`, `from + 1`, … without a hole,
 /// reaching at least the one before `upto` (the batch that revealed the
 /// gap) when given.
@@ -580,5 +624,91 @@ pub async fn replay_from(endpoint: &str, start: i64) -> Result<Vec<(i64, Bytes)>
             Some(seq) => return Err(format!("replay sent {seq} before the asked {start}")),
             None => return Err("replay frame without an 8-byte seq".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use kvroute::hashing::BlockLayout;
+
+    use super::*;
+    use crate::wire::KvEvent;
+
+    /// A pod of kvroute's default token layout (blockSizeTokens 16).
+    fn default_pod() -> PodBlocks {
+        let layout = BlockLayout {
+            block_size: 16,
+            coarse_after: 256,
+            coarse_factor: 16,
+            max_blocks: 2048,
+        };
+        let hashing = Hashing {
+            secret: String::new(),
+            base_model: "m".into(),
+            layout,
+            lora_ids: HashMap::new(),
+            text: None,
+        };
+        PodBlocks::new(hashing, 100)
+    }
+
+    /// A first stored event of `blocks` blocks of `block_size` and `tokens` tokens.
+    fn stored(blocks: u64, block_size: usize, tokens: usize) -> KvEvent {
+        KvEvent::Stored {
+            block_hashes: (1..=blocks).collect(),
+            parent_block_hash: None,
+            token_ids: vec![7; tokens],
+            block_size,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn blocks_of_another_size_are_an_error_naming_both_sizes_at_powers_of_two() {
+        // vLLM's CPU build: blocks of 32.
+        let (mut pod, cpu) = (default_pod(), stored(1, 32, 32));
+        let mut lines = Vec::new();
+        for _ in 0..5 {
+            let before = pod.skipped.wrong_size;
+            pod.apply(&cpu);
+            lines.push(size_error("vllm-0", &pod, before, 16));
+        }
+        assert!(pod.is_empty());
+        assert_eq!(
+            lines.iter().map(Option::is_some).collect::<Vec<_>>(),
+            [true, true, false, true, false],
+            "the 1st, 2nd and 4th block"
+        );
+        let first = lines[0].as_deref().unwrap();
+        assert!(
+            first.starts_with("kvroute-vllm-bridge vllm-0: error: 1 stored blocks left out"),
+            "{first}"
+        );
+        for what in [
+            "vLLM's block_size is 32",
+            "blockSizeTokens is 16 (--config",
+            "set blockSizeTokens to 32",
+            "--block-size 16",
+        ] {
+            assert!(first.contains(what), "{what}: {first}");
+        }
+        // An event of several blocks counts them all.
+        let mut pod = default_pod();
+        pod.apply(&stored(3, 32, 96));
+        let line = size_error("vllm-0", &pod, 0, 16).expect("3 passed 1 and 2");
+        assert!(line.contains(": error: 3 stored blocks"), "{line}");
+        // token_ids short of their blocks are left out for size too, and
+        // said to be.
+        pod.apply(&stored(3, 16, 20));
+        let line = size_error("vllm-0", &pod, 3, 16).expect("6 passed 4");
+        assert!(
+            line.ends_with("token_ids do not cover its blocks"),
+            "{line}"
+        );
     }
 }
