@@ -487,7 +487,8 @@ fn run_policy(
         // DEBUG event) goes into the kept log for its error analysis.
         for envoy in stack.envoys() {
             let path = format!("/logging?{}=debug", crate::harness::log_component());
-            let _ = crate::http::post_json(&envoy.admin, &path, "");
+            let timeout = crate::http::DEFAULT_TIMEOUT;
+            let _ = crate::http::request(&envoy.admin, "POST", &path, &[], None, timeout);
         }
     }
     let log_offsets: Vec<usize> = stack
