@@ -165,6 +165,7 @@ pub fn workload_json(workload: &Workload) -> Value {
         "offeredLoad": round(workload.offered_rps / workload.capacity_rps, 3),
         "closedLoopAgents": workload.agents,
         "stockVllm": workload.stock_vllm,
+        "tokenizer": workload.stock_vllm.then_some(&workload.tokenizer),
         "prefillSpeeds": workload.prefill_speeds,
         "fastPods": workload.fast_pods(),
         "plugin": workload.plugin,
@@ -213,9 +214,13 @@ pub fn workload_markdown(w: &Value) -> String {
         ),
     };
     let stock_vllm = if w["stockVllm"].as_bool().unwrap_or(false) {
-        " Stock-vLLM mode: the pods tokenize prompts (cl100k_base; chat through a chat template) and publish vLLM's KV events, kvroute precise reads them through one kvroute-vllm-bridge per pod; blocks are 16-token blocks."
+        format!(
+            " Stock-vLLM mode: the pods tokenize prompts ({}; chat through a chat template) and publish vLLM's KV events, kvroute precise reads them through one kvroute-vllm-bridge per pod; blocks are {}-token blocks.",
+            w["tokenizer"].as_str().unwrap_or("cl100k_base"),
+            w["plugin"]["blockSizeTokens"].as_u64().unwrap_or(16)
+        )
     } else {
-        ""
+        String::new()
     };
     out.push_str(&format!(
         "### {}\n\n{}.{stock_vllm}\n\n{} requests, mean prompt {} tokens; {} pods × {} sequence slots, time scale {}; \
@@ -374,9 +379,34 @@ fn fast_pods_markdown(w: &Value) -> String {
 /// The whole results document.
 pub fn markdown(results: &Value, command: &str) -> String {
     let mut out = String::from("# kvroute benchmark results\n\n");
+    let real_vllm = results["engine"]["engine"] == "vllm";
+    let pods = if real_vllm {
+        "real vLLM pods (`--engine vllm`: vLLM's CPU build, each pod pinned to a core, its prefix cache reset between runs; hit rates from vLLM's own `prefix_cache_queries_total` and `prefix_cache_hits_total`)"
+    } else {
+        "simulated vLLM pods (`kvroute-sim`)"
+    };
+    let model = if real_vllm {
+        format!(
+            "Pods: real vLLM ({}), model `{}`, block size {}, `{}`; each workload's requests tokenized and rendered as the model does, at the time scale measured on the pods ({:.3}: the cost model's prefill time per token over theirs), so the offered load is the share of their *prefill* capacity the simulator's workload offers; on CPU, decode competes with prefill for the same cores, so the real load is higher.",
+            results["engine"]["version"].as_str().unwrap_or("?"),
+            results["engine"]["model"].as_str().unwrap_or("?"),
+            results["engine"]["blockSize"],
+            results["engine"]["flags"].as_str().unwrap_or(""),
+            results["engine"]["timeScale"].as_f64().unwrap_or(0.0),
+        )
+    } else {
+        "Pod model (`integration/src/model.rs`, × each workload's time scale): a request waits for \
+         one of the pod's sequence slots (vLLM's `max_num_seqs`), then its prefill queues on the \
+         pod's single prefill engine, FIFO, at 0.9 s per 4,096 *uncached* prompt tokens; its first \
+         token follows a 45 ms per-request overhead (latency, not engine time); decode is 20 ms per \
+         token per sequence, concurrent. So uncached prefill work queues and delays everyone behind \
+         it, and a cache hit removes it. Cache-blind capacity = pods × the prefill engine's \
+         throughput with no cache hits (4,096 / (0.9 × time scale) tokens/s ÷ mean prompt tokens), \
+         or the slot bound (slots ÷ mean uncontended request time) if lower."
+            .to_string()
+    };
     out.push_str(&format!(
-        "Produced by `{command}` on {} ({}); Envoy 1.40 with `--concurrency 2`, simulated vLLM pods \
-         (`kvroute-sim`), all on 127.0.0.1. Raw figures: `results.json`. Every policy of a workload \
+        "Produced by `{command}` on {} ({}); Envoy 1.40 with `--concurrency 2`, {pods}, all on 127.0.0.1. Raw figures: `results.json`. Every policy of a workload \
          gets the same seeded request sequence at the same offsets, against fresh pods (empty caches). \
          Hit rate: token-weighted, Σ cached_tokens / Σ prompt_tokens as the pods counted them. TTFT: \
          client-side, time to the first server-sent event, measured by a keep-alive async client \
@@ -388,15 +418,7 @@ pub fn markdown(results: &Value, command: &str) -> String {
          ZMQ KV events, which kvroute-sim does not emit. Baselines: the same Envoy with a \
          STATIC cluster of the same pods (`envoy/baseline.template.yaml`); Envoy's ring hash and \
          vllm-router's consistent hash both key on `x-session-id` (group / user / tenant / \
-         agent / first hash id). One policy runs at a time, on fresh pods.\n\n\
-         Pod model (`integration/src/model.rs`, × each workload's time scale): a request waits for \
-         one of the pod's sequence slots (vLLM's `max_num_seqs`), then its prefill queues on the \
-         pod's single prefill engine, FIFO, at 0.9 s per 4,096 *uncached* prompt tokens; its first \
-         token follows a 45 ms per-request overhead (latency, not engine time); decode is 20 ms per \
-         token per sequence, concurrent. So uncached prefill work queues and delays everyone behind \
-         it, and a cache hit removes it. Cache-blind capacity = pods × the prefill engine's \
-         throughput with no cache hits (4,096 / (0.9 × time scale) tokens/s ÷ mean prompt tokens), \
-         or the slot bound (slots ÷ mean uncontended request time) if lower.\n\n",
+         agent / first hash id). One policy runs at a time, on fresh pods.\n\n{model}\n\n",
         results["date"].as_str().unwrap_or("?"),
         results["host"].as_str().unwrap_or("?"),
         super::stack::REPORT_INTERVAL_MS,
