@@ -296,7 +296,14 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         tokenizer: None,
         time_scale: None,
     };
-    if real_vllm {
+    if real_vllm && !matches!(args.command.as_str(), "workload" | "render") {
+        return Err(format!(
+            "--engine vllm and --stand-in run `workload NAME..` (and `render`), not {:?}: \
+             the load sweep, fairness, overhead, scale and replica runs are the simulator's",
+            args.command
+        ));
+    }
+    if real_vllm && args.command == "workload" {
         let install = crate::vllm::Install::find().map_err(|e| e.to_string())?;
         let extra = engine::plugin_extra(&install).map_err(|e| e.to_string())?;
         for (k, v) in extra.as_object().into_iter().flatten() {

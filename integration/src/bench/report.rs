@@ -387,7 +387,7 @@ pub fn markdown(results: &Value, command: &str) -> String {
     };
     let model = if real_vllm {
         format!(
-            "Pods: real vLLM ({}), model `{}`, block size {}, `{}`; each workload's requests tokenized and rendered as the model does, at the time scale measured on the pods ({:.3}: the cost model's prefill time per token over theirs), so the offered load is the share of their *prefill* capacity the simulator's workload offers; on CPU, decode competes with prefill for the same cores, so the real load is higher.",
+            "Pods: real vLLM ({}), model `{}`, block size {}, `{}`; each workload's requests tokenized and rendered as the model does, at the time scale measured on the pods ({:.3}: their prefill time per token over the cost model's), so the offered load is the share of their *prefill* capacity the simulator's workload offers; on CPU, decode competes with prefill for the same cores, so the real load is higher.",
             results["engine"]["version"].as_str().unwrap_or("?"),
             results["engine"]["model"].as_str().unwrap_or("?"),
             results["engine"]["blockSize"],
