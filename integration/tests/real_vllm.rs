@@ -421,84 +421,82 @@ fn vllm_metrics_parse(stack: &Stack) {
     }
 }
 
+/// A completions prefix of ~1,500 tokens cached straight on pod `pod`
+/// (kvroute made no decision), once its bridge holds most of its chain
+/// and kvroute has pulled it.
+struct CachedPrefix {
+    pod: usize,
+    text: String,
+    chain: Vec<u64>,
+}
+
+impl CachedPrefix {
+    fn warm(stack: &Stack, pod: usize, seed: u64) -> CachedPrefix {
+        let text = words(seed, 3_000);
+        let warm = json!({"model": MODEL, "prompt": format!("{text} first")});
+        ask(&stack.pods[pod].address, "/v1/completions", &warm);
+        let chain = stack.chain("/v1/completions", &warm);
+        stack.wait_held(pod, &chain, chain.len() * 3 / 4);
+        CachedPrefix { pod, text, chain }
+    }
+
+    /// A request sharing the prefix, through Envoy.
+    fn ask_again(&self, stack: &Stack, tail: &str) -> Answer {
+        let body = json!({"model": MODEL, "prompt": format!("{} {tail}", self.text)});
+        ask(stack.envoy(), "/v1/completions", &body)
+    }
+
+    /// Once the bridge reports the prefix gone (`why` it went), kvroute
+    /// predicts it nowhere: a request sharing it is matched at 0, and vLLM
+    /// serves it uncached.
+    fn assert_forgotten(&self, stack: &Stack, why: &str) {
+        stack.wait_gone(self.pod, &self.chain, why);
+        let answer = self.ask_again(stack, "later");
+        assert!(
+            answer.cache_match < 0.05,
+            "{why}: kvroute still predicts the prefix on {}: {}",
+            answer.pod,
+            answer.cache_match
+        );
+        assert_eq!(
+            answer.cached_tokens, 0,
+            "{why}: vLLM served the prefix cached"
+        );
+    }
+}
+
 /// Pod 1's cache holds 256 blocks. A prefix cached there is routed there;
-/// after 12 other 1,000-token prompts straight to it (375 blocks), vLLM
-/// has evicted it, the bridge reports it gone, and kvroute no longer
-/// predicts it cached: the next request sharing it is matched at 0, and
-/// vLLM indeed serves it uncached.
+/// after 12 other ~1,500-token prompts straight to it (~540 blocks), vLLM
+/// has evicted it, and kvroute forgets it.
 fn eviction_shows_in_routing(stack: &Stack) {
-    let prefix = words(600, 3_000);
-    let warm = json!({"model": MODEL, "prompt": format!("{prefix} first")});
-    ask(&stack.pods[1].address, "/v1/completions", &warm);
-    let chain = stack.chain("/v1/completions", &warm);
-    stack.wait_held(1, &chain, chain.len() * 3 / 4);
-    let again = json!({"model": MODEL, "prompt": format!("{prefix} second")});
-    let answer = ask(stack.envoy(), "/v1/completions", &again);
+    let cached = CachedPrefix::warm(stack, 1, 600);
+    let answer = cached.ask_again(stack, "second");
     assert_eq!(answer.pod, stack.pods[1].id, "the prefix's holder");
     for other in 0..12 {
         let flood = json!({"model": MODEL, "prompt": words(700 + other, 3_000)});
         ask(&stack.pods[1].address, "/v1/completions", &flood);
     }
-    stack.wait_gone(1, &chain, "evicted by vLLM");
-    let later = json!({"model": MODEL, "prompt": format!("{prefix} third")});
-    let answer = ask(stack.envoy(), "/v1/completions", &later);
-    assert!(
-        answer.cache_match < 0.05,
-        "kvroute still predicts the evicted prefix on {}: {}",
-        answer.pod,
-        answer.cache_match
-    );
-    assert_eq!(
-        answer.cached_tokens, 0,
-        "vLLM served the evicted prefix cached"
-    );
+    cached.assert_forgotten(stack, "evicted by vLLM");
 }
 
 /// `POST /reset_prefix_cache` on pod 0: vLLM publishes `AllBlocksCleared`
 /// with its next engine step, so kvroute's index learns it then. After one
-/// step (a request straight to the pod), kvroute predicts nothing cached
-/// there, and vLLM serves a prefix it held before uncached.
+/// step (a request straight to the pod), kvroute forgets the prefix.
 fn cache_reset_shows_in_routing(stack: &Stack) {
-    let prefix = words(800, 3_000);
-    let warm = json!({"model": MODEL, "prompt": format!("{prefix} first")});
-    ask(&stack.pods[0].address, "/v1/completions", &warm);
-    let chain = stack.chain("/v1/completions", &warm);
-    stack.wait_held(0, &chain, chain.len() * 3 / 4);
+    let cached = CachedPrefix::warm(stack, 0, 800);
     stack.pods[0].reset_prefix_cache().expect("reset");
     let step = json!({"model": MODEL, "prompt": "one step"});
     ask(&stack.pods[0].address, "/v1/completions", &step);
-    stack.wait_gone(0, &chain, "after the reset and a step");
-    let later = json!({"model": MODEL, "prompt": format!("{prefix} second")});
-    let answer = ask(stack.envoy(), "/v1/completions", &later);
-    assert!(
-        answer.cache_match < 0.05,
-        "kvroute still predicts the cleared prefix on {}: {}",
-        answer.pod,
-        answer.cache_match
-    );
-    assert_eq!(answer.cached_tokens, 0);
+    cached.assert_forgotten(stack, "after the reset and a step");
 }
 
 /// vLLM on pod 0 stops and starts again on the same ports, its cache
-/// empty: the bridge sees a new publisher, kvroute drops the pod's blocks,
-/// and a prefix it held before is no longer predicted there.
+/// empty: the bridge sees a new publisher and reconnects, and kvroute
+/// forgets the pod's prefix.
 fn restart_shows_in_routing(stack: &mut Stack) {
-    let prefix = words(900, 3_000);
-    let warm = json!({"model": MODEL, "prompt": format!("{prefix} first")});
-    ask(&stack.pods[0].address, "/v1/completions", &warm);
-    let chain = stack.chain("/v1/completions", &warm);
-    stack.wait_held(0, &chain, chain.len() * 3 / 4);
+    let cached = CachedPrefix::warm(stack, 0, 900);
     stack.pods[0].restart().expect("vLLM restarts");
-    stack.wait_gone(0, &chain, "after the restart");
-    let later = json!({"model": MODEL, "prompt": format!("{prefix} second")});
-    let answer = ask(stack.envoy(), "/v1/completions", &later);
-    assert!(
-        answer.cache_match < 0.05,
-        "kvroute still predicts the restarted pod's prefix on {}: {}",
-        answer.pod,
-        answer.cache_match
-    );
-    assert_eq!(answer.cached_tokens, 0);
+    cached.assert_forgotten(stack, "after the restart");
     let metrics = http::get(&stack.listens[0], "/metrics")
         .expect("bridge metrics")
         .body;
