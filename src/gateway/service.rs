@@ -1556,9 +1556,12 @@ mod tests {
             );
             service.on_call_response(token, Some("200"), page.len(), |_| page.into_bytes());
         }
-        // The next round exports the gauges.
-        host.0.borrow_mut().now += 1_000;
-        service.on_tick();
+        // A later round exports the gauges (a round spans ticks when its
+        // time budget runs out, as under wasm's slower clock reads).
+        for _ in 0..3 {
+            host.0.borrow_mut().now += 1_000;
+            service.on_tick();
+        }
         let gauges = host.1 .0.borrow();
         let gauge = |metric, pod: &str| gauges.get(&(metric, pod.to_string())).copied();
         assert_eq!(gauge(Metric::PodBlockSizeMismatch, "pod-0"), Some(1));
