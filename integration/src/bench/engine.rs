@@ -142,6 +142,14 @@ impl VllmEngine {
     }
 }
 
+impl Drop for VllmEngine {
+    /// Stops the pods, then removes their logs and vLLM's caches.
+    fn drop(&mut self) {
+        self.running.borrow_mut().take();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// One run's pods.
 pub enum RunPods {
     /// Fresh sims.
