@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::harness::{free_port_range, prometheus_value, repo_root};
+use crate::harness::{free_port_range, repo_root};
 use crate::http;
 
 /// The name the suite's pods serve the tiny model under
@@ -320,23 +320,6 @@ impl Pod {
         http::get(&self.address, "/metrics")
             .map(|r| r.body)
             .unwrap_or_default()
-    }
-
-    /// The value of one of vLLM's series (summed over its labels).
-    pub fn metric(&self, name: &str) -> f64 {
-        prometheus_value(&self.metrics(), name, &[]).unwrap_or(0.0)
-    }
-
-    /// Prompt tokens this pod was asked for, and those its prefix cache
-    /// served (vLLM's own counters: `prefix_cache_queries_total`,
-    /// `prefix_cache_hits_total`).
-    pub fn prefix_cache_counters(&self) -> (f64, f64) {
-        let text = self.metrics();
-        let value = |name| prometheus_value(&text, name, &[]).unwrap_or(0.0);
-        (
-            value("vllm:prefix_cache_queries_total"),
-            value("vllm:prefix_cache_hits_total"),
-        )
     }
 }
 

@@ -49,6 +49,25 @@ struct Answer {
     text: String,
 }
 
+impl Answer {
+    /// It went to `pod`, kvroute predicted more than `share` of it cached
+    /// there, and vLLM served more than `share` of its tokens from cache.
+    fn assert_hit(&self, pod: &str, share: f64, what: &str) {
+        assert_eq!(self.pod, pod, "{what}: left the pod holding its prefix");
+        assert!(
+            self.cache_match > share,
+            "{what}: kvroute matched {}",
+            self.cache_match
+        );
+        assert!(
+            self.cached_tokens as f64 > share * self.prompt_tokens as f64,
+            "{what}: vLLM served {} of {} tokens cached",
+            self.cached_tokens,
+            self.prompt_tokens
+        );
+    }
+}
+
 /// A streamed request to `address` (Envoy or a pod), with usage.
 fn ask(address: &str, path: &str, body: &Value) -> Answer {
     let mut body = body.clone();
@@ -311,23 +330,10 @@ fn conversations_stay_on_their_pod(stack: &Stack) {
             );
             let first_pod = first_pod.get_or_insert_with(|| answer.pod.clone());
             if turn > 0 {
-                assert_eq!(
-                    &answer.pod, first_pod,
-                    "conversation {conversation} turn {turn} left its pod"
-                );
-                assert!(
-                    answer.cache_match > 0.6,
-                    "conversation {conversation} turn {turn}: kvroute matched {}",
-                    answer.cache_match
-                );
                 // The history up to the last whole block of the previous
                 // turn's prompt.
-                assert!(
-                    answer.cached_tokens as f64 > 0.6 * answer.prompt_tokens as f64,
-                    "conversation {conversation} turn {turn}: vLLM served {} of {} tokens cached",
-                    answer.cached_tokens,
-                    answer.prompt_tokens
-                );
+                let what = format!("conversation {conversation} turn {turn}");
+                answer.assert_hit(first_pod, 0.6, &what);
             }
             messages.push(json!({"role": "assistant", "content": answer.text}));
         }
@@ -384,21 +390,7 @@ fn bridge_keys_are_the_filters_hashes(stack: &Stack) {
         let keyed = (chain.len() as f64 * stored_share * 0.97) as usize;
         stack.wait_held(holder, &chain, keyed);
         let answer = ask(stack.envoy(), path, &later);
-        assert_eq!(
-            answer.pod, stack.pods[holder].id,
-            "{what}: a request sharing the prefix left its holder"
-        );
-        assert!(
-            answer.cache_match > 0.9,
-            "{what}: kvroute matched {}",
-            answer.cache_match
-        );
-        assert!(
-            answer.cached_tokens as f64 > 0.9 * answer.prompt_tokens as f64,
-            "{what}: vLLM served {} of {} tokens cached",
-            answer.cached_tokens,
-            answer.prompt_tokens
-        );
+        answer.assert_hit(&stack.pods[holder].id, 0.9, what);
     }
 }
 

@@ -268,8 +268,3 @@ pub fn plugin_extra(install: &Install) -> io::Result<Value> {
         "chatTemplates": {WORKLOAD_MODEL: install.chat_template()?},
     }))
 }
-
-/// The tokenizer file of `install`, as [`super::workload::GenOptions::tokenizer`].
-pub fn tokenizer(install: &Install) -> String {
-    install.tokenizer().display().to_string()
-}

@@ -304,13 +304,16 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         ));
     }
     if real_vllm && args.command == "workload" {
-        let install = crate::vllm::Install::find().map_err(|e| e.to_string())?;
+        let install = match &vllm {
+            Some(engine) => engine.install.clone(),
+            None => crate::vllm::Install::find().map_err(|e| e.to_string())?,
+        };
         let extra = engine::plugin_extra(&install).map_err(|e| e.to_string())?;
         for (k, v) in extra.as_object().into_iter().flatten() {
             opts.plugin_extra[k] = v.clone();
         }
         opts.stock_vllm = true;
-        opts.tokenizer = Some(engine::tokenizer(&install));
+        opts.tokenizer = Some(install.tokenizer().display().to_string());
         opts.time_scale = match (&vllm, args.stand_in) {
             (Some(engine), _) => Some(
                 engine
