@@ -296,6 +296,13 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         tokenizer: None,
         time_scale: None,
     };
+    if args.keep_logs.is_some() {
+        // The TTFT model's `ttft_prediction` events are DEBUG: the plugin's
+        // `logLevel` lets them through (and `run_policy` Envoy's level).
+        if let Some(extra) = opts.plugin_extra.as_object_mut() {
+            extra.entry("logLevel").or_insert(json!("debug"));
+        }
+    }
     if real_vllm && !matches!(args.command.as_str(), "workload" | "render") {
         return Err(format!(
             "--engine vllm and --stand-in run `workload NAME..` (and `render`), not {:?}: \
