@@ -44,49 +44,25 @@
 //! which may take it: one whose cost is clearly above the cheapest of
 //! them (beyond the same error) is *outpaced* and not chosen; the five
 //! factors decide among the rest, and a pod caching any of the prompt is
-//! never outpaced (its cache term withheld or not, it competes as above).
-//! The seed's load and queue factors see a report's load and waiting
-//! count, not a pod's speed or the prefill queued behind its waiting
-//! requests, so a prompt cached nowhere went to a half-speed pod as
-//! readily as to a fast idle one. Measured side by side with main
-//! (integration/results/costmodel.md, "A prompt cached nowhere"): in real
-//! Envoy, two fast and two half-speed pods, the trace workload's fast pods
-//! did 83–85 % of the prefill instead of 56–60 % (TTFT p90 250–277 ms
-//! against 274–368, p99 564–748 against 681–1,034); in the replay, the
-//! Azure trace at half its physical limit p50 / p90 / p99 −18 / −22 /
-//! −17 %, the Mooncake trace at 8–1,024 pods p50 −47 to −83 %. What it
-//! costs: requests, not work, concentrate on the pods whose queues hold
-//! cheap hits (max pod share of the Mooncake trace at 64 pods 1.6 →
-//! 2.05× fair; the LoRA workload 1.14–1.41× against 1.19–1.38×), the
-//! mixed pool's hit rate drops 2 points as the fast pods' caches take
-//! more, and near the physical limit p99 rises while p50 falls.
+//! never outpaced. The seed's load and queue factors see neither a pod's
+//! speed nor the prefill queued behind it.
 //!
-//! How the copy is counted, measured with `kvroute-replay` side by side
-//! (integration/results/costmodel.md): on the Azure conversation trace at
-//! half its physical limit, not counting it kept 90 % of the pooled bound
-//! (TTFT p90 2.8 s), counting it in full 95 % (1.4 s), weighted by `ρ`
-//! 94 % (1.4 s), by `ρ/(1 − ρ)` 97 % (0.91 s, p99 2.6 s, against ring
-//! hash's 1.8 s and 7.0 s); on the benchmark's multi-turn shape, where an
-//! idle pool gains by copying the shared system prompt, 87 % with the
-//! full copy, 96 % with either weight.
+//! **Requests past the gateway's wait** (`onWaitLimit: "route"`) are
+//! balanced too; requests leaving the wait queue for room are not (they
+//! take a pod only once it drained below `maxQueue`, see
+//! [`crate::router::Attempt`]).
 //!
-//! Requests leaving the gateway's wait queue for room are not balanced
-//! (see [`crate::router::Attempt`]): they take a pod only once it drained
-//! below `maxQueue`, so the queue balances already. A request the gateway
-//! can hold no longer (`onWaitLimit: "route"`) is: past `maxQueue` nothing
-//! bounds a pod's queue. Unbalanced, those requests followed the cache
-//! alone, and under overload the pods caching the popular prefixes
-//! collected them: on the Mooncake trace at 0.9× of its physical limit
-//! (4 pods) TTFT was 275 s on one pod and 50 s on another, and the
-//! holders' later turns, tired of holding out behind those queues, took
-//! pods with room and prefilled everything. Balanced,
-//! measured with `kvroute-replay --load-sweep` side by side
-//! (integration/results/costmodel.md, "Past the limits, balanced"): 96 →
-//! 100 % of the pooled bound at 0.9×, TTFT p99 382 → 227 s (ring hash
-//! 364); Azure at 1.0× p99 128 → 107 s (ring hash 125).
-//! What it costs: a request no longer finds a short queue by luck, so p50
-//! rises where the pods' queues were uneven (Mooncake at 0.8–1.0×, 90 /
-//! 141 / 205 → 108 / 159 / 224 s, ring hash 73 / 125 / 178).
+//! Measured reasons, side by side with the alternatives
+//! (integration/results/costmodel.md):
+//! - the copy weighted by `ρ/(1 − ρ)`: 97 % of the pooled bound on the
+//!   Azure trace at half its physical limit, against 90 % not counting
+//!   it and 95 % counting it in full ("Both shared traces");
+//! - outpacing: the fast pods of a mixed pool did 83–85 % of the
+//!   prefill instead of 56–60 %, at a cost of request concentration
+//!   ("A prompt cached nowhere");
+//! - balancing past the wait's limit: 96 → 100 % of the bound on the
+//!   Mooncake trace at 0.9× its limit, p99 382 → 227 s ("Past the
+//!   limits, balanced").
 
 use super::ttft::TtftModel;
 use super::Candidate;
