@@ -336,6 +336,9 @@ fn start_kvroute_on_vllm(
     let pods = RunPods::vllm(engine, workload)?;
     let precise = policy != "kvroute-approx";
     let mut config = kvroute_config(workload, policy);
+    // A pod's load and queue come from vLLM's own metrics, as docs/vllm.md
+    // sets them up (the bridge reports only the cache).
+    config["metricsPath"] = json!("/metrics");
     if !precise {
         config["podCapacityBlocks"] = json!(super::engine::vllm_blocks(workload));
     }
