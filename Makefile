@@ -3,7 +3,7 @@
 # vLLM's CPU build in another with the tiny model it serves) and runs lint,
 # the host tests, the core's tests as wasm, and the real-Envoy suites
 # against the native module (all of them, the real-vLLM suite among them)
-# and kvroute.wasm (a subset). A fresh clone: 20m49s on 2 cores.
+# and kvroute.wasm (a subset). A fresh clone: 19-21 min on 2 cores.
 
 SHELL := /bin/bash
 PYTHON ?= python3

@@ -22,6 +22,10 @@ use serde_json::{json, Value};
 use crate::harness::{free_port_range, repo_root};
 use crate::http;
 
+/// Where vLLM serves its Prometheus metrics, kvroute's `metricsPath` for
+/// its pods.
+pub const METRICS_PATH: &str = "/metrics";
+
 /// The name the suite's pods serve the tiny model under
 /// (`--served-model-name`), and its `baseModel` in kvroute's `models`.
 pub const MODEL: &str = "tiny";
@@ -113,7 +117,7 @@ impl Install {
         Ok(json!({
             "mode": "precise",
             "blockSizeTokens": BLOCK_SIZE,
-            "metricsPath": "/metrics",
+            "metricsPath": METRICS_PATH,
             "models": {MODEL: {"baseModel": MODEL}},
             "chatTemplates": {MODEL: self.chat_template()?},
         }))
@@ -317,7 +321,7 @@ impl Pod {
 
     /// vLLM's own `/metrics`.
     pub fn metrics(&self) -> String {
-        http::get(&self.address, "/metrics")
+        http::get(&self.address, METRICS_PATH)
             .map(|r| r.body)
             .unwrap_or_default()
     }

@@ -338,7 +338,7 @@ fn start_kvroute_on_vllm(
     let mut config = kvroute_config(workload, policy);
     // A pod's load and queue come from vLLM's own metrics, as docs/vllm.md
     // sets them up (the bridge reports only the cache).
-    config["metricsPath"] = json!("/metrics");
+    config["metricsPath"] = json!(crate::vllm::METRICS_PATH);
     if !precise {
         config["podCapacityBlocks"] = json!(super::engine::vllm_blocks(workload));
     }
