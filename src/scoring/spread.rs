@@ -2,176 +2,72 @@
 //! starts.
 //!
 //! The balance ([`super::balance`]) moves a request off the pods caching
-//! its prefix only when another pod is predicted to answer it clearly
-//! sooner, re-prefill included. That is right for the request, and wrong
-//! for the sessions that branch from a shared prefix (a system prompt, a
-//! document, few-shot examples): each session's later turns follow its
-//! history to the pod it started on, so the prefix's first holder collects
-//! every session until its queue outgrows a whole copy of the prefix, and
-//! the pool's other pods stay empty. Measured with `kvroute-replay
-//! --bench-workload multi-turn` (128 chats of 6 rounds on one 1,000-token
-//! system prompt): at 4 pods one pod never prefilled a token (TTFT p90
-//! 66 ms against ring hash's 37), at 8 pods two (p90 117 against 45, 88 %
-//! of the pooled bound); with unbounded caches all went to one pod.
-//! Copying the system prompt once to every pod (the first decisions by
-//! load) removed it: 99.5 % of the bound, p90 37 ms.
+//! its prefix only when another pod answers it clearly sooner. That is
+//! right for one request and wrong for the sessions that branch from a
+//! shared prefix (a system prompt, a document): each session's later
+//! turns follow its history, so the prefix's first holder collects every
+//! session and the pool's other pods stay empty.
 //!
-//! So the router counts, per prefix, the sessions that start from it: an
-//! arrival whose longest match ends at a block an earlier arrival's match
-//! also ended at branches there. A conversation's later turn does not: a
-//! chat says so itself (it carries an assistant message), and is never
-//! counted or spread, however little of its own history this router has
-//! seen yet (another worker's decision, a pod that has not reported); a
-//! completion's later turn matches to where its own previous prompt
-//! ended, a block nobody else's match ended at. With `n(P)` the recent
-//! session starts at `P`, `N` of them in all (both decayed over
-//! `balance.learningWindow` starts per pod, the TTFT model's horizon),
-//! `pods` in the pool and `scored` the pods a decision scores (the pool,
-//! or a large pool's candidate set), `P` needs
+//! **Session starts.** An arrival whose longest match ends at a block an
+//! earlier arrival's match also ended at is a session start from that
+//! prefix `P`. A chat with an assistant message is a later turn and is
+//! never counted; a completion's later turn matches to where its own
+//! previous prompt ended, a block nobody else's match ended at. Every
+//! worker counts the gateway's starts, its own and the others' from the
+//! feed ([`crate::scoring::feed`]). With `n(P)` the recent starts at `P`
+//! and `N` in all (decayed over `balance.learningWindow` starts per pod),
+//! `pods` the pool and `scored` the pods a decision scores:
 //!
 //! ```text
 //! share(P)   = n(P) / (N + pods)              one start per pod as prior
 //! holders(P) = min(n(P), share(P) × scored)
 //! ```
 //!
-//! pods: no holder starts more than its fair share of the sessions from
-//! it, and there are no more holders than sessions. The prior keeps a
-//! pool that has seen fewer starts than it has pods from reading a
-//! handful of them as a large share.
+//! **Copies.** While fewer pods than `holders(P)` cache all of `P` and
+//! the holders are hot (they carry more than their share of the open
+//! streams), a start at `P` goes to a pod without it: among those with no
+//! more prefill queued than the least queued plus this request's own, the
+//! one that carried the fewest streams over recent decisions
+//! ([`super::occupancy`]), then the seed's score. Copies are bounded:
+//! `Σ ⌈share(P) × scored⌉ ≤ scored + prefixes` per window.
 //!
-//! Every worker counts every session start of the gateway, its own as it
-//! routes them and every other worker's and replica's from the gateway's
-//! feed ([`crate::scoring::feed`]; the replay's single router counts its
-//! own). Counted per worker, each of three replicas' six workers saw a
-//! sixth of the starts: read as its own, a sixth made the prior weigh six
-//! times as much (multi-turn's system prompt got its third holder at the
-//! 26th start, against the 13th with one replica); read through the
-//! worker's share of the answers, a worker's first start at a prefix
-//! counted only with its own second one, and the share was 1 until the
-//! first answers came, so the first 8 starts of a run all went to one pod
-//! (`kvroute-bench replicas multi-turn --keep-logs`,
-//! integration/results/replicas).
+//! **Sessions that continue** (within the window a later turn went past
+//! `P`): the holders compete on what they carry, not on one request's
+//! predicted TTFT ([`keep_holders_together`]), and a start may also go to
+//! a pod without `P` that, even with this session, carries fewer streams
+//! than every holder does now. That is the point where the move lowers
+//! the most loaded pod's load: no margin, and at most one copy per pod.
+//! Single-shot starts (matches that end at `P`) are decided per request.
+//! O(1) per arrival, bounded by [`REMEMBERED`] blocks of each kind.
 //!
-//! A copy is bought only while `P`'s holders are hot: they carry more
-//! than their share of the streams open on the pods scored (requests
-//! routed there whose answer has not ended, counted by every worker and
-//! replica, [`crate::snapshot::SlotLoad::streams`]). Idle
-//! holders answer a session start at once, and so will its later turns:
-//! eleven questions on one document sent one at a time went to its idle
-//! holder, where the rule counting starts alone had copied the document
-//! for the third (CI, `long_shared_prefix_goes_to_the_pod_that_holds_it`).
+//! Measured reasons (`kvroute-replay` and real Envoy, in
+//! integration/results/costmodel.md):
+//! - the rule itself: multi-turn TTFT p90 66 → 37 ms at 4 pods and
+//!   117 → 40 at 8 (ring hash 37 and 45), 88 → 98.9 % of the bound at 8
+//!   ("The multi-turn herd", "Spread on main");
+//! - only while the holders are hot: an idle holder answers at once
+//!   (`long_shared_prefix_goes_to_the_pod_that_holds_it`);
+//! - targets not behind another pod's whole request: long context at 4
+//!   pods p50 2.2 → 1.4 s ("Spread on main");
+//! - targets by streams carried over time: ranked by predicted TTFT, an
+//!   agent went to a pod running eight while another idled (4 of 6
+//!   real-Envoy agentic runs); by one report's load, LoRA's top tenant
+//!   reached 1.4× fair ("A copy goes where fewer streams were carried");
+//!   without streams, approximate multi-turn reached 86 % of the bound
+//!   ("Streams");
+//! - holders compete on what they carry: the mixed pool's multi-turn p90
+//!   86–91 → 59–63 ms ("Sessions that continue");
+//! - fewer carried, for continuing sessions only: agentic at 4 pods 1.33
+//!   → 1.17× fair, long context at 8 pods 94.5 → 97.5 % of the bound;
+//!   applied to every start it took shared prefix to 78.8 % ("Where fewer
+//!   are carried");
+//! - starts counted over the scored pods, not the pool: Mooncake at 1,024
+//!   pods 85.6 → 97.9 % of the bound ("Spread on main");
+//! - counted across workers and replicas: per worker, the first 8 starts
+//!   of a run went to one pod (docs/replicas.md).
 //!
-//! While fewer pods cache all of `P`, a hot holder's session start at `P`
-//! goes to a pod without it, among those with no more prefill queued than
-//! the least queued of them plus this request's own (a copy is not sent
-//! behind another pod's whole request: in the long-context burst, 16
-//! sessions of 8,000-token heads opening at once, that took its TTFT p50
-//! at 4 pods from 2.2 s back to 1.4 s, main 1.5 s), the one that carried
-//! the fewest streams over recent decisions, then the one the seed's
-//! score prefers. The copy is bought for the sessions that will follow
-//! this one there, so what the pod carries over time counts: not what
-//! one request's predicted TTFT says (the learned lines of idle pods
-//! differ by noise, and ranking by them sent an agent to a pod already
-//! running eight while another idled, 4 of 6 real-Envoy agentic runs),
-//! nor one report's load (ranked by the seed's score, LoRA's top tenant
-//! was copied where one running sequence fewer was reported at that
-//! instant, onto the second and fifth tenants' pod: 1.4× fair in most
-//! real-Envoy runs, measured in [`super`]). So one system prompt is copied to every pod,
-//! three prompts of a third of the sessions each get two holders of four
-//! pods, and the copies are bounded: `Σ ⌈share(P) × scored⌉ ≤ scored +
-//! prefixes` per window. Exclusions hold exactly, and only arrivals
-//! spread (not a request leaving the wait queue). O(1)
-//! per arrival, bounded by [`REMEMBERED`] blocks of each kind. Both
-//! modes: in approximate mode no report carries a load and a request
-//! leaves a pod's queue at its first byte, so only the open streams tell
-//! what a pod carries. Before they were counted the rule ran in precise
-//! mode only: hot read requests awaiting a first token (0–3 per pod), the
-//! target rotated blindly among pods tied at load 0, and the agentic
-//! closed loop collapsed in 6 of 12 real-Envoy runs. With the streams
-//! (costmodel.md, "Streams"): approximate multi-turn 86.0 → 98.8 % of the
-//! bound and p90 110 → 37 ms at 8 pods in the replay, and in real Envoy
-//! hit 0.75–0.82 → 0.84, p90 50–119 → 40–44 ms; agentic unchanged.
-//!
-//! **Among the holders, what each carries decides a start whose sessions
-//! continue.** The balance weighs one request: a holder prefilling
-//! another session's turn at the instant of a start reads clearly slower
-//! than one idle at that instant though it carries six sessions, and
-//! loses its cache term; the start, and every later turn of its session,
-//! then go to the busier pod. In a pool of two fast and two half-speed
-//! pods a slow holder read slower at every start, and the fast pods took
-//! 92 % of multi-turn's prefill (TTFT p90 89 ms against ring hash's 61).
-//! So for a session start from a prefix whose sessions are seen to
-//! continue (within the window, a later turn went past it: a chat's later
-//! turn, or a prompt whose match extends beyond it), if the balance let
-//! any holder keep its cache term, every holder keeps it, and the seed's
-//! load and queue terms, then the streams, choose among them, as they
-//! choose spread's targets ([`keep_holders_together`]). Starts of
-//! single-shot traffic (matches that end at the prefix, never past it)
-//! are decided per request as before: keeping every start's holders
-//! together cost the LoRA workload's TTFT p90 at 8 pods 22 → 25 ms in
-//! each of three seeds. Each worker learns it from its own arrivals (the
-//! feed carries starts, not chains; one later turn is enough). Measured
-//! with `kvroute-replay`, three seeds, every bench workload at 4 and 8
-//! pods and the mixed pool (integration/results/costmodel.md, "Sessions
-//! that continue"): the mixed pool's multi-turn TTFT p90 86–91 → 59–63
-//! ms (ring hash 61), p99 134–168 → 125–132, 92 → 95–97 % of the bound,
-//! max share 1.8 → 1.4–1.5×, fast pods' prefill 92 → 75–80 %; same-speed
-//! multi-turn at 4 pods, precise, p99 68–92 → 59–90 ms, at 8 pods within
-//! 4 ms either way; agentic within its seeds' spread (at 8 pods −0.8 to
-//! +0.4 points of the bound); the traces, shared prefix, LoRA, the trace
-//! workload and long context unchanged.
-//!
-//! **A start whose sessions continue goes where fewer are carried.** The
-//! share above counts a prefix's starts from its third (the second is a
-//! branch point's first sight), against a prior of one start per pod, so
-//! three prompts of a third of the starts each never ask for a second
-//! holder at 4 pods, and the closed loops of the first holders' sessions
-//! pile up: agentic put 8 of its 24 agents on one pod (1.33× fair) in
-//! every real-Envoy run, and at 8 pods the first holders of long
-//! context's two heads took 4 and 5 sessions before a copy was bought,
-//! which the balance then moved, history and all. So a start from a
-//! prefix whose sessions continue may also go to a pod without the prefix
-//! that, even with this session, carries fewer streams than every holder
-//! does now (among those not behind another pod's whole request; the
-//! seed's score, then the streams, choose among them). The session's
-//! later turns follow it, so what the pods carry decides, not this
-//! request's predicted TTFT. "Fewer, even with this one" is the point at
-//! which the move lowers what the most loaded of them carries, no tuned
-//! margin, and each such copy adds a holder, so a prefix gets at most one
-//! per pod. Single-shot starts are not affected: for every start the same
-//! rule took shared prefix at 4 pods from 99.5 to 78.8 % of the bound,
-//! each short session on one document paying for a copy. Measured with
-//! `kvroute-replay`, six seeds, medians (integration/results/
-//! costmodel.md, "Where fewer are carried"): agentic at 4 pods max share
-//! 1.33 → 1.17× (worst seed 1.46–1.50 → 1.33), TTFT p90 99–101 → 90–96
-//! ms; at 8 pods, precise, 93.8 → 96.0 % of the bound; long context at 8
-//! pods 94.5 → 97.5 % (precise), p50 820 → 402 ms; the mixed pool's
-//! agentic p90 685–726 → 243–418 ms; multi-turn, shared prefix, LoRA, the
-//! trace workload and both shared traces unchanged. It costs long context
-//! at 4 pods in approximate mode p90 3.1 → 3.5 s (ring hash 4.3) and
-//! agentic at 8 pods in approximate mode p99 321 → 361 ms. Real Envoy:
-//! agentic's max share 1.17× in all six runs (1.33 in every run before),
-//! TTFT p90 and p99 as before; in the mixed pool, six runs against main's
-//! eight, p90 median 121 → 113 ms (precise) and 120 → 113 (approximate),
-//! p99 about as before, one approximate run of six over the KV cliff
-//! (p90 394 ms; main's worst of eight 174).
-//!
-//! Measured side by side with the rule off (integration/results/
-//! costmodel.md, "Spread on main"): `kvroute-replay`, every bench
-//! workload at 4 and 8 pods: multi-turn TTFT p90 66 → 37 ms at 4 pods and
-//! 117 → 40 at 8 (ring hash: 37 and 45), 96 → 99.5 % and 88 → 98.9 % of
-//! the pooled bound; agentic p90 100 → 72 ms at 4 pods, p50 127 → 53 at
-//! 8; LoRA at 8 pods 2.6 → 1.3× fair; long context at 4 pods p50/p90/p99
-//! −7 to −14 %; shared prefix, the trace workload, approximate mode and
-//! both shared traces unchanged. It loses long context at 8 pods (p50
-//! 610 → 868 ms, 96.7 → 93.4 % of the bound), where a head's copy fills
-//! most of a pod's cache and evicts the sessions' histories: the rule
-//! prices a copy's prefill, not its cache, which the pods do not report.
-//! Real Envoy: multi-turn p90 49–57 → 40–45 ms, p99 127–132 → 83–94.
-//! Scoring the candidate set rather than the pool is what keeps the
-//! Mooncake trace at 1,024 pods unchanged (97.9 % of the bound; with the
-//! pool's size, 85.6 %: a prefix's few starts read as a share of 1,024
-//! pods asked for copies the load never needed).
+//! Known loss: a copy's cache room is not priced, so at 8 pods long
+//! context's head copies evict sessions' histories (issue 50).
 
 use std::collections::VecDeque;
 
