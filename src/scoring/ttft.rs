@@ -502,10 +502,11 @@ pub struct TtftModel {
     /// Answers remembered per pod (`balance.learningWindow`).
     window: u32,
     decay: f64,
-    /// One per span of [`SPANS`].
-    spans: Vec<SpanLines>,
-    /// The span predicting: the lowest error, ties to the longer span.
-    chosen: usize,
+    /// The span predicting: the lowest error (the first of [`SPANS`]
+    /// until another's is lower).
+    best: SpanLines,
+    /// The other spans of [`SPANS`].
+    others: Vec<SpanLines>,
 }
 
 impl TtftModel {
@@ -515,8 +516,8 @@ impl TtftModel {
         TtftModel {
             window,
             decay: 1.0 - 1.0 / f64::from(window),
-            spans: SPANS.iter().map(|&span| SpanLines::new(span)).collect(),
-            chosen: 0,
+            best: SpanLines::new(SPANS[0]),
+            others: SPANS[1..].iter().map(|&span| SpanLines::new(span)).collect(),
         }
     }
 
@@ -526,23 +527,19 @@ impl TtftModel {
         self.window
     }
 
-    fn lines(&self) -> &SpanLines {
-        &self.spans[self.chosen]
-    }
-
     /// The span the model predicts with, in tokens.
     pub fn span(&self) -> f64 {
-        self.lines().span
+        self.best.span
     }
 
     /// The line of pod `slot`, in units of [`TtftModel::span`].
     pub fn line(&self, slot: usize) -> Line {
-        self.lines().line(slot)
+        self.best.line(slot)
     }
 
     /// Predicted TTFT (ms) of `work` on pod `slot`.
     pub fn predict(&self, slot: usize, work: Work) -> f64 {
-        self.lines().predict(slot, work)
+        self.best.predict(slot, work)
     }
 
     /// Pod `slot`'s time per token of `work`'s own prefill and per token
@@ -577,12 +574,12 @@ impl TtftModel {
     /// Whether any answer taught the model: before, its predictions are in
     /// tokens, not ms.
     pub fn calibrated(&self) -> bool {
-        self.lines().pool.answered()
+        self.best.pool.answered()
     }
 
     /// The model's relative error, averaged over its recent answers.
     pub fn error(&self) -> f64 {
-        self.lines().error()
+        self.best.error()
     }
 
     /// Whether `fast` is faster than `slow` by more than the model's error.
@@ -614,12 +611,19 @@ impl TtftModel {
     /// any learns from it; then the span with the lowest error predicts.
     pub fn observe(&mut self, slot: usize, work: Work, ttft_ms: f64) -> Option<Observation> {
         let (predicted_ms, relative_error) = self.checked(slot, work, ttft_ms)?;
-        for lines in &mut self.spans {
+        self.best.observe(self.decay, slot, work, ttft_ms);
+        for lines in &mut self.others {
             lines.observe(self.decay, slot, work, ttft_ms);
         }
-        self.chosen = (0..self.spans.len())
-            .min_by(|&a, &b| self.spans[a].error().total_cmp(&self.spans[b].error()))
-            .unwrap_or(0);
+        let error = self.best.error();
+        if let Some(better) = self
+            .others
+            .iter_mut()
+            .filter(|lines| lines.error() < error)
+            .min_by(|a, b| a.error().total_cmp(&b.error()))
+        {
+            std::mem::swap(&mut self.best, better);
+        }
         Some(Observation {
             predicted_ms,
             actual_ms: ttft_ms,
