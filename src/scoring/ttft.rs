@@ -517,7 +517,10 @@ impl TtftModel {
             window,
             decay: 1.0 - 1.0 / f64::from(window),
             best: SpanLines::new(SPANS[0]),
-            others: SPANS[1..].iter().map(|&span| SpanLines::new(span)).collect(),
+            others: SPANS[1..]
+                .iter()
+                .map(|&span| SpanLines::new(span))
+                .collect(),
         }
     }
 
