@@ -304,6 +304,7 @@ mod tests {
             slot,
             requests,
             prefill_tokens,
+            prefill_attention: prefill_tokens * 3,
             streams,
         };
         inflight.adjust(&[
