@@ -14,7 +14,7 @@
 //! attention costs as much as its linear work: a property of the model
 //! and the engine (~30k tokens for an 8B model on a GPU by FLOPs, 1–2k for
 //! the real-vLLM suite's tiny model on CPU), never configured. The model
-//! keeps one set of lines per span of [`SPANS`] (∞, 16k … 256 tokens),
+//! keeps one set of lines per span of [`SPANS`] (∞, 16k … 64 tokens),
 //! each fed every answer in its own units, and predicts with the span
 //! whose lines have predicted the answers best, each answer predicted
 //! before any line learns from it. On an engine whose prefill is linear
@@ -110,9 +110,11 @@ const MIN_SAMPLES: f64 = 2.0;
 const SPLIT_MIN_SAMPLES: f64 = 6.0;
 
 /// The spans the model chooses among, in tokens (module documentation):
-/// attention not counted, then halving from 16k, past the 1–2k measured
-/// on CPU. Each costs one set of lines per pod.
-pub const SPANS: [f64; 8] = [
+/// attention not counted, then halving from 16k to 64, past the 128–512
+/// the real-vLLM bench's CPU model reads in the router's tokens (bytes /
+/// 4, about half its tokenizer's count). Each costs one set of lines per
+/// pod (120 bytes).
+pub const SPANS: [f64; 10] = [
     f64::INFINITY,
     16384.0,
     8192.0,
@@ -121,6 +123,8 @@ pub const SPANS: [f64; 8] = [
     1024.0,
     512.0,
     256.0,
+    128.0,
+    64.0,
 ];
 
 /// Token pairs in a unit of attention.
