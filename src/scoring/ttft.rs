@@ -12,18 +12,20 @@
 //! its linear layers, plus its attention over the prompt before it, which
 //! grows with the prompt. `span` is the context length at which a token's
 //! attention costs as much as its linear work: a property of the model
-//! and the engine (~30k tokens for an 8B model on a GPU by FLOPs, 1–2k for
-//! the real-vLLM suite's tiny model on CPU), never configured. The model
+//! and the engine (~30k tokens for an 8B model on a GPU by FLOPs, a few
+//! hundred for the real-vLLM bench's tiny model on CPU), never configured. The model
 //! keeps one set of lines per span of [`SPANS`] (∞, 16k … 64 tokens),
 //! each fed every answer in its own units, and predicts with the span
 //! whose lines have predicted the answers best, each answer predicted
 //! before any line learns from it. On an engine whose prefill is linear
 //! (the simulator) the ∞ span wins and the model is the token line it was.
-//! Measured on real vLLM (the real-vLLM bench's requests, offline, the
-//! selection run online over each run's answers): agentic's median error
-//! 45–48 % in tokens against 21–23 % with the chosen span, multi-turn
-//! 18–25 → 17–20 %, shared prefix 14–15 → 14 % (integration/results/
-//! real-vllm/README.md).
+//! Measured on real vLLM (`kvroute-bench --engine vllm`, docs/
+//! benchmarks.md, "Real vLLM"): the median error on agentic's long
+//! histories 52 / 46 % (precise / approximate) in tokens against 21 / 26 %
+//! with the spans, multi-turn 20 / 26 → 13 / 13 %, shared prefix 16 / 14
+//! → 14 / 13 %; the pods' span reads 64–256 tokens. In the replay suite
+//! the simulator's linear prefill keeps ∞, and the model's error and the
+//! routing are unchanged but for the noisiest cells.
 //!
 //! - `queued(pod)`: the prompt tokens still to prefill there, the uncached
 //!   tokens of every request routed to it (all workers) from the decision
