@@ -226,6 +226,7 @@ fn build(pods: usize) -> Fixture {
             SlotLoad {
                 requests,
                 prefill_tokens: rng.range(0, 4096) as u32,
+                prefill_attention: 0,
                 streams: requests,
             }
         })

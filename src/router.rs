@@ -50,7 +50,7 @@ use crate::scoring::factors::CachedPrefix;
 use crate::scoring::occupancy::Occupancy;
 use crate::scoring::slo::{self, SloChoice};
 use crate::scoring::spread::{self, PrefixDemand};
-use crate::scoring::ttft::{TtftModel, Work};
+use crate::scoring::ttft::{attention, TtftModel, Work};
 use crate::scoring::{Balancing, Candidate, Decision, Exclusion, Pool, ScoringPolicy};
 use crate::snapshot::{PodTable, SlotLoad};
 use crate::staleness::Staleness;
@@ -113,10 +113,13 @@ pub struct Routed {
     /// counted in the pod's [`SlotLoad::prefill_tokens`] until the first
     /// response byte.
     pub prefill_tokens: u32,
+    /// Their attention, counted in [`SlotLoad::prefill_attention`] as they
+    /// are.
+    pub prefill_attention: u32,
     /// Prefill ahead of its first token there: the pod's queued prefill,
     /// and its own, `prefill_tokens` plus the reload of its prefix cached
-    /// outside GPU memory, in prefill tokens (what [`TtftModel::observe`]
-    /// learns from).
+    /// outside GPU memory, in prefill tokens, with their attention (what
+    /// [`TtftModel::observe`] learns from).
     pub work: Work,
     /// Predicted TTFT on the chosen pod and on the runner-up (if any).
     pub predicted_ttft_ms: f64,
@@ -276,9 +279,13 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             .prompt_tokens()
             .saturating_sub(cached.cached_tokens);
         let queued_prefill = u64::from(load.prefill_tokens);
-        let line = view.ttft.line(pod.slot);
         // A prefix cached outside GPU memory is reloaded before the prefill.
         let own = uncached_tokens.saturating_add(cached.reload_tokens);
+        let work = Work::new(queued_prefill, own).with_attention(
+            u64::from(load.prefill_attention),
+            attention(uncached_tokens, self.coverage.prompt_tokens()),
+        );
+        let (prefill_ms_per_token, queued_ms_per_token) = view.ttft.ms_per_token(pod.slot, work);
         Candidate {
             slot: pod.slot,
             id: &pod.id,
@@ -288,9 +295,10 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             streams: load.streams,
             carried: view.occupancy.carried(pod.slot),
             queued_prefill,
-            predicted_ttft_ms: line.predict(queued_prefill as f64, own as f64),
-            prefill_ms_per_token: line.ms_per_token,
-            queued_ms_per_token: line.ms_per_queued_token,
+            work,
+            predicted_ttft_ms: view.ttft.predict(pod.slot, work),
+            prefill_ms_per_token,
+            queued_ms_per_token,
             busy: view.occupancy.busy(pod.slot),
             health: if self.stale_snapshot {
                 let age = view.now_ms.saturating_sub(pod.last_report_ms);
@@ -593,7 +601,6 @@ impl Router {
             });
         };
         let matched_blocks = matches.blocks(chosen.slot);
-        let reload_tokens = pool.cached_prefix(chosen.slot).reload_tokens;
         if !fallback && !past_limit {
             let hold = self.hold_out(&decision, view.table, &matches, matched_blocks);
             if let Some(hold) =
@@ -638,10 +645,8 @@ impl Router {
             composite,
             predicted_cached_tokens: coverage.tokens(matched_blocks),
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
-            work: Work::new(
-                candidate.queued_prefill,
-                candidate.uncached_tokens.saturating_add(reload_tokens),
-            ),
+            prefill_attention: u32::try_from(candidate.work.own_attention).unwrap_or(u32::MAX),
+            work: candidate.work,
             predicted_ttft_ms: candidate.predicted_ttft_ms,
             runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
             streamed,
@@ -1006,6 +1011,7 @@ mod tests {
             let inflight = inflight.map(|requests| SlotLoad {
                 requests,
                 prefill_tokens: requests * 1000,
+                prefill_attention: 0,
                 streams: requests,
             });
             let view = ClusterView {

@@ -484,6 +484,9 @@ pub struct SlotLoad {
     /// Their prompt tokens the pod had not cached at the decision, counted
     /// until each request's first response byte: the prefill queued there.
     pub prefill_tokens: u32,
+    /// The attention their prefill computes, counted as `prefill_tokens`
+    /// is ([`crate::scoring::ttft::attention`]).
+    pub prefill_attention: u32,
     /// Requests routed to the pod whose stream has not ended, in every
     /// mode: what the pod carries, answering or not (in precise mode the
     /// same as `requests`).
@@ -495,6 +498,9 @@ impl SlotLoad {
     pub fn add(&mut self, other: SlotLoad) {
         self.requests = self.requests.saturating_add(other.requests);
         self.prefill_tokens = self.prefill_tokens.saturating_add(other.prefill_tokens);
+        self.prefill_attention = self
+            .prefill_attention
+            .saturating_add(other.prefill_attention);
         self.streams = self.streams.saturating_add(other.streams);
     }
 
@@ -502,11 +508,12 @@ impl SlotLoad {
     /// workers publish and replicas digest.
     pub fn to_le_bytes(&self) -> [u8; SLOT_LOAD_BYTES] {
         let mut bytes = [0; SLOT_LOAD_BYTES];
-        for (chunk, field) in
-            bytes
-                .chunks_exact_mut(4)
-                .zip([self.requests, self.prefill_tokens, self.streams])
-        {
+        for (chunk, field) in bytes.chunks_exact_mut(4).zip([
+            self.requests,
+            self.prefill_tokens,
+            self.prefill_attention,
+            self.streams,
+        ]) {
             chunk.copy_from_slice(&field.to_le_bytes());
         }
         bytes
@@ -521,12 +528,13 @@ impl SlotLoad {
         SlotLoad {
             requests: next(),
             prefill_tokens: next(),
+            prefill_attention: next(),
             streams: next(),
         }
     }
 }
 
-const SLOT_LOAD_BYTES: usize = 12;
+const SLOT_LOAD_BYTES: usize = 16;
 
 /// A change to one pod slot's in-flight load: what a request adds when it
 /// is sent, and takes back at its first byte or its end.
@@ -535,6 +543,7 @@ pub struct InflightChange {
     pub slot: usize,
     pub requests: i64,
     pub prefill_tokens: i64,
+    pub prefill_attention: i64,
     pub streams: i64,
 }
 
@@ -546,6 +555,7 @@ impl InflightChange {
             slot,
             requests: delta(from.requests, to.requests),
             prefill_tokens: delta(from.prefill_tokens, to.prefill_tokens),
+            prefill_attention: delta(from.prefill_attention, to.prefill_attention),
             streams: delta(from.streams, to.streams),
         }
     }
@@ -558,13 +568,17 @@ impl InflightChange {
 
     /// Whether it adds to the load (what other workers must see at once).
     pub fn grows(&self) -> bool {
-        self.requests > 0 || self.prefill_tokens > 0 || self.streams > 0
+        self.requests > 0
+            || self.prefill_tokens > 0
+            || self.prefill_attention > 0
+            || self.streams > 0
     }
 
     /// Applied to `load`, clamped at 0 and `u32::MAX`.
     pub fn apply(&self, load: &mut SlotLoad) {
         load.requests = clamped_add(load.requests, self.requests);
         load.prefill_tokens = clamped_add(load.prefill_tokens, self.prefill_tokens);
+        load.prefill_attention = clamped_add(load.prefill_attention, self.prefill_attention);
         load.streams = clamped_add(load.streams, self.streams);
     }
 }
@@ -963,6 +977,7 @@ mod tests {
         let load = |requests, prefill_tokens, streams| SlotLoad {
             requests,
             prefill_tokens,
+            prefill_attention: prefill_tokens / 2,
             streams,
         };
         let a = encode_inflight(

@@ -1607,6 +1607,7 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 load: SlotLoad {
                     requests: 3,
                     prefill_tokens: 900,
+                    prefill_attention: 0,
                     streams: 1,
                 },
             },
@@ -1615,6 +1616,7 @@ fn a_peer_replicas_decisions_count_as_this_replicas_own() {
                 load: SlotLoad {
                     requests: 5,
                     prefill_tokens: 5,
+                    prefill_attention: 0,
                     streams: 1,
                 },
             },

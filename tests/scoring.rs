@@ -1079,6 +1079,7 @@ fn a_busy_pool_counts_the_copy_it_would_make() {
     for i in 0..256u64 {
         let load = SlotLoad {
             prefill_tokens: 100 * (i % 2) as u32,
+            prefill_attention: 0,
             ..SlotLoad::default()
         };
         occupancy.observe(&[load, load]);

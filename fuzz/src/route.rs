@@ -111,6 +111,7 @@ impl Scenario {
                 .map(|(requests, prefill_tokens)| SlotLoad {
                     requests,
                     prefill_tokens,
+                    prefill_attention: prefill_tokens * 4,
                     streams: requests,
                 })
                 .to_vec(),

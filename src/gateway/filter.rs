@@ -174,6 +174,7 @@ impl RoutedRequest {
                 self.load.requests
             },
             prefill_tokens: 0,
+            prefill_attention: 0,
             streams: self.load.streams,
         }
     }
@@ -416,15 +417,13 @@ impl<H: WorkerHost> Worker<H> {
             );
         }
         if log::log_enabled!(log::Level::Debug) {
-            let predicted_ms =
-                self.memory
-                    .ttft
-                    .predict(routed.slot, work.queued(), work.own_tokens);
+            let predicted_ms = self.memory.ttft.predict(routed.slot, work);
             event(
                 log::Level::Debug,
                 "ttft_prediction",
                 json!({"requestId": request_id, "pod": routed.pod_id, "workTokens": work.tokens,
-                       "ownTokens": work.own_tokens,
+                       "ownTokens": work.own_tokens, "attention": work.attention,
+                       "ownAttention": work.own_attention, "spanTokens": self.memory.ttft.span(),
                        "predictedTtftMs": round_ms(predicted_ms), "ttftMs": round_ms(ttft_ms)}),
             );
         }
@@ -606,6 +605,7 @@ pub(super) fn deliver(
         load: SlotLoad {
             requests: 1,
             prefill_tokens: routed.prefill_tokens,
+            prefill_attention: routed.prefill_attention,
             streams: 1,
         },
         uncounted_when_answered,

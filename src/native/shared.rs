@@ -106,6 +106,7 @@ impl Snapshot {
 pub struct Inflight {
     requests: Box<[AtomicU32]>,
     prefill_tokens: Box<[AtomicU32]>,
+    prefill_attention: Box<[AtomicU32]>,
     streams: Box<[AtomicU32]>,
     /// Streams ever opened, wrapping ([`InflightCount::opened`]).
     opened: Box<[AtomicU32]>,
@@ -130,6 +131,7 @@ impl Inflight {
         Inflight {
             requests: counters(),
             prefill_tokens: counters(),
+            prefill_attention: counters(),
             streams: counters(),
             opened: counters(),
         }
@@ -141,6 +143,7 @@ impl Inflight {
             for (counters, delta) in [
                 (&self.requests, change.requests),
                 (&self.prefill_tokens, change.prefill_tokens),
+                (&self.prefill_attention, change.prefill_attention),
                 (&self.streams, change.streams),
             ] {
                 if let Some(counter) = counters.get(change.slot) {
@@ -159,6 +162,7 @@ impl Inflight {
             .map(|slot| SlotLoad {
                 requests: read(&self.requests, slot),
                 prefill_tokens: read(&self.prefill_tokens, slot),
+                prefill_attention: read(&self.prefill_attention, slot),
                 streams: read(&self.streams, slot),
             })
             .collect()
@@ -300,6 +304,7 @@ mod tests {
             slot,
             requests,
             prefill_tokens,
+            prefill_attention: prefill_tokens * 3,
             streams,
         };
         inflight.adjust(&[
@@ -314,6 +319,7 @@ mod tests {
             SlotLoad {
                 requests: 1,
                 prefill_tokens: 0,
+                prefill_attention: 0,
                 streams: 2,
             }
         );

@@ -43,7 +43,7 @@ const HEAD_BYTES: usize = 24;
 /// an answer's size bound counts.
 const DECISION_JSON_BYTES: usize = 96;
 const HASH_JSON_BYTES: usize = 19;
-const FIRST_BYTE_JSON_BYTES: usize = 74;
+const FIRST_BYTE_JSON_BYTES: usize = 110;
 const PREDICTED_TTFT_JSON_BYTES: usize = 28;
 const SESSION_START_JSON_BYTES: usize = 48;
 
@@ -230,12 +230,18 @@ pub fn encode_decision(entry: &LoggedDecision) -> Vec<u8> {
             bytes.extend_from_slice(&first_byte.work_tokens.to_le_bytes());
             bytes.extend_from_slice(&first_byte.own_tokens.to_le_bytes());
             bytes.extend_from_slice(&first_byte.ttft_ms.to_le_bytes());
+            bytes.extend_from_slice(&first_byte.attention.to_le_bytes());
+            bytes.extend_from_slice(&first_byte.own_attention.to_le_bytes());
         }
         (None, Some(start)) => encode_match_end(start.match_end, &mut bytes),
         (None, None) => bytes.extend_from_slice(&predicted_ttft_ms.to_le_bytes()),
     }
     bytes
 }
+
+/// Bytes of a stored first byte: work, own tokens, TTFT, attention, own
+/// attention.
+const FIRST_BYTE_BYTES: usize = 20;
 
 /// The stored entry, `None` if the bytes are not one.
 pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
@@ -254,12 +260,14 @@ pub fn decode_decision(mut bytes: &[u8]) -> Option<LoggedDecision> {
     let chain = hashes.chunks_exact(8).map(u64_of).collect::<Option<_>>()?;
     let (predicted_ttft_ms, first_byte, session_start) = match bytes.len() {
         4 => (u32::from_le_bytes(bytes.try_into().ok()?), None, None),
-        12 => (
+        FIRST_BYTE_BYTES => (
             0,
             Some(FirstByte {
                 work_tokens: u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?),
                 own_tokens: u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?),
-                ttft_ms: f32::from_le_bytes(bytes.get(8..)?.try_into().ok()?),
+                ttft_ms: f32::from_le_bytes(bytes.get(8..12)?.try_into().ok()?),
+                attention: u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?),
+                own_attention: u32::from_le_bytes(bytes.get(16..)?.try_into().ok()?),
             }),
             None,
         ),
@@ -421,6 +429,8 @@ mod tests {
             Some(FirstByte {
                 work_tokens: 900,
                 own_tokens: 300,
+                attention: 4000,
+                own_attention: 1000,
                 ttft_ms: 31.25,
             }),
             None,

@@ -308,6 +308,7 @@ mod tests {
                 load: SlotLoad {
                     requests: 2,
                     prefill_tokens: 300,
+                    prefill_attention: 0,
                     streams: 1,
                 },
             }],
@@ -346,6 +347,7 @@ mod tests {
                     load: SlotLoad {
                         requests: 2,
                         prefill_tokens: 300,
+                        prefill_attention: 0,
                         streams: 1,
                     },
                 }])
@@ -417,6 +419,7 @@ mod tests {
                     load: SlotLoad {
                         requests: 2,
                         prefill_tokens: 300,
+                        prefill_attention: 0,
                         streams: 1,
                     },
                 }])

@@ -386,6 +386,7 @@ mod tests {
                     load: SlotLoad {
                         requests: round + 1,
                         prefill_tokens: 0,
+                        prefill_attention: 0,
                         streams: 1,
                     },
                 }],
@@ -486,6 +487,7 @@ mod tests {
                 load: SlotLoad {
                     requests: 1,
                     prefill_tokens: i,
+                    prefill_attention: 0,
                     streams: 1,
                 },
             })

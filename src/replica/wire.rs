@@ -8,11 +8,12 @@
 //!  "decisions": [{"seq": 41, "pod": "pod-a", "atMs": 1764680000101,
 //!                 "chain": ["0123456789abcdef", "..."], "predictedTtftMs": 850},
 //!                {"seq": 42, "pod": "pod-b", "atMs": 1764680000110,
-//!                 "firstByte": {"workTokens": 1500, "ownTokens": 500, "ttftMs": 42.5}},
+//!                 "firstByte": {"workTokens": 1500, "ownTokens": 500, "ttftMs": 42.5,
+//!                               "attention": 2100, "ownAttention": 900}},
 //!                {"seq": 43, "pod": "pod-b", "atMs": 1764680000115,
 //!                 "sessionStart": {"matchEnd": "0123456789abcdef"}}],
 //!  "inflight": [{"pod": "pod-a", "requests": 3, "prefillTokens": 1024,
-//!   "streams": 5}]}
+//!   "prefillAttention": 4096, "streams": 5}]}
 //! ```
 //!
 //! - `replica` names the replica process (a random id drawn at start) and
@@ -20,8 +21,9 @@
 //! - An entry is one of three, never two at once: a routing decision
 //!   (`chain`); the first byte of one's streamed answer (`firstByte`: the
 //!   prefill work at its decision, of which `ownTokens` its own, at most
-//!   `workTokens`, and the TTFT it took, what every replica's TTFT model
-//!   learns from); or a session start routed to `pod` (`sessionStart`,
+//!   `workTokens`, their attention and its own in units of 1,024 token
+//!   pairs, [`crate::scoring::ttft::attention`], and the TTFT it took, what
+//!   every replica's TTFT model learns from); or a session start routed to `pod` (`sessionStart`,
 //!   with the block its longest cached match ended at, `matchEnd`, absent
 //!   when nothing was cached anywhere; what every replica's prefix-demand
 //!   count takes, [`crate::scoring::feed`]). A replica that predates
@@ -39,10 +41,11 @@
 //!   sender's clock (`sentAtMs − atMs`) without trusting clock agreement.
 //! - `inflight` is the sender's own requests in flight per pod (state, not
 //!   events: each answer replaces the last), with their prompt tokens still
-//!   to prefill and the streams open (`streams`: answering or not; absent,
+//!   to prefill (and their attention) and the streams open (`streams`: answering or not; absent,
 //!   as from a replica that predates it, it reads as `requests`; such a
 //!   replica refuses answers that carry it, so a rollout's mixed replicas
-//!   do not share state until it ends).
+//!   do not share state until it ends). The attention fields read 0 when
+//!   absent; a replica that predates them refuses answers that carry them.
 //! - Hashes are 16 lowercase hex digits, as in report protocol v1.
 //!
 //! Parsing is strict and bounded ([`AnswerLimits`]): a peer is as untrusted
@@ -91,12 +94,14 @@ pub struct LoggedStart {
 }
 
 /// A streamed answer's first byte: `work_tokens` of prefill at its
-/// decision, of which `own_tokens` its own (the rest queued ahead), took
-/// `ttft_ms`.
+/// decision, of which `own_tokens` its own (the rest queued ahead), with
+/// `attention` and `own_attention` ([`Work`]), took `ttft_ms`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FirstByte {
     pub work_tokens: u32,
     pub own_tokens: u32,
+    pub attention: u32,
+    pub own_attention: u32,
     pub ttft_ms: f32,
 }
 
@@ -106,6 +111,8 @@ impl FirstByte {
         FirstByte {
             work_tokens: answer.work_tokens,
             own_tokens: answer.own_tokens,
+            attention: answer.attention,
+            own_attention: answer.own_attention,
             ttft_ms: answer.ttft_ms,
         }
     }
@@ -115,6 +122,8 @@ impl FirstByte {
         let work = Work {
             tokens: self.work_tokens.into(),
             own_tokens: self.own_tokens.into(),
+            attention: self.attention.into(),
+            own_attention: self.own_attention.into(),
         };
         Answer::new(slot, work, self.ttft_ms.into())
     }
@@ -186,6 +195,11 @@ struct WireFirstByte {
     work_tokens: u32,
     own_tokens: u32,
     ttft_ms: f32,
+    /// Absent from a replica that predates them.
+    #[serde(default)]
+    attention: u32,
+    #[serde(default)]
+    own_attention: u32,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -195,6 +209,9 @@ struct WireInflight<'a> {
     pod: &'a str,
     requests: u32,
     prefill_tokens: u32,
+    /// Absent from a replica that predates it.
+    #[serde(default)]
+    prefill_attention: u32,
     /// Absent from a replica that predates it (counted as `requests`).
     #[serde(default)]
     streams: Option<u32>,
@@ -263,6 +280,8 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                     work_tokens: f.work_tokens,
                     own_tokens: f.own_tokens,
                     ttft_ms: f.ttft_ms,
+                    attention: f.attention,
+                    own_attention: f.own_attention,
                 }),
                 session_start: d.session_start.map(|_| WireStart {
                     match_end: match_end.as_deref(),
@@ -276,6 +295,7 @@ pub fn encode_answer(answer: &ReplicaAnswer) -> Vec<u8> {
                 pod: &i.pod,
                 requests: i.load.requests,
                 prefill_tokens: i.load.prefill_tokens,
+                prefill_attention: i.load.prefill_attention,
                 streams: Some(i.load.streams),
             })
             .collect(),
@@ -378,6 +398,8 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
             Some(f) => Some(FirstByte {
                 work_tokens: f.work_tokens,
                 own_tokens: f.own_tokens,
+                attention: f.attention,
+                own_attention: f.own_attention,
                 ttft_ms: f.ttft_ms,
             }),
             None if d.chain.is_empty() || d.chain.len() > limits.max_chain => {
@@ -422,6 +444,7 @@ pub fn parse_answer(body: &[u8], limits: AnswerLimits) -> Result<ReplicaAnswer, 
                 load: SlotLoad {
                     requests: p.requests,
                     prefill_tokens: p.prefill_tokens,
+                    prefill_attention: p.prefill_attention,
                     streams: p.streams.unwrap_or(p.requests),
                 },
             })
@@ -473,6 +496,8 @@ mod tests {
                     first_byte: Some(FirstByte {
                         work_tokens: 1500,
                         own_tokens: 500,
+                        attention: 2100,
+                        own_attention: 900,
                         ttft_ms: 42.5,
                     }),
                     session_start: None,
@@ -503,6 +528,7 @@ mod tests {
                 load: SlotLoad {
                     requests: 3,
                     prefill_tokens: 1024,
+                    prefill_attention: 4096,
                     streams: 1,
                 },
             }],
@@ -516,7 +542,7 @@ mod tests {
         assert!(
             text.contains(r#""chain":["0000000000000001","ffffffffffffffff","0123456789abcdef"]"#)
         );
-        assert!(text.contains(r#""firstByte":{"workTokens":1500,"ownTokens":500,"ttftMs":42.5}"#));
+        assert!(text.contains(r#""firstByte":{"workTokens":1500,"ownTokens":500,"ttftMs":42.5,"attention":2100,"ownAttention":900}"#));
         assert!(text.contains(r#""sessionStart":{"matchEnd":"0123456789abcdef"}"#));
         assert!(text.contains(r#""sessionStart":{}"#));
         assert_eq!(parse_answer(&bytes, LIMITS), Ok(answer()));

@@ -58,12 +58,15 @@ const ANSWER_RECORD: u8 = 0;
 const START_RECORD: u8 = 1;
 
 /// One streamed answer's first byte: `work_tokens` of prefill, of which
-/// `own_tokens` its own ([`Work`]), took `ttft_ms` on pod `slot`.
+/// `own_tokens` its own, and their `attention`, of which `own_attention`
+/// its own ([`Work`]), took `ttft_ms` on pod `slot`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Answer {
     pub slot: u16,
     pub work_tokens: u32,
     pub own_tokens: u32,
+    pub attention: u32,
+    pub own_attention: u32,
     pub ttft_ms: f32,
 }
 
@@ -74,6 +77,8 @@ impl Answer {
             slot: u16::try_from(slot).unwrap_or(u16::MAX),
             work_tokens: tokens(work.tokens),
             own_tokens: tokens(work.own_tokens),
+            attention: tokens(work.attention),
+            own_attention: tokens(work.own_attention),
             ttft_ms: ttft_ms as f32,
         }
     }
@@ -82,6 +87,8 @@ impl Answer {
         Work {
             tokens: u64::from(self.work_tokens),
             own_tokens: u64::from(self.own_tokens.min(self.work_tokens)),
+            attention: u64::from(self.attention),
+            own_attention: u64::from(self.own_attention.min(self.attention)),
         }
     }
 
@@ -90,6 +97,8 @@ impl Answer {
         bytes.extend_from_slice(&self.work_tokens.to_le_bytes());
         bytes.extend_from_slice(&self.own_tokens.to_le_bytes());
         bytes.extend_from_slice(&self.ttft_ms.to_le_bytes());
+        bytes.extend_from_slice(&self.attention.to_le_bytes());
+        bytes.extend_from_slice(&self.own_attention.to_le_bytes());
     }
 
     /// The answer at the start of `bytes` (at least [`Answer::BYTES`]).
@@ -99,11 +108,13 @@ impl Answer {
             work_tokens: u32::from_le_bytes(bytes.get(2..6)?.try_into().ok()?),
             own_tokens: u32::from_le_bytes(bytes.get(6..10)?.try_into().ok()?),
             ttft_ms: f32::from_le_bytes(bytes.get(10..14)?.try_into().ok()?),
+            attention: u32::from_le_bytes(bytes.get(14..18)?.try_into().ok()?),
+            own_attention: u32::from_le_bytes(bytes.get(18..22)?.try_into().ok()?),
         })
     }
 
     /// Bytes of an encoded answer.
-    pub const BYTES: usize = 14;
+    pub const BYTES: usize = 22;
 }
 
 /// An arrival that may start a session (not a chat's later turn), as

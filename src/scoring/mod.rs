@@ -70,10 +70,13 @@ pub struct Candidate<'a> {
     pub carried: f64,
     /// Their prompt tokens still to prefill ([`crate::snapshot::SlotLoad`]).
     pub queued_prefill: u64,
+    /// The prefill ahead of the request's first token there, its own and
+    /// queued, with their attention ([`ttft::Work`]).
+    pub work: ttft::Work,
     /// Time to first token predicted for the request there ([`ttft`]).
     pub predicted_ttft_ms: f64,
     /// The pod's learned prefill time per token of a request's own
-    /// ([`ttft::Line`]).
+    /// ([`ttft::TtftModel::ms_per_token`]).
     pub prefill_ms_per_token: f64,
     /// Its learned time per token counted queued ahead.
     pub queued_ms_per_token: f64,
@@ -105,6 +108,7 @@ impl<'a> Candidate<'a> {
             streams: 0,
             carried: 0.0,
             queued_prefill: 0,
+            work: ttft::Work::default(),
             predicted_ttft_ms: 0.0,
             prefill_ms_per_token: 0.0,
             queued_ms_per_token: 0.0,

@@ -77,6 +77,7 @@ mod tests {
         for i in 0..256u32 {
             let load = SlotLoad {
                 prefill_tokens: 100 * (i % 2),
+                prefill_attention: 0,
                 streams: 4 * (i % 2),
                 ..SlotLoad::default()
             };

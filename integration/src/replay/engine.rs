@@ -362,6 +362,8 @@ struct Pod {
     /// Their prompt tokens the router expected to be prefilled here, until
     /// each one's first token (the filter's queued prefill).
     queued_prefill: u32,
+    /// Their attention, counted alike (the filter's queued attention).
+    queued_attention: u32,
     /// The report call this pod has not answered yet.
     report_call: Option<HeldCall>,
 }
@@ -385,6 +387,7 @@ impl Pod {
             awaiting_answer: 0,
             inflight: 0,
             queued_prefill: 0,
+            queued_attention: 0,
             report_call: None,
         }
     }
@@ -399,6 +402,7 @@ impl Pod {
                 IndexMode::Precise => self.inflight,
             },
             prefill_tokens: self.queued_prefill,
+            prefill_attention: self.queued_attention,
             streams: self.inflight,
         }
     }
@@ -453,9 +457,9 @@ struct Simulation<'a> {
     report_calls: usize,
     /// Requests waiting in the gateway (kvroute under `"wait"`).
     gateway: Option<WaitQueue<usize>>,
-    /// Per request, the prefill tokens counted on its pod until its first
-    /// token.
-    queued_prefill: Vec<u32>,
+    /// Per request, the prefill tokens and their attention counted on its
+    /// pod until its first token.
+    queued_prefill: Vec<(u32, u32)>,
     /// Per request routed by kvroute: when it was sent and the prefill
     /// work ahead of it (what the TTFT model learns from).
     sent: Vec<Option<(u64, Work)>>,
@@ -532,7 +536,7 @@ impl<'a> Simulation<'a> {
             report_calls: 0,
             gateway: (policy.is_kvroute() && config.on_no_eligible_pod == NoPodPolicy::Wait)
                 .then(|| WaitQueue::new(WaitPolicy::from_config(config))),
-            queued_prefill: vec![0; workload.requests.len()],
+            queued_prefill: vec![(0, 0); workload.requests.len()],
             sent: vec![None; workload.requests.len()],
         };
         for (i, r) in workload.requests.iter().enumerate() {
@@ -575,7 +579,10 @@ impl<'a> Simulation<'a> {
                 }
                 Kind::FirstToken => {
                     let pod = &mut self.pods[event.pod];
-                    pod.queued_prefill -= std::mem::take(&mut self.queued_prefill[event.request]);
+                    let (tokens, attention) =
+                        std::mem::take(&mut self.queued_prefill[event.request]);
+                    pod.queued_prefill -= tokens;
+                    pod.queued_attention -= attention;
                     pod.awaiting_answer -= 1;
                     if let (Some((sent, work)), Chooser::Kvroute(view)) =
                         (self.sent[event.request], &mut self.chooser)
@@ -763,17 +770,20 @@ impl<'a> Simulation<'a> {
         let request = &requests[index];
         let inflight: Vec<u32> = self.pods.iter().map(|p| p.inflight).collect();
         let n = self.pods.len();
-        let mut prefill_tokens = 0;
+        let mut prefill = (0, 0);
         let pod = match &mut self.chooser {
             Chooser::Kvroute(view) => {
                 let mode = view.config.mode;
                 let loads: Vec<SlotLoad> = self.pods.iter().map(|p| p.slot_load(mode)).collect();
                 match view.choose(request, &loads, now / 1000, attempt) {
-                    Ok((pod, prefill, work)) => {
-                        prefill_tokens = prefill;
+                    Ok((pod, tokens, work)) => {
+                        prefill = (
+                            tokens,
+                            u32::try_from(work.own_attention).unwrap_or(u32::MAX),
+                        );
                         self.sent[index] = Some((now, work));
                         let outcome = &mut self.outcomes[index];
-                        outcome.routed_prefill_tokens = u64::from(prefill);
+                        outcome.routed_prefill_tokens = u64::from(tokens);
                         outcome.work_tokens = work.tokens;
                         pod
                     }
@@ -789,21 +799,22 @@ impl<'a> Simulation<'a> {
             Chooser::Random(state) => (splitmix(state) % n as u64) as usize,
             Chooser::RingHash(ring) => ring_pick(ring, request.session_key),
         };
-        self.send(index, pod, prefill_tokens, now);
+        self.send(index, pod, prefill, now);
         Placement::Placed
     }
 
     /// Request `index` is sent to `pod` at `now`, counted as
-    /// `prefill_tokens` of queued prefill there until its first token.
-    fn send(&mut self, index: usize, pod: usize, prefill_tokens: u32, now: u64) {
+    /// `prefill` (tokens, attention) queued there until its first token.
+    fn send(&mut self, index: usize, pod: usize, prefill: (u32, u32), now: u64) {
         let outcome = &mut self.outcomes[index];
         outcome.pod = pod;
         outcome.wait_us = now - outcome.arrival_us;
-        self.queued_prefill[index] = prefill_tokens;
+        self.queued_prefill[index] = prefill;
         let state = &mut self.pods[pod];
         state.inflight += 1;
         state.awaiting_answer += 1;
-        state.queued_prefill += prefill_tokens;
+        state.queued_prefill += prefill.0;
+        state.queued_attention += prefill.1;
         if state.slots_used < self.spec.max_batch && state.waiting.is_empty() {
             self.start(pod, index, now);
         } else {
