@@ -13,11 +13,11 @@
 //! grows with the prompt. `span` is the context length at which a token's
 //! attention costs as much as its linear work: a property of the model
 //! and the engine (~30k tokens for an 8B model on a GPU by FLOPs, a few
-//! hundred for the real-vLLM bench's tiny model on CPU), never configured. The model
-//! keeps one set of lines per span of [`SPANS`] (∞, 16k … 64 tokens),
-//! each fed every answer in its own units, and predicts with the span
-//! whose lines have predicted the answers best, each answer predicted
-//! before any line learns from it. On an engine whose prefill is linear
+//! hundred for the real-vLLM bench's tiny model on CPU), never
+//! configured. The model keeps one set of lines per span of [`SPANS`]
+//! (∞, 16k … 64 tokens), each fed every answer in its own units, and
+//! predicts with the span whose lines have predicted the answers best,
+//! each answer predicted before any line learns from it. On an engine whose prefill is linear
 //! (the simulator) the ∞ span wins and the model is the token line it was.
 //! Measured on real vLLM (`kvroute-bench --engine vllm`, docs/
 //! benchmarks.md, "Real vLLM"): the median error on agentic's long
