@@ -285,7 +285,7 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             u64::from(load.prefill_attention),
             attention(uncached_tokens, self.coverage.prompt_tokens()),
         );
-        let (prefill_ms_per_token, queued_ms_per_token) = view.ttft.ms_per_token(pod.slot, work);
+        let estimate = view.ttft.estimate(pod.slot, work);
         Candidate {
             slot: pod.slot,
             id: &pod.id,
@@ -296,9 +296,9 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
             carried: view.occupancy.carried(pod.slot),
             queued_prefill,
             work,
-            predicted_ttft_ms: view.ttft.predict(pod.slot, work),
-            prefill_ms_per_token,
-            queued_ms_per_token,
+            predicted_ttft_ms: estimate.ttft_ms,
+            prefill_ms_per_token: estimate.ms_per_token,
+            queued_ms_per_token: estimate.ms_per_queued_token,
             busy: view.occupancy.busy(pod.slot),
             health: if self.stale_snapshot {
                 let age = view.now_ms.saturating_sub(pod.last_report_ms);

@@ -76,7 +76,7 @@ pub struct Candidate<'a> {
     /// Time to first token predicted for the request there ([`ttft`]).
     pub predicted_ttft_ms: f64,
     /// The pod's learned prefill time per token of a request's own
-    /// ([`ttft::TtftModel::ms_per_token`]).
+    /// ([`ttft::TtftModel::estimate`]).
     pub prefill_ms_per_token: f64,
     /// Its learned time per token counted queued ahead.
     pub queued_ms_per_token: f64,

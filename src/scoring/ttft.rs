@@ -373,6 +373,20 @@ impl Work {
     }
 }
 
+/// A TTFT the model can measure against: a positive time.
+fn is_time(ttft_ms: f64) -> bool {
+    ttft_ms.is_finite() && ttft_ms > 0.0
+}
+
+/// What the model expects of one request on one pod
+/// ([`TtftModel::estimate`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    pub ttft_ms: f64,
+    pub ms_per_token: f64,
+    pub ms_per_queued_token: f64,
+}
+
 /// What one answer taught the model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Observation {
@@ -480,11 +494,13 @@ impl SpanLines {
         self.line(slot).predict(queued, own)
     }
 
-    /// Learns one answer, its relative error (`None` before any answer)
-    /// counted first.
-    fn observe(&mut self, decay: f64, slot: usize, work: Work, ttft_ms: f64) {
+    /// Learns one answer, after counting the relative error of its
+    /// prediction (once it has answers: before, predictions are tokens),
+    /// and returns that prediction.
+    fn observe(&mut self, decay: f64, slot: usize, work: Work, ttft_ms: f64) -> f64 {
+        let predicted_ms = self.predict(slot, work);
         if self.pool.answered() {
-            let error = (self.predict(slot, work) - ttft_ms).abs() / ttft_ms;
+            let error = (predicted_ms - ttft_ms).abs() / ttft_ms;
             self.error.0 = self.error.0 * decay + error.min(10.0);
             self.error.1 = self.error.1 * decay + 1.0;
         }
@@ -497,6 +513,7 @@ impl SpanLines {
         }
         self.pool.add(decay, units, ttft_ms);
         self.overhead_ms = self.pool_overhead();
+        predicted_ms
     }
 }
 
@@ -551,9 +568,10 @@ impl TtftModel {
         self.best.predict(slot, work)
     }
 
-    /// Pod `slot`'s time per token of `work`'s own prefill and per token
-    /// queued ahead, attention included: what its tokens cost on average.
-    pub fn ms_per_token(&self, slot: usize, work: Work) -> (f64, f64) {
+    /// `work` on pod `slot`: its predicted TTFT, and the pod's time per
+    /// token of its own prefill and per token queued ahead, attention
+    /// included (what its tokens cost on average).
+    pub fn estimate(&self, slot: usize, work: Work) -> Estimate {
         let line = self.line(slot);
         let (queued, own) = work.units(self.span());
         let per = |units: f64, tokens: u64| {
@@ -563,10 +581,11 @@ impl TtftModel {
                 units / tokens as f64
             }
         };
-        (
-            line.ms_per_token * per(own, work.own_tokens),
-            line.ms_per_queued_token * per(queued, work.queued()),
-        )
+        Estimate {
+            ttft_ms: line.predict(queued, own),
+            ms_per_token: line.ms_per_token * per(own, work.own_tokens),
+            ms_per_queued_token: line.ms_per_queued_token * per(queued, work.queued()),
+        }
     }
 
     /// When a decision predicted at `predicted_ttft_ms` is expected to
@@ -600,27 +619,18 @@ impl TtftModel {
     /// from it (`None` for a TTFT that is not a positive time, and before
     /// any answer: an uncalibrated prediction is in tokens, not ms).
     pub fn relative_error(&self, slot: usize, work: Work, ttft_ms: f64) -> Option<f64> {
-        self.checked(slot, work, ttft_ms)
-            .filter(|_| self.calibrated())
-            .map(|(_, error)| error)
-    }
-
-    /// The prediction for an answer and its relative error, `None` for a
-    /// TTFT that is not a positive time.
-    fn checked(&self, slot: usize, work: Work, ttft_ms: f64) -> Option<(f64, f64)> {
-        if !(ttft_ms.is_finite() && ttft_ms > 0.0) {
-            return None;
-        }
-        let predicted_ms = self.predict(slot, work);
-        Some((predicted_ms, (predicted_ms - ttft_ms).abs() / ttft_ms))
+        (is_time(ttft_ms) && self.calibrated())
+            .then(|| (self.predict(slot, work) - ttft_ms).abs() / ttft_ms)
     }
 
     /// Learns from one answer of pod `slot`: `work` at the decision took
     /// `ttft_ms` to the first byte. Every span's lines predict it before
     /// any learns from it; then the span with the lowest error predicts.
     pub fn observe(&mut self, slot: usize, work: Work, ttft_ms: f64) -> Option<Observation> {
-        let (predicted_ms, relative_error) = self.checked(slot, work, ttft_ms)?;
-        self.best.observe(self.decay, slot, work, ttft_ms);
+        if !is_time(ttft_ms) {
+            return None;
+        }
+        let predicted_ms = self.best.observe(self.decay, slot, work, ttft_ms);
         for lines in &mut self.others {
             lines.observe(self.decay, slot, work, ttft_ms);
         }
@@ -636,7 +646,7 @@ impl TtftModel {
         Some(Observation {
             predicted_ms,
             actual_ms: ttft_ms,
-            relative_error,
+            relative_error: (predicted_ms - ttft_ms).abs() / ttft_ms,
         })
     }
 }

@@ -776,14 +776,11 @@ impl<'a> Simulation<'a> {
                 let mode = view.config.mode;
                 let loads: Vec<SlotLoad> = self.pods.iter().map(|p| p.slot_load(mode)).collect();
                 match view.choose(request, &loads, now / 1000, attempt) {
-                    Ok((pod, tokens, work)) => {
-                        prefill = (
-                            tokens,
-                            u32::try_from(work.own_attention).unwrap_or(u32::MAX),
-                        );
+                    Ok((pod, counted, work)) => {
+                        prefill = counted;
                         self.sent[index] = Some((now, work));
                         let outcome = &mut self.outcomes[index];
-                        outcome.routed_prefill_tokens = u64::from(tokens);
+                        outcome.routed_prefill_tokens = u64::from(counted.0);
                         outcome.work_tokens = work.tokens;
                         pod
                     }
@@ -961,7 +958,8 @@ impl<'a> KvrouteView<'a> {
 
     /// The filter's decision for `request` (the core's own
     /// [`Router::route_prepared`] on the published view): the pod, its
-    /// prefill tokens and the prefill work ahead of its first token, or
+    /// prefill tokens and their attention as the filter counts them, and
+    /// the prefill work ahead of its first token, or
     /// why it is not routed ([`Placement::Wait`]: no pod can take it, a
     /// 503 under `"reject"`).
     fn choose(
@@ -970,7 +968,7 @@ impl<'a> KvrouteView<'a> {
         inflight: &[SlotLoad],
         now_ms: u64,
         attempt: Attempt,
-    ) -> Result<(usize, u32, Work), Placement> {
+    ) -> Result<(usize, (u32, u32), Work), Placement> {
         self.requests += 1;
         if self.table.pods.is_empty() {
             return Err(Placement::Wait); // nothing published yet
@@ -1031,7 +1029,11 @@ impl<'a> KvrouteView<'a> {
                 .prefilled_after_ms(routed.predicted_ttft_ms) as u32,
         );
         self.publish_buckets(now_ms);
-        Ok((routed.slot, routed.prefill_tokens, routed.work))
+        Ok((
+            routed.slot,
+            (routed.prefill_tokens, routed.prefill_attention),
+            routed.work,
+        ))
     }
 
     /// The service writes the buckets its pending decisions changed
