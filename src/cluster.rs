@@ -321,8 +321,11 @@ struct PodRecord {
     /// vLLM's `block_size`, `num_gpu_blocks` and `enable_prefix_caching`
     /// as the pod's last metrics page stated them (`None`: not stated).
     vllm_block_size: Option<u32>,
-    kv_capacity_blocks: Option<u64>,
+    metrics_capacity_blocks: Option<u64>,
     prefix_caching: Option<bool>,
+    /// `kvCapacityBlocks` and `residentBlocks` of the pod's last report.
+    report_capacity_blocks: Option<u64>,
+    report_resident_blocks: Option<u64>,
 }
 
 impl PodRecord {
@@ -489,7 +492,9 @@ impl ClusterState {
                 failures: 0,
                 without_reports: false,
                 vllm_block_size: None,
-                kv_capacity_blocks: None,
+                metrics_capacity_blocks: None,
+                report_capacity_blocks: None,
+                report_resident_blocks: None,
                 prefix_caching: None,
             });
         }
@@ -673,6 +678,7 @@ impl ClusterState {
         record.report_load = None;
         record.reported_health = 1.0;
         record.report_adapters.clear();
+        (record.report_capacity_blocks, record.report_resident_blocks) = (None, None);
         let slot = record.slot;
         self.members_changed = true;
         self.index.drop_pod(slot);
@@ -880,6 +886,8 @@ impl ClusterState {
         record.report_queue = report.queue_depth;
         record.report_load = report.gpu_utilization;
         record.reported_health = report.health;
+        record.report_capacity_blocks = report.kv_capacity_blocks;
+        record.report_resident_blocks = report.resident_blocks;
         let adapters_changed = record.report_adapters != report.adapters;
         record.report_adapters = report.adapters;
         let transition = record.succeeded(PullKind::Report, now_ms, fold.inflight);
@@ -958,7 +966,7 @@ impl ClusterState {
             _ => {}
         }
         record.prefix_caching = metrics.enable_prefix_caching;
-        record.kv_capacity_blocks = metrics.num_gpu_blocks;
+        record.metrics_capacity_blocks = metrics.num_gpu_blocks;
         self.members_changed |= adapters_changed;
         (Ok(()), transitions)
     }
@@ -978,10 +986,29 @@ impl ClusterState {
         self.block_size_check()(self.record(pod_id)?.vllm_block_size)
     }
 
-    /// `pod_id`'s KV cache in vLLM's blocks (`num_gpu_blocks`), as its
-    /// last metrics page stated it.
+    /// `pod_id`'s KV cache in blocks: its report's `kvCapacityBlocks`,
+    /// else vLLM's `num_gpu_blocks` from its metrics page, else, for a pod
+    /// whose blocks are the router's decisions (approximate mode, report
+    /// fallback), `podCapacityBlocks`, the bound of its recorded blocks.
     pub fn kv_capacity_blocks(&self, pod_id: &str) -> Option<u64> {
-        self.record(pod_id)?.kv_capacity_blocks
+        let record = self.record(pod_id)?;
+        let decided = self.config.mode == IndexMode::Approximate || record.without_reports;
+        record
+            .report_capacity_blocks
+            .or(record.metrics_capacity_blocks)
+            .or_else(|| decided.then_some(self.config.pod_capacity_blocks as u64))
+    }
+
+    /// `pod_id`'s cache blocks in use or cached: its report's
+    /// `residentBlocks`, else the blocks the index lists for it (reported,
+    /// or the router's decisions).
+    pub fn resident_blocks(&self, pod_id: &str) -> Option<u64> {
+        let record = self.record(pod_id)?;
+        Some(
+            record
+                .report_resident_blocks
+                .unwrap_or_else(|| self.index.tree().pod_block_count(record.slot) as u64),
+        )
     }
 
     /// Counts a failed pull; a transition when that kind of pull of the

@@ -9,7 +9,7 @@
 //!              "tier": "cpu"}],
 //!  "removed": ["fedcba9876543210", ...],
 //!  "queueDepth": 3, "running": 4, "gpuUtilization": 0.55, "health": 1.0,
-//!  "adapters": ["billing-lora"]}
+//!  "adapters": ["billing-lora"], "kvCapacityBlocks": 1975, "residentBlocks": 1210}
 //! ```
 //!
 //! - Block hashes are 16 lowercase hex digits (JSON numbers cannot carry
@@ -30,6 +30,13 @@
 //!   Routers that do not know tiers treat every tier as cached.
 //! - `queueDepth` (waiting requests) and `health` in [0, 1] are required;
 //!   `gpuUtilization` in [0, 1], `running` and `adapters` are optional.
+//! - `kvCapacityBlocks` (optional, ≥ 1): how many blocks of
+//!   `blockSizeTokens` tokens the pod's GPU cache holds (vLLM's
+//!   `num_gpu_blocks`); `residentBlocks` (optional, ≤ `kvCapacityBlocks`
+//!   when both are sent): how many of them hold a cached block now, in use
+//!   or free for reuse. A pod that sends neither is sized from vLLM's
+//!   `/metrics` (`metricsPath`), else not at all. What the router does with
+//!   them: docs/design.md, "Cache room".
 //! - Unknown fields are ignored, so pods may add their own.
 //! - Long-poll (`wait`, optional for pods): a pod that supports it holds
 //!   the request while it has no event after `since` of the epoch asked and
@@ -104,6 +111,10 @@ pub struct PodReport {
     pub gpu_utilization: Option<f64>,
     pub health: f64,
     pub adapters: Vec<String>,
+    /// `kvCapacityBlocks`: the pod's GPU cache size in blocks.
+    pub kv_capacity_blocks: Option<u64>,
+    /// `residentBlocks`: blocks of that cache holding a cached block.
+    pub resident_blocks: Option<u64>,
 }
 
 // Hashes are borrowed from the body (hex never needs JSON escapes), so a
@@ -141,6 +152,10 @@ struct WireReport<'a> {
     health: f64,
     #[serde(default)]
     adapters: Vec<String>,
+    #[serde(default)]
+    kv_capacity_blocks: Option<u64>,
+    #[serde(default)]
+    resident_blocks: Option<u64>,
 }
 
 /// Formats a block hash the way reports carry it.
@@ -201,6 +216,16 @@ pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
         .iter()
         .map(|h| parse_hash(h, "removed"))
         .collect::<Result<_, _>>()?;
+    if wire.kv_capacity_blocks == Some(0) {
+        return Err("`kvCapacityBlocks` must be at least 1 (got 0)".into());
+    }
+    if let (Some(capacity), Some(resident)) = (wire.kv_capacity_blocks, wire.resident_blocks) {
+        if resident > capacity {
+            return Err(format!(
+                "`residentBlocks` {resident} exceeds `kvCapacityBlocks` {capacity}"
+            ));
+        }
+    }
     Ok(PodReport {
         pod_id: wire.pod_id,
         epoch: wire.epoch,
@@ -217,6 +242,8 @@ pub fn parse_report(body: &[u8]) -> Result<PodReport, String> {
             .transpose()?,
         health: unit_field(wire.health, "health")?,
         adapters: wire.adapters,
+        kv_capacity_blocks: wire.kv_capacity_blocks,
+        resident_blocks: wire.resident_blocks,
     })
 }
 
@@ -409,6 +436,37 @@ mod tests {
             error.contains("malformed report") && error.contains("string"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn cache_size_and_use_are_optional_and_checked() {
+        let base = r#"{"version":1,"podId":"p","epoch":"e","seq":1,"full":true,"queueDepth":0,"health":1 EXTRA}"#;
+        let parse = |extra: &str| parse_report(base.replace("EXTRA", extra).as_bytes());
+        let sized = parse(r#","kvCapacityBlocks":1975,"residentBlocks":1210"#).unwrap();
+        assert_eq!(
+            (sized.kv_capacity_blocks, sized.resident_blocks),
+            (Some(1975), Some(1210))
+        );
+        let older = parse("").unwrap();
+        assert_eq!(
+            (older.kv_capacity_blocks, older.resident_blocks),
+            (None, None)
+        );
+        // Either alone is kept: a pod may know its use but not its size.
+        assert_eq!(
+            parse(r#","residentBlocks":7"#).unwrap().resident_blocks,
+            Some(7)
+        );
+        assert_eq!(
+            parse(r#","kvCapacityBlocks":0"#).unwrap_err(),
+            "`kvCapacityBlocks` must be at least 1 (got 0)"
+        );
+        assert_eq!(
+            parse(r#","kvCapacityBlocks":10,"residentBlocks":11"#).unwrap_err(),
+            "`residentBlocks` 11 exceeds `kvCapacityBlocks` 10"
+        );
+        let negative = parse(r#","residentBlocks":-1"#).unwrap_err();
+        assert!(negative.contains("malformed report"), "{negative}");
     }
 
     #[test]

@@ -758,6 +758,65 @@ fn cluster_folds_full_reports_and_deltas_into_the_published_index() {
     assert_eq!(cluster.index().len(), 2);
 }
 
+/// A pod's cache size and use: its report's, else vLLM's metrics page for
+/// the size and the index's count for the use; a pod routed on decisions
+/// is sized by `podCapacityBlocks`.
+#[test]
+fn a_pods_cache_size_and_use_come_from_its_report_else_what_the_router_knows() {
+    let mut cluster = ClusterState::new(&cluster_config(), 0);
+    let chain: Vec<u64> = (1..=6u64).map(|i| i * 0x1000_0001).collect();
+    let sized = |body: Vec<u8>| {
+        let text = String::from_utf8(body).expect("utf-8");
+        text.replacen(
+            "\"health\"",
+            "\"kvCapacityBlocks\":1975,\"residentBlocks\":1210,\"health\"",
+            1,
+        )
+        .into_bytes()
+    };
+    let body = sized(report("a", "e", 1, 0, true, &[(None, &chain)], &[], 1.0));
+    cluster.apply_report("a", &body, 10, 0).0.expect("accepted");
+    let body = report("b", "e", 1, 0, true, &[(None, &chain[..4])], &[], 1.0);
+    cluster.apply_report("b", &body, 10, 0).0.expect("accepted");
+    assert_eq!(cluster.kv_capacity_blocks("a"), Some(1975));
+    assert_eq!(cluster.resident_blocks("a"), Some(1210));
+    // b sends neither: unsized (no metrics page yet), its use the index's.
+    assert_eq!(cluster.kv_capacity_blocks("b"), None);
+    assert_eq!(cluster.resident_blocks("b"), Some(4));
+    let page = b"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"577\"} 1.0\n";
+    cluster.apply_metrics("b", page, 20, 0).0.expect("accepted");
+    cluster.apply_metrics("a", page, 20, 0).0.expect("accepted");
+    assert_eq!(cluster.kv_capacity_blocks("b"), Some(577));
+    assert_eq!(
+        cluster.kv_capacity_blocks("a"),
+        Some(1975),
+        "the report's first"
+    );
+    // A later report without them: the router's own knowledge again.
+    let body = report("a", "e", 2, 1, false, &[], &[chain[5]], 1.0);
+    cluster.apply_report("a", &body, 30, 0).0.expect("accepted");
+    assert_eq!(cluster.kv_capacity_blocks("a"), Some(577));
+    assert_eq!(cluster.resident_blocks("a"), Some(5));
+    // A use above the size is refused, naming both.
+    let body = sized(report("a", "e", 3, 2, false, &[], &[], 1.0));
+    let body = String::from_utf8(body).unwrap().replace("1210", "2000");
+    let (result, _) = cluster.apply_report("a", body.as_bytes(), 40, 0);
+    let error = format!("{:?}", result.expect_err("refused"));
+    assert!(
+        error.contains("`residentBlocks` 2000 exceeds `kvCapacityBlocks` 1975"),
+        "{error}"
+    );
+    // Approximate mode: every pod is sized by podCapacityBlocks.
+    let approximate = Config::parse(
+        br#"{"pods": [{"id": "a", "address": "127.0.0.1:9001"}],
+             "mode": "approximate", "podCapacityBlocks": 3000}"#,
+    )
+    .expect("valid config");
+    let cluster = ClusterState::new(&approximate, 0);
+    assert_eq!(cluster.kv_capacity_blocks("a"), Some(3000));
+    assert_eq!(cluster.resident_blocks("a"), Some(0));
+}
+
 #[test]
 fn cluster_health_decays_with_staleness_and_recovers() {
     // podReportIntervalMs 2000 + reportTimeoutMs 1000: full health for 3 s

@@ -496,6 +496,11 @@ impl KvCache {
         body.insert("gpuUtilization".into(), json!(load.gpu_utilization));
         body.insert("health".into(), json!(load.health));
         body.insert("adapters".into(), json!(load.adapters));
+        body.insert("kvCapacityBlocks".into(), json!(self.capacity));
+        body.insert(
+            "residentBlocks".into(),
+            json!(self.len().saturating_sub(self.cpu_len())),
+        );
         Value::Object(body)
     }
 }
@@ -1340,6 +1345,12 @@ mod tests {
         assert_eq!(cache.tier(3), None);
         assert_eq!((cache.len(), cache.cpu_len()), (5, 2));
         assert!((cache.usage() - 1.0).abs() < 1e-9, "the GPU's 3 of 3");
+        // Its size and use, in the GPU's blocks.
+        let r = report(&cache, 0, "E");
+        assert_eq!(
+            (r.kv_capacity_blocks, r.resident_blocks),
+            (Some(3), Some(3))
+        );
         // The report: GPU segments, and 1-2 on the CPU.
         let cpu: Vec<Segment> = cache
             .full()

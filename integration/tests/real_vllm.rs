@@ -10,7 +10,8 @@
 //! earlier ones; the bridge keys vLLM's events exactly as the filter
 //! hashes the rendered chat prompt, the completions text and token IDs;
 //! vLLM's /metrics parse; a prefix cache reset, an eviction under pod 1's
-//! small cache and a vLLM restart all show in routing.
+//! small cache and a vLLM restart all show in routing; the pods' cache
+//! sizes and use reach kvroute's gauges.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -187,6 +188,8 @@ impl Stack {
                         tokenizer: Some(install.tokenizer()),
                         probe_ms: 1000,
                         log_events: 100_000,
+                        kv_capacity_blocks: None,
+                        vllm_metrics: Some(format!("http://{}/metrics", pod.address)),
                     }))
                     .expect("bridge starts")
             })
@@ -459,7 +462,9 @@ impl CachedPrefix {
 
 /// Pod 1's cache holds 256 blocks. A prefix cached there is routed there;
 /// after 12 other ~1,500-token prompts straight to it (~540 blocks), vLLM
-/// has evicted it, and kvroute forgets it.
+/// has evicted it, and kvroute forgets it. The pod's cache size, as vLLM
+/// states it, and its use, full after the flood, reach kvroute through the
+/// bridge's reports, and the evictions its count.
 fn eviction_shows_in_routing(stack: &Stack) {
     let cached = CachedPrefix::warm(stack, 1, 600);
     let answer = cached.ask_again(stack, "second");
@@ -469,6 +474,37 @@ fn eviction_shows_in_routing(stack: &Stack) {
         ask(&stack.pods[1].address, "/v1/completions", &flood);
     }
     cached.assert_forgotten(stack, "evicted by vLLM");
+    let pod = &stack.pods[1];
+    let stated = parse_vllm_metrics(&pod.metrics())
+        .expect("vLLM's /metrics parse")
+        .num_gpu_blocks
+        .expect("vLLM states its num_gpu_blocks") as f64;
+    let metric = |name: &str| {
+        stack
+            .cluster
+            .envoy
+            .metric(name, &[("pod", &pod.id)])
+            .unwrap_or(0.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric("epp_pod_kv_capacity_blocks") != stated
+        || metric("epp_pod_kv_resident_blocks") < stated * 0.75
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{}: capacity {} (vLLM: {stated}), resident {}",
+            pod.id,
+            metric("epp_pod_kv_capacity_blocks"),
+            metric("epp_pod_kv_resident_blocks")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(metric("epp_pod_kv_resident_blocks") <= stated);
+    assert!(
+        metric("epp_pod_kv_removed_blocks_total") >= 540.0 - stated,
+        "evictions counted: {}",
+        metric("epp_pod_kv_removed_blocks_total")
+    );
 }
 
 /// `POST /reset_prefix_cache` on pod 0: vLLM publishes `AllBlocksCleared`

@@ -5,7 +5,9 @@
 //! precise again when it serves reports (its report's blocks replacing the
 //! decisions'). A pod whose vLLM states another block size than
 //! `blockSizeTokens` in its `/metrics` (`kvroute-sim --metrics-block-size`)
-//! is warned about once. Run serially (`--test-threads=1`).
+//! is warned about once. A pod's cache size and use, from its reports,
+//! reach its gauges, and the blocks its reports remove its eviction count.
+//! Run serially (`--test-threads=1`).
 
 use std::time::Duration;
 
@@ -213,4 +215,38 @@ fn a_pod_whose_vllm_block_size_is_not_block_size_tokens_is_warned_about_once() {
             Some(4096.0)
         );
     }
+}
+
+/// A pod reports its cache's size and use (`kvCapacityBlocks`,
+/// `residentBlocks`): with no metrics page, both reach the pod's gauges,
+/// the use following the blocks the pod caches; the blocks its reports
+/// remove are counted as its evictions.
+#[test]
+fn a_pods_reported_cache_size_and_use_reach_its_gauges() {
+    let config = json!({
+        "podReportIntervalMs": INTERVAL_MS,
+        "models": {"sim-model": {"baseModel": "sim-model"}}
+    });
+    let mut spec = ClusterSpec::new(2, config);
+    spec.per_pod_args = vec![vec!["--kv-blocks".into(), "3000".into()]; 2];
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    for pod in &cluster.sims {
+        wait_for("the reported size", || {
+            gauge(&cluster, "epp_pod_kv_capacity_blocks", &pod.id) == Some(3000.0)
+        });
+    }
+    let (pod, _) = route(&cluster, &prompt("manual", "q0"));
+    let sim = cluster.sims.iter().find(|s| s.id == pod).expect("a sim");
+    let cached = sim.stats()["kvBlocks"].as_f64().expect("kvBlocks");
+    assert!(cached > 0.0, "the sim caches the prompt");
+    wait_for("the reported use", || {
+        gauge(&cluster, "epp_pod_kv_resident_blocks", &pod) == Some(cached)
+    });
+    sim.fault(json!({"evictAll": true}));
+    wait_for("the use back at 0", || {
+        gauge(&cluster, "epp_pod_kv_resident_blocks", &pod) == Some(0.0)
+    });
+    wait_for("the evictions counted", || {
+        gauge(&cluster, "epp_pod_kv_removed_blocks_total", &pod) == Some(cached)
+    });
 }

@@ -177,6 +177,8 @@ fn bridge_probing(
             tokenizer: tokenizer.map(Path::to_path_buf),
             probe_ms,
             log_events: 100_000,
+            kv_capacity_blocks: None,
+            vllm_metrics: None,
         }))
         .expect("bridge starts")
 }
@@ -741,6 +743,8 @@ fn envoy_routes_a_shared_token_prefix_to_its_holder_through_the_bridges() {
                     tokenizer: None,
                     probe_ms: 1000,
                     log_events: 100_000,
+                    kv_capacity_blocks: None,
+                    vllm_metrics: None,
                 }))
                 .expect("bridge starts")
         })
@@ -842,6 +846,8 @@ fn envoy_routes_text_and_chat_prefixes_to_their_holders_on_tokenizing_pods() {
                     tokenizer: Some(vocabulary.clone()),
                     probe_ms: 1000,
                     log_events: 100_000,
+                    kv_capacity_blocks: None,
+                    vllm_metrics: None,
                 }))
                 .expect("bridge starts")
         })

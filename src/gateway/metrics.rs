@@ -89,6 +89,8 @@ catalogue! {
     PodReportFallback = ("epp_pod_report_fallback", Gauge, Some("pod")),
     PodBlockSizeMismatch = ("epp_pod_block_size_mismatch", Gauge, Some("pod")),
     PodKvCapacityBlocks = ("epp_pod_kv_capacity_blocks", Gauge, Some("pod")),
+    PodKvResidentBlocks = ("epp_pod_kv_resident_blocks", Gauge, Some("pod")),
+    PodKvRemovedBlocks = ("epp_pod_kv_removed_blocks_total", Counter, Some("pod")),
     CacheMatchRatio = ("epp_cache_match_ratio", Histogram, None),
     CompositeScore = ("epp_composite_score", Histogram, None),
     ScoringLatencyUs = ("epp_scoring_latency_us", Histogram, None),
@@ -265,6 +267,8 @@ pub fn export_pod_from_zero(pod: &str, sink: &mut dyn MetricSink) {
         Metric::PodReportFallback,
         Metric::PodBlockSizeMismatch,
         Metric::PodKvCapacityBlocks,
+        Metric::PodKvResidentBlocks,
+        Metric::PodKvRemovedBlocks,
     ] {
         sink.define(metric, pod);
     }

@@ -649,6 +649,7 @@ impl<H: ServiceHost> ReportService<H> {
             let fallback = u64::from(state.in_report_fallback(&pod.id));
             let mismatch = u64::from(state.block_size_mismatch(&pod.id).is_some());
             let capacity = state.kv_capacity_blocks(&pod.id).unwrap_or(0);
+            let resident = state.resident_blocks(&pod.id).unwrap_or(0);
             for (metric, value) in [
                 (Metric::QueueDepth, u64::from(pod.queue)),
                 (Metric::PodHealthScore, percent(pod.health)),
@@ -656,6 +657,7 @@ impl<H: ServiceHost> ReportService<H> {
                 (Metric::PodReportFallback, fallback),
                 (Metric::PodBlockSizeMismatch, mismatch),
                 (Metric::PodKvCapacityBlocks, capacity),
+                (Metric::PodKvResidentBlocks, resident),
             ] {
                 metrics.gauge_changed(metric, &pod.id, value);
             }
@@ -1041,6 +1043,11 @@ impl<H: ServiceHost> ReportService<H> {
             match folded.result {
                 Ok(Some(summary)) => {
                     self.folds_unpublished |= summary.changed_index();
+                    if summary.removed > 0 {
+                        let removed = i64::try_from(summary.removed).unwrap_or(i64::MAX);
+                        self.metrics
+                            .add(Metric::PodKvRemovedBlocks, &folded.pod, removed);
+                    }
                     event(
                         log::Level::Trace,
                         "report",

@@ -376,6 +376,11 @@ fn start_kvroute_on_vllm(
             workload.tokenizer.clone(),
         ];
         for (pod, ports) in pods.vllm_pods().iter().zip(&ports) {
+            let mut flags = flags.to_vec();
+            flags.extend([
+                "--vllm-metrics".into(),
+                format!("http://{}/metrics", pod.address),
+            ]);
             bridges.push(Bridge::start(
                 &bridge_binary,
                 &pod.id,
@@ -445,13 +450,18 @@ fn start_bridges(
         .iter()
         .zip(&cluster.sims)
         .map(|(ports, sim)| {
+            let mut flags = tokenizer.to_vec();
+            flags.extend([
+                "--vllm-metrics".into(),
+                format!("http://{}/metrics", sim.address),
+            ]);
             Bridge::start(
                 &bridge_binary,
                 &sim.id,
                 ports,
                 &config_file,
                 &base_model,
-                &tokenizer,
+                &flags,
             )
         })
         .collect()

@@ -388,6 +388,9 @@ pub struct PodBlocks {
     /// Chain seeds per adapter (`None`: the base model).
     seeds: HashMap<Option<String>, Seeds>,
     vllm: HashMap<u64, Mapped>,
+    /// Of `vllm`, the blocks with a copy on the GPU: the pod's resident
+    /// blocks as far as its events tell.
+    gpu_blocks: usize,
     held: Held,
     /// One block's tokens decoded (kept to reuse its allocation).
     decoded: Vec<u8>,
@@ -408,6 +411,7 @@ impl PodBlocks {
             hashing,
             seeds: HashMap::new(),
             vllm: HashMap::new(),
+            gpu_blocks: 0,
             held: Held {
                 keys: HashMap::new(),
                 text: 0,
@@ -429,6 +433,12 @@ impl PodBlocks {
 
     pub fn is_empty(&self) -> bool {
         self.held.keys.is_empty()
+    }
+
+    /// vLLM's blocks held with a copy in GPU memory (`residentBlocks`):
+    /// blocks in use or cached for reuse, in vLLM's block size.
+    pub fn resident_blocks(&self) -> usize {
+        self.gpu_blocks
     }
 
     /// Text-mode keys held (of [`len`](Self::len)).
@@ -622,6 +632,7 @@ impl PodBlocks {
                     let text_keys = self.push_text(&mut chain.text, tokens, tier);
                     let mut copies = Copies::default();
                     copies.add(tier);
+                    self.gpu_blocks += usize::from(tier == Tier::Gpu);
                     self.vllm.insert(
                         hash,
                         Mapped {
@@ -690,6 +701,7 @@ impl PodBlocks {
         let Some(mapped) = self.vllm.get_mut(&hash) else {
             return false;
         };
+        self.gpu_blocks += usize::from(tier == Tier::Gpu && mapped.copies.in_tier(tier) == 0);
         mapped.copies.add(tier);
         for &key in mapped.text_keys.iter().chain(&mapped.key) {
             self.held.hold_again(key, tier);
@@ -705,6 +717,7 @@ impl PodBlocks {
         if !mapped.copies.take(tier) {
             return;
         }
+        self.gpu_blocks -= usize::from(tier == Tier::Gpu && mapped.copies.in_tier(tier) == 0);
         // Tail first, as vLLM frees a request's blocks.
         for &key in mapped.text_keys.iter().rev().chain(&mapped.key) {
             self.held.release(key, tier);
@@ -774,6 +787,7 @@ impl PodBlocks {
         self.held.text = 0;
         self.held.by_tier = [0; 3];
         self.vllm.clear();
+        self.gpu_blocks = 0;
     }
 
     /// Every block held, as parent-first chains.
@@ -1133,9 +1147,15 @@ mod tests {
         pod.apply(&on_disk);
         assert_eq!(pod.seq(), since);
         assert_eq!(pod.tier_len(), [2, 0, 0]);
+        assert_eq!(
+            pod.resident_blocks(),
+            2,
+            "copies elsewhere are not resident"
+        );
         // The GPU evicts the tail: its key moves to the CPU tier (a store
         // in the new tier), the head's stays.
         pod.apply(&removed_from(&[11], "GPU"));
+        assert_eq!(pod.resident_blocks(), 1);
         let tiers = reported_tiers(&pod);
         assert_eq!((tiers[&keys[0]], tiers[&keys[1]]), (Tier::Gpu, Tier::Cpu));
         let delta = pod.held.log.delta(since).unwrap();
@@ -1165,8 +1185,10 @@ mod tests {
         // A block offloaded and then stored again on the GPU (a reload).
         pod.apply(&removed_from(&[10], "GPU"));
         assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Disk);
+        assert_eq!(pod.resident_blocks(), 0);
         pod.apply(&stored(&[10], None, &[1, 2], None));
         assert_eq!(reported_tiers(&pod)[&keys[0]], Tier::Gpu);
+        assert_eq!(pod.resident_blocks(), 1);
         // Media in other spellings: SGLang's CPU tiers, LMCache's backends.
         for (medium, tier) in [("CPU_TIER2", Tier::Cpu), ("LocalDiskBackend", Tier::Disk)] {
             pod.apply(&copy(&[10], medium));
@@ -1180,6 +1202,7 @@ mod tests {
         pod.apply(&KvEvent::AllCleared);
         assert!(pod.is_empty());
         assert_eq!(pod.tier_len(), [0, 0, 0]);
+        assert_eq!(pod.resident_blocks(), 0);
     }
 
     #[test]

@@ -59,7 +59,7 @@
 //! cost stale routes, so none is kept.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -73,6 +73,7 @@ use zeromq::{
 };
 
 use crate::blocks::{Hashing, PodBlocks};
+use crate::capacity::Capacity;
 use crate::wire::{decode_batch, decode_seq};
 
 /// How long a replay may take to answer each frame.
@@ -129,6 +130,8 @@ pub struct Bridge {
     max_log: usize,
     state: Mutex<State>,
     pub counters: Counters,
+    /// The pod's cache size ([`crate::capacity`]).
+    pub capacity: Arc<Capacity>,
     /// (epoch, report seq) after every change.
     pub changed: watch::Sender<(String, u64)>,
 }
@@ -156,6 +159,7 @@ impl Bridge {
             hashing,
             max_log,
             counters: Counters::default(),
+            capacity: Arc::default(),
             changed: watch::channel((epoch, 0)).0,
         }
     }

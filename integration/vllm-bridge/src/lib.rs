@@ -6,10 +6,12 @@
 //! - [`blocks`]: the pod's blocks as kvroute chain keys;
 //! - [`bridge`]: the ZMQ subscription, gaps, replays and epochs;
 //! - [`server`]: the report, `/metrics` and `/health`;
-//! - [`vocab`]: token ids back to text bytes, for the text-mode keys.
+//! - [`vocab`]: token ids back to text bytes, for the text-mode keys;
+//! - [`capacity`]: the pod's cache size.
 
 pub mod blocks;
 pub mod bridge;
+pub mod capacity;
 pub mod server;
 pub mod vocab;
 pub mod wire;
@@ -78,6 +80,14 @@ pub struct Options {
     /// Bound of the report event log (block events).
     #[arg(long, default_value_t = 100_000)]
     pub log_events: usize,
+    /// The pod's GPU cache in vLLM blocks (`num_gpu_blocks` in vLLM's
+    /// start-up log), reported as `kvCapacityBlocks`.
+    #[arg(long, conflicts_with = "vllm_metrics")]
+    pub kv_capacity_blocks: Option<u64>,
+    /// vLLM's metrics page (`http://HOST:PORT/metrics`): the cache size is
+    /// read from its `vllm:cache_config_info` every 10 s.
+    #[arg(long)]
+    pub vllm_metrics: Option<String>,
 }
 
 fn parse_lora_id(text: &str) -> Result<(String, i64), String> {
@@ -120,6 +130,16 @@ impl Drop for Running {
 /// Binds and starts following the pod (on the current tokio runtime).
 pub async fn start(options: Options) -> Result<Running, String> {
     bridge::check_endpoint("--events", &options.events)?;
+    if options.kv_capacity_blocks == Some(0) {
+        return Err("--kv-capacity-blocks must be at least 1".into());
+    }
+    if let Some(url) = &options.vllm_metrics {
+        if !url.starts_with("http://") {
+            return Err(format!(
+                "--vllm-metrics {url:?} must be an http:// URL (vLLM's /metrics)"
+            ));
+        }
+    }
     if let Some(replay) = &options.replay {
         bridge::check_endpoint("--replay", replay)?;
     }
@@ -166,12 +186,18 @@ pub async fn start(options: Options) -> Result<Running, String> {
     };
     let follower = bridge.clone();
     let probe = std::time::Duration::from_millis(options.probe_ms.max(10));
-    let tasks = vec![
+    let mut tasks = vec![
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         }),
         tokio::spawn(async move { follower.run(endpoints, probe).await }),
     ];
+    if let Some(blocks) = options.kv_capacity_blocks {
+        bridge.capacity.set(blocks);
+    }
+    if let Some(url) = options.vllm_metrics.clone() {
+        tasks.push(tokio::spawn(capacity::follow(url, bridge.capacity.clone())));
+    }
     Ok(Running {
         bridge,
         addr,

@@ -5,6 +5,11 @@
 //! The bridge knows the pod's cache, not its load: reports carry
 //! `queueDepth: 0` and `health: 1` and no `gpuUtilization`, so kvroute's
 //! load for the pod comes from vLLM's own `/metrics` (`metricsPath`).
+//! They carry the cache's use, `residentBlocks` (vLLM's blocks with a GPU
+//! copy, as its events tell), and its size, `kvCapacityBlocks`, once
+//! known ([`crate::capacity`]); the use is capped at the size, as a block
+//! vLLM's events left out of a removal would otherwise hold the report
+//! back.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -55,9 +60,18 @@ async fn report(
     let mut body = state
         .blocks
         .report_body(&bridge.pod_id, &state.epoch, since, epoch.as_deref());
+    let resident = state.blocks.resident_blocks() as u64;
     drop(state);
     body.insert("queueDepth".into(), json!(0));
     body.insert("health".into(), json!(1.0));
+    let capacity = bridge.capacity.blocks();
+    if let Some(capacity) = capacity {
+        body.insert("kvCapacityBlocks".into(), json!(capacity));
+    }
+    body.insert(
+        "residentBlocks".into(),
+        json!(capacity.map_or(resident, |c| resident.min(c))),
+    );
     (
         [(header::CONTENT_TYPE, "application/json")],
         Value::Object(body).to_string(),
@@ -72,6 +86,7 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
     let held = state.blocks.len();
     let text_held = state.blocks.text_len();
     let tiers = state.blocks.tier_len();
+    let resident = state.blocks.resident_blocks() as u64;
     drop(state);
     let mut text = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
@@ -80,6 +95,18 @@ async fn metrics(State(bridge): State<Arc<Bridge>>) -> Response {
         ));
     };
     let count = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
+    metric(
+        "kvbridge_resident_blocks",
+        "gauge",
+        "vLLM blocks held with a copy in GPU memory (residentBlocks).",
+        resident,
+    );
+    metric(
+        "kvbridge_kv_capacity_blocks",
+        "gauge",
+        "The pod's GPU cache in vLLM blocks (kvCapacityBlocks), 0 while not known.",
+        bridge.capacity.blocks().unwrap_or(0),
+    );
     metric(
         "kvbridge_batches_total",
         "counter",

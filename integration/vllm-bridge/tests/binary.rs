@@ -1,7 +1,8 @@
 //! The `kvroute-vllm-bridge` binary as deployed: started with its flags
 //! while its pod is not up yet, it serves `/health`, `/metrics` and an
 //! empty full report that kvroute's parser accepts; with `--tokenizer`,
-//! it takes a byte-level BPE one and refuses to start with another.
+//! it takes a byte-level BPE one and refuses to start with another; with
+//! `--vllm-metrics`, its reports carry the size vLLM's metrics page states.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -111,6 +112,61 @@ fn the_binary_takes_a_byte_level_tokenizer_and_refuses_others() {
     );
 }
 
+/// Serves `page` to every request on a free port, as vLLM's `/metrics`.
+fn serve_metrics(page: &'static str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let addr = listener.local_addr().expect("bound").to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
+                page.len()
+            );
+        }
+    });
+    format!("http://{addr}/metrics")
+}
+
+#[test]
+fn reports_carry_the_cache_size_vllm_states() {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let events = format!("tcp://127.0.0.1:{}", free_port());
+    let metrics = serve_metrics(
+        "vllm:cache_config_info{block_size=\"32\",enable_prefix_caching=\"True\",num_gpu_blocks=\"1975\"} 1.0\n",
+    );
+    let _bridge = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvroute-vllm-bridge"))
+            .args(["--events", &events, "--listen", &listen])
+            .args(["--pod-id", "vllm-0", "--base-model", "m"])
+            .args(["--vllm-metrics", &metrics])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("bridge starts"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(body) = get(&listen, "/kvroute/v1/report?since=0") {
+            let report = kvroute::report::parse_report(body.as_bytes()).expect("valid report");
+            if report.kv_capacity_blocks.is_some() {
+                assert_eq!(report.kv_capacity_blocks, Some(1975));
+                assert_eq!(report.resident_blocks, Some(0), "nothing stored yet");
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "no kvCapacityBlocks");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let page = get(&listen, "/metrics").expect("metrics");
+    assert!(
+        page.contains("\nkvbridge_kv_capacity_blocks 1975\n"),
+        "{page}"
+    );
+}
+
 #[test]
 fn the_binary_refuses_an_endpoint_it_cannot_connect_to() {
     let refused = |flag: &str, endpoint: &str| {
@@ -131,6 +187,8 @@ fn the_binary_refuses_an_endpoint_it_cannot_connect_to() {
         stderr.contains("--events tcp://*:5557: `*` is where vLLM binds"),
         "{stderr}"
     );
+    let stderr = refused("--vllm-metrics", "localhost:8000/metrics");
+    assert!(stderr.contains("must be an http:// URL"), "{stderr}");
     let stderr = refused("--replay", "inproc://kv");
     assert!(
         stderr.contains("--replay inproc://kv: Unknown transport type inproc"),
