@@ -564,6 +564,8 @@ fn check_dashboard(prometheus: &Prometheus, cluster: &Cluster, work: &Workload) 
             "Replica convergence lag p50 / p99",
             "Replica peers",
             "TTFT model error p50 / p90",
+            "KV cache fill per pod",
+            "KV evictions per pod",
         ]
     );
     let pods: BTreeSet<String> = cluster.sims.iter().map(|s| s.id.clone()).collect();
@@ -652,6 +654,18 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
         "TTFT model error p50 / p90" => {
             let (p50, p90) = (results[0][0].value, results[1][0].value);
             assert!(p50 >= 0.0 && p90 >= p50, "{title}: p50 {p50} p90 {p90}");
+        }
+        "KV cache fill per pod" => {
+            // The sims report their size and use; every pod cached prompts.
+            assert_eq!(&label_values(first, "pod"), pods, "{title}");
+            assert!(
+                first.iter().all(|s| s.value > 0.0 && s.value <= 1.0),
+                "{title}: a share of the cache: {first:?}"
+            );
+        }
+        "KV evictions per pod" => {
+            assert_eq!(&label_values(first, "pod"), pods, "{title}");
+            assert!(first.iter().all(|s| s.value >= 0.0), "{title}: {first:?}");
         }
         "Scoring latency p50 / p99" => {
             let (p50, p99) = (results[0][0].value, results[1][0].value);
