@@ -158,6 +158,12 @@ pub struct BenchArgs {
     /// scale (the one `--engine vllm` measured and recorded).
     #[arg(long)]
     pub stand_in: Option<f64>,
+    /// With `--engine vllm`: run at this time scale instead of measuring
+    /// one, so that runs of separate invocations offer the same load (the
+    /// measurement varies by ~8 % between invocations, and the offered
+    /// load with it).
+    #[arg(long, conflicts_with = "stand_in")]
+    pub time_scale: Option<f64>,
     /// Pods with a CPU KV tier: each workload's GPU cache shrunk so its
     /// working set is 1.5× the pods' GPU blocks, with a CPU tier as large
     /// again (`kvroute-sim --cpu-kv-blocks`), and kvroute-tier-blind
@@ -214,6 +220,14 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         .out
         .clone()
         .unwrap_or_else(|| repo_root().join("integration/results"));
+    if let Some(scale) = args.time_scale {
+        if args.engine != "vllm" {
+            return Err("--time-scale is for --engine vllm (the sim's is --stand-in)".into());
+        }
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(format!("--time-scale must be above 0 (got {scale})"));
+        }
+    }
     let real_vllm = args.engine == "vllm" || args.stand_in.is_some();
     let out = if args.stand_in.is_some() {
         out.join("real-vllm/sim")
@@ -321,19 +335,22 @@ pub fn run(args: &BenchArgs) -> Result<Value, String> {
         }
         opts.stock_vllm = true;
         opts.tokenizer = Some(install.tokenizer().display().to_string());
-        opts.time_scale = match (&vllm, args.stand_in) {
-            (Some(engine), _) => Some(
+        opts.time_scale = match (&vllm, args.stand_in.or(args.time_scale)) {
+            (Some(engine), None) => Some(
                 engine
                     .calibrate()
                     .map_err(|e| format!("calibration: {e}"))?,
             ),
-            (None, scale) => scale,
+            (_, scale) => scale,
         };
         results["engine"] = match &vllm {
             Some(engine) => engine.describe(),
             None => json!({"engine": "sim", "standsInFor": "vllm"}),
         };
         results["engine"]["timeScale"] = json!(opts.time_scale);
+        if vllm.is_some() && args.time_scale.is_some() {
+            results["engine"]["timeScaleGiven"] = json!(true);
+        }
     }
     let command = std::iter::once("kvroute-bench".to_string())
         .chain(std::env::args().skip(1))

@@ -387,11 +387,16 @@ pub fn markdown(results: &Value, command: &str) -> String {
     };
     let model = if real_vllm {
         format!(
-            "Pods: real vLLM ({}), model `{}`, block size {}, `{}`; each workload's requests tokenized and rendered as the model does, at the time scale measured on the pods ({:.3}: their prefill time per token over the cost model's), so the offered load is the share of their *prefill* capacity the simulator's workload offers; on CPU, decode competes with prefill for the same cores, so the real load is higher.",
+            "Pods: real vLLM ({}), model `{}`, block size {}, `{}`; each workload's requests tokenized and rendered as the model does, at the time scale {} ({:.3}: their prefill time per token over the cost model's), so the offered load is the share of their *prefill* capacity the simulator's workload offers; on CPU, decode competes with prefill for the same cores, so the real load is higher.",
             results["engine"]["version"].as_str().unwrap_or("?"),
             results["engine"]["model"].as_str().unwrap_or("?"),
             results["engine"]["blockSize"],
             results["engine"]["flags"].as_str().unwrap_or(""),
+            if results["engine"]["timeScaleGiven"] == true {
+                "given with `--time-scale`, as an earlier run measured it on the pods"
+            } else {
+                "measured on the pods"
+            },
             results["engine"]["timeScale"].as_f64().unwrap_or(0.0),
         )
     } else {
