@@ -51,9 +51,9 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::config::{Config, ConfigError, IndexMode, PodConfig};
-use crate::index::{holders, DecisionRecorder, PrefixTree};
+use crate::index::{holders, DecisionRecorder, EvictionGhosts, PrefixTree};
 use crate::replica::Peers;
-use crate::report::{parse_report, parse_vllm_metrics, PodReport};
+use crate::report::{parse_report, parse_vllm_metrics, PodReport, Tier};
 use crate::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotPublisher};
 use crate::staleness::Staleness;
 
@@ -361,6 +361,9 @@ pub struct ClusterState {
     /// Precise mode: the filters' decisions not yet confirmed by reports,
     /// each counting for matching until it expires.
     pending: Option<DecisionRecorder>,
+    /// Precise mode: the blocks pods' reports removed, to count those
+    /// their reports store again (regretted evictions).
+    ghosts: EvictionGhosts,
     publisher: SnapshotPublisher,
     generation: u64,
     /// The table [`ClusterState::next_table`] keeps, and whether its
@@ -397,6 +400,7 @@ impl ClusterState {
             pods: Vec::new(),
             positions: HashMap::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
+            ghosts: EvictionGhosts::default(),
             pending: (config.mode == IndexMode::Precise).then(|| {
                 DecisionRecorder::with_expiry(
                     PrefixTree::with_change_log(config.max_index_blocks.min(PENDING_BLOCKS)),
@@ -454,6 +458,7 @@ impl ClusterState {
             if let Some(pending) = &mut self.pending {
                 pending.drop_pod(record.slot);
             }
+            self.ghosts.forget_pod(record.slot);
         }
         let mut records = kept;
         let mut position: HashMap<String, usize> = records
@@ -833,6 +838,9 @@ impl ClusterState {
                         Some(last) => stored.hashes.get(last).copied(),
                     };
                     let outcome = tree.insert_chain_in(fold.slot, parent, part, stored.tier);
+                    if stored.tier == Tier::Gpu {
+                        self.ghosts.stored(fold.slot, part);
+                    }
                     fold.summary.stored += outcome.stored;
                     fold.summary.orphaned += outcome.orphaned;
                     budget -= part.len().min(budget);
@@ -852,6 +860,7 @@ impl ClusterState {
                     let rest = fold.report.removed.get(offset..).unwrap_or_default();
                     let part = rest.get(..budget).unwrap_or(rest);
                     tree.remove_blocks(fold.slot, part);
+                    self.ghosts.evicted(fold.slot, part);
                     fold.summary.removed += part.len();
                     budget -= part.len().min(budget);
                     if part.len() < rest.len() {
@@ -999,6 +1008,16 @@ impl ClusterState {
             .or_else(|| decided.then_some(self.config.pod_capacity_blocks as u64))
     }
 
+    /// The evictions regretted since the last call ([`EvictionGhosts`]),
+    /// by pod id, in blocks.
+    pub fn take_regretted_evictions(&mut self) -> Vec<(String, u64)> {
+        self.ghosts
+            .take_regretted()
+            .into_iter()
+            .filter_map(|(slot, blocks)| Some((self.pod_id(slot)?.to_string(), blocks)))
+            .collect()
+    }
+
     /// `pod_id`'s cache blocks in use or cached: its report's
     /// `residentBlocks`, else the blocks the index lists for it (reported,
     /// or the router's decisions).
@@ -1131,10 +1150,12 @@ impl ClusterState {
         self.pending.as_ref().map(DecisionRecorder::tree)
     }
 
-    /// Bytes held by the index, the pending decisions and the snapshot mirror.
+    /// Bytes held by the index, the pending decisions, the evictions
+    /// remembered and the snapshot mirror.
     pub fn memory_bytes(&self) -> usize {
         self.index.tree().memory_bytes()
             + self.pending.as_ref().map_or(0, |p| p.tree().memory_bytes())
+            + self.ghosts.memory_bytes()
             + self.publisher.memory_bytes()
     }
 

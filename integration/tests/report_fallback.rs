@@ -6,7 +6,8 @@
 //! decisions'). A pod whose vLLM states another block size than
 //! `blockSizeTokens` in its `/metrics` (`kvroute-sim --metrics-block-size`)
 //! is warned about once. A pod's cache size and use, from its reports,
-//! reach its gauges, and the blocks its reports remove its eviction count.
+//! reach its gauges, and the blocks its reports remove (and store again)
+//! its eviction counts.
 //! Run serially (`--test-threads=1`).
 
 use std::time::Duration;
@@ -220,15 +221,17 @@ fn a_pod_whose_vllm_block_size_is_not_block_size_tokens_is_warned_about_once() {
 /// A pod reports its cache's size and use (`kvCapacityBlocks`,
 /// `residentBlocks`): with no metrics page, both reach the pod's gauges,
 /// the use following the blocks the pod caches; the blocks its reports
-/// remove are counted as its evictions.
+/// remove are counted as its evictions, and those its reports store again,
+/// prefilled a second time, as regretted (one pod, so the request goes
+/// back to it).
 #[test]
 fn a_pods_reported_cache_size_and_use_reach_its_gauges() {
     let config = json!({
         "podReportIntervalMs": INTERVAL_MS,
         "models": {"sim-model": {"baseModel": "sim-model"}}
     });
-    let mut spec = ClusterSpec::new(2, config);
-    spec.per_pod_args = vec![vec!["--kv-blocks".into(), "3000".into()]; 2];
+    let mut spec = ClusterSpec::new(1, config);
+    spec.per_pod_args = vec![vec!["--kv-blocks".into(), "3000".into()]];
     let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
     for pod in &cluster.sims {
         wait_for("the reported size", || {
@@ -249,4 +252,20 @@ fn a_pods_reported_cache_size_and_use_reach_its_gauges() {
     wait_for("the evictions counted", || {
         gauge(&cluster, "epp_pod_kv_removed_blocks_total", &pod) == Some(cached)
     });
+    assert_eq!(
+        gauge(&cluster, "epp_pod_kv_evictions_regretted_total", &pod),
+        Some(0.0)
+    );
+    // The same prompt again: the pod prefills what it evicted. One block
+    // in 8 is sampled, so the count is a multiple of 8 near `cached`.
+    route(&cluster, &prompt("manual", "q1"));
+    wait_for("the regretted evictions counted", || {
+        gauge(&cluster, "epp_pod_kv_evictions_regretted_total", &pod)
+            .is_some_and(|regretted| regretted > 0.0 && regretted % 8.0 == 0.0)
+    });
+    let regretted = gauge(&cluster, "epp_pod_kv_evictions_regretted_total", &pod).unwrap();
+    assert!(
+        regretted <= cached + 64.0,
+        "{regretted} of {cached} evicted"
+    );
 }

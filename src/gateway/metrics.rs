@@ -91,6 +91,7 @@ catalogue! {
     PodKvCapacityBlocks = ("epp_pod_kv_capacity_blocks", Gauge, Some("pod")),
     PodKvResidentBlocks = ("epp_pod_kv_resident_blocks", Gauge, Some("pod")),
     PodKvRemovedBlocks = ("epp_pod_kv_removed_blocks_total", Counter, Some("pod")),
+    PodKvEvictionsRegretted = ("epp_pod_kv_evictions_regretted_total", Counter, Some("pod")),
     CacheMatchRatio = ("epp_cache_match_ratio", Histogram, None),
     CompositeScore = ("epp_composite_score", Histogram, None),
     ScoringLatencyUs = ("epp_scoring_latency_us", Histogram, None),
@@ -269,6 +270,7 @@ pub fn export_pod_from_zero(pod: &str, sink: &mut dyn MetricSink) {
         Metric::PodKvCapacityBlocks,
         Metric::PodKvResidentBlocks,
         Metric::PodKvRemovedBlocks,
+        Metric::PodKvEvictionsRegretted,
     ] {
         sink.define(metric, pod);
     }

@@ -1060,6 +1060,11 @@ impl<H: ServiceHost> ReportService<H> {
                 Err(_) => count_failure(&mut self.metrics, &folded.pod),
             }
         }
+        for (pod, blocks) in state.take_regretted_evictions() {
+            let blocks = i64::try_from(blocks).unwrap_or(i64::MAX);
+            self.metrics
+                .add(Metric::PodKvEvictionsRegretted, &pod, blocks);
+        }
         reported
     }
 }

@@ -18,11 +18,13 @@
 //! Both rely on the invariant the tree maintains: a pod holds a block only
 //! if it holds the block's parent, so holder sets shrink along a chain.
 
+pub mod ghosts;
 pub mod holders;
 mod recent;
 mod recorder;
 mod tree;
 
+pub use ghosts::EvictionGhosts;
 pub use holders::Holder;
 pub use recent::RecentDecisions;
 pub use recorder::DecisionRecorder;
