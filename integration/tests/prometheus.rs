@@ -656,12 +656,14 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
             assert!(p50 >= 0.0 && p90 >= p50, "{title}: p50 {p50} p90 {p90}");
         }
         "KV cache fill per pod" => {
-            // The sims report their size and use; every pod cached prompts.
+            // The sims report their size and use; the workload cached
+            // prompts on some pods (not on all: a pod may have taken none).
             assert_eq!(&label_values(first, "pod"), pods, "{title}");
             assert!(
-                first.iter().all(|s| s.value > 0.0 && s.value <= 1.0),
+                first.iter().all(|s| (0.0..=1.0).contains(&s.value)),
                 "{title}: a share of the cache: {first:?}"
             );
+            assert!(first.iter().any(|s| s.value > 0.0), "{title}: {first:?}");
         }
         "KV evictions per pod" => {
             assert_eq!(&label_values(first, "pod"), pods, "{title}");
