@@ -42,7 +42,13 @@
 //!   match the pod's blocks (the bridge keys none of another size), and
 //!   without prefix caching no prompt is a hit. Either is said once, as a
 //!   [`Transition`], when the page first shows it and again when it
-//!   changes; a pod's `num_gpu_blocks` is kept for its capacity gauge;
+//!   changes;
+//! - cache room: a pod's size and use are its report's `kvCapacityBlocks`
+//!   and `residentBlocks`, else vLLM's `num_gpu_blocks` and the index's
+//!   count ([`ClusterState::kv_capacity_blocks`],
+//!   [`ClusterState::resident_blocks`]); the blocks its reports remove and
+//!   later store again are its regretted evictions
+//!   ([`crate::index::ghosts`]);
 //! - pod list: [`ClusterState::set_pods`] for the configured list,
 //!   [`ClusterState::replace_pods`] for a discovered one
 //!   ([`crate::discovery`]), validated by the rules of `pods`. A pod whose
