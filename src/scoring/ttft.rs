@@ -17,8 +17,9 @@
 //! configured. The model keeps one set of lines per span of [`SPANS`]
 //! (∞, 16k … 64 tokens), each fed every answer in its own units, and
 //! predicts with the span whose lines have predicted the answers best,
-//! each answer predicted before any line learns from it. On an engine whose prefill is linear
-//! (the simulator) the ∞ span wins and the model is the token line it was.
+//! each answer predicted before any line learns from it. On an engine
+//! whose prefill is linear (the simulator) the ∞ span wins and the model
+//! is the token line it was.
 //! Measured on real vLLM (`kvroute-bench --engine vllm`, docs/
 //! benchmarks.md, "Real vLLM"): the median error on agentic's long
 //! histories 52 / 46 % (precise / approximate) in tokens against 21 / 26 %

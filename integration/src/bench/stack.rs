@@ -376,11 +376,7 @@ fn start_kvroute_on_vllm(
             workload.tokenizer.clone(),
         ];
         for (pod, ports) in pods.vllm_pods().iter().zip(&ports) {
-            let mut flags = flags.to_vec();
-            flags.extend([
-                "--vllm-metrics".into(),
-                format!("http://{}/metrics", pod.address),
-            ]);
+            let flags = [flags.as_slice(), &vllm_metrics_flag(&pod.address)].concat();
             bridges.push(Bridge::start(
                 &bridge_binary,
                 &pod.id,
@@ -418,6 +414,12 @@ fn start_front(replicas: &[String]) -> io::Result<Front> {
     Ok(Front { envoy, dir })
 }
 
+/// The bridge's flag naming the metrics page of the pod at `address`,
+/// where it reads the pod's cache size.
+fn vllm_metrics_flag(address: &str) -> [String; 2] {
+    ["--vllm-metrics".into(), format!("http://{address}/metrics")]
+}
+
 /// One kvroute-vllm-bridge per pod of `cluster` (the binary next to
 /// `sim_binary`), decoding tokens with the sims' vocabulary (written by
 /// `kvroute-sim --write-tokenizer-json`).
@@ -450,11 +452,7 @@ fn start_bridges(
         .iter()
         .zip(&cluster.sims)
         .map(|(ports, sim)| {
-            let mut flags = tokenizer.to_vec();
-            flags.extend([
-                "--vllm-metrics".into(),
-                format!("http://{}/metrics", sim.address),
-            ]);
+            let flags = [tokenizer.as_slice(), &vllm_metrics_flag(&sim.address)].concat();
             Bridge::start(
                 &bridge_binary,
                 &sim.id,

@@ -186,15 +186,16 @@ pub async fn start(options: Options) -> Result<Running, String> {
     };
     let follower = bridge.clone();
     let probe = std::time::Duration::from_millis(options.probe_ms.max(10));
+    // Set before the first report is served.
+    if let Some(blocks) = options.kv_capacity_blocks {
+        bridge.capacity.set(blocks);
+    }
     let mut tasks = vec![
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         }),
         tokio::spawn(async move { follower.run(endpoints, probe).await }),
     ];
-    if let Some(blocks) = options.kv_capacity_blocks {
-        bridge.capacity.set(blocks);
-    }
     if let Some(url) = options.vllm_metrics.clone() {
         tasks.push(tokio::spawn(capacity::follow(url, bridge.capacity.clone())));
     }
