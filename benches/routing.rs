@@ -53,7 +53,9 @@ use kvroute::router::{ClusterView, Outcome, Router};
 use kvroute::scoring::spread::{self, PrefixDemand};
 use kvroute::scoring::ttft::TtftModel;
 use kvroute::scoring::{Balancing, Candidate, ScoringPolicy};
-use kvroute::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotIndex, SnapshotPublisher};
+use kvroute::snapshot::{
+    KvRoom, PodTable, PublishedPod, SlotLoad, SnapshotIndex, SnapshotPublisher,
+};
 
 const POOLS: [usize; 2] = [64, 1024];
 const INDEX_BLOCKS: usize = 1_000_000;
@@ -216,6 +218,11 @@ fn build(pods: usize) -> Fixture {
                 adapters: Vec::new(),
                 attributes: BTreeMap::new(),
                 inflight_at_report: 0,
+                // Warm caches: every decision prices its evictions.
+                kv_room: KvRoom {
+                    free_blocks: Some(rng.range(0, 2_000)),
+                    reuse_share: rng.range(0, 100) as f64 / 100.0,
+                },
             })
             .collect(),
         ..PodTable::default()

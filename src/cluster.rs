@@ -60,7 +60,7 @@ use crate::config::{Config, ConfigError, IndexMode, PodConfig};
 use crate::index::{holders, DecisionRecorder, EvictionGhosts, PrefixTree};
 use crate::replica::Peers;
 use crate::report::{parse_report, parse_vllm_metrics, PodReport, Tier};
-use crate::snapshot::{PodTable, PublishedPod, SlotLoad, SnapshotPublisher};
+use crate::snapshot::{KvRoom, PodTable, PublishedPod, SlotLoad, SnapshotPublisher};
 use crate::staleness::Staleness;
 
 /// Most blocks held by pending decisions (precise mode), all pods together.
@@ -367,9 +367,13 @@ pub struct ClusterState {
     /// Precise mode: the filters' decisions not yet confirmed by reports,
     /// each counting for matching until it expires.
     pending: Option<DecisionRecorder>,
-    /// Precise mode: the blocks pods' reports removed, to count those
-    /// their reports store again (regretted evictions).
+    /// The blocks pods evicted (their reports' removals; for pods routed
+    /// on decisions, the recorder's), to count those stored again
+    /// (regretted evictions) and each pod's reuse share.
     ghosts: EvictionGhosts,
+    /// Blocks the recorder evicted from pods routed on decisions, per
+    /// slot, not yet taken ([`ClusterState::take_decided_evictions`]).
+    decided_evictions: HashMap<usize, u64>,
     publisher: SnapshotPublisher,
     generation: u64,
     /// The table [`ClusterState::next_table`] keeps, and whether its
@@ -407,6 +411,7 @@ impl ClusterState {
             positions: HashMap::new(),
             index: DecisionRecorder::new(tree, config.pod_capacity_blocks),
             ghosts: EvictionGhosts::default(),
+            decided_evictions: HashMap::new(),
             pending: (config.mode == IndexMode::Precise).then(|| {
                 DecisionRecorder::with_expiry(
                     PrefixTree::with_change_log(config.max_index_blocks.min(PENDING_BLOCKS)),
@@ -465,6 +470,7 @@ impl ClusterState {
                 pending.drop_pod(record.slot);
             }
             self.ghosts.forget_pod(record.slot);
+            self.decided_evictions.remove(&record.slot);
         }
         let mut records = kept;
         let mut position: HashMap<String, usize> = records
@@ -1006,7 +1012,10 @@ impl ClusterState {
     /// whose blocks are the router's decisions (approximate mode, report
     /// fallback), `podCapacityBlocks`, the bound of its recorded blocks.
     pub fn kv_capacity_blocks(&self, pod_id: &str) -> Option<u64> {
-        let record = self.record(pod_id)?;
+        self.capacity_of(self.record(pod_id)?)
+    }
+
+    fn capacity_of(&self, record: &PodRecord) -> Option<u64> {
         let decided = self.config.mode == IndexMode::Approximate || record.without_reports;
         record
             .report_capacity_blocks
@@ -1014,11 +1023,50 @@ impl ClusterState {
             .or_else(|| decided.then_some(self.config.pod_capacity_blocks as u64))
     }
 
+    fn resident_of(&self, record: &PodRecord) -> u64 {
+        record
+            .report_resident_blocks
+            .unwrap_or_else(|| self.index.tree().pod_block_count(record.slot) as u64)
+    }
+
+    /// What a placement on the pod would evict, as [`KvRoom`] publishes
+    /// it: its cache's free blocks and its reuse share. Only a pod whose
+    /// reports state its use (`residentBlocks`) has its room measured:
+    /// otherwise the use would be kvroute's count of its keys (past
+    /// `coarseAfterBlocks` a key stands for several blocks) and, for a
+    /// pod routed on decisions, its evictions the recorder's guesses;
+    /// pricing those moved approximate mode's long-context runs backwards
+    /// (integration/results/costmodel.md, "Cache room priced").
+    fn room_of(&self, record: &PodRecord) -> KvRoom {
+        let decided = self.config.mode == IndexMode::Approximate || record.without_reports;
+        let used = record.report_resident_blocks.filter(|_| !decided);
+        KvRoom {
+            free_blocks: self
+                .capacity_of(record)
+                .zip(used)
+                .map(|(capacity, used)| capacity.saturating_sub(used)),
+            reuse_share: self.ghosts.reuse_share(record.slot),
+        }
+    }
+
     /// The evictions regretted since the last call ([`EvictionGhosts`]),
     /// by pod id, in blocks.
     pub fn take_regretted_evictions(&mut self) -> Vec<(String, u64)> {
-        self.ghosts
-            .take_regretted()
+        let regretted = self.ghosts.take_regretted();
+        self.by_pod_id(regretted)
+    }
+
+    /// The blocks the recorder evicted from pods routed on decisions
+    /// (approximate mode, report fallback) since the last call, by pod id:
+    /// their evictions as far as kvroute knows, where a pod's reports'
+    /// removals are its own.
+    pub fn take_decided_evictions(&mut self) -> Vec<(String, u64)> {
+        let evicted: Vec<(usize, u64)> = self.decided_evictions.drain().collect();
+        self.by_pod_id(evicted)
+    }
+
+    fn by_pod_id(&self, counts: Vec<(usize, u64)>) -> Vec<(String, u64)> {
+        counts
             .into_iter()
             .filter_map(|(slot, blocks)| Some((self.pod_id(slot)?.to_string(), blocks)))
             .collect()
@@ -1028,12 +1076,7 @@ impl ClusterState {
     /// `residentBlocks`, else the blocks the index lists for it (reported,
     /// or the router's decisions).
     pub fn resident_blocks(&self, pod_id: &str) -> Option<u64> {
-        let record = self.record(pod_id)?;
-        Some(
-            record
-                .report_resident_blocks
-                .unwrap_or_else(|| self.index.tree().pod_block_count(record.slot) as u64),
-        )
+        Some(self.resident_of(self.record(pod_id)?))
     }
 
     /// Counts a failed pull; a transition when that kind of pull of the
@@ -1105,9 +1148,17 @@ impl ClusterState {
             Some(pending) if !without_reports => {
                 pending.record_at(slot, chain, now_ms, u64::from(predicted_ttft_ms));
             }
-            // Approximate mode, or a pod in report fallback.
+            // Approximate mode, or a pod in report fallback: the recorder's
+            // evictions are the pod's, as far as kvroute knows.
             _ => {
-                self.index.record(slot, chain);
+                let mut evicted = Vec::new();
+                let stored = self.index.record_evicting(slot, chain, &mut evicted);
+                self.ghosts
+                    .stored(slot, chain.get(..stored).unwrap_or_default());
+                self.ghosts.evicted(slot, &evicted);
+                if !evicted.is_empty() {
+                    *self.decided_evictions.entry(slot).or_default() += evicted.len() as u64;
+                }
             }
         }
         Some(&record.config.id)
@@ -1229,6 +1280,7 @@ impl ClusterState {
     /// 2,048 strings, a publication happens up to every few ms.
     pub fn next_table(&mut self, now_ms: u64) -> &PodTable {
         self.generation += 1;
+        let rooms: Vec<KvRoom> = self.pods.iter().map(|r| self.room_of(r)).collect();
         let (records, staleness) = (&self.pods, &self.staleness);
         let numbers = |r: &PodRecord| {
             let age = now_ms.saturating_sub(r.last_success_ms);
@@ -1245,17 +1297,19 @@ impl ClusterState {
         };
         let fresh = match self.table.as_mut() {
             Some(table) if !self.members_changed && table.pods.len() == records.len() => {
-                for (pod, r) in table.pods.iter_mut().zip(records) {
+                for ((pod, r), room) in table.pods.iter_mut().zip(records).zip(rooms) {
                     (pod.queue, pod.load, pod.health, pod.inflight_at_report) = numbers(r);
                     pod.reported_health = r.reported_health;
                     pod.last_report_ms = r.last_success_ms;
+                    pod.kv_room = room;
                 }
                 None
             }
             _ => {
                 let pods = records
                     .iter()
-                    .map(|r| {
+                    .zip(rooms)
+                    .map(|(r, kv_room)| {
                         let (queue, load, health, inflight_at_report) = numbers(r);
                         PublishedPod {
                             slot: r.slot,
@@ -1269,6 +1323,7 @@ impl ClusterState {
                             adapters: union(&r.report_adapters, &r.metrics_adapters),
                             attributes: r.config.attributes.clone(),
                             inflight_at_report,
+                            kv_room,
                         }
                     })
                     .collect();

@@ -240,6 +240,7 @@ mod tests {
             adapters: Vec::new(),
             attributes: Default::default(),
             inflight_at_report: 0,
+            kv_room: Default::default(),
         }
     }
 

@@ -121,6 +121,10 @@ pub struct Routed {
     /// outside GPU memory, in prefill tokens, with their attention (what
     /// [`TtftModel::observe`] learns from).
     pub work: Work,
+    /// Blocks of the pod's cache the request's prefill is expected to
+    /// evict: its uncached tokens beyond the room there
+    /// ([`crate::scoring::balance`]), in blocks.
+    pub predicted_evicted_blocks: u64,
     /// Predicted TTFT on the chosen pod and on the runner-up (if any).
     pub predicted_ttft_ms: f64,
     pub runner_up_ttft_ms: Option<f64>,
@@ -251,6 +255,8 @@ struct TablePool<'v, 'a> {
     adapter: Option<&'v str>,
     stale_snapshot: bool,
     staleness: &'v Staleness,
+    /// Tokens in a cache block (`blockSizeTokens`).
+    block_tokens: u64,
 }
 
 impl TablePool<'_, '_> {
@@ -314,6 +320,12 @@ impl<'a> Pool<'a> for TablePool<'_, 'a> {
                 .adapter
                 .is_some_and(|a| pod.adapters.iter().any(|loaded| loaded == a)),
             attributes: &pod.attributes,
+            free_tokens: pod.kv_room.free_blocks.map(|blocks| {
+                blocks
+                    .saturating_mul(self.block_tokens)
+                    .saturating_sub(queued_prefill)
+            }),
+            reuse_share: pod.kv_room.reuse_share,
         }
     }
 
@@ -513,6 +525,7 @@ impl Router {
             adapter: adapter.as_deref(),
             stale_snapshot,
             staleness: &self.staleness,
+            block_tokens: self.config.block_size_tokens as u64,
         };
         // A request leaving the wait queue for room goes to a pod only once
         // that pod has drained below `maxQueue`, one request per freed
@@ -647,6 +660,12 @@ impl Router {
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
             prefill_attention: u32::try_from(candidate.work.own_attention).unwrap_or(u32::MAX),
             work: candidate.work,
+            predicted_evicted_blocks: candidate.free_tokens.map_or(0, |free| {
+                candidate
+                    .uncached_tokens
+                    .saturating_sub(free)
+                    .div_ceil(self.config.block_size_tokens.max(1) as u64)
+            }),
             predicted_ttft_ms: candidate.predicted_ttft_ms,
             runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
             streamed,

@@ -325,6 +325,31 @@ pub struct PublishedPod {
     /// (a report: when it arrived; a scrape of vLLM's metrics: when it
     /// went out): requests in flight beyond it are added to its queue.
     pub inflight_at_report: u32,
+    /// What a placement there would evict ([`KvRoom`]).
+    #[serde(default)]
+    pub kv_room: KvRoom,
+}
+
+/// A pod's cache room, for pricing the evictions a placement causes
+/// ([`crate::scoring::balance`]).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KvRoom {
+    /// Blocks free in its GPU cache (capacity less resident); `None`
+    /// when its capacity is unknown.
+    pub free_blocks: Option<u64>,
+    /// The chance a block it evicts is prefilled again
+    /// ([`crate::index::ghosts::EvictionGhosts::reuse_share`]).
+    pub reuse_share: f64,
+}
+
+impl Default for KvRoom {
+    fn default() -> KvRoom {
+        KvRoom {
+            free_blocks: None,
+            reuse_share: 0.5,
+        }
+    }
 }
 
 /// Everything but the index buckets.
@@ -365,11 +390,12 @@ impl PodTable {
     }
 
     /// What changes with every generation, in binary (a JSON table of
-    /// 1,024 pods is 190 KB and 0.6 ms to decode natively, this 40 KB and
+    /// 1,024 pods is 190 KB and 0.6 ms to decode natively, this 57 KB and
     /// a copy): generation, publication time, members digest (u64 LE
     /// each), then per pod in table order its queue and in-flight count at
     /// report (u32 LE), last report time (u64 LE), load, health and
-    /// reported health (f64 LE).
+    /// reported health (f64 LE), free KV blocks (u64 LE, `u64::MAX` for
+    /// unknown) and reuse share (f64 LE).
     pub fn encode_state(&self) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(STATE_HEADER_BYTES + self.pods.len() * POD_STATE_BYTES);
         for word in [self.generation, self.published_at_ms, self.members_digest] {
@@ -382,6 +408,9 @@ impl PodTable {
             for value in [pod.load, pod.health, pod.reported_health] {
                 bytes.extend_from_slice(&value.to_le_bytes());
             }
+            let free = pod.kv_room.free_blocks.unwrap_or(u64::MAX);
+            bytes.extend_from_slice(&free.to_le_bytes());
+            bytes.extend_from_slice(&pod.kv_room.reuse_share.to_le_bytes());
         }
         bytes
     }
@@ -417,6 +446,10 @@ impl PodTable {
             pod.load = float(at + 16);
             pod.health = float(at + 24);
             pod.reported_health = float(at + 32);
+            pod.kv_room = KvRoom {
+                free_blocks: Some(word(at + 40)).filter(|&free| free != u64::MAX),
+                reuse_share: float(at + 48),
+            };
         }
         Ok(())
     }
@@ -449,7 +482,7 @@ impl PodTable {
 }
 
 const STATE_HEADER_BYTES: usize = 24;
-const POD_STATE_BYTES: usize = 40;
+const POD_STATE_BYTES: usize = 56;
 
 /// The members digest of the table an encoded pod state belongs to.
 pub fn state_members_digest(bytes: &[u8]) -> Option<u64> {
@@ -939,6 +972,7 @@ mod tests {
             adapters: vec!["lora".into()],
             attributes: BTreeMap::new(),
             inflight_at_report: 2,
+            kv_room: KvRoom::default(),
         };
         let old = PodTable {
             generation: 4,
@@ -955,8 +989,12 @@ mod tests {
         new.pods[1].load = 0.123_456_789;
         new.pods[0].health = 0.1;
         new.pods[0].last_report_ms += 5;
+        new.pods[0].kv_room = KvRoom {
+            free_blocks: Some(12),
+            reuse_share: 0.8,
+        };
         let state = new.encode_state();
-        assert_eq!(state.len(), 24 + 2 * 40);
+        assert_eq!(state.len(), 24 + 2 * 56);
         assert_eq!(state_members_digest(&state), Some(2));
         let mut decoded = PodTable::decode(&old.encode()).unwrap();
         decoded.apply_state(&state).unwrap();

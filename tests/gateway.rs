@@ -230,6 +230,7 @@ fn table(queue: u32) -> Arc<PodTable> {
         adapters: Vec::new(),
         attributes: Default::default(),
         inflight_at_report: 0,
+        kv_room: Default::default(),
     };
     Arc::new(PodTable {
         generation: 1,

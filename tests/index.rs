@@ -792,6 +792,15 @@ fn a_pods_cache_size_and_use_come_from_its_report_else_what_the_router_knows() {
         Some(1975),
         "the report's first"
     );
+    // The room placements are priced on: only a pod that reports its use
+    // has it (b's use would be the index's count of its keys).
+    let rooms: Vec<Option<u64>> = cluster
+        .next_table(20)
+        .pods
+        .iter()
+        .map(|p| p.kv_room.free_blocks)
+        .collect();
+    assert_eq!(rooms, [Some(1975 - 1210), None]);
     // A later report without them: the router's own knowledge again.
     let body = report("a", "e", 2, 1, false, &[], &[chain[5]], 1.0);
     cluster.apply_report("a", &body, 30, 0).0.expect("accepted");
@@ -812,9 +821,11 @@ fn a_pods_cache_size_and_use_come_from_its_report_else_what_the_router_knows() {
              "mode": "approximate", "podCapacityBlocks": 3000}"#,
     )
     .expect("valid config");
-    let cluster = ClusterState::new(&approximate, 0);
+    let mut cluster = ClusterState::new(&approximate, 0);
     assert_eq!(cluster.kv_capacity_blocks("a"), Some(3000));
     assert_eq!(cluster.resident_blocks("a"), Some(0));
+    // Its room is kvroute's guess, not priced.
+    assert_eq!(cluster.next_table(0).pods[0].kv_room.free_blocks, None);
 }
 
 #[test]

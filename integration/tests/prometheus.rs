@@ -666,8 +666,11 @@ fn check_panel(title: &str, results: &[Vec<Sample>], pods: &BTreeSet<String>, wo
             assert!(first.iter().any(|s| s.value > 0.0), "{title}: {first:?}");
         }
         "KV evictions per pod" => {
-            assert_eq!(&label_values(first, "pod"), pods, "{title}");
-            assert!(first.iter().all(|s| s.value >= 0.0), "{title}: {first:?}");
+            // Observed, regretted and predicted: every pod's series of each.
+            for series in results {
+                assert_eq!(&label_values(series, "pod"), pods, "{title}");
+                assert!(series.iter().all(|s| s.value >= 0.0), "{title}: {series:?}");
+            }
         }
         "Scoring latency p50 / p99" => {
             let (p50, p99) = (results[0][0].value, results[1][0].value);

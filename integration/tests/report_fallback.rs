@@ -269,3 +269,47 @@ fn a_pods_reported_cache_size_and_use_reach_its_gauges() {
         "{regretted} of {cached} evicted"
     );
 }
+
+/// The evictions kvroute predicts for a placement are the ones the pod
+/// makes: a prompt that fits the free room predicts none; a second one,
+/// on a cache left with less room than it needs, predicts what it will
+/// push out, and the pod's reports then remove as many.
+#[test]
+fn the_evictions_a_placement_predicts_are_the_ones_the_pod_reports() {
+    let config = json!({
+        "podReportIntervalMs": INTERVAL_MS,
+        "models": {"sim-model": {"baseModel": "sim-model"}}
+    });
+    let mut spec = ClusterSpec::new(1, config);
+    // Room for one 16 KiB prompt (256 blocks of 16 tokens) and a bit.
+    spec.per_pod_args = vec![vec!["--kv-blocks".into(), "300".into()]];
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let pod = cluster.sims[0].id.clone();
+    wait_for("the reported size", || {
+        gauge(&cluster, "epp_pod_kv_capacity_blocks", &pod) == Some(300.0)
+    });
+    route(&cluster, &prompt("first", "q"));
+    let first = cluster.sims[0].stats()["kvBlocks"]
+        .as_f64()
+        .expect("kvBlocks");
+    assert!((200.0..300.0).contains(&first), "{first} blocks cached");
+    assert_eq!(
+        gauge(&cluster, "epp_pod_kv_evictions_predicted_total", &pod),
+        Some(0.0),
+        "it fit"
+    );
+    wait_for("the reported use", || {
+        gauge(&cluster, "epp_pod_kv_resident_blocks", &pod) == Some(first)
+    });
+    route(&cluster, &prompt("second", "q"));
+    let predicted = gauge(&cluster, "epp_pod_kv_evictions_predicted_total", &pod).unwrap();
+    wait_for("the evictions reported", || {
+        gauge(&cluster, "epp_pod_kv_removed_blocks_total", &pod).is_some_and(|r| r > 0.0)
+    });
+    std::thread::sleep(Duration::from_millis(2 * INTERVAL_MS));
+    let removed = gauge(&cluster, "epp_pod_kv_removed_blocks_total", &pod).unwrap();
+    assert!(
+        (predicted - removed).abs() <= 2.0,
+        "predicted {predicted} evictions, the pod made {removed}"
+    );
+}

@@ -574,6 +574,10 @@ pub(super) fn deliver(
     if routed.decision.spread {
         metrics.increment(Metric::PrefixSpread);
     }
+    if routed.predicted_evicted_blocks > 0 {
+        let blocks = i64::try_from(routed.predicted_evicted_blocks).unwrap_or(i64::MAX);
+        metrics.add(Metric::PodKvEvictionsPredicted, &routed.pod_id, blocks);
+    }
     if log_route {
         events::record(
             log::Level::Info,

@@ -92,6 +92,7 @@ catalogue! {
     PodKvResidentBlocks = ("epp_pod_kv_resident_blocks", Gauge, Some("pod")),
     PodKvRemovedBlocks = ("epp_pod_kv_removed_blocks_total", Counter, Some("pod")),
     PodKvEvictionsRegretted = ("epp_pod_kv_evictions_regretted_total", Counter, Some("pod")),
+    PodKvEvictionsPredicted = ("epp_pod_kv_evictions_predicted_total", Counter, Some("pod")),
     CacheMatchRatio = ("epp_cache_match_ratio", Histogram, None),
     CompositeScore = ("epp_composite_score", Histogram, None),
     ScoringLatencyUs = ("epp_scoring_latency_us", Histogram, None),
@@ -271,6 +272,7 @@ pub fn export_pod_from_zero(pod: &str, sink: &mut dyn MetricSink) {
         Metric::PodKvResidentBlocks,
         Metric::PodKvRemovedBlocks,
         Metric::PodKvEvictionsRegretted,
+        Metric::PodKvEvictionsPredicted,
     ] {
         sink.define(metric, pod);
     }

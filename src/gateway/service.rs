@@ -1060,10 +1060,18 @@ impl<H: ServiceHost> ReportService<H> {
                 Err(_) => count_failure(&mut self.metrics, &folded.pod),
             }
         }
-        for (pod, blocks) in state.take_regretted_evictions() {
-            let blocks = i64::try_from(blocks).unwrap_or(i64::MAX);
-            self.metrics
-                .add(Metric::PodKvEvictionsRegretted, &pod, blocks);
+        let evictions = [
+            (Metric::PodKvRemovedBlocks, state.take_decided_evictions()),
+            (
+                Metric::PodKvEvictionsRegretted,
+                state.take_regretted_evictions(),
+            ),
+        ];
+        for (metric, counts) in evictions {
+            for (pod, blocks) in counts {
+                let blocks = i64::try_from(blocks).unwrap_or(i64::MAX);
+                self.metrics.add(metric, &pod, blocks);
+            }
         }
         reported
     }

@@ -20,6 +20,17 @@
 //! each counted one stands for [`SAMPLE_ONE_IN`] blocks. That covers the
 //! last ~500 k evictions of the pool in ~2.5 MB. A block a pod evicts
 //! again replaces its earlier entry. O(1) per reported block.
+//!
+//! **The reuse share** ([`EvictionGhosts::reuse_share`]) is what pricing
+//! a placement reads (`scoring::balance`): of a pod's recent sampled
+//! evictions, the share it stored again, `(regretted + ½) / (evicted + 1)`
+//! (even odds before its first eviction). Both counts halve each time the
+//! evictions reach [`REUSE_WINDOW`] samples, so the share follows the pod's
+//! last ~2,000–4,000 evicted blocks: 256 samples put a share's standard
+//! error under 3 points, and a pod whose mix of sessions changes is read
+//! within a few turnovers of a small cache. A regret is counted when the
+//! block comes back, after its eviction, so the share lags the pod's
+//! evictions by about one reuse interval.
 
 use std::collections::VecDeque;
 
@@ -30,6 +41,10 @@ pub const SAMPLE_ONE_IN: u64 = 8;
 
 /// Sampled evictions remembered over all pods.
 pub const REMEMBERED: usize = 65_536;
+
+/// A pod's reuse share covers about this many of its last sampled
+/// evictions (see the module documentation).
+pub const REUSE_WINDOW: f64 = 256.0;
 
 /// See the module documentation.
 #[derive(Debug, Clone, Default)]
@@ -42,6 +57,15 @@ pub struct EvictionGhosts {
     stamp: u64,
     /// Regretted evictions per pod slot not yet taken, in blocks.
     regretted: HashMap<usize, u64>,
+    /// Per pod slot, its recent evictions and regrets, in samples.
+    reuse: HashMap<usize, Reuse>,
+}
+
+/// Decayed sample counts behind [`EvictionGhosts::reuse_share`].
+#[derive(Debug, Clone, Copy, Default)]
+struct Reuse {
+    evicted: f64,
+    regretted: f64,
 }
 
 fn sampled(hash: u64) -> bool {
@@ -55,6 +79,12 @@ impl EvictionGhosts {
             self.stamp += 1;
             self.evicted.insert(hash, (slot, self.stamp));
             self.order.push_back((hash, self.stamp));
+            let reuse = self.reuse.entry(slot).or_default();
+            reuse.evicted += 1.0;
+            if reuse.evicted >= REUSE_WINDOW {
+                reuse.evicted /= 2.0;
+                reuse.regretted /= 2.0;
+            }
         }
         while self.evicted.len() > REMEMBERED {
             let Some((hash, stamp)) = self.order.pop_front() else {
@@ -81,6 +111,7 @@ impl EvictionGhosts {
             if self.evicted.get(&hash).is_some_and(|&(s, _)| s == slot) {
                 self.evicted.remove(&hash);
                 *self.regretted.entry(slot).or_default() += SAMPLE_ONE_IN;
+                self.reuse.entry(slot).or_default().regretted += 1.0;
             }
         }
     }
@@ -90,6 +121,14 @@ impl EvictionGhosts {
     pub fn forget_pod(&mut self, slot: usize) {
         self.evicted.retain(|_, &mut (s, _)| s != slot);
         self.regretted.remove(&slot);
+        self.reuse.remove(&slot);
+    }
+
+    /// The share of pod `slot`'s recent evictions it stored again: the
+    /// chance that a block it evicts next is prefilled again.
+    pub fn reuse_share(&self, slot: usize) -> f64 {
+        let reuse = self.reuse.get(&slot).copied().unwrap_or_default();
+        ((reuse.regretted + 0.5) / (reuse.evicted + 1.0)).min(1.0)
     }
 
     /// The regretted evictions counted since the last call, by pod slot,
@@ -103,6 +142,7 @@ impl EvictionGhosts {
         self.evicted.capacity() * (std::mem::size_of::<(u64, (usize, u64))>() + 1)
             + self.order.capacity() * std::mem::size_of::<(u64, u64)>()
             + self.regretted.capacity() * (std::mem::size_of::<(usize, u64)>() + 1)
+            + self.reuse.capacity() * (std::mem::size_of::<(usize, Reuse)>() + 1)
     }
 
     /// Sampled evictions remembered.
@@ -138,6 +178,40 @@ mod tests {
         ghosts.forget_pod(1);
         ghosts.stored(1, &[24]);
         assert!(ghosts.take_regretted().is_empty());
+    }
+
+    #[test]
+    fn the_reuse_share_follows_a_pods_recent_evictions() {
+        let mut ghosts = EvictionGhosts::default();
+        assert_eq!(ghosts.reuse_share(0), 0.5, "even odds before any eviction");
+        // Pod 0 stores again 3 of every 4 blocks it evicts, pod 1 none.
+        let mut next = 0u64;
+        for _ in 0..400 {
+            let block: Vec<u64> = (0..4)
+                .map(|_| {
+                    next += SAMPLE_ONE_IN;
+                    next
+                })
+                .collect();
+            ghosts.evicted(0, &block);
+            ghosts.stored(0, &block[..3]);
+            ghosts.evicted(1, &[next + 1]);
+        }
+        assert!(
+            (ghosts.reuse_share(0) - 0.75).abs() < 0.02,
+            "{}",
+            ghosts.reuse_share(0)
+        );
+        assert_eq!(ghosts.reuse_share(1), 0.5, "unsampled hashes count nothing");
+        // Its mix changes: now nothing comes back, and the share follows
+        // within a few windows.
+        for _ in 0..(2.0 * REUSE_WINDOW) as usize {
+            next += SAMPLE_ONE_IN;
+            ghosts.evicted(0, &[next]);
+        }
+        assert!(ghosts.reuse_share(0) < 0.2, "{}", ghosts.reuse_share(0));
+        ghosts.forget_pod(0);
+        assert_eq!(ghosts.reuse_share(0), 0.5);
     }
 
     #[test]

@@ -195,6 +195,12 @@ impl DecisionRecorder {
     /// Records that `pod` was sent a request whose prompt is `chain`;
     /// returns how many of its blocks are stored.
     pub fn record(&mut self, pod: usize, chain: &[u64]) -> usize {
+        self.record_evicting(pod, chain, &mut Vec::new())
+    }
+
+    /// [`DecisionRecorder::record`], adding to `evicted` the blocks it
+    /// dropped from the pod for its capacity.
+    pub fn record_evicting(&mut self, pod: usize, chain: &[u64], evicted: &mut Vec<u64>) -> usize {
         if pod >= MAX_PODS {
             return 0;
         }
@@ -213,6 +219,7 @@ impl DecisionRecorder {
             match lru.pop_oldest() {
                 Some(hash) => {
                     self.tree.remove_blocks(pod, &[hash]);
+                    evicted.push(hash);
                     if let Some(expiry) = &mut self.expiry {
                         expiry.forget(pod, hash);
                     }

@@ -341,6 +341,7 @@ mod tests {
             adapters: Vec::new(),
             attributes: Default::default(),
             inflight_at_report: 0,
+            kv_room: Default::default(),
         };
         let mut table = PodTable {
             generation: 1,

@@ -76,6 +76,18 @@ fn requests_delayed(busy: f64) -> f64 {
     busy / (1.0 - busy).max(1e-3)
 }
 
+/// The prefill that the request's placement on the pod makes the pod do
+/// again later: its uncached tokens beyond the cache's free room evict as
+/// many, of which a share `reuse_share` comes back, each re-prefilled at
+/// the pod's rate, delaying its own request and `ρ/(1 − ρ)` others.
+fn eviction_ms(c: &Candidate<'_>) -> f64 {
+    let Some(free) = c.free_tokens else {
+        return 0.0;
+    };
+    let evicted = c.uncached_tokens.saturating_sub(free) as f64;
+    evicted * c.reuse_share * c.prefill_ms_per_token * (1.0 + requests_delayed(c.busy))
+}
+
 /// What the balance decides about one candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Verdict {
@@ -115,7 +127,9 @@ impl Balance for FastestWithinError {
             .iter()
             .map(|c| {
                 let copy = c.uncached_tokens.saturating_sub(least_uncached) as f64;
-                c.predicted_ttft_ms + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
+                c.predicted_ttft_ms
+                    + requests_delayed(c.busy) * copy * c.prefill_ms_per_token
+                    + eviction_ms(c)
             })
             .collect();
         let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
@@ -213,6 +227,43 @@ mod tests {
         assert_eq!(outpaced(&balance, &short, 0.1), [false, false, true]);
         // A model whose error is 100 % trusts no difference.
         assert_eq!(outpaced(&balance, &cold, 1.0), [false, false, false]);
+    }
+
+    #[test]
+    fn a_placement_pays_for_the_reused_blocks_it_evicts() {
+        let balance = FastestWithinError;
+        // Two pods caching none of a 10,000-token prompt, idle, 1,010 ms.
+        // Pod 0's cache is full and brings back 90 % of what it evicts:
+        // its 10,000 tokens would cost 900 ms again. Pod 1 has room.
+        let mut full = pod(0, 0, 0, 0.0);
+        (full.free_tokens, full.reuse_share) = (Some(0), 0.9);
+        let mut roomy = pod(1, 0, 0, 0.0);
+        roomy.free_tokens = Some(20_000);
+        assert_eq!(
+            outpaced(&balance, &[full.clone(), roomy.clone()], 0.1),
+            [true, false]
+        );
+        // Evictions nobody needs again cost nothing.
+        full.reuse_share = 0.0;
+        assert_eq!(
+            outpaced(&balance, &[full.clone(), roomy.clone()], 0.1),
+            [false, false]
+        );
+        // A pod whose size is unknown is not priced.
+        full.free_tokens = None;
+        full.reuse_share = 1.0;
+        assert_eq!(outpaced(&balance, &[full, roomy], 0.1), [false, false]);
+        // The cache holder keeps its term while its own small prefill
+        // evicts little; a pod with room loses to it no more than before.
+        let mut holder = pod(0, 9_000, 0, 0.5);
+        (holder.free_tokens, holder.reuse_share) = (Some(0), 0.9);
+        let mut cold = pod(1, 0, 0, 0.5);
+        cold.free_tokens = Some(0);
+        cold.reuse_share = 0.9;
+        // 1,000 tokens evicted on the holder (90 + 90 ms with ρ = ½),
+        // 10,000 on the cold pod: the cold pod is outpaced by nobody
+        // (no other pod caches none), the holder keeps its cache.
+        assert_eq!(withheld(&balance, &[holder, cold], 0.1), [false, false]);
     }
 
     #[test]

@@ -92,6 +92,12 @@ pub struct Candidate<'a> {
     /// The request's LoRA adapter is loaded on the pod.
     pub adapter_loaded: bool,
     pub attributes: &'a BTreeMap<String, f64>,
+    /// Tokens of room left in the pod's cache once its queued prefill is
+    /// stored; `None` when its capacity is unknown ([`balance`]).
+    pub free_tokens: Option<u64>,
+    /// The chance a block the pod evicts is prefilled again
+    /// ([`crate::snapshot::KvRoom::reuse_share`]).
+    pub reuse_share: f64,
 }
 
 impl<'a> Candidate<'a> {
@@ -118,6 +124,8 @@ impl<'a> Candidate<'a> {
             health: 1.0,
             adapter_loaded: false,
             attributes,
+            free_tokens: None,
+            reuse_share: 0.5,
         }
     }
 }
