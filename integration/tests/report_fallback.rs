@@ -7,7 +7,8 @@
 //! `blockSizeTokens` in its `/metrics` (`kvroute-sim --metrics-block-size`)
 //! is warned about once. A pod's cache size and use, from its reports,
 //! reach its gauges, and the blocks its reports remove (and store again)
-//! its eviction counts.
+//! its eviction counts; the evictions kvroute predicts for a placement
+//! are the ones the pod then reports.
 //! Run serially (`--test-threads=1`).
 
 use std::time::Duration;
