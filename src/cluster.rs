@@ -1016,11 +1016,19 @@ impl ClusterState {
     }
 
     fn capacity_of(&self, record: &PodRecord) -> Option<u64> {
-        let decided = self.config.mode == IndexMode::Approximate || record.without_reports;
         record
             .report_capacity_blocks
             .or(record.metrics_capacity_blocks)
-            .or_else(|| decided.then_some(self.config.pod_capacity_blocks as u64))
+            .or_else(|| {
+                self.decided(record)
+                    .then_some(self.config.pod_capacity_blocks as u64)
+            })
+    }
+
+    /// The pod's blocks are kvroute's decisions (approximate mode, report
+    /// fallback), not its reports'.
+    fn decided(&self, record: &PodRecord) -> bool {
+        self.config.mode == IndexMode::Approximate || record.without_reports
     }
 
     fn resident_of(&self, record: &PodRecord) -> u64 {
@@ -1038,8 +1046,9 @@ impl ClusterState {
     /// pricing those moved approximate mode's long-context runs backwards
     /// (integration/results/costmodel.md, "Cache room priced").
     fn room_of(&self, record: &PodRecord) -> KvRoom {
-        let decided = self.config.mode == IndexMode::Approximate || record.without_reports;
-        let used = record.report_resident_blocks.filter(|_| !decided);
+        let used = record
+            .report_resident_blocks
+            .filter(|_| !self.decided(record));
         KvRoom {
             free_blocks: self
                 .capacity_of(record)
