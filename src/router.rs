@@ -660,12 +660,9 @@ impl Router {
             prefill_tokens: u32::try_from(candidate.uncached_tokens).unwrap_or(u32::MAX),
             prefill_attention: u32::try_from(candidate.work.own_attention).unwrap_or(u32::MAX),
             work: candidate.work,
-            predicted_evicted_blocks: candidate.free_tokens.map_or(0, |free| {
-                candidate
-                    .uncached_tokens
-                    .saturating_sub(free)
-                    .div_ceil(self.config.block_size_tokens.max(1) as u64)
-            }),
+            predicted_evicted_blocks: candidate
+                .evicted_tokens()
+                .div_ceil(self.config.block_size_tokens.max(1) as u64),
             predicted_ttft_ms: candidate.predicted_ttft_ms,
             runner_up_ttft_ms: decision.runner_up().map(|s| s.predicted_ttft_ms),
             streamed,

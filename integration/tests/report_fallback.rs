@@ -219,6 +219,22 @@ fn a_pod_whose_vllm_block_size_is_not_block_size_tokens_is_warned_about_once() {
     }
 }
 
+/// One sim of `kv_blocks` blocks behind kvroute, its size reported.
+fn one_sim_of(kv_blocks: u64) -> Cluster {
+    let config = json!({
+        "podReportIntervalMs": INTERVAL_MS,
+        "models": {"sim-model": {"baseModel": "sim-model"}}
+    });
+    let mut spec = ClusterSpec::new(1, config);
+    spec.per_pod_args = vec![vec!["--kv-blocks".into(), kv_blocks.to_string()]];
+    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let pod = cluster.sims[0].id.clone();
+    wait_for("the reported size", || {
+        gauge(&cluster, "epp_pod_kv_capacity_blocks", &pod) == Some(kv_blocks as f64)
+    });
+    cluster
+}
+
 /// A pod reports its cache's size and use (`kvCapacityBlocks`,
 /// `residentBlocks`): with no metrics page, both reach the pod's gauges,
 /// the use following the blocks the pod caches; the blocks its reports
@@ -227,18 +243,7 @@ fn a_pod_whose_vllm_block_size_is_not_block_size_tokens_is_warned_about_once() {
 /// back to it).
 #[test]
 fn a_pods_reported_cache_size_and_use_reach_its_gauges() {
-    let config = json!({
-        "podReportIntervalMs": INTERVAL_MS,
-        "models": {"sim-model": {"baseModel": "sim-model"}}
-    });
-    let mut spec = ClusterSpec::new(1, config);
-    spec.per_pod_args = vec![vec!["--kv-blocks".into(), "3000".into()]];
-    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
-    for pod in &cluster.sims {
-        wait_for("the reported size", || {
-            gauge(&cluster, "epp_pod_kv_capacity_blocks", &pod.id) == Some(3000.0)
-        });
-    }
+    let cluster = one_sim_of(3000);
     let (pod, _) = route(&cluster, &prompt("manual", "q0"));
     let sim = cluster.sims.iter().find(|s| s.id == pod).expect("a sim");
     let cached = sim.stats()["kvBlocks"].as_f64().expect("kvBlocks");
@@ -277,18 +282,9 @@ fn a_pods_reported_cache_size_and_use_reach_its_gauges() {
 /// push out, and the pod's reports then remove as many.
 #[test]
 fn the_evictions_a_placement_predicts_are_the_ones_the_pod_reports() {
-    let config = json!({
-        "podReportIntervalMs": INTERVAL_MS,
-        "models": {"sim-model": {"baseModel": "sim-model"}}
-    });
-    let mut spec = ClusterSpec::new(1, config);
     // Room for one 16 KiB prompt (256 blocks of 16 tokens) and a bit.
-    spec.per_pod_args = vec![vec!["--kv-blocks".into(), "300".into()]];
-    let cluster = Cluster::start(SIM.as_ref(), spec).expect("cluster starts");
+    let cluster = one_sim_of(300);
     let pod = cluster.sims[0].id.clone();
-    wait_for("the reported size", || {
-        gauge(&cluster, "epp_pod_kv_capacity_blocks", &pod) == Some(300.0)
-    });
     route(&cluster, &prompt("first", "q"));
     let first = cluster.sims[0].stats()["kvBlocks"]
         .as_f64()

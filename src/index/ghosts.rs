@@ -28,9 +28,9 @@
 //! evictions reach [`REUSE_WINDOW`] samples, so the share follows the pod's
 //! last ~1,000–2,000 evicted blocks: 128–256 samples put a share's
 //! standard error at 3–4.5 points, and a pod whose mix of sessions
-//! changes is read within a few turnovers of a small cache. A regret is counted when the
-//! block comes back, after its eviction, so the share lags the pod's
-//! evictions by about one reuse interval.
+//! changes is read within a few turnovers of a small cache. A regret is
+//! counted when the block comes back, after its eviction, so the share
+//! lags the pod's evictions by about one reuse interval.
 
 use std::collections::VecDeque;
 

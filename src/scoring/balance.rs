@@ -103,10 +103,7 @@ fn requests_delayed(busy: f64) -> f64 {
 /// many, of which a share `reuse_share` comes back, each re-prefilled at
 /// the pod's rate, delaying its own request and `ρ/(1 − ρ)` others.
 fn eviction_ms(c: &Candidate<'_>) -> f64 {
-    let Some(free) = c.free_tokens else {
-        return 0.0;
-    };
-    let evicted = c.uncached_tokens.saturating_sub(free) as f64;
+    let evicted = c.evicted_tokens() as f64;
     evicted * c.reuse_share * c.prefill_ms_per_token * (1.0 + requests_delayed(c.busy))
 }
 

@@ -128,6 +128,13 @@ impl<'a> Candidate<'a> {
             reuse_share: 0.5,
         }
     }
+
+    /// Tokens of the pod's cache a placement there evicts: its uncached
+    /// tokens beyond the free room; 0 when the room is unknown.
+    pub fn evicted_tokens(&self) -> u64 {
+        self.free_tokens
+            .map_or(0, |free| self.uncached_tokens.saturating_sub(free))
+    }
 }
 
 /// Facts about the whole decision a scorer may need.
