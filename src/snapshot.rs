@@ -1011,6 +1011,35 @@ mod tests {
     }
 
     #[test]
+    fn the_pod_table_carries_its_f64s_exactly() {
+        // Shares such as 0.5 / 5.5 are the shortest decimal that names
+        // them; a best-effort parser reads some of them one unit in the
+        // last place off (what `reports` fuzzing found).
+        let mut table = PodTable::default();
+        for (slot, evicted) in [4.5, 10.0, 255.75].into_iter().enumerate() {
+            let share = 0.5 / (evicted + 1.0);
+            table.pods.push(PublishedPod {
+                slot,
+                id: format!("pod-{slot}"),
+                address: format!("10.0.0.{slot}:8000"),
+                queue: 0,
+                load: share,
+                health: 1.0,
+                reported_health: 1.0,
+                last_report_ms: 0,
+                adapters: Vec::new(),
+                attributes: BTreeMap::new(),
+                inflight_at_report: 0,
+                kv_room: KvRoom {
+                    free_blocks: None,
+                    reuse_share: share,
+                },
+            });
+        }
+        assert_eq!(PodTable::decode(&table.encode()), Ok(table));
+    }
+
+    #[test]
     fn inflight_and_decisions_round_trip() {
         let load = |requests, prefill_tokens, streams| SlotLoad {
             requests,
