@@ -30,6 +30,11 @@ pub const METRICS_PATH: &str = "/metrics";
 /// (`--served-model-name`), and its `baseModel` in kvroute's `models`.
 pub const MODEL: &str = "tiny";
 
+/// The LoRA adapters `make vllm` builds beside the model
+/// (`integration/vllm/build_model.py`: rank 8, random weights), each
+/// served under its directory's name ([`Install::lora_flags`]).
+pub const ADAPTERS: [&str; 2] = ["lora-a", "lora-b"];
+
 /// vLLM's KV block on CPU: its attention kernels take multiples of 32
 /// only (`No common block size for 16 (CPU_ATTN: [MultipleOf(32)])`).
 pub const BLOCK_SIZE: u32 = 32;
@@ -93,6 +98,26 @@ impl Install {
     /// The model's `tokenizer.json`, which the bridge decodes text keys with.
     pub fn tokenizer(&self) -> PathBuf {
         self.model.join("tokenizer.json")
+    }
+
+    /// `vllm serve` flags that load [`ADAPTERS`], both at once.
+    pub fn lora_flags(&self) -> Vec<String> {
+        let mut flags: Vec<String> = [
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+        ]
+        .map(String::from)
+        .into();
+        flags.extend(
+            ADAPTERS
+                .iter()
+                .map(|name| format!("{name}={}", self.model.join(name).display())),
+        );
+        flags
     }
 
     /// kvroute's `chatTemplates` entry for the model, read from its

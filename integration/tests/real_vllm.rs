@@ -8,7 +8,8 @@
 //! One test, in phases, because a pod takes 30-45 s to start: chat and
 //! completions reach vLLM and later turns reach the pod holding the
 //! earlier ones; the bridge keys vLLM's events exactly as the filter
-//! hashes the rendered chat prompt, the completions text and token IDs;
+//! hashes the rendered chat prompt, the completions text and token IDs,
+//! and keeps a LoRA adapter's blocks apart from the base model's;
 //! vLLM's /metrics parse; a prefix cache reset, an eviction under pod 1's
 //! small cache and a vLLM restart all show in routing; the pods' cache
 //! sizes and use reach kvroute's gauges.
@@ -26,7 +27,7 @@ use kvroute_integration::harness::{
 };
 use kvroute_integration::http;
 use kvroute_integration::tokenizer::SimTokenizer;
-use kvroute_integration::vllm::{Install, Pod, PodOptions, MODEL};
+use kvroute_integration::vllm::{Install, Pod, PodOptions, ADAPTERS, MODEL};
 use kvroute_vllm_bridge::{start, Options, Running};
 use serde_json::{json, Value};
 
@@ -142,12 +143,11 @@ impl Stack {
             .map(|(core, blocks)| {
                 let (install, dir) = (install.clone(), dir.clone());
                 std::thread::spawn(move || {
-                    Pod::start(
-                        &install,
-                        &format!("vllm-{core}"),
-                        &dir,
-                        PodOptions::with_blocks(core, blocks),
-                    )
+                    let options = PodOptions {
+                        extra: install.lora_flags(),
+                        ..PodOptions::with_blocks(core, blocks)
+                    };
+                    Pod::start(&install, &format!("vllm-{core}"), &dir, options)
                 })
             })
             .collect();
@@ -160,6 +160,9 @@ impl Stack {
             .map(|_| format!("127.0.0.1:{}", free_port()))
             .collect();
         let mut plugin = install.plugin_config().expect("the model's chat template");
+        for adapter in ADAPTERS {
+            plugin["models"][adapter] = json!({"baseModel": MODEL, "adapter": adapter});
+        }
         plugin["podReportIntervalMs"] = json!(200);
         plugin["reportTimeoutMs"] = json!(400);
         let mut spec = ClusterSpec::new(0, plugin);
@@ -269,6 +272,20 @@ impl Stack {
         self.cluster.wait_reports(2);
     }
 
+    /// Sends `body` to pod `holder` directly, then waits until its
+    /// bridge holds the filter's chain of it as far as vLLM stored it,
+    /// and kvroute has pulled it.
+    fn warm(&self, holder: usize, path: &str, body: &Value) {
+        let answer = ask(&self.pods[holder].address, path, body);
+        let chain = self.chain(path, body);
+        // vLLM stores whole blocks: the filter's blocks ending within the
+        // stored tokens are keyed (text blocks of 64 bytes end anywhere in
+        // a token block; token blocks are vLLM's).
+        let stored_share = (answer.prompt_tokens / 32 * 32) as f64 / answer.prompt_tokens as f64;
+        let keyed = (chain.len() as f64 * stored_share * 0.97) as usize;
+        self.wait_held(holder, &chain, keyed);
+    }
+
     /// Waits until pod `pod`'s bridge holds none of `chain`, then until
     /// kvroute has pulled it.
     fn wait_gone(&self, pod: usize, chain: &[u64], why: &str) {
@@ -305,6 +322,7 @@ fn kvroute_routes_real_vllm() {
     let mut stack = Stack::start();
     conversations_stay_on_their_pod(&stack);
     bridge_keys_are_the_filters_hashes(&stack);
+    adapters_keep_their_own_prefixes(&stack);
     vllm_metrics_parse(&stack);
     eviction_shows_in_routing(&stack);
     cache_reset_shows_in_routing(&stack);
@@ -384,17 +402,44 @@ fn bridge_keys_are_the_filters_hashes(stack: &Stack) {
         ("token IDs", "/v1/completions", warm_ids, later_ids, 0),
     ];
     for (what, path, warm, later, holder) in cases {
-        let answer = ask(&stack.pods[holder].address, path, &warm);
-        let chain = stack.chain(path, &warm);
-        // vLLM stores whole blocks: the filter's blocks ending within the
-        // stored tokens are keyed (text blocks of 64 bytes end anywhere in
-        // a token block; token blocks are vLLM's).
-        let stored_share = (answer.prompt_tokens / 32 * 32) as f64 / answer.prompt_tokens as f64;
-        let keyed = (chain.len() as f64 * stored_share * 0.97) as usize;
-        stack.wait_held(holder, &chain, keyed);
+        stack.warm(holder, path, &warm);
         let answer = ask(stack.envoy(), path, &later);
         answer.assert_hit(&stack.pods[holder].id, 0.9, what);
     }
+}
+
+/// One conversation under the base model on pod 0 and under `lora-a` on
+/// pod 1: vLLM keys an adapter's blocks apart (its name in each block's
+/// `extra_keys`), and the bridge seeds them with the adapter's name as the
+/// filter seeds the request (`models`' `adapter`), so they are two
+/// prefixes, and each later turn goes to the pod holding its own. Under
+/// `lora-b` the same conversation has no prefix anywhere: kvroute
+/// predicts none and vLLM serves none.
+fn adapters_keep_their_own_prefixes(stack: &Stack) {
+    let path = "/v1/chat/completions";
+    let system = json!({"role": "system", "content": words(600, 6_000)});
+    let under = |model: &str, question: &str| json!({"model": model, "messages": [system, {"role": "user", "content": question}]});
+    let holders = [(MODEL, 0), (ADAPTERS[0], 1)];
+    assert_ne!(
+        stack.chain(path, &under(MODEL, "first"))[0],
+        stack.chain(path, &under(ADAPTERS[0], "first"))[0],
+        "an adapter seeds its chain"
+    );
+    for (model, holder) in holders {
+        stack.warm(holder, path, &under(model, "first"));
+    }
+    for (model, holder) in holders {
+        let answer = ask(stack.envoy(), path, &under(model, "second"));
+        answer.assert_hit(&stack.pods[holder].id, 0.9, model);
+    }
+    let answer = ask(stack.envoy(), path, &under(ADAPTERS[1], "second"));
+    assert!(
+        answer.cache_match == 0.0 && answer.cached_tokens == 0,
+        "{}: kvroute matched {}, vLLM served {} tokens cached",
+        ADAPTERS[1],
+        answer.cache_match,
+        answer.cached_tokens
+    );
 }
 
 /// vLLM's real /metrics parse, and kvroute reads each pod's load from them.

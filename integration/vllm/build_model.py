@@ -7,6 +7,10 @@ suite checks the tokenizer's digest). Nothing is downloaded.
 
     python build_model.py OUT_DIR [--hidden 128 --layers 2 --heads 4]
 
+Beside the model, OUT_DIR/lora-{a,b}: two LoRA adapters of rank 8 on the
+attention's q and v projections (PEFT's layout, random weights), for
+adapter routing on real vLLM (`--enable-lora --lora-modules`).
+
 vLLM's CPU attention needs a head size of 32, 64, 80, ...: hidden /
 heads = 32 here.
 """
@@ -116,6 +120,41 @@ def build_model(out, tokenizer, hidden, layers, heads):
     model.save_pretrained(out, safe_serialization=True)
 
 
+ADAPTERS = ("lora-a", "lora-b")
+LORA_RANK = 8
+
+
+def build_lora(out, name, seed, hidden, layers):
+    """One adapter in PEFT's layout: what `vllm serve --lora-modules`
+    loads (adapter_config.json and adapter_model.safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            for part, shape in (("lora_A", (LORA_RANK, hidden)), ("lora_B", (hidden, LORA_RANK))):
+                weight = torch.randn(shape, generator=generator) * 0.02
+                tensors[f"{prefix}.{part}.weight"] = weight.to(torch.bfloat16)
+    path = os.path.join(out, name)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": out,
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -126,6 +165,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     tokenizer = build_tokenizer(args.out)
     build_model(args.out, tokenizer, args.hidden, args.layers, args.heads)
+    for seed, name in enumerate(ADAPTERS, start=1):
+        build_lora(args.out, name, seed, args.hidden, args.layers)
     with open(os.path.join(args.out, "tokenizer.json"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     print(f"built {args.out}: vocab {tokenizer.get_vocab_size()}, tokenizer.json sha256 {digest}")
