@@ -31,9 +31,15 @@ pub const METRICS_PATH: &str = "/metrics";
 pub const MODEL: &str = "tiny";
 
 /// The LoRA adapters `make vllm` builds beside the model
-/// (`integration/vllm/build_model.py`: rank 8, random weights), each
-/// served under its directory's name ([`Install::lora_flags`]).
-pub const ADAPTERS: [&str; 2] = ["lora-a", "lora-b"];
+/// (`integration/vllm/build_model.py`: rank 8, random weights), `lora-0`
+/// to `lora-9`, each served under its directory's name
+/// ([`Install::lora_flags`]).
+pub const ADAPTERS: usize = 10;
+
+/// The name of adapter `k` (of [`ADAPTERS`]).
+pub fn adapter(k: usize) -> String {
+    format!("lora-{k}")
+}
 
 /// vLLM's KV block on CPU: its attention kernels take multiples of 32
 /// only (`No common block size for 16 (CPU_ATTN: [MultipleOf(32)])`).
@@ -100,20 +106,17 @@ impl Install {
         self.model.join("tokenizer.json")
     }
 
-    /// `vllm serve` flags that load [`ADAPTERS`], both at once.
-    pub fn lora_flags(&self) -> Vec<String> {
-        let mut flags: Vec<String> = [
-            "--enable-lora",
-            "--max-loras",
-            "2",
-            "--max-lora-rank",
-            "8",
-            "--lora-modules",
-        ]
-        .map(String::from)
-        .into();
+    /// `vllm serve` flags that serve `adapters` (names of [`adapter`]),
+    /// `slots` of them loaded at once (`--max-loras`; the others wait on
+    /// disk).
+    pub fn lora_flags(&self, adapters: &[String], slots: usize) -> Vec<String> {
+        let mut flags: Vec<String> = ["--enable-lora", "--max-lora-rank", "8", "--max-loras"]
+            .map(String::from)
+            .into();
+        flags.push(slots.to_string());
+        flags.push("--lora-modules".into());
         flags.extend(
-            ADAPTERS
+            adapters
                 .iter()
                 .map(|name| format!("{name}={}", self.model.join(name).display())),
         );

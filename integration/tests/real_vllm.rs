@@ -27,7 +27,7 @@ use kvroute_integration::harness::{
 };
 use kvroute_integration::http;
 use kvroute_integration::tokenizer::SimTokenizer;
-use kvroute_integration::vllm::{Install, Pod, PodOptions, ADAPTERS, MODEL};
+use kvroute_integration::vllm::{adapter, Install, Pod, PodOptions, MODEL};
 use kvroute_vllm_bridge::{start, Options, Running};
 use serde_json::{json, Value};
 
@@ -36,6 +36,11 @@ const BIG_CACHE_BLOCKS: u64 = 2048;
 /// Pod 1's cache: 256 blocks of 32 tokens, which the eviction phase
 /// overflows.
 const SMALL_CACHE_BLOCKS: u64 = 256;
+
+/// The adapters the pods serve, both loaded at once.
+fn adapters() -> [String; 2] {
+    [adapter(0), adapter(1)]
+}
 
 /// One answer as the client saw it.
 #[derive(Debug)]
@@ -144,7 +149,7 @@ impl Stack {
                 let (install, dir) = (install.clone(), dir.clone());
                 std::thread::spawn(move || {
                     let options = PodOptions {
-                        extra: install.lora_flags(),
+                        extra: install.lora_flags(&adapters(), 2),
                         ..PodOptions::with_blocks(core, blocks)
                     };
                     Pod::start(&install, &format!("vllm-{core}"), &dir, options)
@@ -160,8 +165,8 @@ impl Stack {
             .map(|_| format!("127.0.0.1:{}", free_port()))
             .collect();
         let mut plugin = install.plugin_config().expect("the model's chat template");
-        for adapter in ADAPTERS {
-            plugin["models"][adapter] = json!({"baseModel": MODEL, "adapter": adapter});
+        for adapter in adapters() {
+            plugin["models"][&adapter] = json!({"baseModel": MODEL, "adapter": adapter});
         }
         plugin["podReportIntervalMs"] = json!(200);
         plugin["reportTimeoutMs"] = json!(400);
@@ -408,21 +413,22 @@ fn bridge_keys_are_the_filters_hashes(stack: &Stack) {
     }
 }
 
-/// One conversation under the base model on pod 0 and under `lora-a` on
+/// One conversation under the base model on pod 0 and under `lora-0` on
 /// pod 1: vLLM keys an adapter's blocks apart (its name in each block's
 /// `extra_keys`), and the bridge seeds them with the adapter's name as the
 /// filter seeds the request (`models`' `adapter`), so they are two
 /// prefixes, and each later turn goes to the pod holding its own. Under
-/// `lora-b` the same conversation has no prefix anywhere: kvroute
+/// `lora-1` the same conversation has no prefix anywhere: kvroute
 /// predicts none and vLLM serves none.
 fn adapters_keep_their_own_prefixes(stack: &Stack) {
     let path = "/v1/chat/completions";
     let system = json!({"role": "system", "content": words(600, 6_000)});
     let under = |model: &str, question: &str| json!({"model": model, "messages": [system, {"role": "user", "content": question}]});
-    let holders = [(MODEL, 0), (ADAPTERS[0], 1)];
+    let [first, second] = adapters();
+    let holders = [(MODEL, 0), (first.as_str(), 1)];
     assert_ne!(
         stack.chain(path, &under(MODEL, "first"))[0],
-        stack.chain(path, &under(ADAPTERS[0], "first"))[0],
+        stack.chain(path, &under(&first, "first"))[0],
         "an adapter seeds its chain"
     );
     for (model, holder) in holders {
@@ -432,11 +438,11 @@ fn adapters_keep_their_own_prefixes(stack: &Stack) {
         let answer = ask(stack.envoy(), path, &under(model, "second"));
         answer.assert_hit(&stack.pods[holder].id, 0.9, model);
     }
-    let answer = ask(stack.envoy(), path, &under(ADAPTERS[1], "second"));
+    let answer = ask(stack.envoy(), path, &under(&second, "second"));
     assert!(
         answer.cache_match == 0.0 && answer.cached_tokens == 0,
         "{}: kvroute matched {}, vLLM served {} tokens cached",
-        ADAPTERS[1],
+        second,
         answer.cache_match,
         answer.cached_tokens
     );

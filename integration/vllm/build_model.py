@@ -7,9 +7,10 @@ suite checks the tokenizer's digest). Nothing is downloaded.
 
     python build_model.py OUT_DIR [--hidden 128 --layers 2 --heads 4]
 
-Beside the model, OUT_DIR/lora-{a,b}: two LoRA adapters of rank 8 on the
-attention's q and v projections (PEFT's layout, random weights), for
-adapter routing on real vLLM (`--enable-lora --lora-modules`).
+Beside the model, OUT_DIR/lora-0 ... lora-9: ten LoRA adapters of rank 8
+on the attention's q and v projections (PEFT's layout, random weights),
+for adapter routing on real vLLM (`--enable-lora --lora-modules`): the
+bench's LoRA workload asks for all ten, the suite for two.
 
 vLLM's CPU attention needs a head size of 32, 64, 80, ...: hidden /
 heads = 32 here.
@@ -120,7 +121,7 @@ def build_model(out, tokenizer, hidden, layers, heads):
     model.save_pretrained(out, safe_serialization=True)
 
 
-ADAPTERS = ("lora-a", "lora-b")
+ADAPTERS = tuple(f"lora-{k}" for k in range(10))
 LORA_RANK = 8
 
 

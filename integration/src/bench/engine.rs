@@ -34,8 +34,45 @@ pub struct VllmEngine {
     pub install: Install,
     pub pods: usize,
     dir: PathBuf,
-    /// The pods, and the cache size they were started with.
-    running: RefCell<Option<(u64, Rc<Vec<Pod>>)>>,
+    /// The pods, and what they were started with.
+    running: RefCell<Option<(PodSetup, Rc<Vec<Pod>>)>>,
+}
+
+/// What the pods of a workload are started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodSetup {
+    /// KV blocks of each pod's cache ([`vllm_blocks`]).
+    pub blocks: u64,
+    /// The LoRA adapters the workload asks for ([`crate::vllm::adapter`]
+    /// names, its `models`' `adapter`s), and how many a pod loads at once.
+    pub adapters: Vec<String>,
+    pub adapter_slots: usize,
+}
+
+impl PodSetup {
+    /// Pods with `blocks` KV blocks each and no adapters.
+    pub fn plain(blocks: u64) -> PodSetup {
+        PodSetup {
+            blocks,
+            adapters: Vec::new(),
+            adapter_slots: 0,
+        }
+    }
+
+    /// What `workload`'s pods need.
+    pub fn of(workload: &Workload) -> PodSetup {
+        let adapters = workload.plugin["models"]
+            .as_object()
+            .into_iter()
+            .flat_map(|models| models.values())
+            .filter_map(|target| target["adapter"].as_str().map(String::from))
+            .collect();
+        PodSetup {
+            adapters,
+            adapter_slots: workload.max_loras,
+            ..PodSetup::plain(vllm_blocks(workload))
+        }
+    }
 }
 
 impl VllmEngine {
@@ -49,12 +86,12 @@ impl VllmEngine {
         })
     }
 
-    /// The pods with `blocks` KV blocks each, started (again) if they run
-    /// with another size; pod `i` on core `i` modulo the machine's cores.
-    pub fn pods(&self, blocks: u64) -> io::Result<Rc<Vec<Pod>>> {
+    /// The pods of `setup`, started (again) if they run with another;
+    /// pod `i` on core `i` modulo the machine's cores.
+    pub fn pods(&self, setup: PodSetup) -> io::Result<Rc<Vec<Pod>>> {
         let mut running = self.running.borrow_mut();
-        if let Some((size, pods)) = running.as_ref() {
-            if *size == blocks {
+        if let Some((current, pods)) = running.as_ref() {
+            if *current == setup {
                 return Ok(pods.clone());
             }
         }
@@ -65,8 +102,11 @@ impl VllmEngine {
         let starts: Vec<_> = (0..self.pods)
             .map(|i| {
                 let (install, dir) = (self.install.clone(), self.dir.clone());
-                let mut options = PodOptions::with_blocks(i % cores, blocks);
+                let mut options = PodOptions::with_blocks(i % cores, setup.blocks);
                 options.served_name = WORKLOAD_MODEL.into();
+                if !setup.adapters.is_empty() {
+                    options.extra = install.lora_flags(&setup.adapters, setup.adapter_slots);
+                }
                 std::thread::spawn(move || Pod::start(&install, &format!("pod-{i}"), &dir, options))
             })
             .collect();
@@ -78,12 +118,14 @@ impl VllmEngine {
             })
             .collect::<io::Result<_>>()?;
         eprintln!(
-            "   {} vLLM pods of {blocks} KV blocks started in {:.0} s",
+            "   {} vLLM pods of {} KV blocks and {} adapters started in {:.0} s",
             pods.len(),
+            setup.blocks,
+            setup.adapters.len(),
             started.elapsed().as_secs_f64()
         );
         let pods = Rc::new(pods);
-        *running = Some((blocks, pods.clone()));
+        *running = Some((setup, pods.clone()));
         Ok(pods)
     }
 
@@ -92,7 +134,7 @@ impl VllmEngine {
     /// (three prompts each of ~500 and ~4,000 tokens, medians) over the
     /// model's time per token.
     pub fn calibrate(&self) -> io::Result<f64> {
-        let pods = self.pods(1024)?;
+        let pods = self.pods(PodSetup::plain(1024))?;
         let pod = &pods[0];
         let mut sizes = Vec::new();
         for (tokens, seed) in [(500usize, 0u64), (4000, 1)] {
@@ -187,7 +229,7 @@ impl RunPods {
     /// pod's cache reset, then one engine step (a one-token request), with
     /// which vLLM publishes `AllBlocksCleared`.
     pub fn vllm(engine: &VllmEngine, workload: &Workload) -> io::Result<RunPods> {
-        let pods = engine.pods(vllm_blocks(workload))?;
+        let pods = engine.pods(PodSetup::of(workload))?;
         for pod in pods.iter() {
             pod.reset_prefix_cache()?;
             let body = json!({"model": WORKLOAD_MODEL, "prompt": "reset", "max_tokens": 1});

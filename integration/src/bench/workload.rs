@@ -691,10 +691,14 @@ fn lora(opts: &GenOptions) -> Workload {
         .map(|k| words(&format!("tenant {k} instructions. "), 3000 + k, 1536 * 4))
         .collect();
     let mut models = serde_json::Map::new();
-    for k in 0..tenants {
+    // Each tenant asks for its adapter by the adapter's name, as vLLM
+    // serves it (`--lora-modules lora-k=DIR`, and its KV events'
+    // `lora_name`); `make vllm` builds these for `--engine vllm`.
+    for k in 0..tenants as usize {
+        let adapter = crate::vllm::adapter(k);
         models.insert(
-            format!("tenant-{k}"),
-            json!({"baseModel": "sim-model", "adapter": format!("lora-{k}")}),
+            adapter.clone(),
+            json!({"baseModel": "sim-model", "adapter": adapter}),
         );
     }
     let plugin = json!({"models": models});
@@ -709,7 +713,7 @@ fn lora(opts: &GenOptions) -> Workload {
             let question = words(&format!(" ticket {i}: "), i | 3 << 60, 128 * 4);
             Draft {
                 path: "/v1/completions",
-                body: json!({"model": format!("tenant-{k}"), "prompt": format!("{}{}", system[k], question),
+                body: json!({"model": crate::vllm::adapter(k), "prompt": format!("{}{}", system[k], question),
                              "max_tokens": 64, "temperature": 0}),
                 session: format!("tenant-{k}"),
                 output_tokens: 64,
