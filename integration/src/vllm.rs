@@ -108,19 +108,28 @@ impl Install {
 
     /// `vllm serve` flags that serve `adapters` (names of [`adapter`]),
     /// `slots` of them loaded at once (`--max-loras`; the others wait on
-    /// disk).
-    pub fn lora_flags(&self, adapters: &[String], slots: usize) -> Vec<String> {
+    /// disk); an error naming the first adapter `make vllm` did not build.
+    pub fn lora_flags(&self, adapters: &[String], slots: usize) -> io::Result<Vec<String>> {
         let mut flags: Vec<String> = ["--enable-lora", "--max-lora-rank", "8", "--max-loras"]
             .map(String::from)
             .into();
         flags.push(slots.to_string());
         flags.push("--lora-modules".into());
-        flags.extend(
-            adapters
-                .iter()
-                .map(|name| format!("{name}={}", self.model.join(name).display())),
-        );
-        flags
+        for name in adapters {
+            let dir = self.model.join(name);
+            if !dir.join("adapter_config.json").exists() {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!(
+                        "LoRA adapter {name:?} not found at {} (`make vllm` builds lora-0 to lora-{})",
+                        dir.display(),
+                        ADAPTERS - 1
+                    ),
+                ));
+            }
+            flags.push(format!("{name}={}", dir.display()));
+        }
+        Ok(flags)
     }
 
     /// kvroute's `chatTemplates` entry for the model, read from its
@@ -358,5 +367,43 @@ impl Pod {
 impl Drop for Pod {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lora_flags_serve_the_built_adapters_and_name_a_missing_one() {
+        let model = std::env::temp_dir().join(format!("kvroute-lora-flags-{}", std::process::id()));
+        fs::create_dir_all(model.join("lora-0")).unwrap();
+        fs::write(model.join("lora-0/adapter_config.json"), "{}").unwrap();
+        let install = Install {
+            python: PathBuf::new(),
+            launcher: PathBuf::new(),
+            model: model.clone(),
+        };
+        let flags = install.lora_flags(&[adapter(0)], 1).unwrap();
+        assert_eq!(
+            flags,
+            [
+                "--enable-lora".to_string(),
+                "--max-lora-rank".into(),
+                "8".into(),
+                "--max-loras".into(),
+                "1".into(),
+                "--lora-modules".into(),
+                format!("lora-0={}", model.join("lora-0").display()),
+            ]
+        );
+        let missing = install
+            .lora_flags(&[adapter(0), adapter(12)], 4)
+            .unwrap_err();
+        assert!(
+            missing.to_string().contains("\"lora-12\" not found"),
+            "{missing}"
+        );
+        fs::remove_dir_all(model).unwrap();
     }
 }

@@ -149,7 +149,9 @@ impl Stack {
                 let (install, dir) = (install.clone(), dir.clone());
                 std::thread::spawn(move || {
                     let options = PodOptions {
-                        extra: install.lora_flags(&adapters(), 2),
+                        extra: install
+                            .lora_flags(&adapters(), 2)
+                            .expect("the adapters (make vllm)"),
                         ..PodOptions::with_blocks(core, blocks)
                     };
                     Pod::start(&install, &format!("vllm-{core}"), &dir, options)

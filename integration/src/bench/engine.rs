@@ -97,16 +97,22 @@ impl VllmEngine {
         }
         // Stops the old pods (dropped) before the new ones start.
         *running = None;
+        let lora = if setup.adapters.is_empty() {
+            Vec::new()
+        } else {
+            self.install
+                .lora_flags(&setup.adapters, setup.adapter_slots)?
+        };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let started = Instant::now();
         let starts: Vec<_> = (0..self.pods)
             .map(|i| {
                 let (install, dir) = (self.install.clone(), self.dir.clone());
-                let mut options = PodOptions::with_blocks(i % cores, setup.blocks);
-                options.served_name = WORKLOAD_MODEL.into();
-                if !setup.adapters.is_empty() {
-                    options.extra = install.lora_flags(&setup.adapters, setup.adapter_slots);
-                }
+                let options = PodOptions {
+                    served_name: WORKLOAD_MODEL.into(),
+                    extra: lora.clone(),
+                    ..PodOptions::with_blocks(i % cores, setup.blocks)
+                };
                 std::thread::spawn(move || Pod::start(&install, &format!("pod-{i}"), &dir, options))
             })
             .collect();
