@@ -958,9 +958,9 @@ mod tests {
         assert_eq!(bytes.len(), 4 + 16);
     }
 
-    #[test]
-    fn the_pod_state_carries_every_generation_s_numbers() {
-        let pod = |slot: usize| PublishedPod {
+    /// A published pod in `slot`, its numbers set, one adapter loaded.
+    fn published(slot: usize) -> PublishedPod {
+        PublishedPod {
             slot,
             id: format!("pod-{slot}"),
             address: format!("10.0.0.{slot}:8000"),
@@ -973,13 +973,17 @@ mod tests {
             attributes: BTreeMap::new(),
             inflight_at_report: 2,
             kv_room: KvRoom::default(),
-        };
+        }
+    }
+
+    #[test]
+    fn the_pod_state_carries_every_generation_s_numbers() {
         let old = PodTable {
             generation: 4,
             published_at_ms: 100,
             buckets: 64,
             members_digest: 2,
-            pods: vec![pod(0), pod(5)],
+            pods: vec![published(0), published(5)],
             ..PodTable::default()
         };
         let mut new = old.clone();
@@ -1019,21 +1023,12 @@ mod tests {
         for (slot, evicted) in [4.5, 10.0, 255.75].into_iter().enumerate() {
             let share = 0.5 / (evicted + 1.0);
             table.pods.push(PublishedPod {
-                slot,
-                id: format!("pod-{slot}"),
-                address: format!("10.0.0.{slot}:8000"),
-                queue: 0,
                 load: share,
-                health: 1.0,
-                reported_health: 1.0,
-                last_report_ms: 0,
-                adapters: Vec::new(),
-                attributes: BTreeMap::new(),
-                inflight_at_report: 0,
                 kv_room: KvRoom {
                     free_blocks: None,
                     reuse_share: share,
                 },
+                ..published(slot)
             });
         }
         assert_eq!(PodTable::decode(&table.encode()), Ok(table));
